@@ -1,0 +1,299 @@
+"""flashcore next to its peers, in one process on one GPU (the GPU machine's benchmark).
+
+Measures, in this order and within a time budget:
+  1. ceilings: bf16 8192^3 matmul rate, 4 GiB read bandwidth;
+  2. the TARGETS.md training grid (16k tokens, model dim 2048, seqlen 512..16k, hdim 64/128/256,
+     causal and not): flashcore vs PyTorch SDPA's flash (FlashAttention-2), cuDNN and efficient
+     backends, forward and forward+backward, TFLOP/s and ratios;
+  3. the seed shape (B=1 H=8 S=512 D=64 fp16): device time per call under CUDA-graph replay;
+  4. extra device memory of a forward at seqlen 16k vs naive attention;
+  5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts.
+Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
+Timing follows TARGETS.md: calls back to back between CUDA events, median of repeats.
+
+usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--budget SECONDS]
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashcore
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--quick", action="store_true", help="a few cells only")
+ap.add_argument("--no-backward", action="store_true")
+ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole script")
+ap.add_argument("--dtype", default="bf16")
+args = ap.parse_args()
+os.makedirs(args.out, exist_ok=True)
+T0 = time.time()
+ROWS = []
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+
+
+def emit(**kw):
+    ROWS.append(kw)
+    with open(os.path.join(args.out, "bench.jsonl"), "a") as f:
+        f.write(json.dumps(kw) + "\n")
+
+
+def left():
+    return args.budget - (time.time() - T0)
+
+
+def bench_ms(fn, warmup=3, rep=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    inner = max(1, min(50, int(2.0 / max(s.elapsed_time(e), 1e-3))))
+    ts = []
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(inner):
+            fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / inner)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def flops(b, h, s, d, causal, mode):
+    f = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def ceilings():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    emit(kind="ceiling", what="bf16_matmul_8192", tflops=2 * n ** 3 / bench_ms(lambda: a @ b) / 1e9)
+    x = torch.randn(2 * 1024 ** 3 // 2, device="cuda", dtype=torch.bfloat16)
+    emit(kind="ceiling", what="read_4GiB_sum", tbps=x.numel() * 2 / bench_ms(lambda: x.sum(dtype=torch.float32)) / 1e9)
+    del a, b, x
+    torch.cuda.empty_cache()
+
+
+def grid_cells():
+    cells = []
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in (512, 1024, 2048, 4096, 8192, 16384):
+                cells.append((16384 // s, 2048 // d, s, d, causal))
+    if args.quick:
+        cells = [c for c in cells if c[2] in (1024, 8192) and c[3] in (64, 128)]
+    return cells
+
+
+def training_grid():
+    modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
+    for (b, h, s, d, causal) in grid_cells():
+        if left() < 60:
+            emit(kind="skipped", what=f"training grid from b{b} s{s} d{d} (budget)")
+            return
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DT) for _ in range(3))
+        dout = torch.randn_like(q)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA layout (b, h, s, d) as views
+        for mode in modes:
+            impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=causal)}
+            for name, be in SDPA.items():
+                impls[name] = (lambda be=be: _sdpa(be, qt, kt, vt, causal))
+            for name, fn in impls.items():
+                try:
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            ms = bench_ms(fn)
+                    else:
+                        for x in (q, k, v):
+                            x.requires_grad_(True)
+
+                        def step(fn=fn, name=name):
+                            o = fn()
+                            if name != "flashcore":
+                                o = o.transpose(1, 2)
+                            o.backward(dout)
+
+                        ms = bench_ms(step)
+                        for x in (q, k, v):
+                            x.grad = None
+                            x.requires_grad_(False)
+                    emit(kind="train", impl=name, mode=mode, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+                         ms=ms, tflops=flops(b, h, s, d, causal, mode) / ms / 1e9)
+                except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
+                    emit(kind="train", impl=name, mode=mode, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+                         error=str(e).splitlines()[0][:160])
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+
+
+def _sdpa(be, q, k, v, causal):
+    with sdpa_kernel([be]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def seed_shape():
+    b, h, s, d = 1, 8, 512, 64
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v)}
+    for name, be in SDPA.items():
+        impls[name] = (lambda be=be: _sdpa(be, qt, kt, vt, False))
+    impls["naive_torch"] = lambda: torch.softmax((qt @ kt.transpose(-1, -2)) / math.sqrt(d), -1) @ vt
+    reps = 200
+    for name, fn in impls.items():
+        try:
+            with torch.no_grad():
+                fn()
+                torch.cuda.synchronize()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(reps):
+                        fn()
+            ms = bench_ms(g.replay, 2, 10)
+            emit(kind="seed", impl=name, us=ms * 1e3 / reps)
+        except Exception as e:
+            emit(kind="seed", impl=name, error=str(e).splitlines()[0][:160])
+
+
+def memory():
+    b, h, s, d = 1, 16, 16384, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = flashcore.flash_attn_func(q, k, v)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+    naive = b * h * s * s * 2 * 2  # bf16 scores + probabilities
+    emit(kind="memory", seqlen=s, flashcore_extra_bytes=int(extra), naive_bytes=naive)
+
+
+def cpu_path():
+    shapes = [(1, 16, 1024, 64, False), (1, 16, 2048, 64, True), (1, 16, 2048, 128, False)]
+    if args.quick:
+        shapes = shapes[:1]
+    for threads in (2, 16):
+        torch.set_num_threads(threads)
+        for (b, h, s, d, causal) in shapes:
+            if left() < 20:
+                return
+            q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+            def t(fn, n=3):
+                fn()
+                ts = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                return sorted(ts)[n // 2] * 1e3
+
+            f = flops(b, h, s, d, causal, "fwd")
+            ms_fc = t(lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads))
+            with torch.no_grad():
+                ms_pt = t(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+            emit(kind="cpu", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+                 flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+
+
+def plot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    train = [r for r in ROWS if r.get("kind") == "train" and "tflops" in r]
+    if not train:
+        return
+    fig, axes = plt.subplots(2, 6, figsize=(24, 8), sharex=True)
+    for mi, mode in enumerate(("fwd", "fwd+bwd")):
+        for ci, (d, causal) in enumerate([(d, c) for d in (64, 128, 256) for c in (False, True)]):
+            ax = axes[mi][ci]
+            for impl in ("flashcore", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
+                pts = sorted((r["seqlen"], r["tflops"]) for r in train
+                             if r["impl"] == impl and r["mode"] == mode and r["hdim"] == d and r["causal"] == causal)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode} d={d} {'causal' if causal else 'full'}")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "tflops_vs_seqlen.png"), dpi=80)
+
+
+def summary():
+    print("\n==== flashcore vs peers (same process, %s) ====" % torch.cuda.get_device_name())
+    for r in ROWS:
+        if r["kind"] == "ceiling":
+            print("ceiling %-18s %s" % (r["what"], r.get("tflops") or r.get("tbps")))
+    train = [r for r in ROWS if r["kind"] == "train"]
+    key = lambda r: (r["mode"], r["hdim"], r["causal"], r["seqlen"])
+    cells = sorted({key(r) for r in train})
+    print("%-8s %-5s %-6s %-6s %10s %10s %10s %10s %8s %8s" % ("mode", "hdim", "mask", "seqlen", "flashcore",
+                                                             "sdpa_fa2", "cudnn", "effic.", "vs FA2", "vs cuDNN"))
+    ratios = {"fwd": [], "fwd+bwd": []}
+    for c in cells:
+        by = {r["impl"]: r.get("tflops") for r in train if key(r) == c}
+        fc, fa2, cu, ef = (by.get(n) for n in ("flashcore", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"))
+        fmt = lambda x: "%10.1f" % x if x else "%10s" % "-"
+        r1 = fc / fa2 if fc and fa2 else None
+        r2 = fc / cu if fc and cu else None
+        if r1:
+            ratios[c[0]].append(r1)
+        print("%-8s %-5d %-6s %-6d %s %s %s %s %8s %8s" % (c[0], c[1], "causal" if c[2] else "full", c[3], fmt(fc),
+                                                          fmt(fa2), fmt(cu), fmt(ef), "%.2fx" % r1 if r1 else "-",
+                                                          "%.2fx" % r2 if r2 else "-"))
+    for mode, rs in ratios.items():
+        if rs:
+            gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
+            print("%s vs sdpa_flash: geomean %.2fx, min %.2fx over %d cells" % (mode, gm, min(rs), len(rs)))
+    for r in ROWS:
+        if r["kind"] == "seed":
+            print("seed B=1 H=8 S=512 D=64 fp16 %-15s %s" % (r["impl"], "%.1f us" % r["us"] if "us" in r else r["error"]))
+        if r["kind"] == "memory":
+            print("memory fwd S=16k: flashcore extra %.1f MiB vs naive %.1f MiB" % (r["flashcore_extra_bytes"] / 2**20,
+                                                                                    r["naive_bytes"] / 2**20))
+        if r["kind"] == "cpu":
+            print("cpu %2d threads s=%d d=%d %s: flashcore %.1f GFLOP/s, torch SDPA %.1f GFLOP/s (%.2fx)" % (
+                r["threads"], r["seqlen"], r["hdim"], "causal" if r["causal"] else "full", r["flashcore_gflops"],
+                r["torch_sdpa_gflops"], r["flashcore_gflops"] / r["torch_sdpa_gflops"]))
+        if r["kind"] == "skipped":
+            print("skipped:", r["what"])
+
+
+for section in (ceilings, seed_shape, training_grid, memory, cpu_path):
+    try:
+        section()
+    except Exception as e:  # keep going: a later section's numbers are still worth having
+        emit(kind="error", section=section.__name__, error=repr(e)[:300])
+        print("section", section.__name__, "failed:", repr(e)[:300])
+plot()
+summary()

@@ -1,0 +1,154 @@
+/* flashcore C ABI: exact attention (FlashAttention algorithm) for CPU and CUDA.
+ *
+ * Stable, plain-C interface: POD structs, integer status codes, and a thread-local
+ * last-error message. Every entry point validates all arguments before any work starts;
+ * on error nothing is written to any output buffer and fc_last_error() names the
+ * offending argument and the rule it broke.
+ *
+ * Layout (as in FlashAttention):
+ *   dense : q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim)
+ *   varlen: q (total_q, heads_q, head_dim), k/v (total_k, heads_kv, head_dim) with
+ *           cu_seqlens_q / cu_seqlens_k int32 (batch + 1) prefix sums of the sequence lengths.
+ *   lse   : fp32, dense (batch, heads_q, seqlen_q); varlen (heads_q, total_q).
+ * Strides are in elements (not bytes); any strides are accepted as long as the last
+ * (head_dim) dimension is contiguous (stride 1).
+ */
+#ifndef FLASHCORE_FLASHCORE_H
+#define FLASHCORE_FLASHCORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FC_API __declspec(dllexport)
+#else
+#define FC_API __attribute__((visibility("default")))
+#endif
+
+#define FC_ABI_VERSION 1
+#define FC_MAX_DIMS 4
+
+/** Element types. Values are part of the ABI. */
+typedef enum fc_dtype {
+  FC_DTYPE_F32 = 0,
+  FC_DTYPE_F16 = 1,
+  FC_DTYPE_BF16 = 2,
+  FC_DTYPE_I32 = 3,
+} fc_dtype;
+
+/** Where a tensor's memory lives. Values are part of the ABI. */
+typedef enum fc_device_type {
+  FC_DEVICE_CPU = 0,
+  FC_DEVICE_CUDA = 1,
+} fc_device_type;
+
+/** Status codes returned by every entry point. */
+typedef enum fc_status {
+  FC_OK = 0,
+  FC_ERROR_INVALID_ARGUMENT = 1, /**< an argument broke a documented rule; nothing was written */
+  FC_ERROR_UNSUPPORTED = 2,      /**< valid request that no compiled backend can serve */
+  FC_ERROR_CUDA = 3,             /**< a CUDA runtime call failed */
+  FC_ERROR_INTERNAL = 4,         /**< a bug in flashcore; please report */
+} fc_status;
+
+/** Backend selection. FC_BACKEND_AUTO picks the fastest backend able to serve the call. */
+typedef enum fc_backend {
+  FC_BACKEND_AUTO = 0,
+  FC_BACKEND_CPU_REFERENCE = 1, /**< naive fp64 materialized attention: the oracle */
+  FC_BACKEND_CPU_FLASH = 2,     /**< tiled online softmax, fp32 accumulation, threaded + SIMD */
+  FC_BACKEND_CUDA_SM80 = 3,     /**< mma.sync tensor-core kernels (Ampere, Ada, Hopper) */
+  FC_BACKEND_CUDA_SM90 = 4,     /**< TMA + wgmma kernels (Hopper) */
+} fc_backend;
+
+/** A strided view of caller-owned memory. shape/strides beyond ndim are ignored. */
+typedef struct fc_tensor {
+  void* data;
+  int32_t dtype;       /**< fc_dtype */
+  int32_t device_type; /**< fc_device_type */
+  int32_t device_id;   /**< CUDA ordinal; 0 for CPU */
+  int32_t ndim;
+  int64_t shape[FC_MAX_DIMS];
+  int64_t strides[FC_MAX_DIMS]; /**< in elements */
+} fc_tensor;
+
+/** Options shared by forward and backward. A zero-initialized struct means FlashAttention's
+ *  defaults: scale 1/sqrt(head_dim), no mask, no softcap, dense batch, automatic backend. */
+typedef struct fc_attention_options {
+  double softmax_scale;  /**< 0 = 1/sqrt(head_dim); must be finite */
+  int32_t causal;        /**< bottom-right aligned when seqlen_q != seqlen_k (FlashAttention >= 2.1) */
+  int32_t window_left;   /**< sliding window: keys j with i + sk - sq - left <= j; -1 = unbounded */
+  int32_t window_right;  /**< keys j <= i + sk - sq + right; -1 = unbounded; causal forces 0 */
+  int32_t has_window;    /**< 0: window fields ignored (same as -1, -1) */
+  double softcap;        /**< > 0: scores become softcap * tanh(score / softcap); 0 = off */
+  const fc_tensor* cu_seqlens_q; /**< NULL for dense batches; int32 (batch + 1) otherwise */
+  const fc_tensor* cu_seqlens_k; /**< must be given together with cu_seqlens_q */
+  int64_t max_seqlen_q;  /**< varlen only: >= every query length */
+  int64_t max_seqlen_k;  /**< varlen only: >= every key length */
+  int32_t backend;       /**< fc_backend */
+  int32_t deterministic; /**< backward: bit-identical results run to run */
+  void* stream;          /**< cudaStream_t for CUDA backends; NULL = the legacy default stream */
+  int32_t num_threads;   /**< CPU backends: 0 = all hardware threads */
+  int32_t reserved[7];
+} fc_attention_options;
+
+/** Message of the last failed call on this thread ("" when none). Valid until the next call. */
+FC_API const char* fc_last_error(void);
+
+/** FC_ABI_VERSION of the library actually loaded (compare with the header's). */
+FC_API int32_t fc_abi_version(void);
+
+/** Library version string, e.g. "0.1.0". */
+FC_API const char* fc_version(void);
+
+/** Human-readable build configuration: backends compiled in, CUDA archs, head dims, dtypes. */
+FC_API const char* fc_build_info(void);
+
+/** Name of a backend ("cpu_reference", "cpu_flash", "cuda_sm80", "cuda_sm90"). */
+FC_API const char* fc_backend_name(int32_t backend);
+
+/** Whether a backend is compiled in and has a device to run on (device_id for CUDA). */
+FC_API int32_t fc_backend_available(int32_t backend, int32_t device_id);
+
+/** Number of CUDA devices visible (0 when CUDA support is not compiled in or no GPU). */
+FC_API int32_t fc_cuda_device_count(void);
+
+/** Scratch memory (bytes, on the tensors' device) that fc_attention_forward needs for these
+ *  arguments. Validates like the call itself. */
+FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_tensor* k,
+                                                const fc_tensor* v,
+                                                const fc_attention_options* options,
+                                                size_t* workspace_bytes);
+
+/** out = softmax(scale * q k^T + mask) v ; lse (optional, may be NULL) = log-sum-exp per row
+ *  in natural-log units of the scaled (and capped) scores. Fully masked rows give out = 0 and
+ *  lse = -inf. workspace may be NULL when fc_attention_forward_workspace reports 0. */
+FC_API fc_status fc_attention_forward(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
+                                      fc_tensor* out, fc_tensor* lse,
+                                      const fc_attention_options* options, void* workspace,
+                                      size_t workspace_bytes);
+
+/** Scratch memory (bytes) that fc_attention_backward needs for these arguments. */
+FC_API fc_status fc_attention_backward_workspace(const fc_tensor* q, const fc_tensor* k,
+                                                 const fc_tensor* v,
+                                                 const fc_attention_options* options,
+                                                 size_t* workspace_bytes);
+
+/** Gradients of the forward above. out and lse must come from the forward with the same
+ *  options. With GQA/MQA the gradients of query heads sharing a KV head are summed into dk/dv.
+ *  dq/dk/dv have the shapes and dtypes of q/k/v. */
+FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q,
+                                       const fc_tensor* k, const fc_tensor* v,
+                                       const fc_tensor* out, const fc_tensor* lse, fc_tensor* dq,
+                                       fc_tensor* dk, fc_tensor* dv,
+                                       const fc_attention_options* options, void* workspace,
+                                       size_t workspace_bytes);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // FLASHCORE_FLASHCORE_H

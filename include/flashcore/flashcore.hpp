@@ -1,0 +1,114 @@
+// flashcore C++ API: a thin, header-only layer over the C ABI (flashcore.h) that throws
+// flashcore::Error instead of returning status codes and fills the option struct from named
+// fields. Tensors stay fc_tensor views of caller-owned memory; make_tensor() builds a
+// contiguous view.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+#include "flashcore/flashcore.h"
+
+namespace flashcore {
+
+/** Thrown for every failed call; code() is the fc_status, what() the message naming the argument. */
+class Error : public std::runtime_error {
+ public:
+  Error(fc_status code, const std::string& msg) : std::runtime_error(msg), code_(code) {}
+  fc_status code() const { return code_; }
+
+ private:
+  fc_status code_;
+};
+
+using Tensor = fc_tensor;
+
+/** A contiguous (row-major) view of `data` with the given shape. */
+inline Tensor make_tensor(void* data, fc_dtype dtype, std::initializer_list<int64_t> shape,
+                          fc_device_type device = FC_DEVICE_CPU, int32_t device_id = 0) {
+  Tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.device_type = device;
+  t.device_id = device_id;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) t.shape[i++] = s;
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+/** Named options; see fc_attention_options for each field's meaning. */
+struct Options {
+  double softmax_scale = 0;  // 0 = 1/sqrt(head_dim)
+  bool causal = false;
+  int32_t window_left = -1, window_right = -1;
+  double softcap = 0;
+  const Tensor* cu_seqlens_q = nullptr;
+  const Tensor* cu_seqlens_k = nullptr;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  fc_backend backend = FC_BACKEND_AUTO;
+  bool deterministic = false;
+  void* stream = nullptr;  // cudaStream_t
+  int32_t num_threads = 0;
+
+  fc_attention_options to_c() const {
+    fc_attention_options o{};
+    o.softmax_scale = softmax_scale;
+    o.causal = causal;
+    o.has_window = window_left != -1 || window_right != -1;
+    o.window_left = window_left;
+    o.window_right = window_right;
+    o.softcap = softcap;
+    o.cu_seqlens_q = cu_seqlens_q;
+    o.cu_seqlens_k = cu_seqlens_k;
+    o.max_seqlen_q = max_seqlen_q;
+    o.max_seqlen_k = max_seqlen_k;
+    o.backend = backend;
+    o.deterministic = deterministic;
+    o.stream = stream;
+    o.num_threads = num_threads;
+    return o;
+  }
+};
+
+inline void check(fc_status s) {
+  if (s != FC_OK) throw Error(s, fc_last_error());
+}
+
+inline size_t forward_workspace(const Tensor& q, const Tensor& k, const Tensor& v, const Options& opt = {}) {
+  const fc_attention_options o = opt.to_c();
+  size_t bytes = 0;
+  check(fc_attention_forward_workspace(&q, &k, &v, &o, &bytes));
+  return bytes;
+}
+
+inline size_t backward_workspace(const Tensor& q, const Tensor& k, const Tensor& v, const Options& opt = {}) {
+  const fc_attention_options o = opt.to_c();
+  size_t bytes = 0;
+  check(fc_attention_backward_workspace(&q, &k, &v, &o, &bytes));
+  return bytes;
+}
+
+/** out = attention(q, k, v); lse optional. workspace: forward_workspace() bytes on the device. */
+inline void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor* lse = nullptr,
+                    const Options& opt = {}, void* workspace = nullptr, size_t workspace_bytes = 0) {
+  const fc_attention_options o = opt.to_c();
+  check(fc_attention_forward(&q, &k, &v, &out, lse, &o, workspace, workspace_bytes));
+}
+
+/** dq, dk, dv from dout and the forward's out and lse. */
+inline void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                     const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, const Options& opt = {},
+                     void* workspace = nullptr, size_t workspace_bytes = 0) {
+  const fc_attention_options o = opt.to_c();
+  check(fc_attention_backward(&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv, &o, workspace, workspace_bytes));
+}
+
+}  // namespace flashcore

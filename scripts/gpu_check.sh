@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Everything a GPU machine should check, in one call: build with all cores, the CUDA test suite,
+# compute-sanitizer (memcheck, racecheck, synccheck) on the small cases, the Python tests with
+# torch, the SASS instruction mix, the `flashcore run` demo, and the benchmark against the
+# PyTorch SDPA peers in one process. Logs go to OUTDIR (8 files at most); a summary prints last.
+#
+# usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none] [--budget S]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none]}
+shift
+BENCH=quick TESTS=all BUDGET=300 FILTER='*'
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) BENCH=$2; shift 2 ;;
+    --tests) TESTS=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    --filter) FILTER=$2; shift 2 ;;
+    *) echo "unknown option $1"; exit 2 ;;
+  esac
+done
+mkdir -p "$OUTDIR"
+SUM="$OUTDIR/summary.txt"
+: >"$SUM"
+note() { echo "$*" | tee -a "$SUM"; }
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 ))s; }
+
+{ nvidia-smi -L; nvcc --version | tail -2; python3 -c 'import torch; print("torch", torch.__version__)'; } >"$OUTDIR/build.log" 2>&1
+note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+
+# 1. Build: sm_90 SASS only here (the H100); CI compiles the full arch list. -Xptxas -v records
+#    registers / spills / shared memory of every kernel in build.log.
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
+  -DFLASHCORE_BUILD_PYTHON=ON -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >>"$OUTDIR/build.log" 2>&1
+if ! cmake --build build-gpu -j 16 >>"$OUTDIR/build.log" 2>&1; then
+  note "BUILD FAILED ($(el)); tail of build.log:"; grep -E "error|Error" "$OUTDIR/build.log" | head -30 | tee -a "$SUM"; exit 1
+fi
+note "build ok ($(el)); spills: $(grep -c 'bytes spill stores' "$OUTDIR/build.log") kernels reported, $(grep -E '[1-9][0-9]* bytes spill stores' "$OUTDIR/build.log" | wc -l) with spills"
+
+# 2. SASS instruction mix of the kernels (HMMA = tensor-core mma.sync).
+SO=$(ls build-gpu/libflashcore.so 2>/dev/null)
+if [ -n "$SO" ]; then
+  cuobjdump -sass "$SO" >/tmp/sass.txt 2>/dev/null
+  { echo "functions: $(grep -c 'Function :' /tmp/sass.txt)"; for op in HMMA LDSM LDGSTS LDL STL BAR; do echo "$op $(grep -c "$op" /tmp/sass.txt)"; done;
+    grep -E 'Function :' /tmp/sass.txt | head -40; } >"$OUTDIR/sass_summary.txt"
+  note "sass: $(grep -E '^(HMMA|LDSM|LDGSTS|LDL|STL) ' "$OUTDIR/sass_summary.txt" | tr '\n' ' ')"
+fi
+
+# 3. Tests.
+if [ "$TESTS" = all ]; then
+  build-gpu/flashcore_cuda_tests --gtest_filter="$FILTER" >"$OUTDIR/tests.log" 2>&1
+  note "cuda tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \]' "$OUTDIR/tests.log" | head -20 | tee -a "$SUM"
+  for tool in memcheck racecheck synccheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/flashcore_cuda_tests \
+      --gtest_filter='CudaSanitizerSmall.*' >>"$OUTDIR/tests.log" 2>&1
+    note "compute-sanitizer $tool: rc=$? ($(el))"
+  done
+  grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$OUTDIR/tests.log" | sort | uniq -c | head -10 | tee -a "$SUM"
+  # Python package from the same build (no second compile): the .py files plus the built _C.
+  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
+    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/ 2>/dev/null
+  PYTHONPATH=/tmp/fcpkg timeout 240 python3 -m pytest -q -x tests/python >"$OUTDIR/pytest.log" 2>&1
+  note "pytest (torch + CUDA): rc=$? ($(el)) $(tail -1 "$OUTDIR/pytest.log")"
+fi
+
+# 4. The demo.
+build-gpu/flashcore run >>"$SUM" 2>&1 || note "flashcore run FAILED"
+
+# 5. Benchmark against the peers (same process).
+if [ "$BENCH" != none ]; then
+  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
+    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/
+  Q=; [ "$BENCH" = quick ] && Q=--quick
+  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fcpkg timeout $((BUDGET + 60)) python3 bench/peers.py "$OUTDIR" $Q --budget "$BUDGET" \
+    >"$OUTDIR/bench.log" 2>&1
+  note "bench: rc=$? ($(el))"
+  sed -n '/==== flashcore vs peers/,$p' "$OUTDIR/bench.log" >>"$SUM"
+fi
+echo; echo "==================== SUMMARY ===================="; cat "$SUM"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build and run every test this machine can run, in one command:
+#  1. the default build (CUDA kernels compiled when nvcc is present) and all its C++ tests
+#     (CUDA tests skip themselves with a message when no GPU is present);
+#  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
+#  3. the Python package (pip install .) and its pytest suite.
+# Set SKIP_SANITIZE=1 or SKIP_PYTHON=1 to leave a stage out while iterating.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=${JOBS:-$(nproc)}
+GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
+step() { printf '\n==== %s ====\n' "$*"; }
+
+step "build (default configuration)"
+cmake -S . -B build "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-}
+time cmake --build build -j "$JOBS"
+step "C++ tests"
+ctest --test-dir build --output-on-failure -j "$JOBS"
+
+if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
+  step "CPU tests under ASan + UBSan"
+  cmake -S . -B build-asan "${GEN[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHCORE_SANITIZE=ON -DFLASHCORE_CUDA=OFF
+  cmake --build build-asan -j "$JOBS"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L cpu
+fi
+
+if [ "${SKIP_PYTHON:-0}" != 1 ] && [ -f pyproject.toml ]; then
+  step "Python package and tests"
+  # Without a GPU the package is built CPU-only: the CUDA kernels were already compile-checked above.
+  if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then export FLASHCORE_CUDA=${FLASHCORE_CUDA:-OFF}; fi
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS python3 -m pip install ${PIP_FLAGS:-} -q .
+  python3 -m pytest -q tests/python
+fi
+step "all tests passed"

@@ -1,0 +1,44 @@
+// The functions each backend provides. dispatch.cpp is their only caller; it hands them
+// parameters that validate.cpp has already checked. A backend never validates again, never
+// calls another backend, and never synchronizes or allocates device memory behind the caller.
+#pragma once
+
+#include <cstddef>
+
+#include "api/params.hpp"
+#include "api/status.hpp"
+
+namespace flashcore {
+
+namespace cpu {
+// fp64 materialized attention: the oracle. `emulate_low_precision` rounds P to the input dtype
+// before P*V and accumulates in fp32 - the "X_same" of the tolerance rule in TESTING.md.
+Status reference_forward(const AttentionParams& p, bool emulate_low_precision = false);
+Status reference_backward(const BackwardParams& p, bool emulate_low_precision = false);
+
+// Tiled online softmax, fp32 accumulation, threads over (batch, head, query block), SIMD.
+Status flash_forward(const AttentionParams& p);
+Status flash_backward(const BackwardParams& p);
+}  // namespace cpu
+
+namespace cuda {
+// Number of visible devices; 0 when CUDA is not compiled in or no GPU is present.
+int device_count();
+// Compute capability major*10+minor of a device, or 0.
+int compute_capability(int device_id);
+
+// Portable tensor-core path (mma.sync, sm_80+). Workspace sizes in bytes on the device.
+bool sm80_supports(const AttentionParams& p, Status* why);
+size_t sm80_forward_workspace(const AttentionParams& p);
+Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes);
+size_t sm80_backward_workspace(const BackwardParams& p);
+Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes);
+}  // namespace cuda
+
+}  // namespace flashcore
+
+namespace flashcore::cpu {
+/** One row of the exact reference: out_row (head_dim doubles) and its lse, for (batch b, query
+ *  head h, query row i within sequence b). Used by the CLI to spot-check large problems. */
+void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, double* out_row, double* lse);
+}  // namespace flashcore::cpu

@@ -1,0 +1,99 @@
+// The C ABI: converts internal Status to fc_status, keeps the last error message per thread, and
+// guarantees no C++ exception crosses the boundary.
+#include <exception>
+#include <string>
+
+#include "api/backends.hpp"
+#include "api/dispatch.hpp"
+#include "flashcore/flashcore.h"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+fc_status finish(const flashcore::Status& s) {
+  g_last_error = s.is_ok() ? std::string() : s.message;
+  return s.code;
+}
+
+template <typename F>
+fc_status guarded(F&& body) {
+  try {
+    return finish(body());
+  } catch (const std::bad_alloc&) {
+    return finish(flashcore::Status::internal("out of host memory"));
+  } catch (const std::exception& e) {
+    return finish(flashcore::Status::internal(std::string("internal error: ") + e.what()));
+  } catch (...) {
+    return finish(flashcore::Status::internal("internal error: unknown exception"));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+FC_API const char* fc_last_error(void) { return g_last_error.c_str(); }
+
+FC_API const char* fc_backend_name(int32_t backend) {
+  switch (backend) {
+    case FC_BACKEND_AUTO: return "auto";
+    case FC_BACKEND_CPU_REFERENCE: return "cpu_reference";
+    case FC_BACKEND_CPU_FLASH: return "cpu_flash";
+    case FC_BACKEND_CUDA_SM80: return "cuda_sm80";
+    case FC_BACKEND_CUDA_SM90: return "cuda_sm90";
+    default: return "unknown";
+  }
+}
+
+FC_API int32_t fc_backend_available(int32_t backend, int32_t device_id) {
+  try {
+    return flashcore::backend_available(static_cast<fc_backend>(backend), device_id) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+FC_API int32_t fc_cuda_device_count(void) {
+  try {
+    return flashcore::cuda::device_count();
+  } catch (...) {
+    return 0;
+  }
+}
+
+FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
+                                                const fc_attention_options* options, size_t* workspace_bytes) {
+  return guarded([&] {
+    if (workspace_bytes == nullptr) return flashcore::Status::invalid("workspace_bytes: is null");
+    return flashcore::forward_workspace({q, k, v, nullptr, nullptr, options}, workspace_bytes);
+  });
+}
+
+FC_API fc_status fc_attention_forward(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v, fc_tensor* out,
+                                      fc_tensor* lse, const fc_attention_options* options, void* workspace,
+                                      size_t workspace_bytes) {
+  return guarded([&] {
+    return flashcore::run_forward({q, k, v, out, lse, options}, workspace, workspace_bytes);
+  });
+}
+
+FC_API fc_status fc_attention_backward_workspace(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
+                                                 const fc_attention_options* options, size_t* workspace_bytes) {
+  return guarded([&] {
+    if (workspace_bytes == nullptr) return flashcore::Status::invalid("workspace_bytes: is null");
+    return flashcore::backward_workspace({nullptr, q, k, v, nullptr, nullptr, nullptr, nullptr, nullptr, options},
+                                         workspace_bytes);
+  });
+}
+
+FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q, const fc_tensor* k,
+                                       const fc_tensor* v, const fc_tensor* out, const fc_tensor* lse, fc_tensor* dq,
+                                       fc_tensor* dk, fc_tensor* dv, const fc_attention_options* options,
+                                       void* workspace, size_t workspace_bytes) {
+  return guarded([&] {
+    return flashcore::run_backward({dout, q, k, v, out, lse, dq, dk, dv, options}, workspace, workspace_bytes);
+  });
+}
+
+}  // extern "C"

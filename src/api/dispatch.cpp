@@ -1,0 +1,145 @@
+// Backend registry: which backends exist, which one AUTO picks, and the single call path every
+// public entry point goes through. Nothing here computes attention.
+#include "api/dispatch.hpp"
+
+#include <string>
+#include <type_traits>
+
+#include "api/backends.hpp"
+
+namespace flashcore {
+namespace {
+
+constexpr int kMinSm80Capability = 80;
+
+bool is_cuda_backend(fc_backend b) { return b == FC_BACKEND_CUDA_SM80 || b == FC_BACKEND_CUDA_SM90; }
+
+Status check_workspace(size_t needed, void* workspace, size_t workspace_bytes) {
+  if (needed == 0) return Status::ok();
+  if (workspace == nullptr || workspace_bytes < needed) {
+    return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
+                           std::to_string(needed) + " needed (query it with the *_workspace function)");
+  }
+  return Status::ok();
+}
+
+template <typename Args>
+Status backend_checks(const AttentionParams& p, const Args& a, fc_backend backend, bool backward);
+
+template <>
+Status backend_checks(const AttentionParams& p, const ForwardArgs& a, fc_backend backend, bool) {
+  const fc_attention_options* o = a.options;
+  const fc_tensor* ts[] = {a.q, a.k, a.v, a.out, a.lse, o ? o->cu_seqlens_q : nullptr, o ? o->cu_seqlens_k : nullptr};
+  const char* ns[] = {"q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"};
+  return validate_for_backend(p, backend, ts, ns, 7);
+}
+
+template <>
+Status backend_checks(const AttentionParams& p, const BackwardArgs& a, fc_backend backend, bool) {
+  const fc_attention_options* o = a.options;
+  const fc_tensor* ts[] = {a.dout, a.q, a.k, a.v, a.out, a.lse, a.dq, a.dk, a.dv,
+                           o ? o->cu_seqlens_q : nullptr, o ? o->cu_seqlens_k : nullptr};
+  const char* ns[] = {"dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"};
+  return validate_for_backend(p, backend, ts, ns, 11);
+}
+
+fc_backend requested_backend(const fc_attention_options* o) {
+  return o ? static_cast<fc_backend>(o->backend) : FC_BACKEND_AUTO;
+}
+
+}  // namespace
+
+bool backend_available(fc_backend backend, int device_id) {
+  switch (backend) {
+    case FC_BACKEND_CPU_REFERENCE:
+    case FC_BACKEND_CPU_FLASH: return true;
+    case FC_BACKEND_CUDA_SM80:
+      return device_id < cuda::device_count() && cuda::compute_capability(device_id) >= kMinSm80Capability;
+    case FC_BACKEND_CUDA_SM90: return false;  // not built yet
+    default: return false;
+  }
+}
+
+Status choose_backend(const AttentionParams& p, fc_backend requested, bool backward, fc_backend* chosen) {
+  (void)backward;
+  fc_backend b = requested;
+  if (b == FC_BACKEND_AUTO) {
+    b = p.device_type == FC_DEVICE_CUDA ? FC_BACKEND_CUDA_SM80 : FC_BACKEND_CPU_FLASH;
+  }
+  if (is_cuda_backend(b) && p.device_type == FC_DEVICE_CUDA && !backend_available(b, p.device_id)) {
+    return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " is not available on cuda:" +
+                               std::to_string(p.device_id) + " (not compiled in, no such device, or the GPU is "
+                               "older than the backend needs); `flashcore info` lists what is available");
+  }
+  *chosen = b;
+  return Status::ok();
+}
+
+template <typename Args, typename Params>
+static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend* backend) {
+  Status s;
+  if constexpr (std::is_same_v<Args, ForwardArgs>) {
+    s = validate_forward(a, workspace_query, p);
+  } else {
+    s = validate_backward(a, workspace_query, p);
+  }
+  if (!s.is_ok()) return s;
+  constexpr bool kBackward = std::is_same_v<Args, BackwardArgs>;
+  if (!(s = choose_backend(*p, requested_backend(a.options), kBackward, backend)).is_ok()) return s;
+  if (!(s = backend_checks(*p, a, *backend, kBackward)).is_ok()) return s;
+  if (*backend == FC_BACKEND_CUDA_SM80) {
+    Status why;
+    if (!cuda::sm80_supports(*p, &why)) return why;
+  }
+  return Status::ok();
+}
+
+Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
+  AttentionParams p;
+  fc_backend b;
+  Status s = prepare(a, /*workspace_query=*/true, &p, &b);
+  if (!s.is_ok()) return s;
+  *bytes = b == FC_BACKEND_CUDA_SM80 ? cuda::sm80_forward_workspace(p) : 0;
+  return Status::ok();
+}
+
+Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes) {
+  AttentionParams p;
+  fc_backend b;
+  Status s = prepare(a, false, &p, &b);
+  if (!s.is_ok()) return s;
+  switch (b) {
+    case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);
+    case FC_BACKEND_CPU_FLASH: return cpu::flash_forward(p);
+    case FC_BACKEND_CUDA_SM80:
+      if (!(s = check_workspace(cuda::sm80_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      return cuda::sm80_forward(p, workspace, workspace_bytes);
+    default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run forward");
+  }
+}
+
+Status backward_workspace(const BackwardArgs& a, size_t* bytes) {
+  BackwardParams p;
+  fc_backend b;
+  Status s = prepare(a, true, &p, &b);
+  if (!s.is_ok()) return s;
+  *bytes = b == FC_BACKEND_CUDA_SM80 ? cuda::sm80_backward_workspace(p) : 0;
+  return Status::ok();
+}
+
+Status run_backward(const BackwardArgs& a, void* workspace, size_t workspace_bytes) {
+  BackwardParams p;
+  fc_backend b;
+  Status s = prepare(a, false, &p, &b);
+  if (!s.is_ok()) return s;
+  switch (b) {
+    case FC_BACKEND_CPU_REFERENCE: return cpu::reference_backward(p);
+    case FC_BACKEND_CPU_FLASH: return cpu::flash_backward(p);
+    case FC_BACKEND_CUDA_SM80:
+      if (!(s = check_workspace(cuda::sm80_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      return cuda::sm80_backward(p, workspace, workspace_bytes);
+    default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run backward");
+  }
+}
+
+}  // namespace flashcore

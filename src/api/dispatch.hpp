@@ -1,0 +1,22 @@
+// Backend selection and the validated call path: validate -> choose backend -> check workspace
+// -> run. The C ABI (c_api.cpp) is a thin exception-safe shell over these functions.
+#pragma once
+
+#include <cstddef>
+
+#include "api/validate.hpp"
+
+namespace flashcore {
+
+/** Whether `backend` is compiled in and can run on device `device_id` (ignored for CPU). */
+bool backend_available(fc_backend backend, int device_id);
+
+/** The backend AUTO resolves to for these (validated) parameters, or an error. */
+Status choose_backend(const AttentionParams& p, fc_backend requested, bool backward, fc_backend* chosen);
+
+Status forward_workspace(const ForwardArgs& args, size_t* bytes);
+Status run_forward(const ForwardArgs& args, void* workspace, size_t workspace_bytes);
+Status backward_workspace(const BackwardArgs& args, size_t* bytes);
+Status run_backward(const BackwardArgs& args, void* workspace, size_t workspace_bytes);
+
+}  // namespace flashcore

@@ -1,0 +1,104 @@
+// The validated, backend-facing description of one attention call.
+//
+// validate.cpp is the only producer: every field here has already been checked (shapes agree,
+// strides are sane, pointers are non-null, sizes fit in int64). Backends trust these values and
+// never validate again. All strides are in elements; offsets must be computed in int64.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/mask.hpp"
+
+namespace flashcore {
+
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, I32 = 3 };
+
+inline size_t dtype_size(DType t) { return t == DType::F16 || t == DType::BF16 ? 2 : 4; }
+
+/** A tensor as backends see it: base pointer plus element strides for (batch, row, head).
+ *  For varlen calls the batch stride is 0 and rows are counted from the packed start. */
+struct TensorRef {
+  void* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+};
+
+/** LSE layout: dense (batch, heads, seqlen_q) or varlen (heads, total_q). */
+struct LseRef {
+  float* data = nullptr;  // nullptr when the caller did not ask for LSE (forward only)
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
+struct AttentionParams {
+  DType dtype = DType::F16;  // q, k, v, out (and dout, dq, dk, dv) share it
+  int device_type = 0;       // fc_device_type
+  int device_id = 0;
+
+  TensorRef q, k, v, out;
+  LseRef lse;
+
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;  // dense: the length; varlen: max_seqlen_q
+  int64_t seqlen_k = 0;  // dense: the length; varlen: max_seqlen_k
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;  // heads_q % heads_kv == 0; query head h reads KV head h / (heads_q / heads_kv)
+  int64_t head_dim = 0;
+
+  // Varlen: device (or host, for CPU) int32 prefix sums of length batch + 1; nullptr when dense.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;  // rows of the packed q (varlen) or batch * seqlen_q (dense)
+  int64_t total_k = 0;
+
+  float softmax_scale = 0.f;  // resolved (never 0)
+  float softcap = 0.f;        // 0 = off
+  bool causal = false;        // informational: already folded into window_right = 0
+  int64_t window_left = -1;   // -1 = unbounded
+  int64_t window_right = -1;  // -1 = unbounded
+
+  bool deterministic = false;
+  int num_threads = 0;        // CPU: 0 = hardware concurrency
+  void* stream = nullptr;     // cudaStream_t
+
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  int64_t group_size() const { return heads_q / heads_kv; }
+};
+
+/** Backward adds the incoming gradient and the three gradient outputs. */
+struct BackwardParams : AttentionParams {
+  TensorRef dout, dq, dk, dv;
+};
+
+/** Per-sequence view used by backends: where sequence b starts in the packed rows, and its
+ *  lengths. For dense calls the starts are b * seqlen and the lengths are the full seqlens.
+ *  Kept header-only and host/device so the CUDA kernels resolve sequences the same way. */
+struct SeqInfo {
+  int64_t q_start;   // first packed row of q (varlen) or 0 (dense: use batch_stride)
+  int64_t k_start;
+  int64_t seqlen_q;
+  int64_t seqlen_k;
+};
+
+FC_HOST_DEVICE SeqInfo seq_info(const AttentionParams& p, int64_t b) {
+  if (p.cu_seqlens_q) {
+    const int64_t q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
+    const int64_t k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
+    return {q0, k0, q1 - q0, k1 - k0};
+  }
+  return {0, 0, p.seqlen_q, p.seqlen_k};
+}
+
+FC_HOST_DEVICE MaskInfo mask_info(const AttentionParams& p, const SeqInfo& s) {
+  return {s.seqlen_q, s.seqlen_k, p.window_left, p.window_right};
+}
+
+/** Element offset of (batch b, packed-or-local row r, head h) in a tensor. */
+FC_HOST_DEVICE int64_t offset_of(const TensorRef& t, int64_t b, int64_t row, int64_t h) {
+  return b * t.batch_stride + row * t.row_stride + h * t.head_stride;
+}
+
+}  // namespace flashcore

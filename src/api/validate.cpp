@@ -1,0 +1,475 @@
+// Every rule of the public API, checked before any work starts. Messages follow one pattern:
+// "<argument>: <what is wrong> (<the rule>)", so a user can fix the call without reading code.
+#include "api/validate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "api/backends.hpp"
+
+namespace flashcore {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+const char* dtype_name(int32_t t) {
+  switch (t) {
+    case FC_DTYPE_F32: return "float32";
+    case FC_DTYPE_F16: return "float16";
+    case FC_DTYPE_BF16: return "bfloat16";
+    case FC_DTYPE_I32: return "int32";
+    default: return "unknown";
+  }
+}
+
+std::string device_name(const fc_tensor& t) {
+  if (t.device_type == FC_DEVICE_CPU) return "cpu";
+  if (t.device_type == FC_DEVICE_CUDA) return "cuda:" + std::to_string(t.device_id);
+  return "device_type " + std::to_string(t.device_type);
+}
+
+std::string shape_str(const fc_tensor& t) {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
+  s << "]";
+  return s.str();
+}
+
+std::string expected_str(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << "]";
+  return s.str();
+}
+
+bool mul_overflows(int64_t a, int64_t b, int64_t* r) { return __builtin_mul_overflow(a, b, r); }
+bool add_overflows(int64_t a, int64_t b, int64_t* r) { return __builtin_add_overflow(a, b, r); }
+
+/** Memory interval a tensor touches, in bytes relative to its data pointer. */
+struct Extent {
+  int64_t numel = 0;
+  int64_t lo = 0;  // bytes, inclusive
+  int64_t hi = 0;  // bytes, exclusive
+};
+
+// Structural checks common to every tensor argument: ndim, sizes, strides, overflow.
+Status check_tensor_basics(const fc_tensor* t, const char* name, int ndim, Extent* ext) {
+  if (t == nullptr) return Status::invalid(std::string(name) + ": is null (a tensor is required)");
+  if (t->ndim != ndim) {
+    return Status::invalid(std::string(name) + ": has " + std::to_string(t->ndim) +
+                           " dimensions, expected " + std::to_string(ndim));
+  }
+  if (t->dtype < FC_DTYPE_F32 || t->dtype > FC_DTYPE_I32)
+    return Status::invalid(std::string(name) + ": unknown dtype code " + std::to_string(t->dtype));
+  if (t->device_type != FC_DEVICE_CPU && t->device_type != FC_DEVICE_CUDA)
+    return Status::invalid(std::string(name) + ": unknown device_type " +
+                           std::to_string(t->device_type));
+  if (t->device_id < 0)
+    return Status::invalid(std::string(name) + ": device_id " + std::to_string(t->device_id) +
+                           " is negative");
+  const int64_t elem = t->dtype == FC_DTYPE_F16 || t->dtype == FC_DTYPE_BF16 ? 2 : 4;
+  int64_t numel = 1;
+  int64_t lo = 0, hi = 0;
+  for (int i = 0; i < ndim; ++i) {
+    if (t->shape[i] < 0)
+      return Status::invalid(std::string(name) + ": dimension " + std::to_string(i) + " has negative size " +
+                             std::to_string(t->shape[i]));
+    if (mul_overflows(numel, t->shape[i], &numel))
+      return Status::invalid(std::string(name) + ": shape " + shape_str(*t) +
+                             " has more elements than int64 can count");
+  }
+  for (int i = 0; i < ndim; ++i) {
+    if (t->shape[i] <= 1) continue;
+    int64_t span = 0;
+    if (mul_overflows(t->strides[i], t->shape[i] - 1, &span))
+      return Status::invalid(std::string(name) + ": stride " + std::to_string(t->strides[i]) + " x size " +
+                             std::to_string(t->shape[i]) + " overflows int64");
+    if (span >= 0 ? add_overflows(hi, span, &hi) : add_overflows(lo, span, &lo))
+      return Status::invalid(std::string(name) + ": strides span more than int64 can address");
+  }
+  if (numel > 0) {
+    if (t->data == nullptr) return Status::invalid(std::string(name) + ": data pointer is null");
+    int64_t lo_b = 0, hi_b = 0;
+    if (mul_overflows(lo, elem, &lo_b) || mul_overflows(hi + 1, elem, &hi_b))
+      return Status::invalid(std::string(name) + ": byte extent overflows int64");
+    lo = lo_b;
+    hi = hi_b;
+  }
+  if (t->shape[ndim - 1] > 1 && t->strides[ndim - 1] != 1)
+    return Status::invalid(std::string(name) + ": last dimension has stride " +
+                           std::to_string(t->strides[ndim - 1]) + " (it must be contiguous, stride 1)");
+  ext->numel = numel;
+  ext->lo = numel > 0 ? lo : 0;
+  ext->hi = numel > 0 ? hi : 0;
+  return Status::ok();
+}
+
+Status check_shape(const fc_tensor* t, const char* name, const std::vector<int64_t>& expected,
+                   const char* rule) {
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (t->shape[i] != expected[i]) {
+      return Status::invalid(std::string(name) + ": shape " + shape_str(*t) + " does not match expected " +
+                             expected_str(expected) + " (" + rule + ")");
+    }
+  }
+  return Status::ok();
+}
+
+Status check_same_device(const fc_tensor* t, const char* name, const fc_tensor* ref, const char* ref_name) {
+  if (t->device_type != ref->device_type || (t->device_type == FC_DEVICE_CUDA && t->device_id != ref->device_id)) {
+    return Status::invalid(std::string(name) + ": is on " + device_name(*t) + " but " + ref_name + " is on " +
+                           device_name(*ref) + " (all tensors must be on one device)");
+  }
+  return Status::ok();
+}
+
+Status check_dtype(const fc_tensor* t, const char* name, int32_t expected, const char* why) {
+  if (t->dtype != expected) {
+    return Status::invalid(std::string(name) + ": dtype " + dtype_name(t->dtype) + " does not match " +
+                           dtype_name(expected) + " (" + why + ")");
+  }
+  return Status::ok();
+}
+
+/** An output must not write one element twice: sort dims by stride and require each stride to
+ *  step past everything the smaller dims cover. */
+Status check_no_self_overlap(const fc_tensor* t, const char* name) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int i = 0; i < t->ndim; ++i) {
+    if (t->shape[i] == 0) return Status::ok();
+    if (t->shape[i] > 1) dims.push_back({t->strides[i], t->shape[i]});
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t covered = 1;  // elements spanned by the dims processed so far
+  for (auto& [stride, size] : dims) {
+    if (stride < covered) {
+      return Status::invalid(std::string(name) + ": strides make elements overlap (an output needs a "
+                             "distinct memory location for every element)");
+    }
+    covered = stride * (size - 1) + covered;  // cannot overflow: extent was checked
+  }
+  return Status::ok();
+}
+
+Status check_disjoint(const fc_tensor* a, const Extent& ea, const char* an, const fc_tensor* b,
+                      const Extent& eb, const char* bn) {
+  if (ea.numel == 0 || eb.numel == 0) return Status::ok();
+  if (a->device_type != b->device_type) return Status::ok();
+  const auto base_a = reinterpret_cast<intptr_t>(a->data);
+  const auto base_b = reinterpret_cast<intptr_t>(b->data);
+  const intptr_t a0 = base_a + ea.lo, a1 = base_a + ea.hi;
+  const intptr_t b0 = base_b + eb.lo, b1 = base_b + eb.hi;
+  if (a0 < b1 && b0 < a1) {
+    return Status::invalid(std::string(an) + ": memory overlaps " + bn +
+                           " (outputs must not alias inputs or other outputs)");
+  }
+  return Status::ok();
+}
+
+// Host-side check of a cu_seqlens array (CPU tensors only: a CUDA array would need a sync).
+Status check_cu_seqlens_values(const fc_tensor* cu, const char* name, int64_t batch, int64_t total,
+                               int64_t max_seqlen, const char* max_name) {
+  const auto* v = static_cast<const int32_t*>(cu->data);
+  const int64_t stride = cu->strides[0];
+  if (v[0] != 0)
+    return Status::invalid(std::string(name) + ": starts at " + std::to_string(v[0]) + " (it must start at 0)");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t a = v[b * stride], c = v[(b + 1) * stride];
+    if (c < a) {
+      return Status::invalid(std::string(name) + ": decreases at index " + std::to_string(b + 1) + " (" +
+                             std::to_string(a) + " -> " + std::to_string(c) + "; it must be non-decreasing)");
+    }
+    if (c - a > max_seqlen) {
+      return Status::invalid(std::string(max_name) + ": " + std::to_string(max_seqlen) +
+                             " is smaller than sequence " + std::to_string(b) + "'s length " +
+                             std::to_string(c - a) + " given by " + name);
+    }
+  }
+  const int64_t last = v[batch * stride];
+  if (last > total) {
+    return Status::invalid(std::string(name) + ": last entry " + std::to_string(last) +
+                           " exceeds the packed tensor's " + std::to_string(total) + " rows");
+  }
+  return Status::ok();
+}
+
+TensorRef dense_ref(const fc_tensor* t) {
+  return {t->data, t->strides[0], t->strides[1], t->strides[2]};
+}
+TensorRef varlen_ref(const fc_tensor* t) { return {t->data, 0, t->strides[0], t->strides[1]}; }
+
+/** Everything q, k, v, options, cu_seqlens have to satisfy, shared by forward and backward. */
+Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
+                       const fc_attention_options* opt_in, AttentionParams* p, Extent* eq, Extent* ek,
+                       Extent* ev) {
+  fc_attention_options defaults{};
+  const fc_attention_options& opt = opt_in ? *opt_in : defaults;
+
+  const bool varlen = opt.cu_seqlens_q != nullptr || opt.cu_seqlens_k != nullptr;
+  if (varlen && (opt.cu_seqlens_q == nullptr || opt.cu_seqlens_k == nullptr)) {
+    return Status::invalid(opt.cu_seqlens_q ? "cu_seqlens_k: is null but cu_seqlens_q is given (varlen needs both)"
+                                            : "cu_seqlens_q: is null but cu_seqlens_k is given (varlen needs both)");
+  }
+  const int nd = varlen ? 3 : 4;
+  Status s;
+  if (!(s = check_tensor_basics(q, "q", nd, eq)).is_ok()) return s;
+  if (!(s = check_tensor_basics(k, "k", nd, ek)).is_ok()) return s;
+  if (!(s = check_tensor_basics(v, "v", nd, ev)).is_ok()) return s;
+  if (q->dtype != FC_DTYPE_F32 && q->dtype != FC_DTYPE_F16 && q->dtype != FC_DTYPE_BF16)
+    return Status::invalid(std::string("q: dtype ") + dtype_name(q->dtype) +
+                           " is not supported (float32, float16 or bfloat16)");
+  if (!(s = check_dtype(k, "k", q->dtype, "k must have q's dtype")).is_ok()) return s;
+  if (!(s = check_dtype(v, "v", q->dtype, "v must have q's dtype")).is_ok()) return s;
+  if (!(s = check_same_device(k, "k", q, "q")).is_ok()) return s;
+  if (!(s = check_same_device(v, "v", q, "q")).is_ok()) return s;
+
+  const int hd = nd - 1, hh = nd - 2;
+  const int64_t head_dim = q->shape[hd];
+  if (head_dim <= 0 || head_dim > kMaxHeadDim) {
+    return Status::invalid("q: head_dim " + std::to_string(head_dim) + " is outside 1.." +
+                           std::to_string(kMaxHeadDim));
+  }
+  if (k->shape[hd] != head_dim)
+    return Status::invalid("k: head_dim " + std::to_string(k->shape[hd]) + " does not match q head_dim " +
+                           std::to_string(head_dim));
+  if (v->shape[hd] != head_dim)
+    return Status::invalid("v: head_dim " + std::to_string(v->shape[hd]) + " does not match q head_dim " +
+                           std::to_string(head_dim) + " (a different value head_dim is not supported)");
+  const int64_t heads_q = q->shape[hh], heads_kv = k->shape[hh];
+  if (heads_q <= 0) return Status::invalid("q: number of heads " + std::to_string(heads_q) + " must be >= 1");
+  if (heads_kv <= 0) return Status::invalid("k: number of heads " + std::to_string(heads_kv) + " must be >= 1");
+  if (heads_q % heads_kv != 0) {
+    return Status::invalid("k: heads_kv " + std::to_string(heads_kv) + " does not divide q heads " +
+                           std::to_string(heads_q) + " (heads_q must be a multiple of heads_kv)");
+  }
+  if (!(s = check_shape(v, "v", std::vector<int64_t>(k->shape, k->shape + nd), "v must have k's shape")).is_ok())
+    return s;
+
+  // Options.
+  if (!std::isfinite(opt.softmax_scale))
+    return Status::invalid("softmax_scale: must be finite (0 selects 1/sqrt(head_dim))");
+  if (!std::isfinite(opt.softcap) || opt.softcap < 0)
+    return Status::invalid("softcap: must be finite and >= 0 (0 disables capping)");
+  int64_t wl = -1, wr = -1;
+  if (opt.has_window) {
+    if (opt.window_left < -1)
+      return Status::invalid("window_left: " + std::to_string(opt.window_left) + " is below -1 (-1 = unbounded)");
+    if (opt.window_right < -1)
+      return Status::invalid("window_right: " + std::to_string(opt.window_right) + " is below -1 (-1 = unbounded)");
+    wl = opt.window_left;
+    wr = opt.window_right;
+  }
+  if (opt.causal) wr = 0;
+  if (opt.backend < FC_BACKEND_AUTO || opt.backend > FC_BACKEND_CUDA_SM90)
+    return Status::invalid("backend: unknown backend code " + std::to_string(opt.backend));
+  if (opt.num_threads < 0)
+    return Status::invalid("num_threads: " + std::to_string(opt.num_threads) + " is negative (0 = all cores)");
+
+  p->dtype = static_cast<DType>(q->dtype);
+  p->device_type = q->device_type;
+  p->device_id = q->device_type == FC_DEVICE_CUDA ? q->device_id : 0;
+  p->heads_q = heads_q;
+  p->heads_kv = heads_kv;
+  p->head_dim = head_dim;
+  p->softmax_scale = static_cast<float>(opt.softmax_scale != 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(head_dim)));
+  p->softcap = static_cast<float>(opt.softcap);
+  p->causal = opt.causal != 0;
+  p->window_left = wl;
+  p->window_right = wr;
+  p->deterministic = opt.deterministic != 0;
+  p->num_threads = opt.num_threads;
+  p->stream = opt.stream;
+
+  if (!varlen) {
+    const int64_t batch = q->shape[0];
+    if (k->shape[0] != batch)
+      return Status::invalid("k: batch " + std::to_string(k->shape[0]) + " does not match q batch " +
+                             std::to_string(batch));
+    p->batch = batch;
+    p->seqlen_q = q->shape[1];
+    p->seqlen_k = k->shape[1];
+    p->total_q = batch * p->seqlen_q;
+    p->total_k = batch * p->seqlen_k;
+    p->q = dense_ref(q);
+    p->k = dense_ref(k);
+    p->v = dense_ref(v);
+    return Status::ok();
+  }
+
+  const fc_tensor* cq = opt.cu_seqlens_q;
+  const fc_tensor* ck = opt.cu_seqlens_k;
+  Extent ecq, eck;
+  if (!(s = check_tensor_basics(cq, "cu_seqlens_q", 1, &ecq)).is_ok()) return s;
+  if (!(s = check_tensor_basics(ck, "cu_seqlens_k", 1, &eck)).is_ok()) return s;
+  if (!(s = check_dtype(cq, "cu_seqlens_q", FC_DTYPE_I32, "cu_seqlens must be int32")).is_ok()) return s;
+  if (!(s = check_dtype(ck, "cu_seqlens_k", FC_DTYPE_I32, "cu_seqlens must be int32")).is_ok()) return s;
+  if (!(s = check_same_device(cq, "cu_seqlens_q", q, "q")).is_ok()) return s;
+  if (!(s = check_same_device(ck, "cu_seqlens_k", q, "q")).is_ok()) return s;
+  if (cq->shape[0] < 1) return Status::invalid("cu_seqlens_q: is empty (it needs batch + 1 >= 1 entries)");
+  if (ck->shape[0] != cq->shape[0])
+    return Status::invalid("cu_seqlens_k: has " + std::to_string(ck->shape[0]) + " entries but cu_seqlens_q has " +
+                           std::to_string(cq->shape[0]) + " (both are batch + 1)");
+  if (cq->shape[0] > 1 && (cq->strides[0] != 1 || ck->strides[0] != 1))
+    return Status::invalid("cu_seqlens_q: must be contiguous (stride 1), as must cu_seqlens_k");
+  if (opt.max_seqlen_q < 0) return Status::invalid("max_seqlen_q: " + std::to_string(opt.max_seqlen_q) + " is negative");
+  if (opt.max_seqlen_k < 0) return Status::invalid("max_seqlen_k: " + std::to_string(opt.max_seqlen_k) + " is negative");
+  if (k->shape[0] != v->shape[0])
+    return Status::invalid("v: total rows do not match k's");
+  const int64_t batch = cq->shape[0] - 1;
+  p->batch = batch;
+  p->total_q = q->shape[0];
+  p->total_k = k->shape[0];
+  p->seqlen_q = opt.max_seqlen_q;
+  p->seqlen_k = opt.max_seqlen_k;
+  if (q->device_type == FC_DEVICE_CPU) {
+    if (!(s = check_cu_seqlens_values(cq, "cu_seqlens_q", batch, p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok())
+      return s;
+    if (!(s = check_cu_seqlens_values(ck, "cu_seqlens_k", batch, p->total_k, opt.max_seqlen_k, "max_seqlen_k")).is_ok())
+      return s;
+  }
+  p->cu_seqlens_q = static_cast<const int32_t*>(cq->data);
+  p->cu_seqlens_k = static_cast<const int32_t*>(ck->data);
+  p->q = varlen_ref(q);
+  p->k = varlen_ref(k);
+  p->v = varlen_ref(v);
+  return Status::ok();
+}
+
+/** lse: dense (batch, heads_q, seqlen_q), varlen (heads_q, total_q); fp32. */
+Status validate_lse(const fc_tensor* lse, const char* name, const fc_tensor* q, const AttentionParams& p,
+                    Extent* e) {
+  Status s;
+  const bool varlen = p.is_varlen();
+  if (!(s = check_tensor_basics(lse, name, varlen ? 2 : 3, e)).is_ok()) return s;
+  if (!(s = check_dtype(lse, name, FC_DTYPE_F32, "lse is float32")).is_ok()) return s;
+  if (!(s = check_same_device(lse, name, q, "q")).is_ok()) return s;
+  if (varlen) {
+    if (!(s = check_shape(lse, name, {p.heads_q, p.total_q}, "varlen lse is (heads_q, total_q)")).is_ok()) return s;
+  } else {
+    if (!(s = check_shape(lse, name, {p.batch, p.heads_q, p.seqlen_q}, "lse is (batch, heads_q, seqlen_q)")).is_ok())
+      return s;
+  }
+  return Status::ok();
+}
+
+LseRef lse_ref(const fc_tensor* lse, bool varlen) {
+  if (varlen) return {static_cast<float*>(lse->data), 0, lse->strides[0], lse->strides[1]};
+  return {static_cast<float*>(lse->data), lse->strides[0], lse->strides[1], lse->strides[2]};
+}
+
+Status validate_like(const fc_tensor* t, const char* name, const fc_tensor* ref, const char* ref_name,
+                     Extent* e) {
+  Status s;
+  if (!(s = check_tensor_basics(t, name, ref->ndim, e)).is_ok()) return s;
+  const std::string rule = std::string(name) + " must have " + ref_name + "'s shape";
+  if (!(s = check_shape(t, name, std::vector<int64_t>(ref->shape, ref->shape + ref->ndim), rule.c_str())).is_ok())
+    return s;
+  const std::string drule = std::string(name) + " must have " + ref_name + "'s dtype";
+  if (!(s = check_dtype(t, name, ref->dtype, drule.c_str())).is_ok()) return s;
+  return check_same_device(t, name, ref, ref_name);
+}
+
+TensorRef ref_of(const fc_tensor* t, bool varlen) { return varlen ? varlen_ref(t) : dense_ref(t); }
+
+}  // namespace
+
+Status validate_forward(const ForwardArgs& a, bool for_workspace_query, AttentionParams* p) {
+  Extent eq, ek, ev, eo, el;
+  Status s = validate_common(a.q, a.k, a.v, a.options, p, &eq, &ek, &ev);
+  if (!s.is_ok() || for_workspace_query) return s;
+  if (!(s = validate_like(a.out, "out", a.q, "q", &eo)).is_ok()) return s;
+  if (!(s = check_no_self_overlap(a.out, "out")).is_ok()) return s;
+  if (!(s = check_disjoint(a.out, eo, "out", a.q, eq, "q")).is_ok()) return s;
+  if (!(s = check_disjoint(a.out, eo, "out", a.k, ek, "k")).is_ok()) return s;
+  if (!(s = check_disjoint(a.out, eo, "out", a.v, ev, "v")).is_ok()) return s;
+  p->out = ref_of(a.out, p->is_varlen());
+  if (a.lse) {
+    if (!(s = validate_lse(a.lse, "lse", a.q, *p, &el)).is_ok()) return s;
+    if (!(s = check_no_self_overlap(a.lse, "lse")).is_ok()) return s;
+    if (!(s = check_disjoint(a.lse, el, "lse", a.q, eq, "q")).is_ok()) return s;
+    if (!(s = check_disjoint(a.lse, el, "lse", a.k, ek, "k")).is_ok()) return s;
+    if (!(s = check_disjoint(a.lse, el, "lse", a.v, ev, "v")).is_ok()) return s;
+    if (!(s = check_disjoint(a.lse, el, "lse", a.out, eo, "out")).is_ok()) return s;
+    p->lse = lse_ref(a.lse, p->is_varlen());
+  }
+  return Status::ok();
+}
+
+Status validate_backward(const BackwardArgs& a, bool for_workspace_query, BackwardParams* p) {
+  Extent eq, ek, ev, eo, el, edo, edq, edk, edv;
+  Status s = validate_common(a.q, a.k, a.v, a.options, p, &eq, &ek, &ev);
+  if (!s.is_ok() || for_workspace_query) return s;
+  const bool varlen = p->is_varlen();
+  if (!(s = validate_like(a.out, "out", a.q, "q", &eo)).is_ok()) return s;
+  if (!(s = validate_like(a.dout, "dout", a.q, "q", &edo)).is_ok()) return s;
+  if (a.lse == nullptr) return Status::invalid("lse: is null (backward needs the forward's lse)");
+  if (!(s = validate_lse(a.lse, "lse", a.q, *p, &el)).is_ok()) return s;
+  if (!(s = validate_like(a.dq, "dq", a.q, "q", &edq)).is_ok()) return s;
+  if (!(s = validate_like(a.dk, "dk", a.k, "k", &edk)).is_ok()) return s;
+  if (!(s = validate_like(a.dv, "dv", a.v, "v", &edv)).is_ok()) return s;
+  const fc_tensor* outs[] = {a.dq, a.dk, a.dv};
+  const Extent* eouts[] = {&edq, &edk, &edv};
+  const char* onames[] = {"dq", "dk", "dv"};
+  const fc_tensor* ins[] = {a.q, a.k, a.v, a.out, a.dout, a.lse};
+  const Extent* eins[] = {&eq, &ek, &ev, &eo, &edo, &el};
+  const char* inames[] = {"q", "k", "v", "out", "dout", "lse"};
+  for (int i = 0; i < 3; ++i) {
+    if (!(s = check_no_self_overlap(outs[i], onames[i])).is_ok()) return s;
+    for (int j = 0; j < 6; ++j)
+      if (!(s = check_disjoint(outs[i], *eouts[i], onames[i], ins[j], *eins[j], inames[j])).is_ok()) return s;
+    for (int j = 0; j < i; ++j)
+      if (!(s = check_disjoint(outs[i], *eouts[i], onames[i], outs[j], *eouts[j], onames[j])).is_ok()) return s;
+  }
+  p->out = ref_of(a.out, varlen);
+  p->dout = ref_of(a.dout, varlen);
+  p->lse = lse_ref(a.lse, varlen);
+  p->dq = ref_of(a.dq, varlen);
+  p->dk = ref_of(a.dk, varlen);
+  p->dv = ref_of(a.dv, varlen);
+  return Status::ok();
+}
+
+Status validate_for_backend(const AttentionParams& p, fc_backend backend, const fc_tensor* const* tensors,
+                            const char* const* names, int count) {
+  const bool cuda_backend = backend == FC_BACKEND_CUDA_SM80 || backend == FC_BACKEND_CUDA_SM90;
+  const char* bname = fc_backend_name(backend);
+  for (int i = 0; i < count; ++i) {
+    const fc_tensor* t = tensors[i];
+    if (t == nullptr) continue;
+    const bool on_cuda = t->device_type == FC_DEVICE_CUDA;
+    if (cuda_backend && !on_cuda)
+      return Status::invalid(std::string(names[i]) + ": is a cpu tensor but backend " + bname + " needs cuda tensors");
+    if (!cuda_backend && on_cuda)
+      return Status::invalid(std::string(names[i]) + ": is a cuda tensor but backend " + bname + " needs cpu tensors");
+  }
+  if (!cuda_backend) return Status::ok();
+  if (p.dtype != DType::F16 && p.dtype != DType::BF16)
+    return Status::unsupported(std::string("q: dtype float32 is not supported by backend ") + bname +
+                               " (CUDA backends take float16 or bfloat16)");
+  // Tensor-core tiles are moved in 16-byte vectors: rows and pointers must be 16-byte aligned.
+  constexpr int64_t kVecElems = 8;
+  for (int i = 0; i < count; ++i) {
+    const fc_tensor* t = tensors[i];
+    if (t == nullptr || t->dtype == FC_DTYPE_I32 || t->dtype == FC_DTYPE_F32) continue;
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0)
+      return Status::invalid(std::string(names[i]) + ": data pointer is not 16-byte aligned (needed by " + bname + ")");
+    for (int d = 0; d + 1 < t->ndim; ++d) {
+      if (t->shape[d] > 1 && t->strides[d] % kVecElems != 0)
+        return Status::invalid(std::string(names[i]) + ": stride " + std::to_string(t->strides[d]) + " of dimension " +
+                               std::to_string(d) + " is not a multiple of 8 elements (16 bytes, needed by " +
+                               bname + ")");
+    }
+  }
+  if (p.head_dim % kVecElems != 0)
+    return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) + " is not a multiple of 8 (needed by " +
+                               bname + "; the CPU backends take any head_dim)");
+  return Status::ok();
+}
+
+}  // namespace flashcore

@@ -1,0 +1,524 @@
+// Shared building blocks of the fast CPU backend (flash_forward.cpp, flash_backward.cpp).
+//
+// - Simd: a thin wrapper over one float vector type, chosen at compile time: AVX-512 when
+//   __AVX512F__, AVX2+FMA when __AVX2__ && __FMA__, else a portable scalar emulation. Everything
+//   else here is written once against that wrapper.
+// - vexp / vtanh: vectorized exp (Cephes-style range reduction + degree-5 polynomial, ~1-2 ulp)
+//   and tanh (odd polynomial near 0, exp-based elsewhere) for softmax and softcap.
+// - load_row / store_row: one row of fp16 / bf16 / fp32 to fp32 and back (round to nearest even).
+// - gemm_bcast: the one register-blocked micro-kernel family both directions are built from:
+//   C[i][j..j+W) (+)= sum_k A(i, k) * B[k][j..j+W), A read by scalar broadcast through two
+//   strides (so the same code serves A and A^T), B and C read as vectors along j.
+// - AlignedFloats (64-byte aligned scratch) and run_workers (std::thread pool for one call with a
+//   shared atomic task counter; results never depend on which thread ran a task).
+// Compiled with -O3 -march=native (CMakeLists sets it for the two .cpp files that include this).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+// GCC 12 reports its own _mm512_undefined_ps() placeholders as maybe-uninitialized once the
+// intrinsics are inlined (GCC bug 105593); the warning points into the header, so silence it there.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+#include "api/params.hpp"
+#include "api/status.hpp"
+
+namespace flashcore {
+namespace cpu {
+namespace flash_detail {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// Simd: one float vector type and the handful of operations the kernels need.
+// ---------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+struct Simd {
+  using F = __m512;
+  using Mask = __mmask16;
+  static constexpr int kWidth = 16;
+  static constexpr const char* kName = "avx512";
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F iota() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+  static Mask lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static Mask le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static Mask eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static Mask both(Mask a, Mask b) { return static_cast<Mask>(a & b); }
+  static F select(Mask m, F if_true, F if_false) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+  static F round_nearest(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F times_pow2(F x, F n) { return _mm512_scalef_ps(x, n); }  // x * 2^n, n integral
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Simd {
+  using F = __m256;
+  using Mask = __m256;  // all-ones / all-zeros lanes
+  static constexpr int kWidth = 8;
+  static constexpr const char* kName = "avx2";
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F iota() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static Mask lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static Mask le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  static Mask eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static Mask both(Mask a, Mask b) { return _mm256_and_ps(a, b); }
+  static F select(Mask m, F if_true, F if_false) { return _mm256_blendv_ps(if_false, if_true, m); }
+  static F round_nearest(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F times_pow2(F x, F n) {  // n in [-126, 127]: build 2^n from its exponent bits
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+  }
+  static float reduce_add(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+// Portable fallback: a fixed-size array the compiler may vectorize on its own.
+struct Simd {
+  static constexpr int kWidth = 4;
+  static constexpr const char* kName = "scalar";
+  struct F { float v[kWidth]; };
+  struct Mask { bool v[kWidth]; };
+  template <class Op> static F map(F a, F b, Op op) { F r; for (int i = 0; i < kWidth; ++i) r.v[i] = op(a.v[i], b.v[i]); return r; }
+  static F load(const float* p) { F r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  static void store(float* p, F v) { std::memcpy(p, v.v, sizeof(v.v)); }
+  static F set1(float x) { F r; for (float& e : r.v) e = x; return r; }
+  static F zero() { return set1(0.f); }
+  static F iota() { F r; for (int i = 0; i < kWidth; ++i) r.v[i] = static_cast<float>(i); return r; }
+  static F add(F a, F b) { return map(a, b, [](float x, float y) { return x + y; }); }
+  static F sub(F a, F b) { return map(a, b, [](float x, float y) { return x - y; }); }
+  static F mul(F a, F b) { return map(a, b, [](float x, float y) { return x * y; }); }
+  static F div(F a, F b) { return map(a, b, [](float x, float y) { return x / y; }); }
+  static F max(F a, F b) { return map(a, b, [](float x, float y) { return x > y ? x : y; }); }
+  static F min(F a, F b) { return map(a, b, [](float x, float y) { return x < y ? x : y; }); }
+  static F fma(F a, F b, F c) { F r; for (int i = 0; i < kWidth; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r; }
+  static Mask lt(F a, F b) { Mask m; for (int i = 0; i < kWidth; ++i) m.v[i] = a.v[i] < b.v[i]; return m; }
+  static Mask le(F a, F b) { Mask m; for (int i = 0; i < kWidth; ++i) m.v[i] = a.v[i] <= b.v[i]; return m; }
+  static Mask eq(F a, F b) { Mask m; for (int i = 0; i < kWidth; ++i) m.v[i] = a.v[i] == b.v[i]; return m; }
+  static Mask both(Mask a, Mask b) { Mask m; for (int i = 0; i < kWidth; ++i) m.v[i] = a.v[i] && b.v[i]; return m; }
+  static F select(Mask m, F t, F f) { F r; for (int i = 0; i < kWidth; ++i) r.v[i] = m.v[i] ? t.v[i] : f.v[i]; return r; }
+  static F round_nearest(F x) { F r; for (int i = 0; i < kWidth; ++i) r.v[i] = std::nearbyint(x.v[i]); return r; }
+  static F times_pow2(F x, F n) { F r; for (int i = 0; i < kWidth; ++i) r.v[i] = std::ldexp(x.v[i], static_cast<int>(n.v[i])); return r; }
+  static float reduce_add(F v) { float s = 0.f; for (float e : v.v) s += e; return s; }
+};
+#endif
+
+using Vec = Simd::F;
+constexpr int kSimdWidth = Simd::kWidth;
+
+inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+// ---------------------------------------------------------------------------------------------
+// Vectorized exp and tanh.
+// ---------------------------------------------------------------------------------------------
+struct ExpConstants {
+  // Inputs below ln(FLT_MIN) give 0 (flushing the subnormal range keeps exp(-inf) exactly 0);
+  // the upper clamp keeps 2^n inside the normal exponent range (n <= 127).
+  static constexpr float kMinInput = -87.3365447505f;
+  static constexpr float kMaxInput = 88.0f;
+  static constexpr float kLog2e = 1.44269504088896341f;
+  // ln 2 split in two (Cody-Waite) so r = x - n ln2 is exact to ~2^-32.
+  static constexpr float kLn2Hi = 0.693359375f;
+  static constexpr float kLn2Lo = -2.12194440e-4f;
+  // exp(r) ~ 1 + r + r^2 * P(r) on |r| <= ln2 / 2 (minimax, Cephes expf).
+  static constexpr float kP0 = 1.9875691500e-4f;
+  static constexpr float kP1 = 1.3981999507e-3f;
+  static constexpr float kP2 = 8.3334519073e-3f;
+  static constexpr float kP3 = 4.1665795894e-2f;
+  static constexpr float kP4 = 1.6666665459e-1f;
+  static constexpr float kP5 = 5.0000001201e-1f;
+};
+
+inline Vec vexp(Vec x) {
+  using C = ExpConstants;
+  const Vec clamped = Simd::min(Simd::max(x, Simd::set1(C::kMinInput)), Simd::set1(C::kMaxInput));
+  const Vec n = Simd::round_nearest(Simd::mul(clamped, Simd::set1(C::kLog2e)));
+  Vec r = Simd::fma(n, Simd::set1(-C::kLn2Hi), clamped);
+  r = Simd::fma(n, Simd::set1(-C::kLn2Lo), r);
+  Vec poly = Simd::set1(C::kP0);
+  poly = Simd::fma(poly, r, Simd::set1(C::kP1));
+  poly = Simd::fma(poly, r, Simd::set1(C::kP2));
+  poly = Simd::fma(poly, r, Simd::set1(C::kP3));
+  poly = Simd::fma(poly, r, Simd::set1(C::kP4));
+  poly = Simd::fma(poly, r, Simd::set1(C::kP5));
+  const Vec y = Simd::fma(poly, Simd::mul(r, r), Simd::add(r, Simd::set1(1.f)));
+  return Simd::select(Simd::lt(x, Simd::set1(C::kMinInput)), Simd::zero(), Simd::times_pow2(y, n));
+}
+
+struct TanhConstants {
+  // Below this |x| an odd polynomial avoids the cancellation of 1 - 2 / (exp(2x) + 1).
+  static constexpr float kPolyLimit = 0.625f;
+  // tanh(x) ~ x + x^3 * Q(x^2) (Cephes tanhf).
+  static constexpr float kQ0 = -5.70498872745e-3f;
+  static constexpr float kQ1 = 2.06390887954e-2f;
+  static constexpr float kQ2 = -5.37397155531e-2f;
+  static constexpr float kQ3 = 1.33314422036e-1f;
+  static constexpr float kQ4 = -3.33332819422e-1f;
+};
+
+inline Vec vtanh(Vec x) {
+  using C = TanhConstants;
+  const Vec one = Simd::set1(1.f);
+  const Vec abs_x = Simd::max(x, Simd::sub(Simd::zero(), x));
+  const Vec e = vexp(Simd::add(abs_x, abs_x));
+  const Vec big = Simd::sub(one, Simd::div(Simd::set1(2.f), Simd::add(e, one)));
+  const Vec signed_big = Simd::select(Simd::lt(x, Simd::zero()), Simd::sub(Simd::zero(), big), big);
+  const Vec z = Simd::mul(x, x);
+  Vec q = Simd::set1(C::kQ0);
+  q = Simd::fma(q, z, Simd::set1(C::kQ1));
+  q = Simd::fma(q, z, Simd::set1(C::kQ2));
+  q = Simd::fma(q, z, Simd::set1(C::kQ3));
+  q = Simd::fma(q, z, Simd::set1(C::kQ4));
+  const Vec small = Simd::fma(Simd::mul(q, z), x, x);
+  return Simd::select(Simd::lt(abs_x, Simd::set1(C::kPolyLimit)), small, signed_big);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element conversion (fp16 / bf16 <-> fp32, round to nearest even).
+// ---------------------------------------------------------------------------------------------
+inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, sizeof u); return u; }
+inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, sizeof f); return f; }
+
+struct HalfBits {
+  static constexpr uint32_t kSign = 0x8000u;
+  static constexpr uint32_t kExpMask = 0x1fu;
+  static constexpr int kMantBits = 10;
+  static constexpr uint32_t kMantMask = 0x3ffu;
+  static constexpr int kExpRebias = 127 - 15;        // float exponent bias minus half's
+  static constexpr float kSubnormalUnit = 5.9604644775390625e-8f;  // 2^-24
+  static constexpr uint32_t kInf = 0x7c00u;
+  static constexpr uint32_t kQuietNan = 0x7e00u;
+  static constexpr uint32_t kFloatInf = 0x7f800000u;
+  static constexpr uint32_t kFirstOverflow = 0x477ff000u;   // 65520 rounds to inf
+  static constexpr uint32_t kSmallestNormal = 0x38800000u;  // 2^-14
+  static constexpr float kSubnormalMagic = 0.5f;  // ulp(0.5f) == 2^-24 == half's subnormal unit
+  static constexpr int kMantShift = 23 - kMantBits;
+};
+
+inline float half_to_float(uint16_t h) {
+  using H = HalfBits;
+  const uint32_t sign = (static_cast<uint32_t>(h) & H::kSign) << 16;
+  const uint32_t exponent = (h >> H::kMantBits) & H::kExpMask;
+  const uint32_t mantissa = h & H::kMantMask;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24 is exact in float
+    return bits_float(sign | float_bits(static_cast<float>(mantissa) * H::kSubnormalUnit));
+  }
+  if (exponent == H::kExpMask) return bits_float(sign | H::kFloatInf | (mantissa << H::kMantShift));
+  return bits_float(sign | ((exponent + H::kExpRebias) << 23) | (mantissa << H::kMantShift));
+}
+
+inline uint16_t float_to_half(float f) {
+  using H = HalfBits;
+  const uint32_t x = float_bits(f);
+  const uint32_t sign = (x >> 16) & H::kSign;
+  uint32_t magnitude = x & 0x7fffffffu;
+  if (magnitude >= H::kFloatInf) return static_cast<uint16_t>(sign | (magnitude > H::kFloatInf ? H::kQuietNan : H::kInf));
+  if (magnitude >= H::kFirstOverflow) return static_cast<uint16_t>(sign | H::kInf);
+  if (magnitude < H::kSmallestNormal) {
+    // Adding 0.5 lets the float adder round to a multiple of 2^-24 (nearest even) for us.
+    const float shifted = bits_float(magnitude) + H::kSubnormalMagic;
+    return static_cast<uint16_t>(sign | (float_bits(shifted) - float_bits(H::kSubnormalMagic)));
+  }
+  // Normal: rebias the exponent and round the 13 dropped mantissa bits to nearest even.
+  const uint32_t odd = (magnitude >> H::kMantShift) & 1u;
+  const uint32_t half_ulp_minus_one = (1u << (H::kMantShift - 1)) - 1u;
+  magnitude += half_ulp_minus_one + odd - (static_cast<uint32_t>(H::kExpRebias) << 23);
+  return static_cast<uint16_t>(sign | (magnitude >> H::kMantShift));
+}
+
+inline float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > HalfBits::kFloatInf) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  const uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>((x + rounding) >> 16);
+}
+
+/** Reads n elements of `dtype` at src as fp32 into dst. */
+inline void load_row(DType dtype, const void* src, int64_t n, float* dst) {
+  if (dtype == DType::F32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  } else if (dtype == DType::F16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    int64_t i = 0;
+#if defined(__F16C__)
+    constexpr int kLanes = 8;
+    for (; i + kLanes <= n; i += kLanes) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = half_to_float(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+  }
+}
+
+/** Writes n fp32 values as `dtype` (round to nearest even) at dst. */
+inline void store_row(DType dtype, const float* src, int64_t n, void* dst) {
+  if (dtype == DType::F32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  } else if (dtype == DType::F16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    int64_t i = 0;
+#if defined(__F16C__)
+    constexpr int kLanes = 8;
+    for (; i + kLanes <= n; i += kLanes) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < n; ++i) d[i] = float_to_half(src[i]);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+  }
+}
+
+/** Address of element (b, row, h, 0) of a tensor of `dtype`. */
+inline const void* element_ptr(const TensorRef& t, DType dtype, int64_t b, int64_t row, int64_t h) {
+  return static_cast<const char*>(t.data) + offset_of(t, b, row, h) * static_cast<int64_t>(dtype_size(dtype));
+}
+inline void* element_ptr_mut(const TensorRef& t, DType dtype, int64_t b, int64_t row, int64_t h) {
+  return static_cast<char*>(t.data) + offset_of(t, b, row, h) * static_cast<int64_t>(dtype_size(dtype));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scratch memory.
+// ---------------------------------------------------------------------------------------------
+/** A growable, 64-byte aligned float array; contents are not preserved by reserve(). */
+class AlignedFloats {
+ public:
+  static constexpr size_t kAlignment = 64;
+  AlignedFloats() = default;
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  ~AlignedFloats() { release(); }
+  float* reserve(int64_t count) {
+    if (count > capacity_) {
+      release();
+      data_ = static_cast<float*>(::operator new[](static_cast<size_t>(count) * sizeof(float), std::align_val_t(kAlignment)));
+      capacity_ = count;
+    }
+    return data_;
+  }
+  float* data() const { return data_; }
+
+ private:
+  void release() {
+    if (data_) ::operator delete[](data_, std::align_val_t(kAlignment));
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+  float* data_ = nullptr;
+  int64_t capacity_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Register-blocked micro-kernels: C[i][j] (+)= sum_k A(i, k) * B[k][j], j vectorized.
+// ---------------------------------------------------------------------------------------------
+enum class Accumulate {
+  kOverwrite,   // C = A B
+  kAdd,         // C += A B
+  kScaleAdd,    // C = C * col_scale[j] + A B   (the online-softmax rescale, folded in)
+};
+
+struct GemmTraits {
+  // Accumulator tile: kRows rows x kVecs vectors. AVX-512: 6 x 4 = 24 of 32 zmm registers,
+  // leaving room for the B vectors and one broadcast. Narrower ISAs have 16 registers.
+#if defined(__AVX512F__)
+  static constexpr int kRows = 6;
+  static constexpr int kVecs = 4;
+#else
+  static constexpr int kRows = 4;
+  static constexpr int kVecs = 2;
+#endif
+};
+
+/** One R x V-vector tile. A(i, k) = a[i * a_row + k * a_k]. */
+template <int R, int V, Accumulate kMode>
+inline void gemm_micro(const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb, float* c,
+                       int64_t ldc, int64_t depth, const float* col_scale) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = Simd::zero();
+  for (int64_t k = 0; k < depth; ++k) {
+    const float* b_k = b + k * ldb;
+    const float* a_k_ptr = a + k * a_k;
+    Vec bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = Simd::load(b_k + v * kSimdWidth);
+    for (int r = 0; r < R; ++r) {
+      const Vec ar = Simd::set1(a_k_ptr[r * a_row]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Simd::fma(ar, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* c_r = c + r * ldc;
+    for (int v = 0; v < V; ++v) {
+      float* dst = c_r + v * kSimdWidth;
+      if (kMode == Accumulate::kOverwrite) {
+        Simd::store(dst, acc[r][v]);
+      } else if (kMode == Accumulate::kAdd) {
+        Simd::store(dst, Simd::add(Simd::load(dst), acc[r][v]));
+      } else {
+        Simd::store(dst, Simd::fma(Simd::load(dst), Simd::load(col_scale + v * kSimdWidth), acc[r][v]));
+      }
+    }
+  }
+}
+
+template <int V, Accumulate kMode>
+inline void gemm_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
+                      float* c, int64_t ldc, int64_t depth, const float* col_scale) {
+  constexpr int kR = GemmTraits::kRows;
+  int64_t i = 0;
+  for (; i + kR <= rows; i += kR) {
+    gemm_micro<kR, V, kMode>(a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc, depth, col_scale);
+  }
+  const int rest = static_cast<int>(rows - i);
+  const float* a_i = a + i * a_row;
+  float* c_i = c + i * ldc;
+  static_assert(kR <= 8, "extend the remainder switch");
+  switch (rest) {
+    case 1: gemm_micro<1, V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 2: gemm_micro<(kR > 2 ? 2 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 3: gemm_micro<(kR > 3 ? 3 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 4: gemm_micro<(kR > 4 ? 4 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 5: gemm_micro<(kR > 5 ? 5 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 6: gemm_micro<(kR > 6 ? 6 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 7: gemm_micro<(kR > 7 ? 7 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    default: break;
+  }
+}
+
+/** C[rows x cols] (+)= A[rows x depth] * B[depth x cols]; cols must be a multiple of kSimdWidth.
+ *  A(i, k) = a[i * a_row + k * a_k]: (a_row = lda, a_k = 1) reads A, (1, lda) reads A^T.
+ *  col_scale (kScaleAdd only) has cols entries. */
+template <Accumulate kMode>
+inline void gemm_bcast(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_row, int64_t a_k,
+                       const float* b, int64_t ldb, float* c, int64_t ldc, const float* col_scale = nullptr) {
+  constexpr int kV = GemmTraits::kVecs;
+  const int64_t vectors = cols / kSimdWidth;
+  int64_t v = 0;
+  for (; v + kV <= vectors; v += kV) {
+    const int64_t j = v * kSimdWidth;
+    gemm_rows<kV, kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, col_scale ? col_scale + j : nullptr);
+  }
+  const int64_t j = v * kSimdWidth;
+  const float* scale_j = col_scale ? col_scale + j : nullptr;
+  static_assert(kV <= 4, "extend the remainder switch");
+  switch (vectors - v) {
+    case 1: gemm_rows<1, kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, scale_j); break;
+    case 2: gemm_rows<(kV > 2 ? 2 : 1), kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, scale_j); break;
+    case 3: gemm_rows<(kV > 3 ? 3 : 1), kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, scale_j); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threads.
+// ---------------------------------------------------------------------------------------------
+/** Hands out task ids 0..count-1, each exactly once, to whichever worker asks first. */
+class TaskQueue {
+ public:
+  explicit TaskQueue(int64_t count) : count_(count) {}
+  /** Next task id, or -1 when all are taken. */
+  int64_t next() {
+    const int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
+    return t < count_ ? t : -1;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  int64_t count_;
+};
+
+inline int resolve_thread_count(int requested) {
+  if (requested > 0) return requested;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+/** Runs worker(queue) on up to `requested_threads` threads (the caller's thread is one of them)
+ *  until the queue is drained. Each worker owns its scratch; outputs must depend only on the task,
+ *  so results are identical whatever the thread count or timing. Exceptions become a Status. */
+template <class Worker>
+Status run_workers(int64_t num_tasks, int requested_threads, Worker&& worker) {
+  if (num_tasks <= 0) return Status::ok();
+  const int64_t threads = std::min<int64_t>(resolve_thread_count(requested_threads), num_tasks);
+  TaskQueue queue(num_tasks);
+  std::atomic<bool> failed{false};
+  std::string failure;
+  std::atomic_flag failure_lock = ATOMIC_FLAG_INIT;
+  auto record = [&](const char* what) {
+    if (!failure_lock.test_and_set()) failure = what;
+    failed.store(true);
+  };
+  auto guarded = [&]() {
+    try {
+      worker(queue);
+    } catch (const std::bad_alloc&) {
+      record("cpu_flash: out of host memory for scratch buffers");
+    } catch (const std::exception& e) {
+      record(e.what());
+    }
+  };
+  std::vector<std::thread> pool;
+  try {
+    pool.reserve(static_cast<size_t>(threads - 1));
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(guarded);
+  } catch (const std::exception&) {
+    // Could not start every thread: the ones running (and this one) drain the queue anyway.
+  }
+  guarded();
+  for (std::thread& t : pool) t.join();
+  if (failed.load()) return Status::internal(failure);
+  return Status::ok();
+}
+
+}  // namespace flash_detail
+}  // namespace cpu
+}  // namespace flashcore

@@ -1,0 +1,376 @@
+// cpu_flash backward: FlashAttention-2 gradients by recomputation, fp32 accumulation.
+//
+// Work split: one task per (batch, query head). Inside a task the FA2 loop order is kept: for
+// each key block (its K^T, V^T tiles packed once), for each query block that can see it:
+//   S = Q K^T, P = exp(scale * S - lse)   (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
+//   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
+//   dK^T += Q^T dS      dQ += dS K       (scale applied once when dK and dQ are written)
+// with D_i = rowsum(dO_i * O_i) computed first. The task owns its query head, so dQ accumulates
+// in a per-thread fp32 buffer [seqlen_q x D] with no sharing; dK/dV of a key block are complete
+// when the block's loop ends. With GQA several tasks feed one KV head: each writes fp32 partial
+// dK/dV for its own query head, and a second pass sums the group's partials in head order.
+// Every sum therefore runs in a fixed order: results are bit-identical run to run and for any
+// thread count, without locks or atomics on data.
+//
+// Tiles are [rows x keys] with keys along the SIMD lanes (64 keys = 4 AVX-512 vectors); all five
+// products are the gemm_bcast micro-kernel of cpu_common.hpp with different operand strides.
+// Relies on: cpu_common.hpp, params.hpp (seq_info, offset_of), mask.hpp (keys_for_row(s)).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "cpu/cpu_common.hpp"
+
+namespace flashcore {
+namespace cpu {
+namespace {
+
+using namespace flash_detail;
+
+struct BackwardTraits {
+  static constexpr int64_t kBlockKeys = 64;   // keys per tile (a multiple of kSimdWidth)
+  static constexpr int64_t kBlockRows = 64;   // query rows per tile
+  static constexpr int64_t kReduceRows = 256; // key rows per task of the GQA reduction pass
+  static_assert(kBlockKeys % kSimdWidth == 0, "key block must fill whole vectors");
+};
+
+struct BackwardTask {
+  int64_t batch;
+  int64_t head;  // query head
+  int64_t cost;
+};
+
+/** Q or dO of one (batch, head) as fp32 rows: the input itself for fp32, else a converted copy. */
+struct RowTile {
+  const float* data;
+  int64_t row_stride;
+};
+
+/** Per-thread buffers; the per-head ones are sized for the longest sequence. */
+struct BackwardScratch {
+  AlignedFloats q_rows, dout_rows;  // [seqlen_q x D] (fp16/bf16 inputs only)
+  AlignedFloats dq_acc;             // [seqlen_q x D_pad]
+  AlignedFloats delta, lse;         // [seqlen_q]
+  AlignedFloats k_t, v_t;           // [D x N]
+  AlignedFloats k_rows;             // [N x D_pad], zero padded columns
+  AlignedFloats dk_t, dv_t;         // [D x N]
+  AlignedFloats probs, dscores, tanh_grad;  // [M x N]
+  AlignedFloats row_a, row_b;       // [D_pad]
+
+  void reserve(int64_t max_seqlen_q, int64_t head_dim) {
+    const int64_t n = BackwardTraits::kBlockKeys, m = BackwardTraits::kBlockRows;
+    const int64_t d_pad = round_up(head_dim, kSimdWidth);
+    const int64_t rows = std::max<int64_t>(max_seqlen_q, 1);
+    q_rows.reserve(rows * head_dim);
+    dout_rows.reserve(rows * head_dim);
+    dq_acc.reserve(rows * d_pad);
+    delta.reserve(rows);
+    lse.reserve(rows);
+    for (AlignedFloats* a : {&k_t, &v_t, &dk_t, &dv_t}) a->reserve(head_dim * n);
+    k_rows.reserve(n * d_pad);
+    for (AlignedFloats* a : {&probs, &dscores, &tanh_grad}) a->reserve(m * n);
+    row_a.reserve(d_pad);
+    row_b.reserve(d_pad);
+  }
+};
+
+/** fp32 partial dK / dV per query head, [heads_q][key row][D], used when heads_q > heads_kv. */
+struct GqaPartials {
+  std::vector<float> dk, dv;
+  int64_t rows = 0;  // key rows per head: batch * seqlen_k (dense) or total packed keys (varlen)
+
+  int64_t row_index(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t key) const {
+    return p.is_varlen() ? s.k_start + key : b * p.seqlen_k + key;
+  }
+  float* dk_row(const AttentionParams& p, int64_t head, int64_t row) { return dk.data() + (head * rows + row) * p.head_dim; }
+  float* dv_row(const AttentionParams& p, int64_t head, int64_t row) { return dv.data() + (head * rows + row) * p.head_dim; }
+};
+
+class BackwardTaskRunner {
+ public:
+  BackwardTaskRunner(const BackwardParams& p, BackwardScratch& scratch, GqaPartials* partials)
+      : p_(p), w_(scratch), partials_(partials), d_pad_(round_up(p.head_dim, kSimdWidth)) {}
+
+  void run(const BackwardTask& task) {
+    b_ = task.batch;
+    head_ = task.head;
+    kv_head_ = task.head / p_.group_size();
+    seq_ = seq_info(p_, b_);
+    const MaskInfo mask = mask_info(p_, seq_);
+    q_ = load_head_rows(p_.q, w_.q_rows);
+    dout_ = load_head_rows(p_.dout, w_.dout_rows);
+    compute_delta_and_lse();
+    std::fill(w_.dq_acc.data(), w_.dq_acc.data() + seq_.seqlen_q * d_pad_, 0.f);
+
+    constexpr int64_t kN = BackwardTraits::kBlockKeys, kM = BackwardTraits::kBlockRows;
+    for (int64_t n0 = 0; n0 < seq_.seqlen_k; n0 += kN) {
+      const int64_t n_valid = std::min(kN, seq_.seqlen_k - n0);
+      pack_keys(n0, n_valid);
+      bool have_grads = false;
+      for (int64_t m0 = 0; m0 < seq_.seqlen_q; m0 += kM) {
+        const int64_t m_valid = std::min(kM, seq_.seqlen_q - m0);
+        const KeyRange keys = mask.keys_for_rows(m0, m0 + m_valid);
+        if (keys.empty() || keys.end <= n0 || keys.begin >= n0 + n_valid) continue;
+        process_block(mask, m0, m_valid, n0, n_valid, /*first=*/!have_grads);
+        have_grads = true;
+      }
+      write_key_grads(n0, n_valid, have_grads);
+    }
+    write_dq();
+  }
+
+ private:
+  RowTile load_head_rows(const TensorRef& t, AlignedFloats& buffer) {
+    if (p_.dtype == DType::F32) {
+      return {static_cast<const float*>(element_ptr(t, p_.dtype, b_, seq_.q_start, head_)), t.row_stride};
+    }
+    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
+      load_row(p_.dtype, element_ptr(t, p_.dtype, b_, seq_.q_start + i, head_), p_.head_dim,
+               buffer.data() + i * p_.head_dim);
+    }
+    return {buffer.data(), p_.head_dim};
+  }
+
+  /** D_i = dO_i . O_i (fp32), and the forward's lse of each row. */
+  void compute_delta_and_lse() {
+    float* out_row = w_.row_a.data();
+    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
+      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, seq_.q_start + i, head_), p_.head_dim, out_row);
+      const float* dout_row = dout_.data + i * dout_.row_stride;
+      float dot = 0.f;
+      for (int64_t d = 0; d < p_.head_dim; ++d) dot += dout_row[d] * out_row[d];
+      w_.delta.data()[i] = dot;
+      w_.lse.data()[i] =
+          p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + (seq_.q_start + i) * p_.lse.row_stride];
+    }
+  }
+
+  /** K^T and V^T [D x N] (zero past n_valid) and K rows [N x D_pad] (zero past D). */
+  void pack_keys(int64_t n0, int64_t n_valid) {
+    constexpr int64_t kN = BackwardTraits::kBlockKeys;
+    const int64_t head_dim = p_.head_dim;
+    float* k_t = w_.k_t.data();
+    float* v_t = w_.v_t.data();
+    float* v_row = w_.row_b.data();
+    for (int64_t n = 0; n < n_valid; ++n) {
+      float* k_row = w_.k_rows.data() + n * d_pad_;
+      load_row(p_.dtype, element_ptr(p_.k, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, k_row);
+      std::fill(k_row + head_dim, k_row + d_pad_, 0.f);
+      load_row(p_.dtype, element_ptr(p_.v, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, v_row);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        k_t[d * kN + n] = k_row[d];
+        v_t[d * kN + n] = v_row[d];
+      }
+    }
+    for (int64_t d = 0; d < head_dim; ++d) {
+      std::fill(k_t + d * kN + n_valid, k_t + (d + 1) * kN, 0.f);
+      std::fill(v_t + d * kN + n_valid, v_t + (d + 1) * kN, 0.f);
+    }
+  }
+
+  void process_block(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid, bool first) {
+    constexpr int64_t kN = BackwardTraits::kBlockKeys;
+    const int64_t head_dim = p_.head_dim;
+    const float* q = q_.data + m0 * q_.row_stride;
+    const float* dout = dout_.data + m0 * dout_.row_stride;
+    float* probs = w_.probs.data();
+    float* dscores = w_.dscores.data();
+    // S = Q K^T, then P in place.
+    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, q, q_.row_stride, 1, w_.k_t.data(), kN, probs, kN);
+    probabilities(mask, m0, m_valid, n0, n_valid);
+    // dV^T += dO^T P
+    if (first) {
+      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, dout, 1, dout_.row_stride, probs, kN, w_.dv_t.data(), kN);
+    } else {
+      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, dout, 1, dout_.row_stride, probs, kN, w_.dv_t.data(), kN);
+    }
+    // dP = dO V^T, then dS in place.
+    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, dout, dout_.row_stride, 1, w_.v_t.data(), kN, dscores, kN);
+    score_gradients(m0, m_valid);
+    // dK^T += Q^T dS
+    if (first) {
+      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, q, 1, q_.row_stride, dscores, kN, w_.dk_t.data(), kN);
+    } else {
+      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, q, 1, q_.row_stride, dscores, kN, w_.dk_t.data(), kN);
+    }
+    // dQ += dS K
+    gemm_bcast<Accumulate::kAdd>(m_valid, d_pad_, n_valid, dscores, kN, 1, w_.k_rows.data(), d_pad_,
+                                 w_.dq_acc.data() + m0 * d_pad_, d_pad_);
+  }
+
+  /** probs[r][j] = exp(s - lse) for allowed keys, else 0; under softcap also tanh' = 1 - t^2. */
+  void probabilities(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid) {
+    constexpr int64_t kN = BackwardTraits::kBlockKeys;
+    const bool capped = p_.softcap > 0.f;
+    const Vec scale = Simd::set1(p_.softmax_scale);
+    const Vec cap = Simd::set1(p_.softcap);
+    const Vec inv_cap = Simd::set1(capped ? 1.f / p_.softcap : 0.f);
+    const Vec one = Simd::set1(1.f);
+    for (int64_t r = 0; r < m_valid; ++r) {
+      const int64_t row = m0 + r;
+      float* s = w_.probs.data() + r * kN;
+      float* tanh_grad = w_.tanh_grad.data() + r * kN;
+      const float lse = w_.lse.data()[row];
+      if (lse == kNegInf) {  // fully masked row: contributes nothing
+        std::fill(s, s + kN, 0.f);
+        if (capped) std::fill(tanh_grad, tanh_grad + kN, 0.f);
+        continue;
+      }
+      const KeyRange keys = mask.keys_for_row(row);
+      const Vec lo = Simd::set1(static_cast<float>(std::clamp<int64_t>(keys.begin - n0, 0, n_valid)));
+      const Vec hi = Simd::set1(static_cast<float>(std::clamp<int64_t>(keys.end - n0, 0, n_valid)));
+      const Vec row_lse = Simd::set1(lse);
+      Vec key = Simd::iota();
+      const Vec step = Simd::set1(static_cast<float>(kSimdWidth));
+      for (int64_t j = 0; j < kN; j += kSimdWidth, key = Simd::add(key, step)) {
+        Vec x = Simd::mul(Simd::load(s + j), scale);
+        if (capped) {
+          const Vec t = vtanh(Simd::mul(x, inv_cap));
+          x = Simd::mul(cap, t);
+          Simd::store(tanh_grad + j, Simd::sub(one, Simd::mul(t, t)));
+        }
+        const Vec prob = vexp(Simd::sub(x, row_lse));
+        Simd::store(s + j, Simd::select(Simd::both(Simd::le(lo, key), Simd::lt(key, hi)), prob, Simd::zero()));
+      }
+    }
+  }
+
+  /** dS = P * (dP - D_i), times tanh' under softcap (scale is applied when dK / dQ are written). */
+  void score_gradients(int64_t m0, int64_t m_valid) {
+    constexpr int64_t kN = BackwardTraits::kBlockKeys;
+    const bool capped = p_.softcap > 0.f;
+    for (int64_t r = 0; r < m_valid; ++r) {
+      const float* prob = w_.probs.data() + r * kN;
+      const float* tanh_grad = w_.tanh_grad.data() + r * kN;
+      float* ds = w_.dscores.data() + r * kN;
+      const Vec delta = Simd::set1(w_.delta.data()[m0 + r]);
+      for (int64_t j = 0; j < kN; j += kSimdWidth) {
+        Vec g = Simd::mul(Simd::load(prob + j), Simd::sub(Simd::load(ds + j), delta));
+        if (capped) g = Simd::mul(g, Simd::load(tanh_grad + j));
+        Simd::store(ds + j, g);
+      }
+    }
+  }
+
+  /** dK = scale * (dK^T)^T and dV rows of the block: to the outputs, or to this head's partials. */
+  void write_key_grads(int64_t n0, int64_t n_valid, bool have_grads) {
+    constexpr int64_t kN = BackwardTraits::kBlockKeys;
+    const int64_t head_dim = p_.head_dim;
+    float* dk_row = w_.row_a.data();
+    float* dv_row = w_.row_b.data();
+    for (int64_t n = 0; n < n_valid; ++n) {
+      const int64_t key = n0 + n;
+      if (partials_) {
+        const int64_t row = partials_->row_index(p_, b_, seq_, key);
+        dk_row = partials_->dk_row(p_, head_, row);
+        dv_row = partials_->dv_row(p_, head_, row);
+      }
+      for (int64_t d = 0; d < head_dim; ++d) {
+        dk_row[d] = have_grads ? w_.dk_t.data()[d * kN + n] * p_.softmax_scale : 0.f;
+        dv_row[d] = have_grads ? w_.dv_t.data()[d * kN + n] : 0.f;
+      }
+      if (!partials_) {
+        store_row(p_.dtype, dk_row, head_dim, element_ptr_mut(p_.dk, p_.dtype, b_, seq_.k_start + key, kv_head_));
+        store_row(p_.dtype, dv_row, head_dim, element_ptr_mut(p_.dv, p_.dtype, b_, seq_.k_start + key, kv_head_));
+      }
+    }
+  }
+
+  void write_dq() {
+    float* row = w_.row_a.data();
+    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
+      const float* acc = w_.dq_acc.data() + i * d_pad_;
+      for (int64_t d = 0; d < p_.head_dim; ++d) row[d] = acc[d] * p_.softmax_scale;
+      store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i, head_));
+    }
+  }
+
+  const BackwardParams& p_;
+  BackwardScratch& w_;
+  GqaPartials* partials_;
+  const int64_t d_pad_;
+  int64_t b_ = 0, head_ = 0, kv_head_ = 0;
+  SeqInfo seq_{};
+  RowTile q_{}, dout_{};
+};
+
+std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p) {
+  std::vector<BackwardTask> tasks;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqInfo seq = seq_info(p, b);
+    if (seq.seqlen_q == 0 && seq.seqlen_k == 0) continue;
+    const int64_t cost = (seq.seqlen_q + 1) * (seq.seqlen_k + 1);
+    for (int64_t h = 0; h < p.heads_q; ++h) tasks.push_back({b, h, cost});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const BackwardTask& x, const BackwardTask& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+/** Sums the group's fp32 partials in head order and writes dK / dV in the output dtype. */
+Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
+  struct ReduceTask { int64_t batch, kv_head, first_key; };
+  std::vector<ReduceTask> tasks;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqInfo seq = seq_info(p, b);
+    for (int64_t kvh = 0; kvh < p.heads_kv; ++kvh)
+      for (int64_t k0 = 0; k0 < seq.seqlen_k; k0 += BackwardTraits::kReduceRows) tasks.push_back({b, kvh, k0});
+  }
+  const int64_t group = p.group_size(), head_dim = p.head_dim;
+  return run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](TaskQueue& queue) {
+    AlignedFloats dk_buf, dv_buf;
+    float* dk = dk_buf.reserve(head_dim);
+    float* dv = dv_buf.reserve(head_dim);
+    for (int64_t t = queue.next(); t >= 0; t = queue.next()) {
+      const ReduceTask& task = tasks[static_cast<size_t>(t)];
+      const SeqInfo seq = seq_info(p, task.batch);
+      const int64_t end = std::min(seq.seqlen_k, task.first_key + BackwardTraits::kReduceRows);
+      for (int64_t key = task.first_key; key < end; ++key) {
+        const int64_t row = partials.row_index(p, task.batch, seq, key);
+        std::fill(dk, dk + head_dim, 0.f);
+        std::fill(dv, dv + head_dim, 0.f);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* pk = partials.dk_row(p, task.kv_head * group + g, row);
+          const float* pv = partials.dv_row(p, task.kv_head * group + g, row);
+          for (int64_t d = 0; d < head_dim; ++d) {
+            dk[d] += pk[d];
+            dv[d] += pv[d];
+          }
+        }
+        store_row(p.dtype, dk, head_dim, element_ptr_mut(p.dk, p.dtype, task.batch, seq.k_start + key, task.kv_head));
+        store_row(p.dtype, dv, head_dim, element_ptr_mut(p.dv, p.dtype, task.batch, seq.k_start + key, task.kv_head));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+Status flash_backward(const BackwardParams& p) {
+  std::vector<BackwardTask> tasks;
+  GqaPartials partials;
+  const bool grouped = p.heads_q != p.heads_kv;
+  try {
+    tasks = make_backward_tasks(p);
+    if (grouped) {
+      partials.rows = p.is_varlen() ? p.cu_seqlens_k[p.batch] : p.batch * p.seqlen_k;
+      const size_t count = static_cast<size_t>(p.heads_q * partials.rows * p.head_dim);
+      partials.dk.resize(count);
+      partials.dv.resize(count);
+    }
+  } catch (const std::bad_alloc&) {
+    return Status::internal("cpu_flash backward: out of host memory for the task list or GQA partials");
+  }
+  Status st = run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](TaskQueue& queue) {
+    BackwardScratch scratch;
+    scratch.reserve(p.seqlen_q, p.head_dim);
+    BackwardTaskRunner runner(p, scratch, grouped ? &partials : nullptr);
+    for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
+  });
+  if (!st.is_ok() || !grouped) return st;
+  return reduce_gqa_partials(p, partials);
+}
+
+}  // namespace cpu
+}  // namespace flashcore

@@ -1,0 +1,200 @@
+// The oracle: attention computed the obvious way, one query row at a time, with every score of
+// the row materialized. Two precisions:
+//  - exact (default): fp64 throughout - the truth every test compares against;
+//  - emulate_low_precision: what an honest fp16/bf16 kernel computes (scores and sums in fp32,
+//    P rounded to the input dtype before P*V, dS rounded before dS*K and dS^T*Q) - the "X_same"
+//    of TESTING.md's tolerance rule, which measures how wrong low precision alone makes a result.
+// Single-threaded on purpose: it must be obviously right, not fast.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "common/dtype_host.hpp"
+
+namespace flashcore::cpu {
+namespace {
+
+/** Arithmetic policy: Real is the accumulation type; round() models storage in the input dtype. */
+template <typename Real>
+struct Arith {
+  DType dtype;
+  bool low;
+  Real round(Real x) const { return low ? static_cast<Real>(round_to(dtype, static_cast<float>(x))) : x; }
+};
+
+template <typename Real>
+Real load(const TensorRef& t, DType dt, int64_t b, int64_t row, int64_t h, int64_t d) {
+  return static_cast<Real>(load_as_float(t.data, offset_of(t, b, row, h) + d, dt));
+}
+
+/** Scores of one query row against keys [r.begin, r.end): scale * q.k, then softcap. Also
+ *  returns the tanh values needed by the backward chain rule (tanh_out, when softcap > 0). */
+template <typename Real>
+void row_scores(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t i, int64_t h, KeyRange r,
+                const std::vector<Real>& q_row, std::vector<Real>* scores, std::vector<Real>* tanh_out) {
+  const int64_t hk = h / p.group_size();
+  scores->assign(static_cast<size_t>(r.end - r.begin), Real(0));
+  if (tanh_out) tanh_out->assign(scores->size(), Real(0));
+  (void)i;
+  for (int64_t j = r.begin; j < r.end; ++j) {
+    Real dot = 0;
+    for (int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d);
+    Real sc = dot * static_cast<Real>(p.softmax_scale);
+    if (p.softcap > 0) {
+      const Real cap = static_cast<Real>(p.softcap);
+      const Real t = std::tanh(sc / cap);
+      if (tanh_out) (*tanh_out)[j - r.begin] = t;
+      sc = cap * t;
+    }
+    (*scores)[j - r.begin] = sc;
+  }
+}
+
+template <typename Real>
+Status forward_impl(const AttentionParams& p, bool low) {
+  const Arith<Real> ar{p.dtype, low};
+  const int64_t hd = p.head_dim;
+  std::vector<Real> q_row(hd), scores, acc(hd);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqInfo s = seq_info(p, b);
+    const MaskInfo mask = mask_info(p, s);
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      const int64_t hk = h / p.group_size();
+      for (int64_t i = 0; i < s.seqlen_q; ++i) {
+        const int64_t qrow = s.q_start + i;
+        const KeyRange r = mask.keys_for_row(i);
+        const int64_t o_off = offset_of(p.out, b, qrow, h);
+        float lse = -std::numeric_limits<float>::infinity();
+        if (r.empty()) {
+          for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, 0.f);
+        } else {
+          for (int64_t d = 0; d < hd; ++d) q_row[d] = load<Real>(p.q, p.dtype, b, qrow, h, d);
+          row_scores<Real>(p, b, s, i, h, r, q_row, &scores, nullptr);
+          Real m = -std::numeric_limits<Real>::infinity();
+          for (Real x : scores) m = std::max(m, x);
+          Real l = 0;
+          std::fill(acc.begin(), acc.end(), Real(0));
+          for (int64_t j = r.begin; j < r.end; ++j) {
+            const Real pj = std::exp(scores[j - r.begin] - m);
+            l += pj;
+            const Real pj_stored = ar.round(pj);
+            for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+          }
+          for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, static_cast<float>(acc[d] / l));
+          lse = static_cast<float>(m + std::log(l));
+        }
+        if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + qrow * p.lse.row_stride] = lse;
+      }
+    }
+  }
+  return Status::ok();
+}
+
+template <typename Real>
+Status backward_impl(const BackwardParams& p, bool low) {
+  const Arith<Real> ar{p.dtype, low};
+  const int64_t hd = p.head_dim;
+  const Real scale = static_cast<Real>(p.softmax_scale);
+  std::vector<Real> q_row(hd), do_row(hd), scores, tanhs, probs, dq(hd), o_row(hd);
+  std::vector<Real> dk, dv;  // (seqlen_k, hd) of one KV head, summed over its query heads
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqInfo s = seq_info(p, b);
+    const MaskInfo mask = mask_info(p, s);
+    for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
+      dk.assign(static_cast<size_t>(s.seqlen_k * hd), Real(0));
+      dv.assign(static_cast<size_t>(s.seqlen_k * hd), Real(0));
+      for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
+        for (int64_t i = 0; i < s.seqlen_q; ++i) {
+          const int64_t qrow = s.q_start + i;
+          const KeyRange r = mask.keys_for_row(i);
+          std::fill(dq.begin(), dq.end(), Real(0));
+          if (!r.empty()) {
+            for (int64_t d = 0; d < hd; ++d) {
+              q_row[d] = load<Real>(p.q, p.dtype, b, qrow, h, d);
+              do_row[d] = load<Real>(p.dout, p.dtype, b, qrow, h, d);
+            }
+            row_scores<Real>(p, b, s, i, h, r, q_row, &scores, &tanhs);
+            Real m = -std::numeric_limits<Real>::infinity();
+            for (Real x : scores) m = std::max(m, x);
+            Real l = 0;
+            probs.resize(scores.size());
+            for (size_t j = 0; j < scores.size(); ++j) l += (probs[j] = std::exp(scores[j] - m));
+            for (auto& x : probs) x /= l;
+            // D_i = dO_i . O_i, with O_i recomputed at this precision (the kernel reads its stored O).
+            std::fill(o_row.begin(), o_row.end(), Real(0));
+            for (int64_t j = r.begin; j < r.end; ++j)
+              for (int64_t d = 0; d < hd; ++d)
+                o_row[d] += probs[j - r.begin] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+            Real Di = 0;
+            for (int64_t d = 0; d < hd; ++d) Di += do_row[d] * (low ? ar.round(o_row[d]) : o_row[d]);
+            for (int64_t j = r.begin; j < r.end; ++j) {
+              const Real pj = probs[j - r.begin];
+              Real dp = 0;
+              for (int64_t d = 0; d < hd; ++d) {
+                dv[(j * hd) + d] += ar.round(pj) * do_row[d];
+                dp += do_row[d] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+              }
+              Real ds = pj * (dp - Di);
+              if (p.softcap > 0) {
+                const Real t = tanhs[j - r.begin];
+                ds *= (Real(1) - t * t);
+              }
+              ds = ar.round(ds);
+              for (int64_t d = 0; d < hd; ++d) {
+                dq[d] += ds * load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d);
+                dk[(j * hd) + d] += ds * q_row[d];
+              }
+            }
+          }
+          const int64_t dq_off = offset_of(p.dq, b, qrow, h);
+          for (int64_t d = 0; d < hd; ++d) store_from_float(p.dq.data, dq_off + d, p.dtype, static_cast<float>(scale * dq[d]));
+        }
+      }
+      for (int64_t j = 0; j < s.seqlen_k; ++j) {
+        const int64_t dk_off = offset_of(p.dk, b, s.k_start + j, hk);
+        const int64_t dv_off = offset_of(p.dv, b, s.k_start + j, hk);
+        for (int64_t d = 0; d < hd; ++d) {
+          store_from_float(p.dk.data, dk_off + d, p.dtype, static_cast<float>(scale * dk[j * hd + d]));
+          store_from_float(p.dv.data, dv_off + d, p.dtype, static_cast<float>(dv[j * hd + d]));
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, double* out_row, double* lse) {
+  const SeqInfo s = seq_info(p, b);
+  const KeyRange r = mask_info(p, s).keys_for_row(i);
+  const int64_t hk = h / p.group_size();
+  *lse = -std::numeric_limits<double>::infinity();
+  std::fill(out_row, out_row + p.head_dim, 0.0);
+  if (r.empty()) return;
+  std::vector<double> q_row(p.head_dim), scores;
+  for (int64_t d = 0; d < p.head_dim; ++d) q_row[d] = load<double>(p.q, p.dtype, b, s.q_start + i, h, d);
+  row_scores<double>(p, b, s, i, h, r, q_row, &scores, nullptr);
+  double m = -std::numeric_limits<double>::infinity();
+  for (double x : scores) m = std::max(m, x);
+  double l = 0;
+  for (int64_t j = r.begin; j < r.end; ++j) {
+    const double pj = std::exp(scores[j - r.begin] - m);
+    l += pj;
+    for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] += pj * load<double>(p.v, p.dtype, b, s.k_start + j, hk, d);
+  }
+  for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] /= l;
+  *lse = m + std::log(l);
+}
+
+Status reference_forward(const AttentionParams& p, bool emulate_low_precision) {
+  return emulate_low_precision ? forward_impl<float>(p, true) : forward_impl<double>(p, false);
+}
+
+Status reference_backward(const BackwardParams& p, bool emulate_low_precision) {
+  return emulate_low_precision ? backward_impl<float>(p, true) : backward_impl<double>(p, false);
+}
+
+}  // namespace flashcore::cpu

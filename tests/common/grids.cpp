@@ -1,0 +1,179 @@
+// TESTING.md grids (see grids.hpp).
+#include "grids.hpp"
+
+namespace flashcore::testing {
+
+std::vector<Case> grid_seqlens(const GridOptions& g) {
+  std::vector<Case> v;
+  int i = 0;
+  for (auto [sq, sk] : seqlen_pairs(g.large))
+    for (bool causal : {false, true})
+      for (int32_t dt : g.dtypes) {
+        Case c;
+        c.batch = sq * sk > 500000 ? 1 : 2;
+        c.seqlen_q = sq;
+        c.seqlen_k = sk;
+        c.heads_q = (i % 2) ? 4 : 2;
+        c.heads_kv = (i % 2) ? 2 : 2;
+        c.head_dim = g.head_dims[i % g.head_dims.size()];
+        c.dtype = dt;
+        c.causal = causal;
+        v.push_back(c);
+        ++i;
+      }
+  return v;
+}
+
+std::vector<Case> grid_shapes(const GridOptions& g) {
+  std::vector<Case> v;
+  std::vector<int64_t> dims = g.head_dims;
+  dims.insert(dims.end(), g.odd_head_dims.begin(), g.odd_head_dims.end());
+  for (int64_t d : dims)
+    for (int32_t dt : g.dtypes) {
+      Case c;
+      c.batch = 1;
+      c.seqlen_q = 113;
+      c.seqlen_k = 203;
+      c.heads_q = 2;
+      c.heads_kv = 1;
+      c.head_dim = d;
+      c.dtype = dt;
+      c.causal = d % 2 == 1;
+      v.push_back(c);
+    }
+  const int64_t heads[][2] = {{4, 4}, {8, 2}, {4, 1}};
+  for (auto& hh : heads)
+    for (bool causal : {false, true}) {
+      Case c;
+      c.batch = 2;
+      c.seqlen_q = 77;
+      c.seqlen_k = 150;
+      c.heads_q = hh[0];
+      c.heads_kv = hh[1];
+      c.head_dim = g.head_dims[0];
+      c.dtype = g.dtypes[0];
+      c.causal = causal;
+      v.push_back(c);
+    }
+  return v;
+}
+
+std::vector<Case> grid_masks(const GridOptions& g) {
+  std::vector<Case> v;
+  struct W {
+    int32_t left, right;
+    bool causal;
+  };
+  const W windows[] = {{16, -1, false}, {-1, 8, false}, {32, 7, false}, {0, 0, false}, {24, -1, true}};
+  const int64_t sizes[][2] = {{100, 300}, {300, 100}, {128, 128}};
+  for (auto& s : sizes)
+    for (auto& w : windows) {
+      Case c;
+      c.seqlen_q = s[0];
+      c.seqlen_k = s[1];
+      c.heads_q = 2;
+      c.heads_kv = 1;
+      c.head_dim = g.head_dims[0];
+      c.dtype = g.dtypes.back();
+      c.window_left = w.left;
+      c.window_right = w.right;
+      c.causal = w.causal;
+      v.push_back(c);
+    }
+  for (double cap : {5.0, 30.0})
+    for (bool causal : {false, true}) {
+      Case c;
+      c.seqlen_q = 130;
+      c.seqlen_k = 190;
+      c.heads_q = 2;
+      c.heads_kv = 2;
+      c.head_dim = g.head_dims.back();
+      c.dtype = g.dtypes[0];
+      c.softcap = cap;
+      c.causal = causal;
+      c.q_magnitude = 4.f;
+      v.push_back(c);
+    }
+  for (int32_t dt : g.dtypes) {
+    Case c;
+    c.batch = 2;
+    c.seqlen_q = 70;
+    c.seqlen_k = 90;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = g.head_dims[0];
+    c.dtype = dt;
+    c.padded = true;
+    c.causal = true;
+    c.softmax_scale = 0.3;
+    v.push_back(c);
+  }
+  return v;
+}
+
+std::vector<Case> grid_varlen(const GridOptions& g) {
+  std::vector<Case> v;
+  const std::vector<std::vector<int32_t>> qs = {{5, 0, 130, 64}, {1, 1, 1}, {200, 17}};
+  const std::vector<std::vector<int32_t>> ks = {{7, 33, 0, 64}, {300, 0, 2}, {150, 250}};
+  for (size_t i = 0; i < qs.size(); ++i)
+    for (bool causal : {false, true}) {
+      Case c;
+      c.varlen_q = qs[i];
+      c.varlen_k = ks[i];
+      c.heads_q = 4;
+      c.heads_kv = i == 1 ? 1 : 2;
+      c.head_dim = g.head_dims[i % g.head_dims.size()];
+      c.dtype = g.dtypes[i % g.dtypes.size()];
+      c.causal = causal;
+      c.window_left = i == 2 ? 40 : -1;
+      v.push_back(c);
+    }
+  return v;
+}
+
+std::vector<Case> grid_edges(const GridOptions& g) {
+  std::vector<Case> v;
+  Case base;
+  base.heads_q = 2;
+  base.heads_kv = 1;
+  base.head_dim = g.head_dims[0];
+  base.dtype = g.dtypes[0];
+  {  // a window that excludes every key for the early rows (sq > sk with causal)
+    Case c = base;
+    c.seqlen_q = 150;
+    c.seqlen_k = 40;
+    c.causal = true;
+    v.push_back(c);
+  }
+  {  // a two-sided window that leaves the first 67 rows without keys
+    Case c = base;
+    c.seqlen_q = 100;
+    c.seqlen_k = 30;
+    c.window_left = 5;
+    c.window_right = 3;
+    v.push_back(c);
+  }
+  {  // seqlen_k = 0
+    Case c = base;
+    c.seqlen_q = 33;
+    c.seqlen_k = 0;
+    v.push_back(c);
+  }
+  {  // seqlen_q = 0
+    Case c = base;
+    c.seqlen_q = 0;
+    c.seqlen_k = 33;
+    v.push_back(c);
+  }
+  for (float mag : {100.f, 1500.f}) {  // scores near +-1e4: overflow in exp if unguarded
+    Case c = base;
+    c.seqlen_q = 97;
+    c.seqlen_k = 131;
+    c.q_magnitude = mag;
+    c.causal = mag > 1000.f;
+    v.push_back(c);
+  }
+  return v;
+}
+
+}  // namespace flashcore::testing

@@ -1,0 +1,30 @@
+// The TESTING.md case grids, shared by every backend's test suite so each backend faces the same
+// inputs. `scale` shrinks the grids for slow configurations (sanitizers) without removing a kind
+// of case.
+#pragma once
+
+#include <vector>
+
+#include "harness.hpp"
+
+namespace flashcore::testing {
+
+struct GridOptions {
+  std::vector<int32_t> dtypes = {FC_DTYPE_F16, FC_DTYPE_BF16};
+  std::vector<int64_t> head_dims = {64, 128};
+  std::vector<int64_t> odd_head_dims = {40, 59, 80, 96, 111, 256};  // CPU: any; CUDA: multiples of 8
+  bool large = false;  // include the 1k-2k seqlen pairs
+};
+
+/** seqlen pairs x causal x dtype, MHA/GQA alternating, head_dim alternating. */
+std::vector<Case> grid_seqlens(const GridOptions& g);
+/** Head dims (odd ones included), heads layouts (MHA, GQA 8/2, MQA 4/1). */
+std::vector<Case> grid_shapes(const GridOptions& g);
+/** Windows (left, right, both), softcap, causal with sq > sk and sq < sk, padded strides. */
+std::vector<Case> grid_masks(const GridOptions& g);
+/** Varlen batches with 0-length query and key sequences. */
+std::vector<Case> grid_varlen(const GridOptions& g);
+/** Fully masked rows, seqlen_k = 0, huge logits. */
+std::vector<Case> grid_edges(const GridOptions& g);
+
+}  // namespace flashcore::testing

@@ -1,0 +1,530 @@
+// Implementation of the correctness harness (see harness.hpp for the rules it applies).
+#include "harness.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <algorithm>
+
+#include "api/backends.hpp"
+#include "api/validate.hpp"
+#include "common/dtype_host.hpp"
+
+namespace flashcore::testing {
+namespace {
+
+constexpr int64_t kStridePad = 8;  // extra elements per row/head when Case::padded
+constexpr double kFp32RelTol = 1e-5;
+
+size_t elem_size(int32_t dt) { return dt == FC_DTYPE_F16 || dt == FC_DTYPE_BF16 ? 2 : 4; }
+
+/** A host tensor with explicit strides; its memory is what gets uploaded. */
+struct HostTensor {
+  int32_t dtype = FC_DTYPE_F32;
+  std::vector<int64_t> shape, strides;
+  std::vector<uint8_t> bytes;
+
+  int64_t extent() const {
+    int64_t e = 1;
+    for (size_t i = 0; i < shape.size(); ++i)
+      if (shape[i] == 0) return 0;
+    for (size_t i = 0; i < shape.size(); ++i) e += (shape[i] - 1) * strides[i];
+    return e;
+  }
+  void* data() { return bytes.empty() ? nullptr : bytes.data(); }
+  float get(int64_t off) const { return load_as_float(bytes.data(), off, static_cast<DType>(dtype)); }
+  void set(int64_t off, float x) { store_from_float(bytes.data(), off, static_cast<DType>(dtype), x); }
+};
+
+HostTensor make_tensor(int32_t dtype, std::vector<int64_t> shape, bool padded) {
+  HostTensor t;
+  t.dtype = dtype;
+  t.shape = shape;
+  t.strides.assign(shape.size(), 1);
+  const int64_t pad = padded ? kStridePad : 0;
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
+    t.strides[i] = t.strides[i + 1] * shape[i + 1] + (i == static_cast<int>(shape.size()) - 2 ? pad : 0);
+  t.bytes.assign(static_cast<size_t>(t.extent()) * elem_size(dtype), 0);
+  return t;
+}
+
+void fill_nan(HostTensor& t) {
+  const int64_t n = t.extent();
+  for (int64_t i = 0; i < n; ++i) t.set(i, std::numeric_limits<float>::quiet_NaN());
+}
+
+void fill_random(HostTensor& t, std::mt19937_64& rng, float magnitude) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const int64_t n = t.extent();
+  for (int64_t i = 0; i < n; ++i) t.set(i, magnitude * dist(rng));
+}
+
+HostTensor upcast(const HostTensor& t) {
+  HostTensor u = t;
+  u.dtype = FC_DTYPE_F32;
+  u.bytes.assign(static_cast<size_t>(t.extent()) * 4, 0);
+  for (int64_t i = 0; i < t.extent(); ++i) u.set(i, t.get(i));
+  return u;
+}
+
+fc_tensor view(HostTensor& t, void* data, int32_t device_type) {
+  fc_tensor v{};
+  v.data = data;
+  v.dtype = t.dtype;
+  v.device_type = device_type;
+  v.device_id = 0;
+  v.ndim = static_cast<int32_t>(t.shape.size());
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    v.shape[i] = t.shape[i];
+    v.strides[i] = t.strides[i];
+  }
+  return v;
+}
+
+/** A tensor mirrored in the memory under test. */
+struct Mirror {
+  Memory& mem;
+  HostTensor& host;
+  void* dev = nullptr;
+  size_t bytes() const { return host.bytes.size(); }
+  Mirror(Memory& m, HostTensor& h) : mem(m), host(h) {
+    if (bytes()) {
+      dev = mem.alloc(bytes());
+      mem.upload(dev, host.bytes.data(), bytes());
+    }
+  }
+  ~Mirror() {
+    if (dev) mem.release(dev);
+  }
+  void fetch() {
+    if (bytes()) mem.download(host.bytes.data(), dev, bytes());
+  }
+  fc_tensor tensor() { return view(host, dev, mem.device_type()); }
+};
+
+/** The rows (b, local row, packed row) a case defines, for q or k. */
+struct RowSet {
+  std::vector<int64_t> seq_start;  // packed start per sequence (varlen) or 0
+  std::vector<int64_t> lengths;
+};
+
+RowSet rows_of(const Case& c, bool keys) {
+  RowSet r;
+  if (c.is_varlen()) {
+    const auto& lens = keys ? c.varlen_k : c.varlen_q;
+    int64_t acc = 0;
+    for (int32_t L : lens) {
+      r.seq_start.push_back(acc);
+      r.lengths.push_back(L);
+      acc += L;
+    }
+  } else {
+    for (int64_t b = 0; b < c.batch; ++b) {
+      r.seq_start.push_back(0);
+      r.lengths.push_back(keys ? c.seqlen_k : c.seqlen_q);
+    }
+  }
+  return r;
+}
+
+/** Gathers every element of the valid rows of a (b, s, h, d) or (total, h, d) tensor. */
+std::vector<float> gather_rows(const HostTensor& t, const Case& c, bool keys) {
+  const RowSet rs = rows_of(c, keys);
+  std::vector<float> out;
+  const bool varlen = c.is_varlen();
+  const int nd = static_cast<int>(t.shape.size());
+  const int64_t heads = t.shape[nd - 2], hd = t.shape[nd - 1];
+  for (size_t b = 0; b < rs.lengths.size(); ++b)
+    for (int64_t i = 0; i < rs.lengths[b]; ++i)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < hd; ++d) {
+          const int64_t off = varlen ? (rs.seq_start[b] + i) * t.strides[0] + h * t.strides[1] + d
+                                     : int64_t(b) * t.strides[0] + i * t.strides[1] + h * t.strides[2] + d;
+          out.push_back(t.get(off));
+        }
+  return out;
+}
+
+std::vector<float> gather_lse(const HostTensor& t, const Case& c) {
+  const RowSet rs = rows_of(c, false);
+  std::vector<float> out;
+  const bool varlen = c.is_varlen();
+  for (size_t b = 0; b < rs.lengths.size(); ++b)
+    for (int64_t h = 0; h < c.heads_q; ++h)
+      for (int64_t i = 0; i < rs.lengths[b]; ++i) {
+        const int64_t off = varlen ? h * t.strides[0] + (rs.seq_start[b] + i) * t.strides[1]
+                                   : int64_t(b) * t.strides[0] + h * t.strides[1] + i * t.strides[2];
+        out.push_back(t.get(off));
+      }
+  return out;
+}
+
+/** TESTING.md's rule for one output (see harness.hpp). */
+ErrorReport compare(const std::string& what, const std::vector<float>& x, const std::vector<float>& ref,
+                    const std::vector<float>& same, int32_t dtype, double k, bool is_lse) {
+  ErrorReport r;
+  r.what = what;
+  std::ostringstream detail;
+  double max_err = 0, same_err = 0, atol = 0, diff2 = 0, ref2 = 0, max_ref = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double xi = x[i], ri = ref[i];
+    if (std::isnan(xi)) {
+      r.ok = false;
+      if (detail.str().empty()) detail << what << "[" << i << "] is NaN (unwritten or computed NaN), ref " << ri;
+      continue;
+    }
+    if (std::isinf(ri) || std::isinf(xi)) {
+      if (xi != ri) {
+        r.ok = false;
+        if (detail.str().empty()) detail << what << "[" << i << "] = " << xi << " but ref = " << ri;
+      }
+      continue;
+    }
+    const double e = std::fabs(xi - ri);
+    if (e > max_err) max_err = e;
+    max_ref = std::max(max_ref, std::fabs(ri));
+    diff2 += e * e;
+    ref2 += ri * ri;
+    if (!same.empty() && !std::isinf(same[i])) same_err = std::max(same_err, std::fabs(double(same[i]) - ri));
+    if (!is_lse && dtype != FC_DTYPE_F32) {
+      const float rr = round_to(static_cast<DType>(dtype), static_cast<float>(ri));
+      const float up = round_to(static_cast<DType>(dtype), rr + 0.3f);
+      const float back = round_to(static_cast<DType>(dtype), up - 0.3f);
+      atol = std::max(atol, 2.0 * std::fabs(double(back) - ri));
+    }
+  }
+  r.max_err = max_err;
+  r.same_err = same_err;
+  if (dtype == FC_DTYPE_F32) {
+    // Relative-norm bound; where plain fp32 arithmetic is itself worse (huge logits make the
+    // fp32 lse lose absolute precision; dS = P (dP - D) cancels), the fp32 emulation's error
+    // (X_same) scaled by k is allowed instead - the same rule as the low-precision dtypes.
+    const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+    r.bound = kFp32RelTol;
+    r.max_err = rel;  // reported as relative for fp32
+    // Near-zero references (e.g. dq with a single key, where dS cancels exactly) make the
+    // relative norm meaningless: an absolute error of kFp32RelTol at unit magnitude passes too.
+    if (rel > kFp32RelTol && !(max_err <= k * same_err) && !(max_err <= kFp32RelTol * std::max(1.0, max_ref))) {
+      r.ok = false;
+      if (detail.str().empty())
+        detail << what << ": relative error " << rel << " > " << kFp32RelTol << " and max error " << max_err
+               << " > " << k << " x fp32-emulation error " << same_err;
+    }
+  } else {
+    // lse is fp32 in every implementation: allow fp32 summation-order noise.
+    if (is_lse) atol = 1e-4;
+    r.bound = k * same_err + atol;
+    if (max_err > r.bound) {
+      r.ok = false;
+      if (detail.str().empty())
+        detail << what << ": max error " << max_err << " > bound " << r.bound << " (low-precision reference error "
+               << same_err << ")";
+    }
+  }
+  r.detail = detail.str();
+  return r;
+}
+
+struct Problem {
+  Case c;
+  HostTensor q, k, v, out, lse, cu_q, cu_k;
+};
+
+Problem make_problem(const Case& c, std::mt19937_64& rng) {
+  Problem p{c, {}, {}, {}, {}, {}, {}, {}};
+  if (c.is_varlen()) {
+    int64_t tq = 0, tk = 0;
+    for (auto L : c.varlen_q) tq += L;
+    for (auto L : c.varlen_k) tk += L;
+    p.q = make_tensor(c.dtype, {tq, c.heads_q, c.head_dim}, c.padded);
+    p.k = make_tensor(c.dtype, {tk, c.heads_kv, c.head_dim}, c.padded);
+    p.v = make_tensor(c.dtype, {tk, c.heads_kv, c.head_dim}, c.padded);
+    p.out = make_tensor(c.dtype, {tq, c.heads_q, c.head_dim}, c.padded);
+    p.lse = make_tensor(FC_DTYPE_F32, {c.heads_q, tq}, false);
+    p.cu_q = make_tensor(FC_DTYPE_I32, {int64_t(c.varlen_q.size()) + 1}, false);
+    p.cu_k = make_tensor(FC_DTYPE_I32, {int64_t(c.varlen_k.size()) + 1}, false);
+    int32_t aq = 0, ak = 0;
+    auto* cq = reinterpret_cast<int32_t*>(p.cu_q.bytes.data());
+    auto* ck = reinterpret_cast<int32_t*>(p.cu_k.bytes.data());
+    cq[0] = ck[0] = 0;
+    for (size_t b = 0; b < c.varlen_q.size(); ++b) {
+      cq[b + 1] = (aq += c.varlen_q[b]);
+      ck[b + 1] = (ak += c.varlen_k[b]);
+    }
+  } else {
+    p.q = make_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, c.padded);
+    p.k = make_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, c.padded);
+    p.v = make_tensor(c.dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}, c.padded);
+    p.out = make_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}, c.padded);
+    p.lse = make_tensor(FC_DTYPE_F32, {c.batch, c.heads_q, c.seqlen_q}, false);
+  }
+  fill_random(p.q, rng, c.q_magnitude);
+  fill_random(p.k, rng, 1.f);
+  fill_random(p.v, rng, 1.f);
+  fill_nan(p.out);
+  fill_nan(p.lse);
+  return p;
+}
+
+fc_attention_options options_for(const Case& c, fc_backend backend, const fc_tensor* cu_q, const fc_tensor* cu_k,
+                                 void* stream) {
+  fc_attention_options o{};
+  o.softmax_scale = c.softmax_scale;
+  o.causal = c.causal;
+  o.has_window = c.window_left != -1 || c.window_right != -1;
+  o.window_left = c.window_left;
+  o.window_right = c.window_right;
+  o.softcap = c.softcap;
+  o.backend = backend;
+  o.stream = stream;
+  o.deterministic = c.deterministic;
+  if (c.is_varlen()) {
+    o.cu_seqlens_q = cu_q;
+    o.cu_seqlens_k = cu_k;
+    for (auto L : c.varlen_q) o.max_seqlen_q = std::max<int64_t>(o.max_seqlen_q, L);
+    for (auto L : c.varlen_k) o.max_seqlen_k = std::max<int64_t>(o.max_seqlen_k, L);
+  }
+  return o;
+}
+
+/** Runs the reference (exact, or low-precision emulation) on host tensors. */
+void host_reference_forward(Problem& pr, bool low, HostTensor* out, HostTensor* lse) {
+  HostTensor q = low ? pr.q : upcast(pr.q), k = low ? pr.k : upcast(pr.k), v = low ? pr.v : upcast(pr.v);
+  *out = make_tensor(q.dtype, pr.out.shape, false);
+  *lse = make_tensor(FC_DTYPE_F32, pr.lse.shape, false);
+  fc_tensor tq = view(q, q.data(), FC_DEVICE_CPU), tk = view(k, k.data(), FC_DEVICE_CPU),
+            tv = view(v, v.data(), FC_DEVICE_CPU), to = view(*out, out->data(), FC_DEVICE_CPU),
+            tl = view(*lse, lse->data(), FC_DEVICE_CPU), tcq = view(pr.cu_q, pr.cu_q.data(), FC_DEVICE_CPU),
+            tck = view(pr.cu_k, pr.cu_k.data(), FC_DEVICE_CPU);
+  fc_attention_options o = options_for(pr.c, FC_BACKEND_CPU_REFERENCE, &tcq, &tck, nullptr);
+  AttentionParams params;
+  Status s = validate_forward({&tq, &tk, &tv, &to, &tl, &o}, false, &params);
+  if (!s.is_ok()) throw std::runtime_error("reference forward: " + s.message);
+  s = cpu::reference_forward(params, low);
+  if (!s.is_ok()) throw std::runtime_error("reference forward: " + s.message);
+}
+
+}  // namespace
+
+std::string Case::name() const {
+  std::ostringstream s;
+  const char* dt = dtype == FC_DTYPE_F16 ? "f16" : dtype == FC_DTYPE_BF16 ? "bf16" : "f32";
+  if (is_varlen()) {
+    s << "varlen" << varlen_q.size();
+  } else {
+    s << "b" << batch << "_q" << seqlen_q << "_k" << seqlen_k;
+  }
+  s << "_h" << heads_q << "x" << heads_kv << "_d" << head_dim << "_" << dt;
+  if (causal) s << "_causal";
+  if (window_left != -1 || window_right != -1) s << "_win" << window_left << "_" << window_right;
+  if (softcap > 0) s << "_cap" << softcap;
+  if (padded) s << "_padded";
+  if (q_magnitude != 1.f) s << "_mag" << q_magnitude;
+  if (deterministic) s << "_det";
+  return s.str();
+}
+
+std::string CheckResult::summary() const {
+  std::ostringstream s;
+  if (!status_error.empty()) s << "call failed: " << status_error << "\n";
+  for (auto& r : reports) {
+    s << "  " << r.what << ": max_err " << r.max_err << " bound " << r.bound << " (same " << r.same_err << ")"
+      << (r.ok ? "" : "  FAIL: " + r.detail) << "\n";
+  }
+  return s.str();
+}
+
+class HostMemory final : public Memory {
+ public:
+  int32_t device_type() const override { return FC_DEVICE_CPU; }
+  void* alloc(size_t bytes) override { return bytes ? ::operator new(bytes) : nullptr; }
+  void release(void* p) override { ::operator delete(p); }
+  void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+};
+
+std::unique_ptr<Memory> host_memory() { return std::make_unique<HostMemory>(); }
+
+namespace {
+
+/** Forward through the public API on `mem`; leaves results in pr.out / pr.lse (host). */
+std::string run_forward(Problem& pr, fc_backend backend, Memory& mem) {
+  Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), out(mem, pr.out), lse(mem, pr.lse), cq(mem, pr.cu_q),
+      ck(mem, pr.cu_k);
+  fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor(), to = out.tensor(), tl = lse.tensor(),
+            tcq = cq.tensor(), tck = ck.tensor();
+  fc_attention_options o = options_for(pr.c, backend, &tcq, &tck, mem.stream());
+  size_t ws_bytes = 0;
+  if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &ws_bytes) != FC_OK) return fc_last_error();
+  void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
+  const fc_status st = fc_attention_forward(&tq, &tk, &tv, &to, &tl, &o, ws, ws_bytes);
+  std::string err = st == FC_OK ? "" : fc_last_error();
+  out.fetch();
+  lse.fetch();
+  if (ws) mem.release(ws);
+  return err;
+}
+
+}  // namespace
+
+CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Problem pr = make_problem(c, rng);
+  CheckResult res;
+  res.status_error = run_forward(pr, backend, mem);
+  if (!res.status_error.empty()) {
+    res.ok = false;
+    return res;
+  }
+  HostTensor ref_out, ref_lse, same_out, same_lse;
+  host_reference_forward(pr, false, &ref_out, &ref_lse);
+  host_reference_forward(pr, true, &same_out, &same_lse);
+  res.reports.push_back(compare("out", gather_rows(pr.out, c, false), gather_rows(ref_out, c, false),
+                                gather_rows(same_out, c, false), c.dtype, 2.0, false));
+  res.reports.push_back(compare("lse", gather_lse(pr.lse, c), gather_lse(ref_lse, c), gather_lse(same_lse, c),
+                                c.dtype, 2.0, true));
+  for (auto& r : res.reports) res.ok = res.ok && r.ok;
+  return res;
+}
+
+namespace {
+
+struct Grads {
+  HostTensor dq, dk, dv;
+};
+
+/** Backward on host tensors through the reference (exact on upcast inputs, or emulated). */
+Grads host_reference_backward(Problem& pr, const HostTensor& dout_in, bool low) {
+  HostTensor q = low ? pr.q : upcast(pr.q), k = low ? pr.k : upcast(pr.k), v = low ? pr.v : upcast(pr.v);
+  HostTensor dout = low ? dout_in : upcast(dout_in);
+  HostTensor out, lse;
+  host_reference_forward(pr, low, &out, &lse);
+  Grads g{make_tensor(q.dtype, q.shape, false), make_tensor(q.dtype, k.shape, false),
+          make_tensor(q.dtype, v.shape, false)};
+  fc_tensor tq = view(q, q.data(), 0), tk = view(k, k.data(), 0), tv = view(v, v.data(), 0),
+            to = view(out, out.data(), 0), tl = view(lse, lse.data(), 0), tdo = view(dout, dout.data(), 0),
+            tdq = view(g.dq, g.dq.data(), 0), tdk = view(g.dk, g.dk.data(), 0), tdv = view(g.dv, g.dv.data(), 0),
+            tcq = view(pr.cu_q, pr.cu_q.data(), 0), tck = view(pr.cu_k, pr.cu_k.data(), 0);
+  fc_attention_options o = options_for(pr.c, FC_BACKEND_CPU_REFERENCE, &tcq, &tck, nullptr);
+  BackwardParams params;
+  Status s = validate_backward({&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &o}, false, &params);
+  if (!s.is_ok()) throw std::runtime_error("reference backward: " + s.message);
+  s = cpu::reference_backward(params, low);
+  if (!s.is_ok()) throw std::runtime_error("reference backward: " + s.message);
+  return g;
+}
+
+/** Forward + backward through the public API on `mem`; results in the returned host tensors. */
+std::string run_backward(Problem& pr, HostTensor& dout, Grads* g, fc_backend backend, Memory& mem) {
+  g->dq = make_tensor(pr.c.dtype, pr.q.shape, pr.c.padded);
+  g->dk = make_tensor(pr.c.dtype, pr.k.shape, pr.c.padded);
+  g->dv = make_tensor(pr.c.dtype, pr.v.shape, pr.c.padded);
+  fill_nan(g->dq);
+  fill_nan(g->dk);
+  fill_nan(g->dv);
+  Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), out(mem, pr.out), lse(mem, pr.lse), cq(mem, pr.cu_q),
+      ck(mem, pr.cu_k), mdo(mem, dout), dq(mem, g->dq), dk(mem, g->dk), dv(mem, g->dv);
+  fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor(), to = out.tensor(), tl = lse.tensor(),
+            tcq = cq.tensor(), tck = ck.tensor(), tdo = mdo.tensor(), tdq = dq.tensor(), tdk = dk.tensor(),
+            tdv = dv.tensor();
+  fc_attention_options o = options_for(pr.c, backend, &tcq, &tck, mem.stream());
+  size_t fws = 0, bws = 0;
+  if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &fws) != FC_OK) return fc_last_error();
+  if (fc_attention_backward_workspace(&tq, &tk, &tv, &o, &bws) != FC_OK) return fc_last_error();
+  const size_t ws_bytes = std::max(fws, bws);
+  void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
+  std::string err;
+  if (fc_attention_forward(&tq, &tk, &tv, &to, &tl, &o, ws, ws_bytes) != FC_OK) {
+    err = fc_last_error();
+  } else if (fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &o, ws, ws_bytes) != FC_OK) {
+    err = fc_last_error();
+  }
+  out.fetch();
+  lse.fetch();
+  dq.fetch();
+  dk.fetch();
+  dv.fetch();
+  if (ws) mem.release(ws);
+  return err;
+}
+
+}  // namespace
+
+CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Problem pr = make_problem(c, rng);
+  HostTensor dout = make_tensor(c.dtype, pr.out.shape, c.padded);
+  fill_random(dout, rng, 1.f);
+  CheckResult res;
+  Grads g;
+  res.status_error = run_backward(pr, dout, &g, backend, mem);
+  if (!res.status_error.empty()) {
+    res.ok = false;
+    return res;
+  }
+  const Grads ref = host_reference_backward(pr, dout, false);
+  const Grads same = host_reference_backward(pr, dout, true);
+  auto cmp = [&](const char* name, const HostTensor& x, const HostTensor& r, const HostTensor& s, bool keys) {
+    res.reports.push_back(compare(name, gather_rows(x, c, keys), gather_rows(r, c, keys), gather_rows(s, c, keys),
+                                  c.dtype, 3.0, false));
+  };
+  cmp("dq", g.dq, ref.dq, same.dq, false);
+  cmp("dk", g.dk, ref.dk, same.dk, true);
+  cmp("dv", g.dv, ref.dv, same.dv, true);
+  for (auto& r : res.reports) res.ok = res.ok && r.ok;
+  return res;
+}
+
+bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int repeats, bool backward,
+                             std::string* why) {
+  std::mt19937_64 rng(1234);
+  Problem pr = make_problem(c, rng);
+  HostTensor dout = make_tensor(c.dtype, pr.out.shape, c.padded);
+  fill_random(dout, rng, 1.f);
+  std::vector<uint8_t> first;
+  for (int r = 0; r < repeats; ++r) {
+    fill_nan(pr.out);
+    std::vector<uint8_t> now;
+    if (backward) {
+      Grads g;
+      const std::string err = run_backward(pr, dout, &g, backend, mem);
+      if (!err.empty()) {
+        *why = err;
+        return false;
+      }
+      for (auto* t : {&g.dq, &g.dk, &g.dv}) now.insert(now.end(), t->bytes.begin(), t->bytes.end());
+    } else {
+      const std::string err = run_forward(pr, backend, mem);
+      if (!err.empty()) {
+        *why = err;
+        return false;
+      }
+      now = pr.out.bytes;
+      now.insert(now.end(), pr.lse.bytes.begin(), pr.lse.bytes.end());
+    }
+    if (r == 0) {
+      first = now;
+    } else if (now != first) {
+      *why = "run " + std::to_string(r) + " differs from run 0";
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large) {
+  std::vector<std::pair<int64_t, int64_t>> v = {{1, 1},     {1, 239},   {3, 799},  {113, 203}, {128, 217},
+                                                {127, 512}, {239, 1},   {512, 256}, {203, 113}, {217, 128},
+                                                {512, 127}, {799, 3}};
+  if (include_large) {
+    v.push_back({1023, 1024});
+    v.push_back({1024, 1023});
+    v.push_back({2048, 2048});
+  }
+  return v;
+}
+
+}  // namespace flashcore::testing

@@ -1,0 +1,89 @@
+// Backend-agnostic correctness harness shared by the CPU and CUDA test suites.
+//
+// A Case describes one attention problem. check_forward/check_backward draw fresh random inputs,
+// poison the outputs with NaN, run the backend under test through the public C ABI, and compare
+// against the fp64 reference with TESTING.md's tolerance rule:
+//   pass when max|X - X_ref| <= k * max|X_same - X_ref| + atol  (k = 2 forward, 3 gradients)
+// where X_same is the reference computed the way an honest low-precision kernel would, and atol
+// is the rounding of one add at the reference's magnitude. fp32 uses a relative-norm bound.
+// Memory abstracts where tensors live so the same checks run on CPU and GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flashcore/flashcore.h"
+
+namespace flashcore::testing {
+
+/** Where the tensors under test live. */
+class Memory {
+ public:
+  virtual ~Memory() = default;
+  virtual int32_t device_type() const = 0;
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void release(void* p) = 0;
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;
+  virtual void download(void* dst, const void* src, size_t bytes) = 0;
+  virtual void* stream() const { return nullptr; }
+};
+
+std::unique_ptr<Memory> host_memory();
+
+struct Case {
+  int64_t batch = 1;
+  int64_t seqlen_q = 1;
+  int64_t seqlen_k = 1;
+  int64_t heads_q = 1;
+  int64_t heads_kv = 1;
+  int64_t head_dim = 64;
+  int32_t dtype = FC_DTYPE_F16;
+  bool causal = false;
+  int32_t window_left = -1;
+  int32_t window_right = -1;
+  double softcap = 0;
+  double softmax_scale = 0;
+  // Varlen when non-empty: one length per sequence (batch = size).
+  std::vector<int32_t> varlen_q;
+  std::vector<int32_t> varlen_k;
+  // Pad row/head strides so tensors are not contiguous (exercises stride handling).
+  bool padded = false;
+  // Multiply q by this to push scores toward overflow territory.
+  float q_magnitude = 1.f;
+  bool deterministic = false;
+
+  std::string name() const;
+  bool is_varlen() const { return !varlen_q.empty(); }
+};
+
+struct ErrorReport {
+  std::string what;   // "out", "lse", "dq", ...
+  double max_err = 0;  // max |X - X_ref|
+  double bound = 0;    // allowed
+  double same_err = 0; // max |X_same - X_ref|
+  bool ok = true;
+  std::string detail;  // first failure, NaN or unwritten element
+};
+
+struct CheckResult {
+  bool ok = true;
+  std::vector<ErrorReport> reports;
+  std::string status_error;  // non-empty when the call itself failed
+  std::string summary() const;
+};
+
+CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed);
+CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed);
+
+/** Runs forward (and backward when `backward`) `repeats` times on the same inputs; returns
+ *  true when every run is bit-identical to the first (race hunting). */
+bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int repeats, bool backward,
+                             std::string* why);
+
+/** The TESTING.md grids. */
+std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large);
+
+}  // namespace flashcore::testing

@@ -1,0 +1,101 @@
+// CPU backends against the fp64 reference: every TESTING.md grid, forward and backward, for the
+// cpu_flash backend (fp32, fp16, bf16), plus race hunting (bit-identical repeats).
+#include <gtest/gtest.h>
+
+#include "common/grids.hpp"
+#include "common/harness.hpp"
+
+namespace flashcore::testing {
+namespace {
+
+GridOptions cpu_grid() {
+  GridOptions g;
+  g.dtypes = {FC_DTYPE_F32, FC_DTYPE_F16, FC_DTYPE_BF16};
+  g.head_dims = {64, 32};
+  g.odd_head_dims = {1, 40, 59, 80, 96, 111, 128, 256};
+  return g;
+}
+
+void expect_forward(const std::vector<Case>& cases, fc_backend backend) {
+  auto mem = host_memory();
+  uint64_t seed = 1;
+  for (const Case& c : cases) {
+    const CheckResult r = check_forward(c, backend, *mem, seed++);
+    EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
+  }
+}
+
+void expect_backward(const std::vector<Case>& cases, fc_backend backend) {
+  auto mem = host_memory();
+  uint64_t seed = 1000;
+  for (const Case& c : cases) {
+    const CheckResult r = check_backward(c, backend, *mem, seed++);
+    EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
+  }
+}
+
+TEST(CpuFlashForward, SeqlenGrid) { expect_forward(grid_seqlens(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashForward, Shapes) { expect_forward(grid_shapes(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashForward, Masks) { expect_forward(grid_masks(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashForward, Varlen) { expect_forward(grid_varlen(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashForward, Edges) { expect_forward(grid_edges(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashForward, LargeSeqlens) {
+  GridOptions g = cpu_grid();
+  g.dtypes = {FC_DTYPE_BF16};
+  std::vector<Case> cases;
+  for (auto [sq, sk] : std::vector<std::pair<int64_t, int64_t>>{{1023, 1024}, {1024, 1023}, {2048, 2048}}) {
+    Case c;
+    c.seqlen_q = sq;
+    c.seqlen_k = sk;
+    c.head_dim = 64;
+    c.dtype = FC_DTYPE_BF16;
+    c.causal = sq == 2048;
+    cases.push_back(c);
+  }
+  expect_forward(cases, FC_BACKEND_CPU_FLASH);
+}
+
+GridOptions small_grid() {
+  GridOptions g = cpu_grid();
+  g.head_dims = {32, 64};
+  g.odd_head_dims = {1, 40, 59, 96, 128};
+  return g;
+}
+
+TEST(CpuFlashBackward, SeqlenGrid) { expect_backward(grid_seqlens(small_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashBackward, Shapes) { expect_backward(grid_shapes(small_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashBackward, Masks) { expect_backward(grid_masks(small_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashBackward, Varlen) { expect_backward(grid_varlen(small_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashBackward, Edges) { expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH); }
+
+TEST(CpuFlashRaces, RepeatsAreBitIdentical) {
+  auto mem = host_memory();
+  Case c;
+  c.batch = 2;
+  c.seqlen_q = 300;
+  c.seqlen_k = 277;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.head_dim = 64;
+  c.dtype = FC_DTYPE_BF16;
+  c.causal = true;
+  std::string why;
+  EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, 20, false, &why)) << why;
+  EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, 10, true, &why)) << why;
+}
+
+// The oracle itself: the public reference backend agrees with its own row function and the
+// default (auto) backend on CPU tensors is cpu_flash, which must match the reference too.
+TEST(CpuReference, AutoBackendOnCpuTensors) {
+  auto mem = host_memory();
+  Case c;
+  c.seqlen_q = 65;
+  c.seqlen_k = 129;
+  c.head_dim = 48;
+  c.dtype = FC_DTYPE_F32;
+  const CheckResult r = check_forward(c, FC_BACKEND_AUTO, *mem, 7);
+  EXPECT_TRUE(r.ok) << r.summary();
+}
+
+}  // namespace
+}  // namespace flashcore::testing

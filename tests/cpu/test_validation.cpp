@@ -1,0 +1,342 @@
+// Every bad input from TESTING.md: a clear error naming the argument, and nothing written.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "api/validate.hpp"
+#include "flashcore/flashcore.h"
+
+namespace {
+
+fc_tensor make(void* data, int32_t dtype, std::vector<int64_t> shape) {
+  fc_tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t st = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = st;
+    st *= shape[i];
+  }
+  return t;
+}
+
+/** A valid dense call (B=2, Sq=5, Sk=7, Hq=4, Hkv=2, D=8, fp32) whose pieces tests break. */
+class BadInput : public ::testing::Test {
+ protected:
+  std::vector<float> qb = std::vector<float>(2 * 5 * 4 * 8, 0.5f), kb = std::vector<float>(2 * 7 * 2 * 8, 0.25f),
+                     vb = std::vector<float>(2 * 7 * 2 * 8, 1.f), ob = std::vector<float>(2 * 5 * 4 * 8, -7.f),
+                     lb = std::vector<float>(2 * 4 * 5, -7.f), dob = std::vector<float>(2 * 5 * 4 * 8, 0.1f),
+                     dqb = std::vector<float>(2 * 5 * 4 * 8, -7.f), dkb = std::vector<float>(2 * 7 * 2 * 8, -7.f),
+                     dvb = std::vector<float>(2 * 7 * 2 * 8, -7.f);
+  fc_tensor q = make(qb.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor k = make(kb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor v = make(vb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor out = make(ob.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor lse = make(lb.data(), FC_DTYPE_F32, {2, 4, 5});
+  fc_tensor dout = make(dob.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor dq = make(dqb.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor dk = make(dkb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor dv = make(dvb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_attention_options opt{};
+
+  bool outputs_untouched() const {
+    for (const auto* buf : {&ob, &lb, &dqb, &dkb, &dvb})
+      for (float x : *buf)
+        if (x != -7.f) return false;
+    return true;
+  }
+
+  void expect_forward_error(const std::string& needle, fc_status code = FC_ERROR_INVALID_ARGUMENT) {
+    const fc_status s = fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0);
+    EXPECT_EQ(s, code) << fc_last_error();
+    EXPECT_NE(std::string(fc_last_error()).find(needle), std::string::npos)
+        << "message: '" << fc_last_error() << "' lacks '" << needle << "'";
+    EXPECT_TRUE(outputs_untouched());
+  }
+  void expect_backward_error(const std::string& needle, fc_status code = FC_ERROR_INVALID_ARGUMENT) {
+    const fc_status s = fc_attention_backward(&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv, &opt, nullptr, 0);
+    EXPECT_EQ(s, code) << fc_last_error();
+    EXPECT_NE(std::string(fc_last_error()).find(needle), std::string::npos)
+        << "message: '" << fc_last_error() << "' lacks '" << needle << "'";
+    EXPECT_TRUE(outputs_untouched());
+  }
+};
+
+TEST_F(BadInput, ValidCallSucceedsAndClearsError) {
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
+  EXPECT_STREQ(fc_last_error(), "");
+  EXPECT_EQ(fc_attention_backward(&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv, &opt, nullptr, 0), FC_OK)
+      << fc_last_error();
+}
+
+TEST_F(BadInput, Dtypes) {
+  k.dtype = FC_DTYPE_F16;
+  expect_forward_error("k: dtype float16 does not match float32");
+  k.dtype = FC_DTYPE_F32;
+  q.dtype = k.dtype = v.dtype = out.dtype = FC_DTYPE_I32;
+  expect_forward_error("q: dtype int32 is not supported");
+  q.dtype = k.dtype = v.dtype = FC_DTYPE_F32;
+  out.dtype = FC_DTYPE_BF16;
+  expect_forward_error("out: dtype bfloat16");
+  out.dtype = FC_DTYPE_F32;
+  lse.dtype = FC_DTYPE_F16;
+  expect_forward_error("lse: dtype float16");
+  lse.dtype = FC_DTYPE_F32;
+  q.dtype = 17;
+  expect_forward_error("q: unknown dtype");
+}
+
+TEST_F(BadInput, MismatchedShapes) {
+  k.shape[0] = 1;
+  v.shape[0] = 1;
+  expect_forward_error("k: batch 1 does not match q batch 2");
+  k.shape[0] = v.shape[0] = 2;
+  k.shape[3] = 4;
+  expect_forward_error("k: head_dim 4 does not match q head_dim 8");
+  k.shape[3] = 8;
+  v.shape[1] = 6;
+  expect_forward_error("v: shape");
+  v.shape[1] = 7;
+  out.shape[1] = 4;
+  expect_forward_error("out: shape");
+  out.shape[1] = 5;
+  lse.shape[2] = 7;
+  expect_forward_error("lse: shape");
+  lse.shape[2] = 5;
+  dk.shape[1] = 5;
+  expect_backward_error("dk: shape");
+  dk.shape[1] = 7;
+  dout.shape[2] = 2;
+  expect_backward_error("dout: shape");
+  dout.shape[2] = 4;
+  q.ndim = 3;
+  expect_forward_error("q: has 3 dimensions, expected 4");
+}
+
+TEST_F(BadInput, Heads) {
+  k.shape[2] = v.shape[2] = 3;
+  expect_forward_error("k: heads_kv 3 does not divide q heads 4");
+  k.shape[2] = v.shape[2] = 0;
+  expect_forward_error("k: number of heads 0");
+}
+
+TEST_F(BadInput, HeadDim) {
+  q.shape[3] = k.shape[3] = v.shape[3] = out.shape[3] = 0;
+  expect_forward_error("q: head_dim 0 is outside 1..256");
+  std::vector<float> big(2 * 5 * 4 * 264), bigk(2 * 7 * 2 * 264), bigv(2 * 7 * 2 * 264);
+  q = make(big.data(), FC_DTYPE_F32, {2, 5, 4, 264});
+  k = make(bigk.data(), FC_DTYPE_F32, {2, 7, 2, 264});
+  v = make(bigv.data(), FC_DTYPE_F32, {2, 7, 2, 264});
+  expect_forward_error("q: head_dim 264 is outside 1..256");
+}
+
+TEST_F(BadInput, Strides) {
+  q.strides[3] = 2;
+  expect_forward_error("q: last dimension has stride 2");
+  q.strides[3] = 1;
+  out.strides[1] = 0;  // every sequence position writes the same row
+  expect_forward_error("out: strides make elements overlap");
+  out.strides[1] = 32;
+  dq.strides[0] = 8;  // batches overlap
+  expect_backward_error("dq: strides make elements overlap");
+}
+
+TEST_F(BadInput, NullPointers) {
+  const fc_status s = fc_attention_forward(nullptr, &k, &v, &out, &lse, &opt, nullptr, 0);
+  EXPECT_EQ(s, FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("q: is null"), std::string::npos);
+  EXPECT_EQ(fc_attention_forward(&q, &k, &v, nullptr, &lse, &opt, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("out: is null"), std::string::npos);
+  v.data = nullptr;
+  expect_forward_error("v: data pointer is null");
+  v.data = vb.data();
+  EXPECT_EQ(fc_attention_backward(&dout, &q, &k, &v, &out, nullptr, &dq, &dk, &dv, &opt, nullptr, 0),
+            FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("lse: is null"), std::string::npos);
+  size_t* null_bytes = nullptr;
+  EXPECT_EQ(fc_attention_forward_workspace(&q, &k, &v, &opt, null_bytes), FC_ERROR_INVALID_ARGUMENT);
+}
+
+TEST_F(BadInput, NegativeSizesAndOverflow) {
+  q.shape[1] = -5;
+  expect_forward_error("q: dimension 1 has negative size -5");
+  q.shape[1] = 5;
+  k.shape[1] = v.shape[1] = int64_t(1) << 62;
+  expect_forward_error("k: shape");  // more elements than int64 can count
+  k.shape[1] = v.shape[1] = 7;
+  k.strides[1] = std::numeric_limits<int64_t>::max() / 2;
+  expect_forward_error("k: stride");
+}
+
+TEST_F(BadInput, Aliasing) {
+  out.data = qb.data();
+  expect_forward_error("out: memory overlaps q");
+  out.data = ob.data();
+  lse.data = ob.data() + 4;
+  expect_forward_error("lse: memory overlaps out");
+  lse.data = lb.data();
+  dk = make(dqb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  expect_backward_error("dk: memory overlaps dq");
+}
+
+TEST_F(BadInput, Options) {
+  opt.softmax_scale = NAN;
+  expect_forward_error("softmax_scale: must be finite");
+  opt.softmax_scale = INFINITY;
+  expect_forward_error("softmax_scale: must be finite");
+  opt.softmax_scale = 0;
+  opt.softcap = -1;
+  expect_forward_error("softcap: must be finite and >= 0");
+  opt.softcap = NAN;
+  expect_forward_error("softcap: must be finite and >= 0");
+  opt.softcap = 0;
+  opt.has_window = 1;
+  opt.window_left = -2;
+  opt.window_right = -1;
+  expect_forward_error("window_left: -2 is below -1");
+  opt.window_left = 3;
+  opt.window_right = -5;
+  expect_forward_error("window_right: -5 is below -1");
+  opt.has_window = 0;
+  opt.backend = 42;
+  expect_forward_error("backend: unknown backend code 42");
+  opt.backend = 0;
+  opt.num_threads = -1;
+  expect_forward_error("num_threads: -1 is negative");
+}
+
+TEST_F(BadInput, WorkspaceQueryValidatesToo) {
+  size_t bytes = 123;
+  k.shape[3] = 4;
+  EXPECT_EQ(fc_attention_forward_workspace(&q, &k, &v, &opt, &bytes), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("k: head_dim"), std::string::npos);
+  k.shape[3] = 8;
+  EXPECT_EQ(fc_attention_forward_workspace(&q, &k, &v, &opt, &bytes), FC_OK);
+  EXPECT_EQ(bytes, 0u);  // CPU backends need no workspace
+}
+
+TEST_F(BadInput, DeviceMismatch) {
+  k.device_type = FC_DEVICE_CUDA;
+  expect_forward_error("k: is on cuda:0 but q is on cpu");
+  k.device_type = FC_DEVICE_CPU;
+  lse.device_type = FC_DEVICE_CUDA;
+  expect_forward_error("lse: is on cuda:0 but q is on cpu");
+  lse.device_type = FC_DEVICE_CPU;
+  // CPU tensors given to a CUDA backend (and the reverse) name the tensor and the backend.
+  opt.backend = FC_BACKEND_CUDA_SM80;
+  expect_forward_error("q: is a cpu tensor but backend cuda_sm80 needs cuda tensors");
+  opt.backend = FC_BACKEND_CPU_FLASH;
+  q.device_type = k.device_type = v.device_type = out.device_type = lse.device_type = FC_DEVICE_CUDA;
+  expect_forward_error("q: is a cuda tensor but backend cpu_flash needs cpu tensors");
+}
+
+/** Varlen: (total, heads, dim) tensors with int32 prefix sums. */
+class BadVarlen : public ::testing::Test {
+ protected:
+  std::vector<float> qb = std::vector<float>(10 * 2 * 8, 1.f), kb = std::vector<float>(12 * 2 * 8, 1.f),
+                     vb = std::vector<float>(12 * 2 * 8, 1.f), ob = std::vector<float>(10 * 2 * 8, -7.f),
+                     lb = std::vector<float>(2 * 10, -7.f);
+  std::vector<int32_t> cq = {0, 4, 10}, ck = {0, 5, 12};
+  fc_tensor q = make(qb.data(), FC_DTYPE_F32, {10, 2, 8});
+  fc_tensor k = make(kb.data(), FC_DTYPE_F32, {12, 2, 8});
+  fc_tensor v = make(vb.data(), FC_DTYPE_F32, {12, 2, 8});
+  fc_tensor out = make(ob.data(), FC_DTYPE_F32, {10, 2, 8});
+  fc_tensor lse = make(lb.data(), FC_DTYPE_F32, {2, 10});
+  fc_tensor tcq = make(cq.data(), FC_DTYPE_I32, {3});
+  fc_tensor tck = make(ck.data(), FC_DTYPE_I32, {3});
+  fc_attention_options opt{};
+  void SetUp() override {
+    opt.cu_seqlens_q = &tcq;
+    opt.cu_seqlens_k = &tck;
+    opt.max_seqlen_q = 6;
+    opt.max_seqlen_k = 7;
+  }
+  void expect_error(const std::string& needle) {
+    EXPECT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fc_last_error()).find(needle), std::string::npos)
+        << "message: '" << fc_last_error() << "' lacks '" << needle << "'";
+    for (float x : ob) ASSERT_EQ(x, -7.f);
+    for (float x : lb) ASSERT_EQ(x, -7.f);
+  }
+};
+
+TEST_F(BadVarlen, ValidCallSucceeds) {
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
+}
+
+TEST_F(BadVarlen, CuSeqlens) {
+  cq = {1, 4, 10};
+  expect_error("cu_seqlens_q: starts at 1");
+  cq = {0, 6, 4};
+  expect_error("cu_seqlens_q: decreases at index 2");
+  cq = {0, 4, 11};
+  opt.max_seqlen_q = 7;
+  expect_error("cu_seqlens_q: last entry 11 exceeds the packed tensor's 10 rows");
+  cq = {0, 4, 10};
+  opt.max_seqlen_q = 5;
+  expect_error("max_seqlen_q: 5 is smaller than sequence 1's length 6");
+  opt.max_seqlen_q = 6;
+  ck = {0, 9, 12};
+  expect_error("max_seqlen_k: 7 is smaller than sequence 0's length 9");
+  ck = {0, 5, 12};
+  opt.cu_seqlens_k = nullptr;
+  expect_error("cu_seqlens_k: is null but cu_seqlens_q is given");
+  opt.cu_seqlens_k = &tck;
+  tck.dtype = FC_DTYPE_F32;
+  expect_error("cu_seqlens_k: dtype float32 does not match int32");
+  tck.dtype = FC_DTYPE_I32;
+  tck.shape[0] = 2;
+  expect_error("cu_seqlens_k: has 2 entries but cu_seqlens_q has 3");
+  tck.shape[0] = 3;
+  lse = make(lb.data(), FC_DTYPE_F32, {2, 2, 5});
+  expect_error("lse: has 3 dimensions, expected 2");
+  opt.max_seqlen_k = -1;
+  expect_error("max_seqlen_k: -1 is negative");
+}
+
+// Alignment rules of the GPU paths are checked before any GPU work; test them directly so they
+// are covered on machines without a GPU.
+TEST(BackendRules, CudaAlignmentAndDtype) {
+  alignas(16) static uint16_t buf[4096];
+  fc_tensor q = make(buf + 1, FC_DTYPE_F16, {1, 4, 2, 16});  // 2-byte aligned only
+  q.device_type = FC_DEVICE_CUDA;
+  flashcore::AttentionParams p;
+  p.dtype = flashcore::DType::F16;
+  p.head_dim = 16;
+  const fc_tensor* ts[] = {&q};
+  const char* ns[] = {"q"};
+  flashcore::Status s = flashcore::validate_for_backend(p, FC_BACKEND_CUDA_SM80, ts, ns, 1);
+  EXPECT_EQ(s.code, FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("q: data pointer is not 16-byte aligned"), std::string::npos) << s.message;
+  q.data = buf;
+  q.strides[1] = 36;  // row stride not a multiple of 8 elements
+  s = flashcore::validate_for_backend(p, FC_BACKEND_CUDA_SM80, ts, ns, 1);
+  EXPECT_NE(s.message.find("q: stride 36 of dimension 1 is not a multiple of 8"), std::string::npos) << s.message;
+  q.strides[1] = 32;
+  p.head_dim = 12;
+  s = flashcore::validate_for_backend(p, FC_BACKEND_CUDA_SM80, ts, ns, 1);
+  EXPECT_EQ(s.code, FC_ERROR_UNSUPPORTED);
+  EXPECT_NE(s.message.find("head_dim 12 is not a multiple of 8"), std::string::npos) << s.message;
+  p.dtype = flashcore::DType::F32;
+  s = flashcore::validate_for_backend(p, FC_BACKEND_CUDA_SM80, ts, ns, 1);
+  EXPECT_NE(s.message.find("float32 is not supported by backend cuda_sm80"), std::string::npos) << s.message;
+}
+
+TEST(BackendRules, UnavailableCudaBackendIsAClearError) {
+  if (fc_cuda_device_count() > 0) GTEST_SKIP() << "a GPU is present; this checks the no-GPU message";
+  alignas(16) static uint16_t qb[1024], kb[1024], vb[1024], ob[1024];
+  fc_tensor q = make(qb, FC_DTYPE_F16, {1, 4, 2, 16}), k = make(kb, FC_DTYPE_F16, {1, 4, 2, 16}),
+            v = make(vb, FC_DTYPE_F16, {1, 4, 2, 16}), out = make(ob, FC_DTYPE_F16, {1, 4, 2, 16});
+  for (fc_tensor* t : {&q, &k, &v, &out}) t->device_type = FC_DEVICE_CUDA;
+  fc_attention_options opt{};
+  EXPECT_EQ(fc_attention_forward(&q, &k, &v, &out, nullptr, &opt, nullptr, 0), FC_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(fc_last_error()).find("cuda_sm80 is not available"), std::string::npos) << fc_last_error();
+}
+
+}  // namespace
