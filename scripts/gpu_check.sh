@@ -49,11 +49,11 @@ fi
 
 # 3. Tests.
 if [ "$TESTS" = all ]; then
-  build-gpu/flashcore_cuda_tests --gtest_filter="$FILTER" >"$OUTDIR/tests.log" 2>&1
+  build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >"$OUTDIR/tests.log" 2>&1
   note "cuda tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED  \]' "$OUTDIR/tests.log" | head -20 | tee -a "$SUM"
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/flashcore_cuda_tests \
+    compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
       --gtest_filter='CudaSanitizerSmall.*' >>"$OUTDIR/tests.log" 2>&1
     note "compute-sanitizer $tool: rc=$? ($(el))"
   done

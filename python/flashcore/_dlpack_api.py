@@ -1,0 +1,320 @@
+"""Framework-neutral attention calls: numpy arrays and any object exposing ``__dlpack__``.
+
+This layer turns Python arguments into one call of the extension ``flashcore._C`` (the C ABI):
+it allocates outputs with the input's own framework when the caller did not pass them (numpy
+for numpy arrays, the array-API namespace for others such as cupy), passes the caller's CUDA
+stream through as an integer, and leaves every rule about shapes, strides and dtypes to the
+library, whose error messages name the offending argument. It has no autograd: PyTorch users
+get that from ``flashcore._torch`` through the flash_attn-compatible functions.
+"""
+
+import sys
+
+import numpy as np
+
+from . import _C
+
+# Names accepted for ``backend=``; integers are the C ABI's fc_backend values.
+BACKENDS = dict(_C.backend_names())
+BACKENDS["auto"] = _C.BACKEND_AUTO
+
+# Number of dimensions of q/k/v in the two layouts (see include/flashcore/flashcore.h).
+DENSE_NDIM = 4
+VARLEN_NDIM = 3
+
+# flash_attn computes with softmax_scale = 0.0 literally, while the C ABI reads 0.0 as "use
+# 1/sqrt(head_dim)". The smallest normal double rounds to a 0.0f scale inside the library, which
+# is FlashAttention's meaning (uniform attention over the allowed keys).
+EXPLICIT_ZERO_SCALE = sys.float_info.min
+
+INT32_MAX = np.iinfo(np.int32).max
+
+
+def backend_id(backend):
+    """The fc_backend value for a name ('auto', 'cpu_flash', ...) or an integer."""
+    if isinstance(backend, str):
+        try:
+            return BACKENDS[backend]
+        except KeyError:
+            raise ValueError(
+                f"backend: unknown backend {backend!r}; expected one of {sorted(BACKENDS)}"
+            ) from None
+    if isinstance(backend, (int, np.integer)) and not isinstance(backend, bool):
+        return int(backend)
+    raise TypeError(f"backend: expected a name or an integer, got {type(backend).__name__}")
+
+
+def resolve_scale(softmax_scale):
+    """The softmax_scale the C ABI should see: 0.0 means 1/sqrt(head_dim) there."""
+    if softmax_scale is None:
+        return 0.0
+    scale = float(softmax_scale)
+    return EXPLICIT_ZERO_SCALE if scale == 0.0 else scale
+
+
+def resolve_window(window_size):
+    """(left, right) from flash_attn's window_size, as Python ints (-1 = unbounded)."""
+    try:
+        left, right = window_size
+        return int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"window_size: expected a pair (left, right) of ints, got {window_size!r}"
+        ) from None
+
+
+def make_options(
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    max_seqlen_q=0,
+    max_seqlen_k=0,
+    backend="auto",
+    deterministic=False,
+    stream=None,
+    num_threads=0,
+    uint16_is_bfloat16=False,
+):
+    """A ``_C.Options`` from flash_attn-style arguments."""
+    left, right = resolve_window(window_size)
+    return _C.Options(
+        softmax_scale=resolve_scale(softmax_scale),
+        causal=bool(causal),
+        window_left=left,
+        window_right=right,
+        softcap=float(softcap),
+        max_seqlen_q=int(max_seqlen_q or 0),
+        max_seqlen_k=int(max_seqlen_k or 0),
+        backend=backend_id(backend),
+        deterministic=bool(deterministic),
+        stream=int(stream or 0),
+        num_threads=int(num_threads),
+        uint16_is_bfloat16=uint16_is_bfloat16,
+    )
+
+
+def lse_shape(q_shape, is_varlen):
+    """LSE layout of the C ABI: dense (batch, heads, seqlen_q); varlen (heads, total_q)."""
+    if is_varlen:
+        return (q_shape[1], q_shape[0])
+    return (q_shape[0], q_shape[2], q_shape[1])
+
+
+# ---- numpy specifics -------------------------------------------------------------------------
+
+
+def _is_numpy_bfloat16(array):
+    # ml_dtypes.bfloat16 (the usual numpy bfloat16) has no DLPack code of its own.
+    return isinstance(array, np.ndarray) and array.dtype.name == "bfloat16"
+
+
+def _as_bfloat16_bits(array):
+    """numpy bfloat16 arrays travel as uint16 views (see _C.Options.uint16_is_bfloat16)."""
+    if array is not None and _is_numpy_bfloat16(array):
+        return array.view(np.uint16)
+    return array
+
+
+def _numpy_cu_seqlens(cu_seqlens, name):
+    """int32 prefix sums from any integer numpy array; others are left to the library."""
+    if not isinstance(cu_seqlens, np.ndarray) or cu_seqlens.dtype == np.int32:
+        return cu_seqlens
+    if cu_seqlens.dtype.kind not in "iu":
+        raise ValueError(f"{name}: dtype {cu_seqlens.dtype} is not supported; expected int32")
+    if cu_seqlens.size and (cu_seqlens.min() < 0 or cu_seqlens.max() > INT32_MAX):
+        raise ValueError(f"{name}: values do not fit in int32")
+    return cu_seqlens.astype(np.int32)
+
+
+def _numpy_max_seqlen(cu_seqlens):
+    if isinstance(cu_seqlens, np.ndarray) and cu_seqlens.ndim == 1 and cu_seqlens.size > 1:
+        return int(np.max(np.diff(cu_seqlens.astype(np.int64))))
+    return 0
+
+
+# ---- output allocation ------------------------------------------------------------------------
+
+
+def _is_torch_tensor(x):
+    # Checked by module name so that this layer never imports torch itself.
+    return type(x).__module__.startswith("torch") and hasattr(x, "requires_grad")
+
+
+def _allocator_for(like, name):
+    """A function (shape, dtype=None) -> new uninitialized array in `like`'s framework and on
+    its device; dtype None means like's dtype, otherwise a numpy dtype."""
+    if isinstance(like, np.ndarray):
+        return lambda shape, dtype=None: np.empty(shape, like.dtype if dtype is None else dtype)
+    if _is_torch_tensor(like):
+        torch = sys.modules["torch"]
+
+        def allocate_torch(shape, dtype=None):
+            torch_dtype = like.dtype if dtype is None else getattr(torch, np.dtype(dtype).name)
+            return torch.empty(shape, dtype=torch_dtype, device=like.device)
+
+        return allocate_torch
+    namespace = getattr(like, "__array_namespace__", None)
+    if namespace is not None:
+        xp = namespace()
+
+        def allocate_array_api(shape, dtype=None):
+            xp_dtype = like.dtype if dtype is None else getattr(xp, np.dtype(dtype).name)
+            return xp.empty(shape, dtype=xp_dtype, device=like.device)
+
+        return allocate_array_api
+    raise TypeError(
+        f"{name}: cannot allocate outputs for {type(like).__name__}; pass them in "
+        "(out=..., lse=...) or use numpy, torch or a framework with __array_namespace__"
+    )
+
+
+def _plain(x):
+    """x ready for export through DLPack: torch refuses to export tensors requiring grad."""
+    if _is_torch_tensor(x) and x.requires_grad:
+        return x.detach()
+    return x
+
+
+def _workspace_allocator(like):
+    """Callable(nbytes) -> uint8 array on `like`'s device, for the extension to call on demand."""
+    allocate = _allocator_for(like, "workspace")
+    return lambda nbytes: allocate((nbytes,), np.uint8)
+
+
+def _check_array(x, name):
+    if not (hasattr(x, "__dlpack__") or isinstance(x, np.ndarray)):
+        raise TypeError(
+            f"{name}: expected an array exposing __dlpack__ (numpy, torch, cupy, ...), "
+            f"got {type(x).__name__}"
+        )
+
+
+# ---- public calls ------------------------------------------------------------------------------
+
+
+def attention_forward(
+    q,
+    k,
+    v,
+    *,
+    out=None,
+    lse=None,
+    return_lse=False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    backend="auto",
+    num_threads=0,
+    stream=None,
+    workspace=None,
+):
+    """out = softmax(softmax_scale * q k^T + mask) v for numpy or DLPack arrays.
+
+    Layouts as flash_attn: dense q (batch, seqlen_q, heads_q, head_dim) and k/v
+    (batch, seqlen_k, heads_kv, head_dim); varlen (cu_seqlens_* given) q (total_q, heads_q,
+    head_dim), k/v (total_k, heads_kv, head_dim) with int32 prefix sums cu_seqlens_q/k.
+    ``out``/``lse`` may be passed in (they are written, never reallocated); otherwise they are
+    allocated with q's framework. ``stream`` is the caller's cudaStream_t as an int (None: the
+    legacy default stream); the call is asynchronous on it for CUDA arrays.
+    Returns out, or (out, lse) when return_lse; lse is float32, dense (batch, heads_q,
+    seqlen_q) or varlen (heads_q, total_q), natural-log, -inf for rows without keys.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(x, name)
+    is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    cu_seqlens_q = _numpy_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
+    cu_seqlens_k = _numpy_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+    if is_varlen:
+        max_seqlen_q = _numpy_max_seqlen(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = _numpy_max_seqlen(cu_seqlens_k) if max_seqlen_k is None else max_seqlen_k
+    if out is None:
+        out = _allocator_for(q, "out")(tuple(q.shape))
+    if lse is None and return_lse:
+        lse = _allocator_for(q, "lse")(lse_shape(tuple(q.shape), is_varlen), np.float32)
+    if workspace is None:
+        workspace = _workspace_allocator(q)
+    uses_bf16 = _is_numpy_bfloat16(q)
+    options = make_options(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        backend=backend,
+        stream=stream,
+        num_threads=num_threads,
+        uint16_is_bfloat16=uses_bf16,
+    )
+    q_, k_, v_, out_ = (_as_bfloat16_bits(_plain(x)) for x in (q, k, v, out))
+    _C.forward(q_, k_, v_, out_, _plain(lse), cu_seqlens_q, cu_seqlens_k, workspace, options)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    dq=None,
+    dk=None,
+    dv=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    backend="auto",
+    num_threads=0,
+    stream=None,
+    workspace=None,
+):
+    """Gradients (dq, dk, dv) of attention_forward for the same arguments and options.
+
+    ``out`` and ``lse`` must come from that forward. With GQA/MQA the gradients of the query
+    heads sharing a KV head are summed into dk/dv. dq/dk/dv may be passed in; otherwise they
+    are allocated like q/k/v with their framework.
+    """
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        _check_array(x, name)
+    is_varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    cu_seqlens_q = _numpy_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
+    cu_seqlens_k = _numpy_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+    if is_varlen:
+        max_seqlen_q = _numpy_max_seqlen(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
+        max_seqlen_k = _numpy_max_seqlen(cu_seqlens_k) if max_seqlen_k is None else max_seqlen_k
+    dq = _allocator_for(q, "dq")(tuple(q.shape)) if dq is None else dq
+    dk = _allocator_for(k, "dk")(tuple(k.shape)) if dk is None else dk
+    dv = _allocator_for(v, "dv")(tuple(v.shape)) if dv is None else dv
+    if workspace is None:
+        workspace = _workspace_allocator(q)
+    options = make_options(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        backend=backend,
+        deterministic=deterministic,
+        stream=stream,
+        num_threads=num_threads,
+        uint16_is_bfloat16=_is_numpy_bfloat16(q),
+    )
+    tensors = (_as_bfloat16_bits(_plain(x)) for x in (dout, q, k, v, out, lse, dq, dk, dv))
+    _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options)
+    return dq, dk, dv

@@ -1,0 +1,244 @@
+"""PyTorch integration: flashcore as torch.library custom ops with autograd.
+
+``flashcore::fwd`` and ``flashcore::bwd`` are registered with torch.library.custom_op, with
+fake (meta) implementations so torch.compile(fullgraph=True) traces through them without a
+graph break, and with register_autograd so backward calls the library's backward. The real
+implementations allocate every tensor through PyTorch (out/lse with new_empty, dq/dk/dv with
+torch.empty_like, the workspace as a uint8 tensor of the size the library reports), launch on
+the current CUDA stream and never synchronize or read device memory on the host, so they can
+be captured in CUDA graphs. Tensors reach the extension as raw descriptors (pointer, dtype,
+device, shape, strides), not through DLPack, to keep the host overhead per call low.
+Imported only when torch is already importable (see __init__.py).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+from ._dlpack_api import backend_id, lse_shape, resolve_scale, resolve_window
+
+Tensor = torch.Tensor
+
+# Integer dtype the C ABI reads cu_seqlens in.
+CU_SEQLENS_DTYPE = torch.int32
+
+
+# torch dtypes the C ABI knows, as its fc_dtype codes.
+_FC_DTYPES = {
+    torch.float32: _C.DTYPE_F32,
+    torch.float16: _C.DTYPE_F16,
+    torch.bfloat16: _C.DTYPE_BF16,
+    torch.int32: _C.DTYPE_I32,
+}
+_FC_DEVICES = {"cpu": _C.DEVICE_CPU, "cuda": _C.DEVICE_CUDA}
+
+
+def _describe(t, name):
+    """A raw descriptor of t for the extension (see RawTensorFields in python/src/ext.cpp).
+
+    Exporting a torch tensor through __dlpack__ costs several microseconds of Python per tensor;
+    these few attribute reads cost a fraction of that and need no detach(). The tensor object
+    stays referenced by the caller for the duration of the call, which keeps its memory alive.
+    """
+    if t is None:
+        return None
+    fc_dtype = _FC_DTYPES.get(t.dtype)
+    if fc_dtype is None:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported (float32, float16, bfloat16)")
+    device = t.device
+    fc_device = _FC_DEVICES.get(device.type)
+    if fc_device is None:
+        raise ValueError(f"{name}: device {device} is not supported (cpu or cuda tensors only)")
+    return (t.data_ptr(), fc_dtype, fc_device, device.index or 0, t.shape, t.stride())
+
+
+def _last_dim_contiguous(t):
+    # flash_attn's rule: only the head_dim stride must be 1; other strides are accepted as is.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _options(like, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+             window_right, softcap, backend, deterministic):
+    if like.is_cuda:
+        stream = torch.cuda.current_stream(like.device).cuda_stream
+        num_threads = 0
+    else:
+        stream = 0
+        num_threads = torch.get_num_threads()  # honour torch.set_num_threads on CPU
+    return _C.Options(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=softcap,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        backend=backend,
+        deterministic=deterministic,
+        stream=stream,
+        num_threads=num_threads,
+    )
+
+
+def _workspace_allocator(like):
+    # Called by the extension only when the library needs scratch memory; returns a raw
+    # workspace descriptor (data_ptr, nbytes, device type, device index, owning tensor).
+    device = like.device
+    fc_device = _FC_DEVICES.get(device.type)
+
+    def allocate(nbytes):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return (buffer.data_ptr(), nbytes, fc_device, device.index or 0, buffer)
+
+    return allocate
+
+
+class _OnDevice:
+    """Makes like's CUDA device current for the call when it is not (multi-GPU processes)."""
+
+    def __init__(self, like):
+        self.guard = None
+        if like.is_cuda and like.device.index != torch.cuda.current_device():
+            self.guard = torch.cuda.device(like.device)
+
+    def __enter__(self):
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+
+
+# ---- the custom ops --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashcore::fwd", mutates_args=())
+def _fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    backend: int,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
+    options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap, backend, deterministic)
+    with _OnDevice(q):
+        _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
+                   _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
+                   _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options)
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+              causal, window_left, window_right, softcap, backend, deterministic):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("flashcore::bwd", mutates_args=())
+def _bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    backend: int,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap, backend, deterministic)
+    with _OnDevice(q):
+        _C.backward(_describe(dout, "dout"), _describe(q, "q"), _describe(k, "k"),
+                    _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),
+                    _describe(dq, "dq"), _describe(dk, "dk"), _describe(dv, "dv"),
+                    _describe(cu_seqlens_q, "cu_seqlens_q"), _describe(cu_seqlens_k, "cu_seqlens_k"),
+                    _workspace_allocator(q), options)
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, *settings) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.settings = settings  # max_seqlen_q ... deterministic, in _fwd's order
+    # The library's backward takes no gradient for lse (as in flash_attn): lse is a constant.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if dout is None:  # out did not reach the loss
+        dout = torch.zeros_like(out)
+    dout = _last_dim_contiguous(dout)
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.settings)
+    no_grad_for_settings = (None,) * (len(ctx.settings) + 2)  # + the two cu_seqlens
+    return (dq, dk, dv) + no_grad_for_settings
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the entry point used by flash_attn_interface -----------------------------------------------
+
+
+def is_tensor(x):
+    return isinstance(x, torch.Tensor)
+
+
+def _cu_seqlens(t):
+    # int64 prefix sums (torch's default integer) are converted on the tensor's device: a
+    # kernel, no host read, so it stays CUDA-graph safe. Values above 2^31 cannot be valid
+    # row offsets of a tensor the library accepts anyway.
+    if t is None or t.dtype == CU_SEQLENS_DTYPE:
+        return t
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: dtype {t.dtype} is not supported; expected torch.int32")
+    return t.to(CU_SEQLENS_DTYPE)
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+              causal, window_size, softcap, deterministic, backend):
+    """(out, lse) for torch tensors, differentiable in q, k, v (flash_attn semantics)."""
+    window_left, window_right = resolve_window(window_size)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return _fwd(
+        q, k, v, _cu_seqlens(cu_seqlens_q), _cu_seqlens(cu_seqlens_k),
+        max_seqlen_q if cu_seqlens_q is not None else 0,
+        max_seqlen_k if cu_seqlens_q is not None else 0,
+        resolve_scale(softmax_scale), bool(causal), window_left, window_right, float(softcap),
+        backend_id(backend), bool(deterministic),
+    )

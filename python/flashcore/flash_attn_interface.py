@@ -1,0 +1,152 @@
+"""The FlashAttention-2 Python API (flash_attn.flash_attn_interface) on top of flashcore.
+
+Same function names, argument names, defaults, shapes and semantics as flash_attn, so that
+``import flashcore as flash_attn`` runs flash_attn code unchanged:
+  - torch tensors (CUDA or CPU) go through flashcore._torch: custom ops with autograd,
+    torch.compile and CUDA-graph support;
+  - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
+What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0,
+alibi_slopes, block_table. return_attn_probs returns (out, softmax_lse, None): the lse is real,
+the attention-probability matrix (a testing aid in flash_attn) is not materialized.
+"""
+
+from . import _dlpack_api
+
+# Set by set_default_backend(); read at call time (and at trace time under torch.compile).
+_default_backend = "auto"
+_torch_impl = None  # flashcore._torch, once torch tensors have been seen (or torch was loaded)
+
+
+def set_default_backend(backend):
+    """Backend the flash_attn_* functions use: 'auto' (default) or a name from
+    flashcore.backends(), e.g. 'cpu_reference' to run the fp64 oracle."""
+    global _default_backend
+    _dlpack_api.backend_id(backend)  # validates
+    _default_backend = backend
+
+
+def _load_torch_impl():
+    global _torch_impl
+    if _torch_impl is None:
+        from . import _torch
+
+        _torch_impl = _torch
+    return _torch_impl
+
+
+def _is_torch(x):
+    if _torch_impl is not None:
+        return _torch_impl.is_tensor(x)
+    return type(x).__module__.startswith("torch")
+
+
+def _check_unsupported(dropout_p, alibi_slopes, block_table=None):
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p: only 0.0 is supported, got {dropout_p}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not supported; pass None")
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged KV is not supported here; pass None")
+
+
+def _last_dim_contiguous_numpy(x):
+    # flash_attn accepts any layout and copies when the head_dim stride is not 1; do the same.
+    import numpy as np
+
+    if isinstance(x, np.ndarray) and x.ndim > 0 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        return np.ascontiguousarray(x)
+    return x
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+               causal, window_size, softcap, deterministic, return_attn_probs):
+    if _is_torch(q):
+        out, lse = _load_torch_impl().attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_size, softcap, deterministic, _default_backend)
+    else:
+        q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
+        out, lse = _dlpack_api.attention_forward(
+            q, k, v, return_lse=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _split_packed(packed, axis, count, name):
+    if packed.ndim <= axis or packed.shape[axis] != count:
+        raise ValueError(f"{name}: expected size {count} at dimension {axis}, got shape "
+                         f"{tuple(packed.shape)}")
+    index = (slice(None),) * axis
+    return tuple(packed[index + (i,)] for i in range(count))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
+    nheads % nheads_k == 0 (GQA/MQA). Causal and window masks are aligned to the bottom-right
+    corner; query i attends to keys in [i + sk - sq - window_size[0], i + sk - sq +
+    window_size[1]]. Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse,
+    None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
+                      softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim). Otherwise as flash_attn_func."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    q, k, v = _split_packed(qkv, 2, 3, "qkv")
+    return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
+                      softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    k, v = _split_packed(kv, 2, 2, "kv")
+    return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
+                      softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k:
+    (batch + 1,) int32 prefix sums (int64 is converted); max_seqlen_q/k: ints >= every
+    length. Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with
+    softmax_lse (nheads, total_q)."""
+    _check_unsupported(dropout_p, alibi_slopes, block_table)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, causal, window_size, softcap, deterministic,
+                      return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim); cu_seqlens shared by queries and keys."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    q, k, v = _split_packed(qkv, 1, 3, "qkv")
+    return _attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale,
+                      causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    k, v = _split_packed(kv, 1, 2, "kv")
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, causal, window_size, softcap, deterministic,
+                      return_attn_probs)

@@ -1,0 +1,671 @@
+"""flashcore's Python package on numpy arrays (CPU backends): runs in CI without GPU or torch.
+
+Every result is checked against an fp64 numpy reference written here (bottom-right aligned
+causal/window masks, softcap, GQA, varlen), with TESTING.md's tolerance rule for float16 and
+bfloat16 (error <= 2x the error of a naive implementation in the same precision + one rounding)
+and a relative error below 1e-5 for float32. Outputs are poisoned with NaN first so that an
+element left unwritten fails. Bad inputs must raise ValueError/TypeError naming the argument.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import flashcore
+import flashcore.flash_attn_interface as fai
+
+CPU_BACKENDS = ["cpu_flash", "cpu_reference"]
+FP32_RELATIVE_TOLERANCE = 1e-5
+LOW_PRECISION_FACTOR_FWD = 2  # TESTING.md: 2x the same-precision error for O and LSE
+LOW_PRECISION_FACTOR_BWD = 3  # and 3x for gradients
+ROUNDING_PROBE = 0.3  # FA3's atol: the rounding of one add at the reference's magnitude
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = ml_dtypes.bfloat16
+except ImportError:  # optional
+    BFLOAT16 = None
+
+
+# ---- fp64 reference -----------------------------------------------------------------------------
+
+
+def allowed_keys(seqlen_q, seqlen_k, causal, window):
+    """(seqlen_q, seqlen_k) bool mask: bottom-right aligned causal / sliding window."""
+    left, right = window
+    if causal:
+        right = 0
+    rows = np.arange(seqlen_q)[:, None]
+    keys = np.arange(seqlen_k)[None, :]
+    diagonal = rows + seqlen_k - seqlen_q
+    allowed = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        allowed &= keys >= diagonal - left
+    if right >= 0:
+        allowed &= keys <= diagonal + right
+    return allowed
+
+
+def _scores(q, k, scale, softcap):
+    # q (sq, hq, d), k (sk, hq, d) already expanded to query heads -> (hq, sq, sk)
+    s = np.einsum("ihd,jhd->hij", q, k) * scale
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    return s
+
+
+def _sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, p_dtype):
+    """One sequence: out (sq, hq, d) and lse (hq, sq). compute_dtype float64 is the truth;
+    float32 with p_dtype = the input dtype is the naive same-precision implementation."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = _scores(q, k, scale, softcap)
+    s = np.where(allowed_keys(q.shape[0], k.shape[0], causal, window)[None], s, -np.inf)
+    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    row_max = np.where(np.isfinite(row_max), row_max, 0)
+    p = np.exp(s - row_max)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(row_sum > 0, np.log(row_sum) + row_max, -np.inf)[..., 0]
+        p = np.where(row_sum > 0, p / row_sum, 0)
+    p = p.astype(p_dtype).astype(compute_dtype)
+    out = np.einsum("hij,jhd->ihd", p, v)
+    return out, lse
+
+
+def _sequence_backward(q, k, v, dout, scale, causal, window, softcap, compute_dtype, round_dtype):
+    """Gradients of one sequence: dq (sq, hq, d), dk/dv (sk, hkv, d). compute_dtype float64 is
+    the truth; float32 with round_dtype = the input dtype is the naive same-precision backward
+    (P and dS rounded to the dtype before their products, as tensor-core kernels do)."""
+    heads_kv = k.shape[1]
+    group = q.shape[1] // heads_kv
+    q, k, v, dout = (x.astype(compute_dtype) for x in (q, k, v, dout))
+    kx, vx = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    out, lse = _sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, round_dtype)
+    rounded = lambda x: x.astype(round_dtype).astype(compute_dtype)
+    s = _scores(q, kx, scale, softcap)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(np.isfinite(lse)[..., None], np.exp(s - lse[..., None]), 0)
+    p = np.where(allowed_keys(q.shape[0], k.shape[0], causal, window)[None], p, 0)
+    dp = np.einsum("ihd,jhd->hij", dout, vx)
+    delta = np.einsum("ihd,ihd->hi", dout, rounded(out))[..., None]
+    ds = p * (dp - delta)
+    if softcap > 0:
+        ds = ds * (1 - (s / softcap) ** 2)
+    ds, p = rounded(ds), rounded(p)
+    dq = scale * np.einsum("hij,jhd->ihd", ds, kx)
+    dkx = scale * np.einsum("hij,ihd->jhd", ds, q)
+    dvx = np.einsum("hij,ihd->jhd", p, dout)
+    fold = lambda x: x.reshape(x.shape[0], heads_kv, group, x.shape[-1]).sum(axis=2)
+    return dq, fold(dkx), fold(dvx)
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(q rows, k rows) index pairs per sequence, for dense (4-D) or varlen (3-D) inputs."""
+    if cu_seqlens_q is None:
+        return [((b,), (b,)) for b in range(q.shape[0])]
+    return [
+        ((slice(cu_seqlens_q[b], cu_seqlens_q[b + 1]),), (slice(cu_seqlens_k[b], cu_seqlens_k[b + 1]),))
+        for b in range(len(cu_seqlens_q) - 1)
+    ]
+
+
+def reference_forward(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                      cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False):
+    """out and lse in the C ABI layouts; fp64 truth, or the naive same-precision result."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute, p_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
+    out = np.zeros(q.shape, dtype=compute)
+    varlen = cu_seqlens_q is not None
+    lse = np.zeros((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]))
+    for qi, ki in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        o, l = _sequence_forward(q[qi], k[ki], v[ki], scale, causal, window, softcap, compute, p_dtype)
+        out[qi] = o
+        if varlen:
+            lse[:, qi[0]] = l
+        else:
+            lse[qi] = l
+    if same_precision:
+        out = out.astype(q.dtype)
+    return out, lse
+
+
+def reference_backward(q, k, v, dout, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                       cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False):
+    """dq, dk, dv; fp64 truth, or the naive same-precision result (in q's dtype)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute, round_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
+    dq, dk, dv = (np.zeros(x.shape, compute) for x in (q, k, v))
+    for qi, ki in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        dq[qi], dk[ki], dv[ki] = _sequence_backward(q[qi], k[ki], v[ki], dout[qi], scale, causal,
+                                                    window, softcap, compute, round_dtype)
+    if same_precision:
+        return tuple(x.astype(q.dtype) for x in (dq, dk, dv))
+    return dq, dk, dv
+
+
+# ---- comparison rules ------------------------------------------------------------------------
+
+
+def assert_fp32_close(actual, expected, name):
+    actual = np.asarray(actual, dtype=np.float64)
+    assert not np.isnan(actual).any(), f"{name}: NaN in result"
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite], err_msg=f"{name}: -inf rows")
+    norm = np.linalg.norm(expected[finite])
+    error = np.linalg.norm(actual[finite] - expected[finite])
+    assert error <= FP32_RELATIVE_TOLERANCE * max(norm, 1e-30), f"{name}: relative error {error / norm:.3g}"
+
+
+def rounding_atol(expected, dtype):
+    x = expected.astype(dtype)
+    probe = np.asarray(ROUNDING_PROBE, dtype=dtype)
+    return 2 * float(np.max(np.abs(((x + probe) - probe).astype(np.float64) - x.astype(np.float64)),
+                            initial=0.0))
+
+
+def assert_low_precision_close(actual, expected, same, dtype, name, factor=LOW_PRECISION_FACTOR_FWD):
+    """TESTING.md: max|X - ref| <= factor * max|X_same - ref| + atol; NaN never passes."""
+    actual = np.asarray(actual).astype(np.float64)
+    same = np.asarray(same).astype(np.float64)
+    assert not np.isnan(actual).any(), f"{name}: NaN in result"
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite], err_msg=f"{name}: -inf rows")
+    error = np.max(np.abs(actual[finite] - expected[finite]), initial=0.0)
+    same_error = np.max(np.abs(same[finite] - expected[finite]), initial=0.0)
+    atol = rounding_atol(expected[finite], dtype)
+    assert error <= factor * same_error + atol, (
+        f"{name}: max error {error:.3g} > {factor} x {same_error:.3g} + {atol:.3g}")
+
+
+def random_inputs(rng, dtype, q_shape, kv_shape):
+    make = lambda shape: rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    return make(q_shape), make(kv_shape), make(kv_shape)
+
+
+def poisoned_like(x, shape=None, dtype=None):
+    return np.full(x.shape if shape is None else shape, np.nan, dtype=x.dtype if dtype is None else dtype)
+
+
+def check_forward(q, k, v, out, lse, **mask):
+    """Compares out/lse with the reference by q's dtype."""
+    ref_out, ref_lse = reference_forward(q, k, v, **mask)
+    if q.dtype == np.float32:
+        assert_fp32_close(out, ref_out, "out")
+        assert_fp32_close(lse, ref_lse, "lse")
+    else:
+        same_out, same_lse = reference_forward(q, k, v, same_precision=True, **mask)
+        assert_low_precision_close(out, ref_out, same_out, q.dtype, "out")
+        assert_low_precision_close(lse, ref_lse, same_lse, np.float32, "lse")
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh inputs per case, reproducible per test id.
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ---- package basics ----------------------------------------------------------------------------
+
+
+def test_package_info():
+    assert flashcore.__version__ == flashcore._C.version()
+    assert flashcore.__version__.count(".") == 2
+    assert isinstance(flashcore.build_info(), str) and flashcore.build_info()
+    assert set(CPU_BACKENDS) <= set(flashcore.backends())
+    for backend in CPU_BACKENDS:
+        assert flashcore.backend_available(backend)
+    assert flashcore.cuda_device_count() >= 0
+    # flash_attn's names are importable from the package and from flash_attn_interface.
+    for name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                 "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                 "flash_attn_varlen_kvpacked_func"):
+        assert getattr(flashcore, name) is getattr(fai, name)
+
+
+# ---- forward through each CPU backend ----------------------------------------------------------
+
+SEQLEN_PAIRS = [(1, 1), (1, 37), (3, 50), (37, 1), (64, 64), (113, 203), (203, 113)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_fp32(rng, backend, seqlen_q, seqlen_k, causal):
+    q, k, v = random_inputs(rng, np.float32, (2, seqlen_q, 3, 40), (2, seqlen_k, 3, 40))
+    out, lse = poisoned_like(q), poisoned_like(q, (2, 3, seqlen_q), np.float32)
+    result = flashcore.attention_forward(q, k, v, out=out, lse=lse, return_lse=True,
+                                         causal=causal, backend=backend)
+    assert result[0] is out and result[1] is lse
+    check_forward(q, k, v, out, lse, causal=causal)
+
+
+LOW_PRECISION = [np.float16] + ([BFLOAT16] if BFLOAT16 is not None else [])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 37), (64, 64), (113, 203), (203, 113)])
+def test_forward_low_precision(rng, backend, dtype, seqlen_q, seqlen_k):
+    q, k, v = random_inputs(rng, dtype, (2, seqlen_q, 4, 64), (2, seqlen_k, 2, 64))
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=True, backend=backend)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    check_forward(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (6, 1), (4, 4)])
+def test_gqa_mqa(rng, heads_q, heads_kv):
+    q, k, v = random_inputs(rng, np.float32, (2, 33, heads_q, 32), (2, 47, heads_kv, 32))
+    out, lse, probs = flashcore.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert probs is None
+    check_forward(q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("window", [(5, -1), (-1, 3), (4, 2), (0, 0)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(40, 40), (17, 60), (60, 17)])
+def test_sliding_window(rng, window, seqlen_q, seqlen_k):
+    q, k, v = random_inputs(rng, np.float32, (1, seqlen_q, 2, 24), (1, seqlen_k, 2, 24))
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, window_size=window, return_attn_probs=True)
+    check_forward(q, k, v, out, lse, window=window)
+
+
+def test_window_with_causal(rng):
+    q, k, v = random_inputs(rng, np.float32, (1, 30, 2, 16), (1, 50, 2, 16))
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=True, window_size=(7, 5),
+                                            return_attn_probs=True)
+    check_forward(q, k, v, out, lse, causal=True, window=(7, 0))
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf(rng):
+    # Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key.
+    q, k, v = random_inputs(rng, np.float32, (1, 9, 2, 16), (1, 4, 2, 16))
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert np.all(out[0, :5] == 0)
+    assert np.all(lse[0, :, :5] == -np.inf)
+    assert np.all(np.isfinite(lse[0, :, 5:]))
+    check_forward(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 30.0])
+def test_softcap(rng, softcap):
+    q, k, v = random_inputs(rng, np.float32, (2, 31, 2, 32), (2, 45, 2, 32))
+    q *= 4  # large scores so that the cap matters
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, softcap=softcap, causal=True,
+                                            return_attn_probs=True)
+    check_forward(q, k, v, out, lse, softcap=softcap, causal=True)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, -0.3, 0.0])
+def test_softmax_scale(rng, scale):
+    q, k, v = random_inputs(rng, np.float32, (1, 20, 2, 16), (1, 30, 2, 16))
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True)
+    # 0.0 is taken literally, as flash_attn does (uniform attention), not as "the default".
+    check_forward(q, k, v, out, lse, scale=scale)
+
+
+def test_large_logits_do_not_overflow(rng):
+    q, k, v = random_inputs(rng, np.float32, (1, 16, 1, 32), (1, 24, 1, 32))
+    q *= 300.0  # scores around 1e4
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    check_forward(q, k, v, out, lse)
+
+
+# ---- varlen ------------------------------------------------------------------------------------
+
+
+def varlen_case(rng, dtype, lengths_q, lengths_k, heads_q=4, heads_kv=2, head_dim=32):
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q, k, v = random_inputs(rng, dtype, (cu_q[-1], heads_q, head_dim), (cu_k[-1], heads_kv, head_dim))
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_with_empty_sequences(rng, backend, causal):
+    # Sequence 1 has no queries, sequence 2 no keys (its rows: out 0, lse -inf).
+    lengths_q, lengths_k = [5, 0, 7, 33, 1], [9, 4, 0, 20, 1]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, lengths_q, lengths_k)
+    out, lse = flashcore.attention_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                           max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k),
+                                           return_lse=True, causal=causal, backend=backend)
+    assert lse.shape == (4, cu_q[-1])
+    no_keys = slice(cu_q[2], cu_q[3])
+    assert np.all(out[no_keys] == 0) and np.all(lse[:, no_keys] == -np.inf)
+    check_forward(q, k, v, out, lse, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_varlen_fa_api_int64_cu_seqlens_and_fp16(rng):
+    lengths_q, lengths_k = [17, 3, 40], [17, 30, 2]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float16, lengths_q, lengths_k)
+    out, lse, _ = flashcore.flash_attn_varlen_func(
+        q, k, v, cu_q.astype(np.int64), cu_k.astype(np.int64), max(lengths_q), max(lengths_k),
+        causal=True, window_size=(8, -1), return_attn_probs=True)
+    check_forward(q, k, v, out, lse, causal=True, window=(8, -1), cu_seqlens_q=cu_q,
+                  cu_seqlens_k=cu_k)
+
+
+def test_varlen_matches_dense_per_sequence(rng):
+    lengths = [12, 30, 1]
+    q, k, v, cu_q, _ = varlen_case(rng, np.float32, lengths, lengths)
+    out = flashcore.flash_attn_varlen_func(q, k, v, cu_q, cu_q, max(lengths), max(lengths), causal=True)
+    for b, length in enumerate(lengths):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        dense = flashcore.flash_attn_func(q[None, rows], k[None, rows], v[None, rows], causal=True)
+        np.testing.assert_allclose(out[rows], dense[0], rtol=1e-6, atol=1e-6)
+
+
+# ---- packed forms --------------------------------------------------------------------------------
+
+
+def test_packed_forms_match_unpacked(rng):
+    qkv = rng.standard_normal((2, 25, 3, 4, 32)).astype(np.float32)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    expected = flashcore.flash_attn_func(q, k, v, causal=True)
+    np.testing.assert_array_equal(flashcore.flash_attn_qkvpacked_func(qkv, causal=True), expected)
+    kv = np.ascontiguousarray(qkv[:, :, 1:])
+    np.testing.assert_array_equal(flashcore.flash_attn_kvpacked_func(q, kv, causal=True), expected)
+    check_forward(q, k, v, expected, reference_forward(q, k, v, causal=True)[1], causal=True)
+
+
+def test_varlen_packed_forms_match_unpacked(rng):
+    lengths = [7, 0, 19]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    qkv = rng.standard_normal((cu[-1], 3, 2, 16)).astype(np.float32)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    expected = flashcore.flash_attn_varlen_func(q, k, v, cu, cu, 19, 19)
+    got = flashcore.flash_attn_varlen_qkvpacked_func(qkv, cu, 19)
+    np.testing.assert_array_equal(got, expected)
+    got = flashcore.flash_attn_varlen_kvpacked_func(q, qkv[:, 1:], cu, cu, 19, 19)
+    np.testing.assert_array_equal(got, expected)
+    ref, _ = reference_forward(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert_fp32_close(expected, ref, "out")
+
+
+# ---- layouts and inputs --------------------------------------------------------------------------
+
+
+def test_strided_and_readonly_inputs(rng):
+    big = rng.standard_normal((2, 40, 6, 32)).astype(np.float32)
+    q = big[:, ::2, 1:5]  # rows and heads strided, head_dim contiguous
+    k = big[:, 1:31, ::3]
+    v = big[:, 5:35, 4:6]
+    for x in (q, k, v):
+        x.flags.writeable = False
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, return_attn_probs=True)
+    check_forward(q, k, v, out, lse)
+
+
+def test_non_contiguous_head_dim_is_copied_by_fa_api(rng):
+    base = rng.standard_normal((1, 10, 2, 16, 2)).astype(np.float32)
+    q = base[..., 0]  # head_dim stride 2
+    k = np.ascontiguousarray(q)
+    out = flashcore.flash_attn_func(q, k, k)
+    np.testing.assert_allclose(out, flashcore.flash_attn_func(k, k, k), rtol=1e-6, atol=1e-7)
+
+
+def test_default_backend_switch(rng):
+    q, k, v = random_inputs(rng, np.float32, (1, 20, 2, 16), (1, 20, 2, 16))
+    try:
+        flashcore.set_default_backend("cpu_reference")
+        ref_out = flashcore.flash_attn_func(q, k, v)
+    finally:
+        flashcore.set_default_backend("auto")
+    np.testing.assert_allclose(flashcore.flash_attn_func(q, k, v), ref_out, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="backend"):
+        flashcore.set_default_backend("no_such_backend")
+
+
+# ---- backward through the public API -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "mask",
+    [dict(), dict(causal=True), dict(window=(6, 3)), dict(softcap=2.0, causal=True)],
+    ids=["full", "causal", "window", "softcap"],
+)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(23, 41), (41, 23)])
+def test_backward_fp32(rng, backend, mask, seqlen_q, seqlen_k):
+    q, k, v = random_inputs(rng, np.float32, (2, seqlen_q, 4, 32), (2, seqlen_k, 2, 32))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    options = dict(causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+                   softcap=mask.get("softcap", 0.0), backend=backend)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, **options)
+    dq, dk, dv = (poisoned_like(x) for x in (q, k, v))
+    result = flashcore.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **options)
+    assert result[0] is dq and result[1] is dk and result[2] is dv
+    expected = reference_backward(q, k, v, dout, **mask)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert_fp32_close(got, want, name)
+
+
+def test_backward_varlen_with_empty_sequences(rng):
+    lengths_q, lengths_k = [6, 0, 11, 4], [8, 5, 0, 4]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, lengths_q, lengths_k)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    common = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, **common)
+    grads = flashcore.attention_backward(dout, q, k, v, out, lse, **common)
+    expected = reference_backward(q, k, v, dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_fp32_close(got, want, name)
+
+
+def test_backward_fp16(rng):
+    q, k, v = random_inputs(rng, np.float16, (1, 37, 4, 64), (1, 53, 2, 64))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=True)
+    grads = flashcore.attention_backward(dout, q, k, v, out, lse, causal=True)
+    expected = reference_backward(q, k, v, dout, causal=True)
+    same = reference_backward(q, k, v, dout, causal=True, same_precision=True)
+    for name, got, want, naive in zip(("dq", "dk", "dv"), grads, expected, same):
+        assert got.dtype == np.float16
+        assert_low_precision_close(got, want, naive, np.float16, name, LOW_PRECISION_FACTOR_BWD)
+
+
+# ---- bad input: a clear error naming the argument, outputs untouched -----------------------------
+
+
+def valid_inputs(rng, dtype=np.float32):
+    return random_inputs(rng, dtype, (1, 8, 2, 16), (1, 8, 2, 16))
+
+
+def test_error_wrong_dtype_names_q(rng):
+    q, k, v = valid_inputs(rng, np.float64)
+    with pytest.raises(ValueError, match=r"^q: .*float64"):
+        flashcore.flash_attn_func(q, k, v)
+
+
+def test_error_mismatched_dtype_names_k(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(ValueError, match=r"^k: "):
+        flashcore.flash_attn_func(q, k.astype(np.float16), v)
+
+
+def test_error_head_dim_mismatch_names_k(rng):
+    q, _, v = valid_inputs(rng)
+    k = rng.standard_normal((1, 8, 2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"^k: head_dim"):
+        flashcore.flash_attn_func(q, k, v)
+
+
+def test_error_heads_not_multiple_names_k(rng):
+    q = rng.standard_normal((1, 8, 3, 16)).astype(np.float32)
+    k = v = rng.standard_normal((1, 8, 2, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"^k: "):
+        flashcore.flash_attn_func(q, k, v)
+
+
+def test_error_batch_mismatch(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(ValueError, match=r"^[kv]: "):
+        flashcore.flash_attn_func(q, np.concatenate([k, k]), np.concatenate([v, v]))
+
+
+def test_error_wrong_ndim_names_q(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(ValueError, match=r"^q: "):
+        flashcore.flash_attn_func(q[0], k, v)
+
+
+def test_error_head_dim_too_large(rng):
+    q = k = v = rng.standard_normal((1, 2, 1, 512)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"^q: head_dim"):
+        flashcore.flash_attn_func(q, k, v)
+
+
+def test_error_non_contiguous_head_dim_low_level_names_q(rng):
+    _, k, v = valid_inputs(rng)
+    q = rng.standard_normal((1, 8, 2, 32)).astype(np.float32)[..., ::2]
+    with pytest.raises(ValueError, match=r"^q: .*stride"):
+        flashcore.attention_forward(q, k, v)
+
+
+def test_error_not_an_array_is_type_error():
+    with pytest.raises(TypeError, match=r"^q: "):
+        flashcore.flash_attn_func([[1.0]], [[1.0]], [[1.0]])
+
+
+def test_error_readonly_output(rng):
+    q, k, v = valid_inputs(rng)
+    out = np.empty_like(q)
+    out.flags.writeable = False
+    with pytest.raises(TypeError, match=r"^out: "):
+        flashcore.attention_forward(q, k, v, out=out)
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        (dict(window_size=(-2, -1)), "window_left"),
+        (dict(window_size=(-1, -5)), "window_right"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(softcap=float("nan")), "softcap"),
+        (dict(softmax_scale=float("nan")), "softmax_scale"),
+        (dict(softmax_scale=float("inf")), "softmax_scale"),
+        (dict(window_size=(1, 2, 3)), "window_size"),
+    ],
+)
+def test_error_bad_options(rng, kwargs, argument):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(ValueError, match=rf"^{argument}: "):
+        flashcore.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_error_unsupported_features(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flashcore.flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flashcore.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, np.float32))
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flashcore.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8,
+                                         block_table=np.zeros((1, 1), np.int32))
+
+
+@pytest.mark.parametrize(
+    "cu_q,argument",
+    [
+        ([1, 4, 8], "cu_seqlens_q"),  # does not start at 0
+        ([0, 6, 4], "cu_seqlens_q"),  # decreases
+        ([0, 4, 9], "cu_seqlens_q"),  # beyond the tensor
+    ],
+)
+def test_error_bad_cu_seqlens_leaves_output_untouched(rng, cu_q, argument):
+    q, k, v = random_inputs(rng, np.float32, (8, 2, 16), (8, 2, 16))
+    cu_q = np.array(cu_q, np.int32)
+    cu_k = np.array([0, 4, 8], np.int32)
+    out = poisoned_like(q)
+    with pytest.raises(ValueError, match=rf"^{argument}: "):
+        flashcore.attention_forward(q, k, v, out=out, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    max_seqlen_q=8, max_seqlen_k=8)
+    assert np.isnan(out).all()
+
+
+def test_error_max_seqlen_too_small(rng):
+    q, k, v = random_inputs(rng, np.float32, (8, 2, 16), (8, 2, 16))
+    cu = np.array([0, 3, 8], np.int32)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: "):
+        flashcore.flash_attn_varlen_func(q, k, v, cu, cu, 2, 5)
+
+
+def test_error_float_cu_seqlens(rng):
+    q, k, v = random_inputs(rng, np.float32, (8, 2, 16), (8, 2, 16))
+    cu = np.array([0, 3, 8], np.float32)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: "):
+        flashcore.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)
+
+
+def test_error_out_shape_mismatch_leaves_out_untouched(rng):
+    q, k, v = valid_inputs(rng)
+    out = np.full((1, 8, 2, 8), np.nan, np.float32)
+    with pytest.raises(ValueError, match=r"^out: "):
+        flashcore.attention_forward(q, k, v, out=out)
+    assert np.isnan(out).all()
+
+
+def test_error_backward_missing_lse_shape(rng):
+    q, k, v = valid_inputs(rng)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"^lse: "):
+        flashcore.attention_backward(q, q, k, v, out, lse[:, :1])
+
+
+def test_error_unknown_backend(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(ValueError, match=r"^backend: "):
+        flashcore.attention_forward(q, k, v, backend="tpu")
+    with pytest.raises(ValueError, match=r"^backend: "):
+        flashcore.attention_forward(q, k, v, backend=99)
+
+
+def test_error_cuda_backend_on_cpu_arrays(rng):
+    q, k, v = valid_inputs(rng, np.float16)
+    with pytest.raises((ValueError, NotImplementedError), match=r"^(q|backend): "):
+        flashcore.attention_forward(q, k, v, backend="cuda_sm80")
+
+
+def test_workspace_argument_checks(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(ValueError, match=r"^workspace: "):
+        flashcore.attention_forward(q, k, v, workspace=np.empty((2, 3), np.uint8))
+    out = flashcore.attention_forward(q, k, v, workspace=np.empty(64, np.uint8))
+    np.testing.assert_array_equal(out, flashcore.attention_forward(q, k, v))
+
+
+# ---- raw descriptors (the torch fast path of the extension), exercised with numpy memory -------
+
+
+def raw_descriptor(array):
+    dtypes = {np.dtype(np.float32): flashcore._C.DTYPE_F32, np.dtype(np.float16): flashcore._C.DTYPE_F16,
+              np.dtype(np.int32): flashcore._C.DTYPE_I32}
+    strides = tuple(s // array.itemsize for s in array.strides)
+    return (array.ctypes.data, dtypes[array.dtype], flashcore._C.DEVICE_CPU, 0, array.shape, strides)
+
+
+def test_raw_descriptors_match_arrays(rng):
+    q, k, v = random_inputs(rng, np.float32, (2, 9, 4, 16), (2, 13, 2, 16))
+    out, lse = np.full_like(q, np.nan), np.full((2, 4, 9), np.nan, np.float32)
+    options = flashcore._C.Options(causal=True)
+    flashcore._C.forward(*(raw_descriptor(x) for x in (q, k, v, out, lse)), None, None, None, options)
+    expected_out, expected_lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=True)
+    np.testing.assert_array_equal(out, expected_out)
+    np.testing.assert_array_equal(lse, expected_lse)
+
+
+def test_raw_descriptor_malformed_is_type_error(rng):
+    q, k, v = valid_inputs(rng)
+    options = flashcore._C.Options()
+    with pytest.raises(TypeError, match=r"^q: "):
+        flashcore._C.forward((1, 2, 3), k, v, np.empty_like(q), None, None, None, None, options)
+    with pytest.raises(TypeError, match=r"^k: "):
+        bad = raw_descriptor(k)[:4] + (("a", "b", "c", "d"), raw_descriptor(k)[5])
+        flashcore._C.forward(q, bad, v, np.empty_like(q), None, None, None, None, options)
+    with pytest.raises(TypeError, match=r"^out: "):
+        flashcore._C.forward(q, k, v, None, None, None, None, None, options)

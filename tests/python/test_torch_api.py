@@ -1,0 +1,317 @@
+"""flashcore with PyTorch CPU tensors: the flash_attn API, autograd, custom ops, torch.compile.
+
+Skipped when torch is not installed (CI). Results are compared with plain torch math run in
+float64 on the same inputs (forward and gradients through torch autograd); float32 results
+must be within a relative error of 1e-5 (TESTING.md), low precision within the tolerance rule.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import flashcore  # noqa: E402  (after torch, so the custom ops register at import)
+import flashcore as flash_attn  # noqa: E402
+
+FP32_RELATIVE_TOLERANCE = 1e-5
+NO_KEY_SCORE = -1e30  # finite stand-in for -inf in the reference, so autograd stays finite
+
+
+# ---- torch math reference (float64) ------------------------------------------------------------
+
+
+def allowed_keys(seqlen_q, seqlen_k, causal, window, device="cpu"):
+    left, right = window
+    if causal:
+        right = 0
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    keys = torch.arange(seqlen_k, device=device)[None, :]
+    diagonal = rows + seqlen_k - seqlen_q
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= keys >= diagonal - left
+    if right >= 0:
+        allowed &= keys <= diagonal + right
+    return allowed
+
+
+def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None,
+                        dtype=torch.float64):
+    """Dense (batch, seq, heads, dim) attention in plain torch ops, differentiable; rows
+    without keys give 0. Returns (out, lse) in `dtype`."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    allowed = allowed_keys(q.shape[1], k.shape[1], causal, window, q.device)
+    s = s.masked_fill(~allowed, NO_KEY_SCORE)
+    has_key = allowed.any(dim=-1)[:, None]  # (sq, 1)
+    p = torch.softmax(s, dim=-1) * has_key
+    lse = torch.logsumexp(s, dim=-1).masked_fill(~has_key[:, 0], float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def make_qkv(shape_q, shape_kv, dtype=torch.float32, requires_grad=False, device="cpu"):
+    make = lambda shape: torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+    return make(shape_q), make(shape_kv), make(shape_kv)
+
+
+def grads_of(fn, inputs, dout):
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+# ---- forward --------------------------------------------------------------------------------
+
+
+def test_seed_example_shape_runs_unchanged_on_cpu():
+    # The seed's call, on CPU tensors and a shorter sequence so that it stays quick.
+    q = torch.randn(2, 256, 12, 64, dtype=torch.float16)
+    k = torch.randn(2, 256, 12, 64, dtype=torch.float16)
+    v = torch.randn(2, 256, 12, 64, dtype=torch.float16)
+    out = flash_attn.flash_attn_func(q, k, v)
+    assert out.shape == q.shape and out.dtype == torch.float16 and out.device == q.device
+    ref, _ = reference_attention(q, k, v)
+    same, _ = reference_attention(q, k, v, dtype=torch.float32)
+    same_error = (same.half().double() - ref).abs().max().item()
+    atol = 2 * (ref.half() + 0.3 - 0.3 - ref.half()).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * same_error + atol
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 33), (45, 45), (70, 31), (31, 70)])
+def test_forward_fp32_matches_torch_math(causal, seqlen_q, seqlen_k):
+    q, k, v = make_qkv((2, seqlen_q, 4, 32), (2, seqlen_k, 2, 32))
+    out, lse, probs = flash_attn.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert probs is None and lse.dtype == torch.float32 and lse.shape == (2, 4, seqlen_q)
+    ref_out, ref_lse = reference_attention(q, k, v, causal=causal)
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert relative_error(lse[finite], ref_lse[finite]) < FP32_RELATIVE_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_forward_low_precision(dtype):
+    q, k, v = make_qkv((1, 64, 2, 64), (1, 96, 2, 64), dtype)
+    out = flash_attn.flash_attn_func(q, k, v, causal=True)
+    assert out.dtype == dtype
+    ref, _ = reference_attention(q, k, v, causal=True)
+    same, _ = reference_attention(q, k, v, causal=True, dtype=torch.float32)
+    same_error = (same.to(dtype).double() - ref).abs().max().item()
+    atol = 2 * (ref.to(dtype) + 0.3 - 0.3 - ref.to(dtype)).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * same_error + atol
+
+
+def test_non_contiguous_inputs_and_int64_cu_seqlens():
+    base = torch.randn(1, 20, 2, 16, 2)
+    q = base[..., 0]  # head_dim stride 2: copied, as flash_attn does
+    out = flash_attn.flash_attn_func(q, q, q)
+    torch.testing.assert_close(out, flash_attn.flash_attn_func(*(q.contiguous(),) * 3))
+    cu = torch.tensor([0, 7, 20])  # int64, converted
+    q3 = q.contiguous()[0]
+    out_varlen = flash_attn.flash_attn_varlen_func(q3, q3, q3, cu, cu, 13, 13)
+    expected = flash_attn.flash_attn_func(q3[None, :7], q3[None, :7], q3[None, :7])[0]
+    torch.testing.assert_close(out_varlen[:7], expected)
+
+
+# ---- autograd -------------------------------------------------------------------------------
+
+MASKS = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window=(5, 2)),
+    "softcap": dict(softcap=3.0, causal=True),
+}
+
+
+@pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(29, 47), (47, 29)])
+@pytest.mark.parametrize("heads_q,heads_kv", [(4, 4), (4, 2), (3, 1)])
+def test_autograd_fp32_matches_float64_math(mask, seqlen_q, seqlen_k, heads_q, heads_kv):
+    options = MASKS[mask]
+    q, k, v = make_qkv((2, seqlen_q, heads_q, 32), (2, seqlen_k, heads_kv, 32), requires_grad=True)
+    dout = torch.randn(q.shape)
+    fa = lambda q, k, v: flash_attn.flash_attn_func(
+        q, k, v, causal=options.get("causal", False), window_size=options.get("window", (-1, -1)),
+        softcap=options.get("softcap", 0.0))
+    out, grads = grads_of(fa, (q, k, v), dout)
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = lambda q, k, v: reference_attention(q, k, v, **options)[0]
+    ref_out, ref_grads = grads_of(ref, inputs64, dout.double())
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+
+
+def test_autograd_varlen_with_empty_sequences():
+    lengths_q, lengths_k = [5, 0, 9, 3], [6, 4, 0, 3]
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32)
+    q, k, v = make_qkv((int(cu_q[-1]), 4, 16), (int(cu_k[-1]), 2, 16), requires_grad=True)
+    dout = torch.randn(q.shape)
+    out, lse, _ = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q),
+                                                    max(lengths_k), causal=True,
+                                                    return_attn_probs=True)
+    assert lse.shape == (4, int(cu_q[-1]))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(len(lengths_q)):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        inputs64 = [x.detach()[r][None].double().requires_grad_() for x, r in ((q, rq), (k, rk), (v, rk))]
+        if lengths_q[b] == 0:
+            continue
+        ref_out, ref_grads = grads_of(lambda *x: reference_attention(*x, causal=True)[0],
+                                      inputs64, dout[rq][None].double())
+        torch.testing.assert_close(out[rq][None].double(), ref_out, rtol=1e-5, atol=1e-6)
+        for got, want, rows in zip(grads, ref_grads, (rq, rk, rk)):
+            torch.testing.assert_close(got[rows][None].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_autograd_packed_forms():
+    qkv = torch.randn(2, 19, 3, 2, 16, requires_grad=True)
+    dout = torch.randn(2, 19, 2, 16)
+    (dqkv,) = torch.autograd.grad(flash_attn.flash_attn_qkvpacked_func(qkv, causal=True), qkv, dout)
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    grads = torch.autograd.grad(flash_attn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    torch.testing.assert_close(dqkv, torch.stack(grads, dim=2))
+    kv = qkv.detach()[:, :, 1:].clone().requires_grad_()
+    (dkv,) = torch.autograd.grad(flash_attn.flash_attn_kvpacked_func(q, kv, causal=True), kv, dout)
+    torch.testing.assert_close(dkv, torch.stack(grads[1:], dim=2))
+
+
+def test_lse_is_not_differentiable_and_grads_flow_from_out():
+    q, k, v = make_qkv((1, 8, 2, 16), (1, 8, 2, 16), requires_grad=True)
+    out, lse, _ = flash_attn.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.requires_grad and not lse.requires_grad
+    out.sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v = make_qkv((1, 40, 4, 32), (1, 40, 2, 32), requires_grad=True)
+    dout = torch.randn(q.shape)
+    fa = lambda *x: flash_attn.flash_attn_func(*x, causal=True, deterministic=True)
+    first = grads_of(fa, (q, k, v), dout)[1]
+    second = grads_of(fa, (q, k, v), dout)[1]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ---- custom ops and torch.compile -------------------------------------------------------------
+
+
+# flashcore::fwd's arguments after q, k, v: dense, default scale, causal, no window/softcap,
+# automatic backend, non-deterministic.
+OP_SETTINGS = (None, None, 0, 0, 0.0, True, -1, -1, 0.0, 0, False)
+
+
+def test_custom_op_opcheck():
+    from torch.library import opcheck
+
+    q, k, v = make_qkv((1, 12, 2, 16), (1, 10, 1, 16), requires_grad=True)
+    opcheck(torch.ops.flashcore.fwd.default, (q, k, v) + OP_SETTINGS)
+    q, k, v = (x.detach() for x in (q, k, v))
+    out, lse = torch.ops.flashcore.fwd(q, k, v, *OP_SETTINGS)
+    opcheck(torch.ops.flashcore.bwd.default, (torch.randn_like(out), q, k, v, out, lse) + OP_SETTINGS)
+
+
+def _compile_and_compare(backend):
+    q, k, v = make_qkv((2, 24, 4, 32), (2, 30, 2, 32), requires_grad=True)
+    dout = torch.randn(q.shape)
+
+    def step(q, k, v):
+        out = flash_attn.flash_attn_func(q, k, v, causal=True, window_size=(6, -1), softcap=4.0)
+        return out * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    out, grads = grads_of(compiled, (q, k, v), dout)
+    ref_out, ref_grads = grads_of(step, (q, k, v), dout)
+    torch.testing.assert_close(out, ref_out)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_torch_compile_fullgraph_aot_eager():
+    _compile_and_compare("aot_eager")
+
+
+def test_torch_compile_fullgraph_inductor():
+    try:
+        _compile_and_compare("inductor")
+    except Exception as error:  # noqa: BLE001 - only toolchain problems are skipped
+        text = f"{type(error).__name__}: {error}"
+        if any(word in text for word in ("CppCompileError", "InvalidCxxCompiler", "compiler",
+                                         "Python.h", "cannot find -l")):
+            pytest.skip(f"torch.compile toolchain unavailable: {text[:200]}")
+        raise
+
+
+def test_torch_compile_varlen_fullgraph():
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    q, k, v = make_qkv((16, 2, 16), (16, 2, 16), requires_grad=True)
+
+    def step(q, k, v):
+        return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_error_float64_names_q():
+    q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 16), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^q: "):
+        flash_attn.flash_attn_func(q, k, v)
+
+
+def test_error_mismatched_shapes_name_the_argument():
+    q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"^k: head_dim"):
+        flash_attn.flash_attn_func(q, k, v)
+    q, k, v = make_qkv((1, 4, 3, 16), (1, 4, 2, 16))
+    with pytest.raises(ValueError, match=r"^k: "):
+        flash_attn.flash_attn_func(q, k, v)
+
+
+def test_error_unsupported_features():
+    q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 16))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn.flash_attn_func(q, k, v, dropout_p=0.5)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+
+
+def test_error_float_cu_seqlens():
+    q = torch.randn(8, 2, 16)
+    cu = torch.tensor([0.0, 8.0])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        flash_attn.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+
+
+# ---- framework-neutral layer with torch tensors -----------------------------------------------
+
+
+def test_dlpack_api_accepts_torch_tensors_requiring_grad():
+    q, k, v = make_qkv((1, 9, 2, 16), (1, 11, 2, 16), requires_grad=True)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and lse.shape == (1, 2, 9)
+    ref, _ = reference_attention(q.detach(), k.detach(), v.detach(), causal=True)
+    assert relative_error(out, ref) < FP32_RELATIVE_TOLERANCE
+    dq, dk, dv = flashcore.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -1,0 +1,205 @@
+"""flashcore with PyTorch CUDA tensors: the seed example, accuracy against torch math, CUDA
+graphs, streams and torch.compile. Skipped without torch, a GPU, or flashcore's CUDA backend.
+
+Accuracy follows TESTING.md: against an fp64 torch-math reference, the error must stay within
+2x (forward) / 3x (gradients) the error of plain torch math run in the input dtype, plus the
+rounding of one add at the reference's magnitude.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import flashcore  # noqa: E402
+import flashcore as flash_attn  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
+if flashcore.cuda_device_count() == 0 or not any(
+    flashcore.backend_available(name) for name in ("cuda_sm80", "cuda_sm90")
+):
+    pytest.skip("flashcore was built without a CUDA backend for this GPU", allow_module_level=True)
+
+DEVICE = "cuda"
+FWD_FACTOR = 2
+BWD_FACTOR = 3
+NO_KEY_SCORE = -1e30
+
+
+def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float64):
+    """Plain torch math in `dtype` (float64: the truth; the input dtype: the naive
+    same-precision result). Rows without keys give 0."""
+    scale = q.shape[-1] ** -0.5
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    s = torch.einsum("bihd,bjhd->bhij", q, k).to(accumulate) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window
+    right = 0 if causal else right
+    rows = torch.arange(q.shape[1], device=q.device)[:, None]
+    keys = torch.arange(k.shape[1], device=q.device)[None, :]
+    diagonal = rows + k.shape[1] - q.shape[1]
+    allowed = torch.ones_like(rows + keys, dtype=torch.bool)
+    if left >= 0:
+        allowed &= keys >= diagonal - left
+    if right >= 0:
+        allowed &= keys <= diagonal + right
+    s = s.masked_fill(~allowed, NO_KEY_SCORE)
+    p = (torch.softmax(s, dim=-1) * allowed.any(-1, keepdim=True)).to(dtype)
+    return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+def max_error(x, ref):
+    return (x.double() - ref.double()).abs().max().item()
+
+
+def rounding_atol(ref, dtype):
+    r = ref.to(dtype)
+    return 2 * (r + 0.3 - 0.3 - r).abs().max().item()
+
+
+def assert_within_rule(got, ref, same, dtype, factor, name):
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    error, same_error = max_error(got, ref), max_error(same, ref)
+    atol = rounding_atol(ref, dtype)
+    assert error <= factor * same_error + atol, f"{name}: {error:.3g} > {factor}x{same_error:.3g}+{atol:.3g}"
+
+
+def forward_backward(fn, inputs, dout):
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*inputs)
+    return (out,) + torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def test_seed_example():
+    q = torch.randn(2, 1024, 12, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 1024, 12, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(2, 1024, 12, 64, device="cuda", dtype=torch.float16)
+    out = flash_attn.flash_attn_func(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    ref = reference_attention(q, k, v)
+    assert_within_rule(out, ref, sdpa, torch.float16, FWD_FACTOR, "out")
+
+
+CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, mask)
+    (2, 128, 128, 4, 4, 64, dict()),
+    (2, 113, 203, 8, 2, 64, dict(causal=True)),
+    (1, 239, 128, 4, 1, 128, dict(causal=True)),
+    (2, 256, 512, 4, 2, 128, dict(window=(64, 16))),
+    (1, 200, 300, 2, 2, 256, dict(softcap=20.0, causal=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_forward_backward_vs_torch_math(dtype, case):
+    batch, sq, sk, hq, hkv, d, mask = case
+    q = torch.randn(batch, sq, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(batch, sk, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    fa = lambda q, k, v: flash_attn.flash_attn_func(
+        q, k, v, causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+        softcap=mask.get("softcap", 0.0))
+    got = forward_backward(fa, (q, k, v), dout)
+    ref = forward_backward(lambda *x: reference_attention(*x, **mask), (q, k, v), dout)
+    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), (q, k, v), dout)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert got[i].dtype == dtype
+        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
+        assert_within_rule(got[i], ref[i], same[i], dtype, factor, name)
+
+
+def test_varlen_matches_dense_per_sequence():
+    lengths = [100, 1, 0, 257]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, 4, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        start += length
+        if length == 0:
+            continue
+        dense = flash_attn.flash_attn_func(q[None, rows], k[None, rows], v[None, rows], causal=True)
+        torch.testing.assert_close(out[rows], dense[0], rtol=0, atol=2e-2)
+
+
+def test_cuda_graph_capture_and_replay():
+    shape = (2, 256, 4, 64)
+    static = [torch.randn(shape, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(shape, device=DEVICE, dtype=torch.float16)
+
+    def step():
+        out = flash_attn.flash_attn_func(*static, causal=True)
+        return (out,) + torch.autograd.grad(out, static, dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (lazy module loading, allocator)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):  # new data in the static inputs, then replay
+        with torch.no_grad():
+            for x in static:
+                x.copy_(torch.randn_like(x))
+            dout.copy_(torch.randn_like(dout))
+        graph.replay()
+        expected = step()
+        for got, want in zip(captured, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_runs_on_the_current_stream():
+    q, k, v = (torch.randn(1, 512, 8, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    expected = flash_attn.flash_attn_func(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = flash_attn.flash_attn_func(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_torch_compile_fullgraph_cuda():
+    q, k, v = (torch.randn(2, 128, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+
+    def step(q, k, v):
+        return flash_attn.flash_attn_func(q, k, v, causal=True).float().square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(step(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_error_device_mismatch():
+    q = torch.randn(1, 8, 2, 64, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^k: "):
+        flash_attn.flash_attn_func(q, k, k.to(DEVICE))
+
+
+def test_dlpack_api_with_explicit_stream():
+    q, k, v = (torch.randn(1, 64, 2, 64, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    stream = torch.cuda.current_stream().cuda_stream
+    out = flashcore.attention_forward(q, k, v, stream=stream)
+    torch.testing.assert_close(out, flash_attn.flash_attn_func(q, k, v), rtol=0, atol=0)
