@@ -47,7 +47,8 @@ endforeach()
 
 file(GLOB _fc_cuda_sources CONFIGURE_DEPENDS
   ${PROJECT_SOURCE_DIR}/src/cuda/*.cu
-  ${PROJECT_SOURCE_DIR}/src/cuda/sm80/*.cu)
+  ${PROJECT_SOURCE_DIR}/src/cuda/sm80/*.cu
+  ${PROJECT_SOURCE_DIR}/src/cuda/decode/*.cu)
 target_sources(flashcore_impl PRIVATE ${_fc_cuda_sources} ${_fc_units})
 set_target_properties(flashcore_impl PROPERTIES
   CUDA_ARCHITECTURES "${_fc_arch_list}"

@@ -147,6 +147,57 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
                                        const fc_attention_options* options, void* workspace,
                                        size_t workspace_bytes);
 
+
+/* ---------------------------------------------------------------------------------------------
+ * Inference: attention against a KV cache (flash_attn_with_kvcache semantics).
+ *
+ *   q            (batch, seqlen_q, heads_q, head_dim): the new query tokens (1 or a few)
+ *   k_cache/v_cache  contiguous (batch_cache, seqlen_cache, heads_kv, head_dim), or paged
+ *                (num_pages, page_size, heads_kv, head_dim) when block_table is given
+ *   block_table  int32 (batch, max_pages_per_seq): page ids of each sequence, in order; NULL = contiguous
+ *   cache_seqlens int32 (batch): tokens already in each sequence's cache
+ *   cache_batch_idx int32 (batch) or NULL: which cache row sequence b uses (contiguous caches only)
+ *   k_new/v_new  (batch, seqlen_new, heads_kv, head_dim) or NULL: appended into the cache in place at
+ *                positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending
+ *                (cache_seqlens itself is not modified; the caller advances it)
+ *   out, lse     as in fc_attention_forward; queries sit at the end of each sequence, so causal
+ *                means query i attends keys 0 .. cache_seqlens[b] + seqlen_new - seqlen_q + i
+ *   num_splits   split-KV (flash-decoding) partitions; 0 = heuristic from batch, heads, length, SMs
+ * Options: softmax_scale, causal, window, softcap, backend, stream, num_threads as usual (varlen
+ * fields must be unset). Values inside cache_seqlens / block_table on the GPU are checked on the
+ * device: a sequence whose length exceeds its capacity or whose page id is out of range is not read
+ * out of bounds; its output rows are set to NaN and *error_flag (when given, int32 on the device,
+ * zero it first) is set to 1, without a host synchronization.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct fc_kvcache_args {
+  const fc_tensor* q;
+  const fc_tensor* k_cache; /**< written in place when k_new is given */
+  const fc_tensor* v_cache;
+  const fc_tensor* cache_seqlens;
+  const fc_tensor* block_table;     /**< NULL for contiguous caches */
+  const fc_tensor* cache_batch_idx; /**< NULL = identity */
+  const fc_tensor* k_new;           /**< NULL = nothing to append */
+  const fc_tensor* v_new;
+  fc_tensor* out;
+  fc_tensor* lse;      /**< optional */
+  int32_t num_splits;  /**< 0 = heuristic; 1 = no split */
+  int32_t* error_flag; /**< optional device-side (or host, for CPU) flag for bad cache indices */
+} fc_kvcache_args;
+
+FC_API fc_status fc_attention_kvcache_workspace(const fc_kvcache_args* args,
+                                                const fc_attention_options* options,
+                                                size_t* workspace_bytes);
+
+FC_API fc_status fc_attention_kvcache(const fc_kvcache_args* args, const fc_attention_options* options,
+                                      void* workspace, size_t workspace_bytes);
+
+/** Merges attention computed over disjoint key sets: out_partials fp32 (num_parts, batch, seqlen_q,
+ *  heads, head_dim), lse_partials fp32 (num_parts, batch, heads, seqlen_q) -> out (dtype of out) and
+ *  optional lse. Parts with lse = -inf contribute nothing; all parts -inf gives out 0, lse -inf.
+ *  Used for split-KV, cascades and ring attention. */
+FC_API fc_status fc_merge_partials(const fc_tensor* out_partials, const fc_tensor* lse_partials,
+                                   fc_tensor* out, fc_tensor* lse, const fc_attention_options* options);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

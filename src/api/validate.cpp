@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "api/validate_util.hpp"
 
 namespace flashcore {
-namespace {
+namespace validate_detail {
 
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -51,12 +52,6 @@ std::string expected_str(const std::vector<int64_t>& shape) {
 bool mul_overflows(int64_t a, int64_t b, int64_t* r) { return __builtin_mul_overflow(a, b, r); }
 bool add_overflows(int64_t a, int64_t b, int64_t* r) { return __builtin_add_overflow(a, b, r); }
 
-/** Memory interval a tensor touches, in bytes relative to its data pointer. */
-struct Extent {
-  int64_t numel = 0;
-  int64_t lo = 0;  // bytes, inclusive
-  int64_t hi = 0;  // bytes, exclusive
-};
 
 // Structural checks common to every tensor argument: ndim, sizes, strides, overflow.
 Status check_tensor_basics(const fc_tensor* t, const char* name, int ndim, Extent* ext) {
@@ -198,6 +193,11 @@ Status check_cu_seqlens_values(const fc_tensor* cu, const char* name, int64_t ba
   }
   return Status::ok();
 }
+
+}  // namespace validate_detail
+
+namespace {
+using namespace validate_detail;
 
 TensorRef dense_ref(const fc_tensor* t) {
   return {t->data, t->strides[0], t->strides[1], t->strides[2]};

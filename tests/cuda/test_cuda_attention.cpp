@@ -8,40 +8,10 @@
 
 #include "common/grids.hpp"
 #include "common/harness.hpp"
+#include "cuda/cuda_memory.hpp"
 
 namespace flashcore::testing {
 namespace {
-
-#define CUDA_OK(x)                                                                         \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) throw std::runtime_error(std::string(#x) + ": " + cudaGetErrorString(e_)); \
-  } while (0)
-
-class CudaMemory final : public Memory {
- public:
-  CudaMemory() { CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~CudaMemory() override { cudaStreamDestroy(stream_); }
-  int32_t device_type() const override { return FC_DEVICE_CUDA; }
-  void* alloc(size_t bytes) override {
-    void* p = nullptr;
-    if (bytes) CUDA_OK(cudaMalloc(&p, bytes));
-    return p;
-  }
-  void release(void* p) override { CUDA_OK(cudaFree(p)); }
-  void upload(void* dst, const void* src, size_t n) override {
-    CUDA_OK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_));
-    CUDA_OK(cudaStreamSynchronize(stream_));
-  }
-  void download(void* dst, const void* src, size_t n) override {
-    CUDA_OK(cudaStreamSynchronize(stream_));  // the kernels ran on this stream
-    CUDA_OK(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost));
-  }
-  void* stream() const override { return stream_; }
-
- private:
-  cudaStream_t stream_{};
-};
 
 bool have_gpu() { return fc_cuda_device_count() > 0 && fc_backend_available(FC_BACKEND_CUDA_SM80, 0); }
 

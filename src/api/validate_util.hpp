@@ -1,0 +1,35 @@
+// Building blocks of argument validation, shared by every validation file (validate.cpp for
+// attention, the KV-cache entry points): each checks one rule and returns a Status whose message
+// names the argument, in the project's one format "<argument>: <what is wrong> (<rule>)".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "api/status.hpp"
+#include "flashcore/flashcore.h"
+
+namespace flashcore::validate_detail {
+
+/** Memory interval a tensor touches, in bytes relative to its data pointer. */
+struct Extent {
+  int64_t numel = 0;
+  int64_t lo = 0;  // bytes, inclusive
+  int64_t hi = 0;  // bytes, exclusive
+};
+
+const char* dtype_name(int32_t t);
+std::string shape_str(const fc_tensor& t);
+/** ndim, known dtype/device, non-negative sizes, int64-safe extent, non-null data, last dim stride 1. */
+Status check_tensor_basics(const fc_tensor* t, const char* name, int ndim, Extent* ext);
+Status check_shape(const fc_tensor* t, const char* name, const std::vector<int64_t>& expected, const char* rule);
+Status check_same_device(const fc_tensor* t, const char* name, const fc_tensor* ref, const char* ref_name);
+Status check_dtype(const fc_tensor* t, const char* name, int32_t expected, const char* why);
+/** Outputs: every element at a distinct address. */
+Status check_no_self_overlap(const fc_tensor* t, const char* name);
+/** Two tensors' memory intervals must not intersect. */
+Status check_disjoint(const fc_tensor* a, const Extent& ea, const char* an, const fc_tensor* b, const Extent& eb,
+                      const char* bn);
+
+}  // namespace flashcore::validate_detail
