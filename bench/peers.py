@@ -110,11 +110,12 @@ def training_grid():
             return
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DT) for _ in range(3))
         dout = torch.randn_like(q)
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA layout (b, h, s, d) as views
         for mode in modes:
             impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=causal)}
             for name, be in SDPA.items():
-                impls[name] = (lambda be=be: _sdpa(be, qt, kt, vt, causal))
+                # SDPA layout (b, h, s, d) as views, taken at call time so autograd sees q, k, v
+                impls[name] = (lambda be=be: _sdpa(be, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   causal))
             for name, fn in impls.items():
                 try:
                     if mode == "fwd":

@@ -5,6 +5,7 @@
 
 #include "api/backends.hpp"
 #include "api/dispatch.hpp"
+#include "api/last_error.hpp"
 #include "flashcore/flashcore.h"
 
 namespace {
@@ -30,6 +31,10 @@ fc_status guarded(F&& body) {
 }
 
 }  // namespace
+
+namespace flashcore {
+fc_status record_status(const Status& s) { return finish(s); }
+}  // namespace flashcore
 
 extern "C" {
 

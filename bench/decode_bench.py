@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Decode benchmark: flashcore's KV-cache attention vs PyTorch SDPA (cuDNN, flash) in one process.
+
+Cells of TARGETS.md: one query token per sequence, GQA 32 q / 8 kv heads, head_dim 128, bf16,
+(batch x kv_len) 1x65536, 16x8192, 64x2048; flashcore contiguous and paged (page 16 and 256).
+Metric: K+V bytes / time (TB/s), timed with CUDA events around many calls issued back to back
+(median of repeats). flashcore is called through ctypes on the built libflashcore.so.
+
+Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5]
+"""
+import argparse
+import ctypes
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+FC_DTYPE_BF16 = 2
+FC_DTYPE_I32 = 3
+FC_DEVICE_CUDA = 1
+MAX_DIMS = 4
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+CELLS = [(1, 65536), (16, 8192), (64, 2048)]
+LAYOUTS = [("contiguous", 0), ("paged16", 16), ("paged256", 256)]
+
+
+class FcTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
+
+
+class FcOptions(ctypes.Structure):
+    _fields_ = [("softmax_scale", ctypes.c_double), ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32),
+                ("window_right", ctypes.c_int32), ("has_window", ctypes.c_int32), ("softcap", ctypes.c_double),
+                ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p),
+                ("max_seqlen_q", ctypes.c_int64), ("max_seqlen_k", ctypes.c_int64), ("backend", ctypes.c_int32),
+                ("deterministic", ctypes.c_int32), ("stream", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
+                ("reserved", ctypes.c_int32 * 7)]
+
+
+class FcKvArgs(ctypes.Structure):
+    _fields_ = [("q", ctypes.POINTER(FcTensor)), ("k_cache", ctypes.POINTER(FcTensor)),
+                ("v_cache", ctypes.POINTER(FcTensor)), ("cache_seqlens", ctypes.POINTER(FcTensor)),
+                ("block_table", ctypes.POINTER(FcTensor)), ("cache_batch_idx", ctypes.POINTER(FcTensor)),
+                ("k_new", ctypes.POINTER(FcTensor)), ("v_new", ctypes.POINTER(FcTensor)),
+                ("out", ctypes.POINTER(FcTensor)), ("lse", ctypes.POINTER(FcTensor)),
+                ("num_splits", ctypes.c_int32), ("error_flag", ctypes.POINTER(ctypes.c_int32))]
+
+
+def fc_tensor(t):
+    x = FcTensor()
+    x.data = t.data_ptr()
+    x.dtype = {torch.bfloat16: FC_DTYPE_BF16, torch.int32: FC_DTYPE_I32}[t.dtype]
+    x.device_type = FC_DEVICE_CUDA
+    x.device_id = t.device.index or 0
+    x.ndim = t.dim()
+    for i in range(t.dim()):
+        x.shape[i] = t.shape[i]
+        x.strides[i] = t.stride(i)
+    return x
+
+
+def time_tbps(fn, nbytes, iters, repeats):
+    """Median TB/s of `iters` back-to-back calls between two CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    rates = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / iters
+        rates.append(nbytes / seconds / 1e12)
+    return statistics.median(rates)
+
+
+def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep):
+    """Builds the ctypes arguments once; returns a closure that issues one call."""
+    lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
+    tensors = {"q": fc_tensor(q), "out": fc_tensor(out), "lens": fc_tensor(lens)}
+    if page:
+        pages_per_seq = kv_len // page
+        perm = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32)
+        table = perm.view(batch, pages_per_seq).contiguous()
+        kp = k.view(batch * pages_per_seq, page, HEADS_KV, HEAD_DIM)
+        vp = v.view(batch * pages_per_seq, page, HEADS_KV, HEAD_DIM)
+        tensors.update(k=fc_tensor(kp), v=fc_tensor(vp), table=fc_tensor(table))
+        keep += [table]
+    else:
+        tensors.update(k=fc_tensor(k), v=fc_tensor(v))
+    keep += [lens, tensors]
+    args = FcKvArgs()
+    args.q = ctypes.pointer(tensors["q"])
+    args.k_cache = ctypes.pointer(tensors["k"])
+    args.v_cache = ctypes.pointer(tensors["v"])
+    args.cache_seqlens = ctypes.pointer(tensors["lens"])
+    if page:
+        args.block_table = ctypes.pointer(tensors["table"])
+    args.out = ctypes.pointer(tensors["out"])
+    args.num_splits = 0
+    opts = FcOptions()
+    opts.stream = torch.cuda.current_stream().cuda_stream
+    ws = ctypes.c_size_t(0)
+    if lib.fc_attention_kvcache_workspace(ctypes.byref(args), ctypes.byref(opts), ctypes.byref(ws)) != 0:
+        raise RuntimeError(lib.fc_last_error().decode())
+    workspace = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
+    keep += [args, opts, workspace]
+    wptr, wbytes = ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(ws.value)
+
+    def call():
+        if lib.fc_attention_kvcache(ctypes.byref(args), ctypes.byref(opts), wptr, wbytes) != 0:
+            raise RuntimeError(lib.fc_last_error().decode())
+    return call
+
+
+def sdpa_call(backend, q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views
+
+    def call():
+        with sdpa_kernel(b):
+            F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    return call
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default="build-gpu/libflashcore.so")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    lib = ctypes.CDLL(a.lib)
+    lib.fc_last_error.restype = ctypes.c_char_p
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    header = ["batch x kv_len", "cuDNN", "flash"] + [f"flashcore {n}" for n, _ in LAYOUTS]
+    rows = []
+    for batch, kv_len in CELLS:
+        q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.empty_like(q)
+        nbytes = 2 * k.numel() * k.element_size()  # K + V read once
+        row = [f"{batch} x {kv_len}"]
+        for backend in ("cudnn", "flash"):
+            try:
+                row.append(f"{time_tbps(sdpa_call(backend, q, k, v), nbytes, a.iters, a.repeats):.2f}")
+            except Exception as e:  # a backend that refuses the shape
+                row.append(f"n/a ({type(e).__name__})")
+        for _, page in LAYOUTS:
+            keep = []
+            call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep)
+            row.append(f"{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
+        rows.append(row)
+        del q, k, v, out
+        torch.cuda.empty_cache()
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    print("TB/s = K+V bytes / time; target: every flashcore cell >= cuDNN and >= 95% of the read bandwidth")
+
+
+if __name__ == "__main__":
+    main()

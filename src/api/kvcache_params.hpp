@@ -1,0 +1,133 @@
+// The validated, backend-facing description of a KV-cache attention call (fc_attention_kvcache)
+// and of a merge of partial results (fc_merge_partials).
+//
+// kvcache_validate.cpp is the only producer: shapes, dtypes, devices, strides and overlap are
+// checked; for CPU tensors the *values* of cache_seqlens / block_table / cache_batch_idx are checked
+// too. For CUDA tensors those values are only known on the device, so the CUDA kernels re-check them
+// with `sequence_in_bounds` / `page_in_range` below (shared host/device, so both backends agree).
+// Relies on: params.hpp (DType, TensorRef, LseRef), mask.hpp (MaskInfo).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "api/params.hpp"
+#include "common/host_device.hpp"
+#include "common/mask.hpp"
+
+namespace flashcore {
+
+struct KvCacheParams {
+  DType dtype = DType::F16;  // q, caches, new keys/values and out share it
+  int device_type = 0;
+  int device_id = 0;
+
+  TensorRef q;        // (batch, seqlen_q, heads_q, head_dim)
+  TensorRef k_cache;  // batch_stride = stride of a cache row (contiguous) or of a page (paged)
+  TensorRef v_cache;  // row_stride = stride of a token inside the cache row / page
+  TensorRef k_new;    // data == nullptr when nothing is appended
+  TensorRef v_new;
+  TensorRef out;
+  LseRef lse;  // (batch, heads_q, seqlen_q); data == nullptr when not asked for
+
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_new = 0;  // 0 when k_new is not given
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+
+  bool paged = false;
+  int64_t cache_rows = 0;  // contiguous: batch_cache; paged: num_pages
+  int64_t page_size = 0;   // contiguous: seqlen_cache (one "page" per cache row); paged: page_size
+  int64_t pages_per_seq = 1;  // paged: block_table's second dimension; contiguous: 1
+
+  const int32_t* cache_seqlens = nullptr;  // (batch), stride cache_seqlens_stride
+  int64_t cache_seqlens_stride = 1;
+  const int32_t* block_table = nullptr;    // (batch, pages_per_seq) or nullptr
+  int64_t block_table_batch_stride = 0;
+  int64_t block_table_page_stride = 1;
+  const int32_t* cache_batch_idx = nullptr;  // (batch) or nullptr (identity); contiguous only
+  int64_t cache_batch_idx_stride = 1;
+
+  float softmax_scale = 0.f;  // resolved (never 0)
+  float softcap = 0.f;
+  bool causal = false;        // informational: folded into window_right = 0
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+
+  int num_splits = 0;             // 0 = backend heuristic
+  int32_t* error_flag = nullptr;  // optional; set to 1 on bad cache indices (device side on CUDA)
+  int num_threads = 0;
+  void* stream = nullptr;
+
+  int64_t group_size() const { return heads_q / heads_kv; }
+  /** Tokens one sequence can hold. */
+  FC_HOST_DEVICE int64_t capacity() const { return paged ? pages_per_seq * page_size : page_size; }
+  bool appends() const { return k_new.data != nullptr; }
+};
+
+/** Per-sequence lengths read from cache_seqlens (device or host memory, matching the call). */
+FC_HOST_DEVICE int64_t cached_len(const KvCacheParams& p, int64_t b) {
+  return p.cache_seqlens[b * p.cache_seqlens_stride];
+}
+
+/** Keys the sequence attends over: what was cached plus what is appended. */
+FC_HOST_DEVICE int64_t total_len(const KvCacheParams& p, int64_t b) { return cached_len(p, b) + p.seqlen_new; }
+
+FC_HOST_DEVICE MaskInfo kv_mask(const KvCacheParams& p, int64_t seqlen_k) {
+  return {p.seqlen_q, seqlen_k, p.window_left, p.window_right};
+}
+
+/** Which cache row sequence b uses (contiguous caches). */
+FC_HOST_DEVICE int64_t cache_row_of(const KvCacheParams& p, int64_t b) {
+  return p.cache_batch_idx ? int64_t(p.cache_batch_idx[b * p.cache_batch_idx_stride]) : b;
+}
+
+/** Sequence-level value checks: length within capacity (including what is appended) and a valid
+ *  cache row. Page ids are checked page by page with page_in_range as they are used. */
+FC_HOST_DEVICE bool sequence_in_bounds(const KvCacheParams& p, int64_t b) {
+  const int64_t len = cached_len(p, b);
+  if (len < 0 || len + p.seqlen_new > p.capacity()) return false;
+  if (!p.paged) {
+    const int64_t row = cache_row_of(p, b);
+    if (row < 0 || row >= p.cache_rows) return false;
+  }
+  return true;
+}
+
+/** Page id (paged) or cache row (contiguous) holding logical page `page` of sequence b. */
+FC_HOST_DEVICE int64_t physical_page(const KvCacheParams& p, int64_t b, int64_t page) {
+  if (!p.paged) return cache_row_of(p, b);
+  return p.block_table[b * p.block_table_batch_stride + page * p.block_table_page_stride];
+}
+
+FC_HOST_DEVICE bool page_in_range(const KvCacheParams& p, int64_t physical) {
+  return physical >= 0 && physical < p.cache_rows;
+}
+
+/** Element offset of (token pos, kv head h) of sequence b inside a cache, given its physical page
+ *  (contiguous caches: the cache row and pos itself). */
+FC_HOST_DEVICE int64_t cache_offset(const TensorRef& cache, const KvCacheParams& p, int64_t physical,
+                                    int64_t pos, int64_t h) {
+  const int64_t in_page = p.paged ? pos % p.page_size : pos;
+  return physical * cache.batch_stride + in_page * cache.row_stride + h * cache.head_stride;
+}
+
+/** Merge of partial attention results (fc_merge_partials, and split-KV's combine step). */
+struct MergeParams {
+  DType out_dtype = DType::F32;
+  int device_type = 0;
+  int device_id = 0;
+  const float* out_partials = nullptr;  // (parts, batch, seqlen_q, heads, head_dim)
+  int64_t op_part_stride = 0, op_batch_stride = 0, op_row_stride = 0, op_head_stride = 0;
+  const float* lse_partials = nullptr;  // (parts, batch, heads, seqlen_q)
+  int64_t lp_part_stride = 0, lp_batch_stride = 0, lp_head_stride = 0, lp_row_stride = 0;
+  TensorRef out;  // (batch, seqlen_q, heads, head_dim)
+  LseRef lse;     // (batch, heads, seqlen_q); optional
+  int64_t parts = 0, batch = 0, seqlen_q = 0, heads = 0, head_dim = 0;
+  int num_threads = 0;
+  void* stream = nullptr;
+};
+
+}  // namespace flashcore

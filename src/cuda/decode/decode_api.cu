@@ -1,0 +1,241 @@
+// Host side of the CUDA inference path: the split heuristic, the workspace layout (partial O and
+// LSE of split-KV), the supported-shape rules, and the launches (append -> attention -> combine),
+// all on the caller's stream with no allocation and no synchronization, so a call can be captured
+// in a CUDA graph. The compiled kernels follow FLASHCORE_HDIM_* / FLASHCORE_DTYPE_* (all when none
+// is defined): fp16/bf16 x head-dim buckets 64/128/256, a head_dim padded up to its bucket.
+// Relies on: decode_kernels.cuh, api/kvcache_backends.hpp.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "api/kvcache_backends.hpp"
+#include "cuda/decode/decode_kernels.cuh"
+
+#if !defined(FLASHCORE_HDIM_64) && !defined(FLASHCORE_HDIM_128) && !defined(FLASHCORE_HDIM_256)
+#define FLASHCORE_HDIM_64 1
+#define FLASHCORE_HDIM_128 1
+#define FLASHCORE_HDIM_256 1
+#endif
+#if !defined(FLASHCORE_DTYPE_FP16) && !defined(FLASHCORE_DTYPE_BF16)
+#define FLASHCORE_DTYPE_FP16 1
+#define FLASHCORE_DTYPE_BF16 1
+#endif
+
+namespace flashcore::cuda {
+namespace {
+using decode::DecodeTraits;
+
+struct HeuristicTraits {
+  // Attention CTAs resident per SM: 128 threads x ~168 registers (ptxas, sm_90) allow 3.
+  static constexpr int kResidentCtasPerSm = 3;
+  static constexpr double kNearBest = 0.95;
+  static constexpr int64_t kMinKeysPerSplit = 256;  // below this a split costs more than it hides
+  static constexpr int kMaxSplits = 128;
+  static constexpr int kDefaultSms = 132;        // when the device query fails
+  static constexpr int64_t kMaxGridYZ = 65535;
+  static constexpr size_t kWorkspaceAlign = 256;
+};
+
+int64_t row_chunks(const KvCacheParams& p) {
+  const int64_t rows = p.group_size() * p.seqlen_q;
+  return (rows + DecodeTraits::kRows - 1) / DecodeTraits::kRows;
+}
+
+int sm_count(int device) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();
+    return HeuristicTraits::kDefaultSms;
+  }
+  return sms;
+}
+
+/** Smallest compiled head-dim bucket >= head_dim, or 0. */
+int bucket_of(int64_t head_dim) {
+#if defined(FLASHCORE_HDIM_64)
+  if (head_dim <= 64) return 64;
+#endif
+#if defined(FLASHCORE_HDIM_128)
+  if (head_dim <= 128) return 128;
+#endif
+#if defined(FLASHCORE_HDIM_256)
+  if (head_dim <= 256) return 256;
+#endif
+  return 0;
+}
+
+bool dtype_compiled(DType t) {
+#if defined(FLASHCORE_DTYPE_FP16)
+  if (t == DType::F16) return true;
+#endif
+#if defined(FLASHCORE_DTYPE_BF16)
+  if (t == DType::BF16) return true;
+#endif
+  return false;
+}
+
+size_t align_up(size_t x) {
+  return (x + HeuristicTraits::kWorkspaceAlign - 1) / HeuristicTraits::kWorkspaceAlign * HeuristicTraits::kWorkspaceAlign;
+}
+
+size_t part_o_bytes(const KvCacheParams& p, int splits) {
+  return align_up(sizeof(float) * size_t(splits) * p.batch * p.seqlen_q * p.heads_q * p.head_dim);
+}
+size_t part_lse_bytes(const KvCacheParams& p, int splits) {
+  return align_up(sizeof(float) * size_t(splits) * p.batch * p.heads_q * p.seqlen_q);
+}
+
+Status launch_error(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return Status::ok();
+  return Status::cuda(std::string(what) + " launch failed: " + cudaGetErrorString(err));
+}
+
+template <typename OutT>
+Status launch_merge(const MergeParams& m) {
+  const int64_t rows = m.batch * m.seqlen_q * m.heads;
+  if (rows == 0) return Status::ok();
+  constexpr int kRowsPerBlock = DecodeTraits::kMergeThreads / DecodeTraits::kWarp;
+  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  decode::merge_kernel<OutT><<<static_cast<unsigned>(blocks), DecodeTraits::kMergeThreads, 0,
+                               static_cast<cudaStream_t>(m.stream)>>>(m);
+  return launch_error("merge_partials");
+}
+
+template <typename T, int HD>
+Status run_typed(const KvCacheParams& p, void* workspace) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  if (p.appends() && p.batch > 0 && p.seqlen_new > 0) {
+    decode::append_kernel<T><<<dim3(static_cast<unsigned>(p.seqlen_new), static_cast<unsigned>(p.batch)),
+                               DecodeTraits::kThreads, 0, stream>>>(p);
+    Status s = launch_error("kvcache append");
+    if (!s.is_ok()) return s;
+  }
+  if (p.batch == 0 || p.seqlen_q == 0) return Status::ok();
+  decode::SplitOutput so;
+  so.num_splits = kvcache_num_splits(p);
+  so.row_chunks = static_cast<int>(row_chunks(p));
+  if (so.num_splits > 1) {
+    so.part_o = static_cast<float*>(workspace);
+    so.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + part_o_bytes(p, so.num_splits));
+  }
+  const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
+                  static_cast<unsigned>(p.batch));
+  decode::attention_kernel<T, HD><<<grid, DecodeTraits::kThreads, 0, stream>>>(p, so);
+  Status s = launch_error("kvcache attention");
+  if (!s.is_ok() || so.num_splits == 1) return s;
+  MergeParams m;
+  m.out_dtype = p.dtype;
+  m.device_type = p.device_type;
+  m.device_id = p.device_id;
+  m.out_partials = so.part_o;
+  m.op_head_stride = p.head_dim;
+  m.op_row_stride = p.heads_q * p.head_dim;
+  m.op_batch_stride = p.seqlen_q * m.op_row_stride;
+  m.op_part_stride = p.batch * m.op_batch_stride;
+  m.lse_partials = so.part_lse;
+  m.lp_row_stride = 1;
+  m.lp_head_stride = p.seqlen_q;
+  m.lp_batch_stride = p.heads_q * p.seqlen_q;
+  m.lp_part_stride = p.batch * m.lp_batch_stride;
+  m.out = p.out;
+  m.lse = p.lse;
+  m.parts = so.num_splits;
+  m.batch = p.batch;
+  m.seqlen_q = p.seqlen_q;
+  m.heads = p.heads_q;
+  m.head_dim = p.head_dim;
+  m.stream = p.stream;
+  return launch_merge<T>(m);
+}
+
+template <typename T>
+Status run_dtype(const KvCacheParams& p, void* workspace) {
+  switch (bucket_of(p.head_dim)) {
+#if defined(FLASHCORE_HDIM_64)
+    case 64: return run_typed<T, 64>(p, workspace);
+#endif
+#if defined(FLASHCORE_HDIM_128)
+    case 128: return run_typed<T, 128>(p, workspace);
+#endif
+#if defined(FLASHCORE_HDIM_256)
+    case 256: return run_typed<T, 256>(p, workspace);
+#endif
+    default: return Status::internal("kvcache: no kernel for head_dim " + std::to_string(p.head_dim));
+  }
+}
+
+}  // namespace
+
+int kvcache_num_splits(const KvCacheParams& p) {
+  if (p.num_splits > 0) return p.num_splits;
+  using H = HeuristicTraits;
+  const int64_t ctas = std::max<int64_t>(1, p.batch * p.heads_kv * row_chunks(p));
+  // Device lengths are unknown on the host: size for the longest possible sequence.
+  int64_t max_keys = p.capacity();
+  if (p.window_left >= 0 && p.window_right >= 0)
+    max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
+  const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
+  const int64_t max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
+  // Wave quantization: every CTA of a call does about the same work, so pick the split count whose
+  // last wave is fullest (fewest splits among the near-best, to keep the combine small).
+  const double resident = double(sm_count(p.device_id)) * H::kResidentCtasPerSm;
+  auto efficiency = [&](int64_t s) {
+    const double waves = double(ctas * s) / resident;
+    return waves / std::ceil(waves);
+  };
+  double best = 0;
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= max_splits; ++s)
+    if (efficiency(s) >= H::kNearBest * best) return static_cast<int>(s);
+  return 1;
+}
+
+size_t kvcache_workspace(const KvCacheParams& p) {
+  const int splits = kvcache_num_splits(p);
+  if (splits <= 1) return 0;
+  return part_o_bytes(p, splits) + part_lse_bytes(p, splits);
+}
+
+bool kvcache_supports(const KvCacheParams& p, Status* why) {
+  if (!dtype_compiled(p.dtype)) {
+    *why = Status::unsupported("q: this dtype's CUDA KV-cache kernels are not compiled in (FLASHCORE_DTYPES)");
+    return false;
+  }
+  if (bucket_of(p.head_dim) == 0) {
+    *why = Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
+                               " has no compiled CUDA KV-cache kernel (FLASHCORE_HEAD_DIMS)");
+    return false;
+  }
+  if (p.batch > HeuristicTraits::kMaxGridYZ || p.heads_kv * row_chunks(p) > HeuristicTraits::kMaxGridYZ ||
+      p.seqlen_new > INT32_MAX) {
+    *why = Status::unsupported("q: batch or heads exceed the CUDA grid limits (65535) of the KV-cache kernels");
+    return false;
+  }
+  return true;
+}
+
+Status kvcache_forward(const KvCacheParams& p, void* workspace, size_t) {
+  switch (p.dtype) {
+#if defined(FLASHCORE_DTYPE_FP16)
+    case DType::F16: return run_dtype<__half>(p, workspace);
+#endif
+#if defined(FLASHCORE_DTYPE_BF16)
+    case DType::BF16: return run_dtype<__nv_bfloat16>(p, workspace);
+#endif
+    default: return Status::internal("kvcache: dtype not compiled");
+  }
+}
+
+Status merge_partials(const MergeParams& p) {
+  switch (p.out_dtype) {
+    case DType::F32: return launch_merge<float>(p);
+    case DType::F16: return launch_merge<__half>(p);
+    case DType::BF16: return launch_merge<__nv_bfloat16>(p);
+    default: return Status::invalid("out: dtype int32 is not supported");
+  }
+}
+
+}  // namespace flashcore::cuda

@@ -1,0 +1,169 @@
+// sm80 (mma.sync) FlashAttention-2 backward: dQ, dK, dV from Q, K, V, O, dO and the forward's LSE.
+//
+// Stages, all on p.stream, no host synchronization:
+//   1. preprocess (backward_prepost.cuh): per query row and head, D = rowsum(dO * O) and
+//      lse * log2(e) into the workspace (lse = -inf -> +inf so P = exp2(s - lse) is exactly 0);
+//      in the default mode the fp32 dQ accumulator is zeroed with cudaMemsetAsync.
+//   2. main (backward_main.cuh): one CTA per (key block of kBlockN rows, KV head, batch) keeps K, V
+//      in shared memory and dK, dV in registers, and loops over every query head of the GQA group
+//      and every query block that can see its keys (the block range is derived from the window;
+//      tiles that are only partly visible are masked per element with MaskInfo::keys_for_row).
+//      Per step: dP = dO V^T, S = Q K^T, P = exp2(S*scale*log2e - lse_log2) (softcap: via tanh),
+//      dS = P (dP - D) (* (1 - tanh^2)); P and dS go to shared memory as the element type;
+//      dV += P^T dO, dK += dS^T Q; then dQ_accum += dS K with fp32 atomics (default mode).
+//      Q/dO are double-buffered with cp.async for d <= 128 (single buffer at d = 256, where the
+//      next block's load overlaps the dQ part instead; where a block may use more shared memory,
+//      as on sm_90, d = 256 takes the double-buffered LargeSmemBackwardTraits shape, chosen at
+//      run time from the device attribute). dK is scaled by softmax_scale on store.
+//   3. postprocess (default mode): dq = softmax_scale * dQ_accum, converted, with p.dq's strides.
+//
+// Deterministic mode (p.deterministic): fp32 atomics would make dq depend on the arrival order,
+// so the main kernel skips them and stage 3 is backward_dq.cuh instead: one CTA per (query
+// block, query head, batch) recomputes P and dS for the key blocks in increasing order and
+// accumulates dq = dS K in registers. dK/dV never use atomics (the CTA loops over the whole
+// GQA group), D uses a fixed shuffle tree, so every output is bit-identical run to run; the
+// price is the S and dP GEMMs computed twice (DeterministicDqTraits gives that kernel its tiles).
+//
+// Performance notes (H100, bf16, B = 16384/S, H = 2048/D; bench in the helper report): addresses
+// of the ldmatrix operands are rebuilt per GEMM from four per-lane bases (SwizzledOperand) and an
+// opaque() lane, because letting the compiler hoist them out of the main loop made it spill;
+// exp2 is one ex2.approx instruction; fully visible tiles skip the per-element mask test.
+//
+// Fragment layouts (ptx/mma.cuh): all GEMMs are m16n8k16 with operands from XOR-swizzled shared
+// tiles (backward_common.cuh, SwizzledTile). A warp GEMM reads A as [m][k] with ldmatrix or as
+// [k][m] with ldmatrix.trans, and B as [n][k] with ldmatrix or [k][n] with ldmatrix.trans:
+//   S = Q K^T, dP = dO V^T : A = Q/dO [m][d],      B = K/V rows [n][d]  (both plain)
+//   dV = P^T dO, dK = dS^T Q: A = P/dS [m][n] (.trans), B = dO/Q [m][d] (.trans)
+//   dQ = dS K              : A = dS [m][n] (plain),  B = K [n][d] (.trans)
+// Accumulators follow the C layout (rows group / group + 8, columns 2*quad + {0,1}); P and dS
+// are stored from it as element pairs. Each GEMM has its own warp grid (BackwardTraits).
+//
+// Head dims below the bucket: loads zero-fill the padded columns (so they add nothing to any
+// dot product) and stores skip them. Offsets are int64; grids are 1-D with the key (or query)
+// block fastest.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <string>
+#include <type_traits>
+
+#include "api/status.hpp"
+#include "cuda/sm80/backward_dq.cuh"
+#include "cuda/sm80/backward_main.cuh"
+#include "cuda/sm80/backward_prepost.cuh"
+#include "cuda/sm80/backward_workspace.hpp"
+
+namespace flashcore::cuda::sm80 {
+
+using backward_params_t = BackwardParams;
+
+namespace bwd {
+
+constexpr int64_t kPostprocessMaxBlocks = 1 << 16;  // grid-stride beyond this many blocks
+
+inline Status launch_status(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return Status::ok();
+  return Status::cuda(std::string("sm80 backward ") + what + ": " + cudaGetErrorString(err));
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace bwd
+
+namespace bwd {
+
+/** The three stages for one tile configuration (BackwardTraits<d> in production). */
+template <typename Element, typename Traits>
+Status launch_backward(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const BackwardWorkspaceLayout layout = BackwardWorkspaceLayout::make(p, kHeadDim);
+  if (workspace_bytes < layout.total_bytes || (layout.total_bytes > 0 && workspace == nullptr)) {
+    return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
+                           std::to_string(layout.total_bytes) + " needed by the sm80 backward");
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  char* base = static_cast<char*>(workspace);
+  bwd::BackwardWorkspacePtrs ws;
+  ws.lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2_offset);
+  ws.dsum = reinterpret_cast<float*>(base + layout.dsum_offset);
+  ws.dq_accum = layout.has_dq_accum ? reinterpret_cast<float*>(base + layout.dq_accum_offset) : nullptr;
+  const int64_t stat_rows = p.total_q * p.heads_q;
+  Status s;
+
+  // 1. D, lse_log2; zero dQ_accum.
+  if (stat_rows > 0) {
+    const int64_t blocks = bwd::ceil_div(stat_rows, bwd::kPrepostWarps);
+    if (blocks > INT_MAX) return Status::unsupported("q: total_q * heads_q is too large for the sm80 backward grid");
+    bwd::backward_preprocess_kernel<Element, kHeadDim>
+        <<<static_cast<unsigned>(blocks), bwd::kPrepostThreads, 0, stream>>>(p, ws);
+    if (!(s = bwd::launch_status("preprocess")).is_ok()) return s;
+    if (ws.dq_accum != nullptr) {
+      const size_t bytes = static_cast<size_t>(stat_rows) * kHeadDim * sizeof(float);
+      const cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, bytes, stream);
+      if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward memset: ") + cudaGetErrorString(err));
+    }
+  }
+
+  // 2. dK, dV (and dQ_accum).
+  const int64_t num_key_blocks = bwd::ceil_div(p.seqlen_k, Traits::kBlockN);
+  const int64_t main_ctas = num_key_blocks * p.heads_kv * p.batch;
+  if (main_ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the sm80 backward grid");
+  if (main_ctas > 0) {
+    auto* kernel = bwd::backward_dkdv_kernel<Element, Traits>;
+    const int smem_bytes = static_cast<int>(sizeof(bwd::MainSharedStorage<Element, Traits>));
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
+    kernel<<<static_cast<unsigned>(main_ctas), Traits::kThreads, smem_bytes, stream>>>(
+        p, ws, static_cast<int>(num_key_blocks));
+    if (!(s = bwd::launch_status("main kernel")).is_ok()) return s;
+  }
+
+  // 3. dq.
+  if (p.deterministic) {
+    using DqTraits = typename bwd::DeterministicDqTraits<kHeadDim>::type;
+    const int64_t num_query_blocks = bwd::ceil_div(p.seqlen_q, DqTraits::kBlockM);
+    const int64_t dq_ctas = num_query_blocks * p.heads_q * p.batch;
+    if (dq_ctas > INT_MAX) return Status::unsupported("q: too many query blocks for the sm80 backward grid");
+    if (dq_ctas > 0) {
+      auto* kernel = bwd::backward_dq_kernel<Element, DqTraits>;
+      const int smem_bytes = static_cast<int>(sizeof(bwd::DqSharedStorage<Element, DqTraits>));
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
+      kernel<<<static_cast<unsigned>(dq_ctas), Traits::kThreads, smem_bytes, stream>>>(
+          p, ws, static_cast<int>(num_query_blocks));
+      if (!(s = bwd::launch_status("dq kernel")).is_ok()) return s;
+    }
+  } else if (stat_rows > 0) {
+    const int64_t items = stat_rows * bwd::ceil_div(p.head_dim, bwd::kChunkElems);
+    int64_t blocks = bwd::ceil_div(items, bwd::kPrepostThreads);
+    if (blocks > bwd::kPostprocessMaxBlocks) blocks = bwd::kPostprocessMaxBlocks;
+    bwd::backward_postprocess_kernel<Element, kHeadDim>
+        <<<static_cast<unsigned>(blocks), bwd::kPrepostThreads, 0, stream>>>(p, ws);
+    if (!(s = bwd::launch_status("postprocess")).is_ok()) return s;
+  }
+  return Status::ok();
+}
+
+}  // namespace bwd
+
+template <typename Element, int kHeadDim>
+Status backward_run(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
+  using PortableTraits = bwd::BackwardTraits<kHeadDim>;
+  using LargeSmemTraits = typename bwd::LargeSmemBackwardTraits<kHeadDim>::type;
+  if constexpr (!std::is_same_v<PortableTraits, LargeSmemTraits>) {
+    // Host-side attribute query only (no synchronization): take the larger configuration where
+    // the device lets one block have its shared memory.
+    int smem_optin = 0;
+    if (cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) == cudaSuccess &&
+        static_cast<size_t>(smem_optin) >= sizeof(bwd::MainSharedStorage<Element, LargeSmemTraits>)) {
+      return bwd::launch_backward<Element, LargeSmemTraits>(p, workspace, workspace_bytes);
+    }
+    cudaGetLastError();  // a failed query falls back to the portable shape, leaving no error behind
+  }
+  return bwd::launch_backward<Element, PortableTraits>(p, workspace, workspace_bytes);
+}
+
+}  // namespace flashcore::cuda::sm80

@@ -1,0 +1,219 @@
+// Stage 2 of the sm80 backward: one CTA per (key block, KV head, batch) accumulates dK and dV for
+// its kBlockN keys in registers over every query head of the KV head's group and every query
+// block that can see those keys; in the default (non-deterministic) mode it also adds
+// dS K into the fp32 dQ accumulator with atomics. No atomics touch dK/dV, so GQA needs no
+// extra workspace and dK/dV are reproducible in both modes.
+//
+// Relies on backward_scores.cuh (tile recomputation), backward_common.cuh (GEMM, tiles) and the
+// preprocess having filled lse_log2 / dsum (and zeroed dq_accum) in the workspace.
+#pragma once
+
+#include "cuda/sm80/backward_scores.cuh"
+
+namespace flashcore::cuda::sm80::bwd {
+
+template <typename Element, typename Traits>
+struct alignas(128) MainSharedStorage {
+  Element k[Traits::kBlockN * Traits::kHeadDim];  // reused for the dK epilogue
+  Element v[Traits::kBlockN * Traits::kHeadDim];  // reused for the dV epilogue
+  Element q[Traits::kStages][Traits::kBlockM * Traits::kHeadDim];
+  Element dout[Traits::kStages][Traits::kBlockM * Traits::kHeadDim];
+  Element p[Traits::kBlockM * Traits::kBlockN];
+  Element ds[Traits::kBlockM * Traits::kBlockN];
+  float lse_log2[Traits::kStages][Traits::kBlockM];
+  float dsum[Traits::kStages][Traits::kBlockM];
+};
+
+/** Query blocks [begin, end) holding a row that sees any key of [n0, n_end) (n_end > n0).
+ *  Row i sees key j when diag(i) - left <= j <= diag(i) + right, diag(i) = i + seqlen_k - seqlen_q
+ *  (mask.hpp); both bounds grow with i, so the rows form one interval:
+ *    some key <= diag(i) + right  <=>  i >= n0 - seqlen_k + seqlen_q - right
+ *    some key >= diag(i) - left   <=>  i <= n_end - 1 - seqlen_k + seqlen_q + left
+ *  Rows of the interval with no key in the block only cost a fully masked tile. */
+struct QueryBlockRange {
+  int64_t begin;
+  int64_t end;
+};
+
+__device__ __forceinline__ QueryBlockRange query_blocks_for_keys(const MaskInfo& mask, int64_t n0, int64_t n_end,
+                                                                 int block_m) {
+  int64_t row_first = 0;
+  int64_t row_last = mask.seqlen_q - 1;
+  if (mask.window_right >= 0) {
+    const int64_t lo = n0 - mask.seqlen_k + mask.seqlen_q - mask.window_right;
+    row_first = lo > row_first ? lo : row_first;
+  }
+  if (mask.window_left >= 0) {
+    const int64_t hi = n_end - 1 - mask.seqlen_k + mask.seqlen_q + mask.window_left;
+    row_last = hi < row_last ? hi : row_last;
+  }
+  if (row_last < row_first) return {0, 0};
+  return {row_first / block_m, row_last / block_m + 1};
+}
+
+template <typename Element, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    backward_dkdv_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_key_blocks) {
+  using Smem = MainSharedStorage<Element, Traits>;
+  constexpr int kM = Traits::kBlockM;
+  constexpr int kN = Traits::kBlockN;
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Smem& smem = *reinterpret_cast<Smem*>(smem_raw);
+
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  // Key block fastest: CTAs running together share (batch, head) and so their Q / dO in L2.
+  const int n_block = static_cast<int>(blockIdx.x % num_key_blocks);
+  const int64_t head_batch = blockIdx.x / num_key_blocks;
+  const int64_t kv_head = head_batch % p.heads_kv;
+  const int64_t b = head_batch / p.heads_kv;
+
+  const SeqInfo seq = seq_info(p, b);
+  const int64_t n0 = static_cast<int64_t>(n_block) * kN;
+  if (n0 >= seq.seqlen_k) return;  // past this sequence's keys: nothing to own
+  const MaskInfo mask = mask_info(p, seq);
+  const int64_t n_end = n0 + kN < seq.seqlen_k ? n0 + kN : seq.seqlen_k;
+  const int keys_valid = static_cast<int>(n_end - n0);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t q_row0 = first_packed_q_row(p, b, seq);
+  const ScoreTransform tf = ScoreTransform::make(p);
+
+  const QueryBlockRange m_blocks =
+      seq.seqlen_q > 0 ? query_blocks_for_keys(mask, n0, n_end, kM) : QueryBlockRange{0, 0};
+  const int64_t blocks_per_head = m_blocks.end - m_blocks.begin;
+  const int64_t iterations = blocks_per_head * group;
+
+  // K and V stay resident for the whole CTA; they join the first cp.async group.
+  const int64_t k_off = offset_of(p.k, b, seq.k_start + n0, kv_head);
+  const int64_t v_off = offset_of(p.v, b, seq.k_start + n0, kv_head);
+  load_tile_async<Element, kN, kD, kThreads>(smem.k, static_cast<const Element*>(p.k.data) + k_off, p.k.row_stride,
+                                             keys_valid, head_dim, tid);
+  load_tile_async<Element, kN, kD, kThreads>(smem.v, static_cast<const Element*>(p.v.data) + v_off, p.v.row_stride,
+                                             keys_valid, head_dim, tid);
+
+  // Iteration `it` covers query head kv_head * group + it / blocks_per_head and query block
+  // m_blocks.begin + it % blocks_per_head: heads outer so the pipeline runs across them.
+  auto query_head_of = [&](int64_t it) { return kv_head * group + it / blocks_per_head; };
+  auto query_row0_of = [&](int64_t it) { return (m_blocks.begin + it % blocks_per_head) * kM; };
+  auto load_query_side = [&](int64_t it, int stage) {
+    const int64_t h = query_head_of(it);
+    const int64_t m0 = query_row0_of(it);
+    const int64_t rows_left = seq.seqlen_q - m0;
+    const int rows_valid = static_cast<int>(rows_left < kM ? rows_left : kM);
+    const int64_t q_off = offset_of(p.q, b, seq.q_start + m0, h);
+    const int64_t do_off = offset_of(p.dout, b, seq.q_start + m0, h);
+    load_tile_async<Element, kM, kD, kThreads>(smem.q[stage], static_cast<const Element*>(p.q.data) + q_off,
+                                               p.q.row_stride, rows_valid, head_dim, tid);
+    load_tile_async<Element, kM, kD, kThreads>(smem.dout[stage], static_cast<const Element*>(p.dout.data) + do_off,
+                                               p.dout.row_stride, rows_valid, head_dim, tid);
+    const int64_t stat = h * p.total_q + q_row0 + m0;
+    load_row_stats_async<kM>(smem.lse_log2[stage], ws.lse_log2 + stat, rows_valid, tid);
+    load_row_stats_async<kM>(smem.dsum[stage], ws.dsum + stat, rows_valid, tid);
+  };
+
+  float dk_acc[Traits::kKvMTiles][Traits::kKvNTiles][4];
+  float dv_acc[Traits::kKvMTiles][Traits::kKvNTiles][4];
+  zero_fill(dk_acc);
+  zero_fill(dv_acc);
+  const int kv_row_origin = (warp / Traits::kKvWarpsD) * Traits::kKvWarpRows;
+  const int kv_col_origin = (warp % Traits::kKvWarpsD) * Traits::kKvWarpCols;
+  const int dq_row_origin = (warp / Traits::kDqWarpsD) * Traits::kDqWarpRows;
+  const int dq_col_origin = (warp % Traits::kDqWarpsD) * Traits::kDqWarpCols;
+
+  if (iterations > 0) load_query_side(0, 0);
+  ptx::cp_async_commit();
+
+  for (int64_t it = 0; it < iterations; ++it) {
+    const int stage = Traits::kStages == 2 ? static_cast<int>(it & 1) : 0;
+    // (A) This iteration's tiles have landed, and every warp is done with the previous
+    // iteration (so P/dS and the other stage may be overwritten).
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    if constexpr (Traits::kStages == 2) {
+      if (it + 1 < iterations) load_query_side(it + 1, stage ^ 1);
+      ptx::cp_async_commit();
+    }
+    const int64_t h = query_head_of(it);
+    const int64_t m0 = query_row0_of(it);
+
+    compute_p_and_ds<Element, Traits, /*kStoreP=*/true>(smem.q[stage], smem.dout[stage], smem.k, smem.v,
+                                                        smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
+                                                        smem.p, smem.ds, warp, lane);
+    __syncthreads();  // (B) P and dS visible to every warp
+
+    // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T read transposed from the [m][n] tiles,
+    // B = dO / Q read transposed from their [m][d] tiles (the contraction runs over queries).
+    auto accumulate_dv = [&] {
+      warp_gemm<Element, Traits::kKvMTiles, Traits::kKvNTiles, kM / 16, true, true, kN, kD>(
+          dv_acc, smem.p, kv_row_origin, 0, smem.dout[stage], kv_col_origin, 0, lane);
+    };
+    auto accumulate_dk = [&] {
+      warp_gemm<Element, Traits::kKvMTiles, Traits::kKvNTiles, kM / 16, true, true, kN, kD>(
+          dk_acc, smem.ds, kv_row_origin, 0, smem.q[stage], kv_col_origin, 0, lane);
+    };
+    // dQ_accum[rows of this block] += dS K (contraction over keys; softmax_scale is applied in
+    // the postprocess) with fp32 atomics. A = dS stored [m][n]; B = K stored [n][d] = [k][n].
+    auto accumulate_dq = [&] {
+      if (ws.dq_accum == nullptr) return;  // deterministic mode: backward_dq.cuh computes dq
+      float* dq_rows = ws.dq_accum + (h * p.total_q + q_row0 + m0) * kD;
+      const int group_id = lane >> 2;
+      const int quad = lane & 3;
+#pragma unroll
+      for (int chunk = 0; chunk < Traits::kDqChunks; ++chunk) {
+        const int col0 = dq_col_origin + chunk * Traits::kDqColChunk;
+        float dq_frag[Traits::kDqMTiles][Traits::kDqChunkNTiles][4];
+        zero_fill(dq_frag);
+        warp_gemm<Element, Traits::kDqMTiles, Traits::kDqChunkNTiles, kN / 16, false, true, kN, kD>(
+            dq_frag, smem.ds, dq_row_origin, 0, smem.k, col0, 0, lane);
+#pragma unroll
+        for (int mt = 0; mt < Traits::kDqMTiles; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = dq_row_origin + mt * 16 + half * 8 + group_id;
+            if (m0 + row >= seq.seqlen_q) continue;  // such rows belong to no query (or the next sequence)
+#pragma unroll
+            for (int nt = 0; nt < Traits::kDqChunkNTiles; ++nt) {
+              float* dst = dq_rows + static_cast<int64_t>(row) * kD + col0 + nt * 8 + quad * 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+              atomicAdd(reinterpret_cast<float2*>(dst),
+                        make_float2(dq_frag[mt][nt][2 * half], dq_frag[mt][nt][2 * half + 1]));
+#else
+              atomicAdd(dst, dq_frag[mt][nt][2 * half]);
+              atomicAdd(dst + 1, dq_frag[mt][nt][2 * half + 1]);
+#endif
+            }
+          }
+      }
+    };
+
+    accumulate_dv();
+    accumulate_dk();
+    if constexpr (Traits::kStages == 1) {
+      // (C) Q/dO are free once every warp passed the GEMMs above: prefetch the next block
+      // while the dQ part (which reads only dS and K) runs.
+      __syncthreads();
+      if (it + 1 < iterations) load_query_side(it + 1, 0);
+      ptx::cp_async_commit();
+    }
+    accumulate_dq();
+  }
+
+  // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO, staged through the K/V tiles.
+  ptx::cp_async_wait<0>();
+  __syncthreads();  // K/V no longer read (and their loads landed even when no iteration ran)
+  store_fragments_to_smem<Element, kD>(dk_acc, p.softmax_scale, smem.k, kv_row_origin, kv_col_origin, lane);
+  store_fragments_to_smem<Element, kD>(dv_acc, 1.f, smem.v, kv_row_origin, kv_col_origin, lane);
+  __syncthreads();
+  const int64_t dk_off = offset_of(p.dk, b, seq.k_start + n0, kv_head);
+  const int64_t dv_off = offset_of(p.dv, b, seq.k_start + n0, kv_head);
+  store_tile<Element, kN, kD, kThreads>(smem.k, static_cast<Element*>(p.dk.data) + dk_off, p.dk.row_stride,
+                                        keys_valid, head_dim, tid);
+  store_tile<Element, kN, kD, kThreads>(smem.v, static_cast<Element*>(p.dv.data) + dv_off, p.dv.row_stride,
+                                        keys_valid, head_dim, tid);
+}
+
+}  // namespace flashcore::cuda::sm80::bwd

@@ -1,0 +1,132 @@
+// The recomputation step shared by the backward kernels: for one (kBlockM queries x kBlockN keys)
+// tile, with Q, dO, K, V and the per-row statistics already in shared memory, compute
+//   dP = dO V^T,  S = Q K^T,  P = exp(transform(S) - lse),  dS = P * (dP - D) [* (1 - tanh^2)]
+// in registers (the S/dP warp layout of the traits), applying the causal/window mask and the
+// sequence bounds, and store P (optionally) and dS to shared memory as the element type.
+//
+// Relies on backward_common.cuh (warp_gemm, traits) and common/mask.hpp (MaskInfo).
+#pragma once
+
+#include "cuda/sm80/backward_common.cuh"
+
+namespace flashcore::cuda::sm80::bwd {
+
+template <typename Traits>
+using SdpFragments = float[Traits::kSdpMTiles][Traits::kSdpNTiles][4];
+
+/** 2^x in one MUFU instruction (flushes denormal results to 0, -inf gives 0): the probabilities
+ *  it produces are rounded to 16 bits right after, so the approximation is invisible there. */
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/** The element-wise part: p (holding S on entry) becomes P, ds (holding dP on entry) becomes dS.
+ *  kSoftcap selects the tanh-capped transform and kMasked the per-element visibility test at
+ *  compile time, so the common path (no softcap, tile fully visible) stays lean. */
+template <typename Traits, bool kSoftcap, bool kMasked>
+__device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpFragments<Traits>& ds,
+                                                   const float* lse_log2_rows, const float* dsum_rows,
+                                                   const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
+                                                   int64_t n0, int warp, int lane) {
+  const int group = lane >> 2;
+  const int quad = lane & 3;
+  const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
+  const int col_origin = (warp % Traits::kSdpWarpsN) * Traits::kSdpWarpCols;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kSdpMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_origin + mt * 16 + half * 8 + group;
+      const float lse_log2 = lse_log2_rows[row];
+      const float dsum = dsum_rows[row];
+      // Visible keys of this row as tile-local columns [key_lo, key_hi); rows past the
+      // sequence see none.
+      int key_lo = 0;
+      int key_hi = 0;
+      if constexpr (kMasked) {
+        if (m0 + row < mask.seqlen_q) {
+          const KeyRange keys = mask.keys_for_row(m0 + row);
+          const int64_t lo = keys.begin - n0;
+          const int64_t hi = keys.end - n0;
+          key_lo = static_cast<int>(lo < 0 ? 0 : (lo > Traits::kBlockN ? Traits::kBlockN : lo));
+          key_hi = static_cast<int>(hi < 0 ? 0 : (hi > Traits::kBlockN ? Traits::kBlockN : hi));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = half * 2 + j;
+          const float s = p[mt][nt][e];
+          float prob;
+          float dscore;
+          if constexpr (kSoftcap) {
+            const float t = tanhf(s * tf.tanh_arg_scale);
+            prob = fast_exp2(t * tf.softcap_log2 - lse_log2);
+            dscore = prob * (ds[mt][nt][e] - dsum) * (1.f - t * t);
+          } else {
+            prob = fast_exp2(s * tf.scale_log2 - lse_log2);
+            dscore = prob * (ds[mt][nt][e] - dsum);
+          }
+          if constexpr (kMasked) {
+            // Select (not multiply) so an inf/NaN computed for a masked entry cannot leak.
+            const int col = col_origin + nt * 8 + quad * 2 + j;
+            const bool visible = col >= key_lo && col < key_hi;
+            prob = visible ? prob : 0.f;
+            dscore = visible ? dscore : 0.f;
+          }
+          p[mt][nt][e] = prob;
+          ds[mt][nt][e] = dscore;
+        }
+      }
+    }
+  }
+}
+
+/** Full recomputation of one tile from shared memory: P (when kStoreP) and dS go to the
+ *  kBlockM x kBlockN swizzled tiles p_tile / ds_tile as Element. q/dout tiles are
+ *  kBlockM x kHeadDim, k/v tiles kBlockN x kHeadDim, the stats kBlockM floats.
+ *  Both GEMMs run before the element-wise step: computing P between them (to overlap the
+ *  exponentials with the dP GEMM) was measured slower on an H100, since the extra live values
+ *  made the d=64 and d=128 kernels spill. */
+template <typename Element, typename Traits, bool kStoreP>
+__device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const Element* dout_tile,
+                                                 const Element* k_tile, const Element* v_tile,
+                                                 const float* lse_log2_rows, const float* dsum_rows,
+                                                 const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
+                                                 int64_t n0, Element* p_tile, Element* ds_tile, int warp, int lane) {
+  constexpr int kD = Traits::kHeadDim;
+  constexpr int kKSteps = kD / 16;
+  const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
+  const int col_origin = (warp % Traits::kSdpWarpsN) * Traits::kSdpWarpCols;
+  float p[Traits::kSdpMTiles][Traits::kSdpNTiles][4];
+  float ds[Traits::kSdpMTiles][Traits::kSdpNTiles][4];
+  zero_fill(ds);
+  zero_fill(p);
+  // dP = dO V^T and S = Q K^T: A stored [m][d], B = K^T / V^T read from the K / V rows [n][d].
+  warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
+      ds, dout_tile, row_origin, 0, v_tile, col_origin, 0, lane);
+  warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
+      p, q_tile, row_origin, 0, k_tile, col_origin, 0, lane);
+  // Tiles with every (row, key) visible and inside both sequences skip the per-element test.
+  const bool masked = !mask.tile_fully_visible(m0, m0 + Traits::kBlockM, n0, n0 + Traits::kBlockN);
+  if (tf.softcap > 0.f) {
+    if (masked) {
+      scores_to_p_and_ds<Traits, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+    } else {
+      scores_to_p_and_ds<Traits, true, false>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+    }
+  } else if (masked) {
+    scores_to_p_and_ds<Traits, false, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+  } else {
+    scores_to_p_and_ds<Traits, false, false>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+  }
+  if constexpr (kStoreP) {
+    store_fragments_to_smem<Element, Traits::kBlockN>(p, 1.f, p_tile, row_origin, col_origin, lane);
+  }
+  store_fragments_to_smem<Element, Traits::kBlockN>(ds, 1.f, ds_tile, row_origin, col_origin, lane);
+}
+
+}  // namespace flashcore::cuda::sm80::bwd

@@ -1,0 +1,705 @@
+// FlashAttention-2 style forward kernel on the sm_80 tensor-core instruction set (mma.sync,
+// ldmatrix, cp.async), which also runs on Ada and Hopper. Header-only: cmake/cuda.cmake generates
+// one translation unit per (dtype, head-dim bucket) that explicitly instantiates forward_run.
+//
+// Relies on: api/params.hpp (AttentionParams, seq_info, offset_of), common/mask.hpp (MaskInfo: the
+// one definition of causal / window masks), cuda/sm80/tile_common.cuh (swizzled tiles, cp.async
+// tile loads, packing, reductions) and cuda/ptx/*.cuh (raw instructions).
+//
+// ---- Work decomposition -------------------------------------------------------------------------
+// One CTA per (query block of kBlockM rows, query head, batch entry), kWarps warps; warp w owns rows
+// [w * kWarpRows, (w + 1) * kWarpRows) of the block, i.e. kMTiles stacked 16-row mma tiles, and the
+// full key width of every S tile and the full head dim of O for those rows. Nothing is exchanged
+// between warps except the shared K/V tiles. The grid is 1-D: block index = m fastest (reversed, so
+// the heaviest causal blocks of a head start first), then query head, then batch; CTAs of one head
+// run together and share K/V through L2.
+//
+// ---- Fragment layouts (mma.sync.m16n8k16, see cuda/ptx/mma.cuh) ----------------------------------
+// lane = 4 * group + quad. A C fragment of a 16x8 tile holds (row group, cols 2quad, 2quad+1) in
+// c0,c1 and (row group + 8, same cols) in c2,c3.
+//  S = Q K^T : A = Q (row-major in smem) by ldmatrix.x4 (non-trans): matrix i covers rows
+//              + 8*(i%2), k-chunk + (i/2) -> a0..a3. B = K^T: K is stored [key][dim], which is
+//              exactly the "col" B layout, so a non-trans ldmatrix.x4 gives b0,b1 of two adjacent
+//              8-key n-tiles (matrix i: keys + 8*(i/2), dim-chunk + (i%2)).
+//  O += P V  : the C fragments of S tiles 2k and 2k+1 are, element for element, the A fragment of
+//              k-step k of the P V product (a0 = S[2k].c0c1, a1 = S[2k].c2c3, a2 = S[2k+1].c0c1,
+//              a3 = S[2k+1].c2c3), so P is rounded to 16 bits and packed in registers, never
+//              touching smem. B = V with keys as the reduction dim: V is stored [key][dim], so
+//              ldmatrix.x4.trans gives b0,b1 of two adjacent 8-dim n-tiles (matrix i: keys +
+//              8*(i%2), dim-chunk + (i/2)).
+// Every smem tile is XOR-swizzled per 16-byte chunk (SwizzledTile), so each 8-row ldmatrix phase,
+// the cp.async fills and the epilogue's fragment stores are all bank-conflict free.
+//
+// ---- Pipeline (kStages = 2 smem buffers for K and for V, one barrier per key tile) -------------
+// Iteration j starts with cp.async.wait_group 0 + __syncthreads: the tiles issued one iteration
+// earlier have landed for every thread, and every warp is done with iteration j-1, whose buffers
+// the loads issued right after the barrier overwrite. Two orders exist (Traits::kOverlapPV):
+//  overlap (default for d64/d128): issue K_{j+1}, V_j; S_j = Q K_j; softmax_j -> P_j;
+//      O += P_{j-1} V_{j-1}. The P V mmas of the previous tile do not depend on softmax_j, so the
+//      scheduler interleaves them with its max/exp work inside one warp; P_{j-1} stays in registers
+//      for one iteration and the last tile's P V runs after the loop.
+//  FA2 order (d256, where smem bandwidth and not latency binds): issue K_{j+1}, V_{j+1};
+//      S_j; softmax_j; O += P_j V_j.
+// The loop bodies are specialized (first tile / masked / unmasked / softcap) so the hot body is
+// one branch-free block; the only branch, the rare O rescale, sits right after the barrier.
+//
+// ---- Softmax in registers -----------------------------------------------------------------------
+// A thread holds 2 rows per m-tile. The running max is kept on raw scores and the scale is folded
+// into one FFMA in log2 units: p = exp2(s * scale*log2e - m * scale*log2e). A softcap (tanh must see
+// natural-scale scores) or a negative scale instead transforms the scores first into log2 units and
+// uses a factor of 1. Row maxima are tree-reduced, then over the quad with two shuffles per tile;
+// row sums stay per-thread partials until the epilogue. Lazy rescaling: the reference max of a row
+// moves only when a tile exceeds it by more than kRescaleThresholdLog2 (so P <= 2^8), and O is
+// multiplied only when some row of the warp moved; exact either way, since O, l and the lse all
+// use the same reference max. Masked scores are -inf; a row whose max is still -inf uses 0 as its
+// subtrahend so that exp2(-inf - -inf) = NaN never happens, and its sum stays 0.
+//
+// ---- Masking ------------------------------------------------------------------------------------
+// The key blocks of a query block are MaskInfo::keys_for_rows(block rows). Per-element masking runs
+// only on tiles that are not MaskInfo::tile_fully_visible: the causal diagonal, window edges and the
+// partial last key block (keys >= seqlen_k are out of every row's range). Query rows past seqlen_q
+// are computed on zero-filled Q and simply not stored. A block with no keys at all skips the loop
+// and writes out = 0, lse = -inf; so does any single row with an empty key range (sum 0).
+//
+// ---- Epilogue -----------------------------------------------------------------------------------
+// O / l is rounded to the dtype and staged through this warp's own rows of the Q smem region, then
+// written with 16-byte stores predicated on row < seqlen_q and column < head_dim (head dims below
+// the bucket are zero-filled on load and never stored). lse = (m*scale*log2e + log2 l) * ln2.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "api/params.hpp"
+#include "api/status.hpp"
+#include "common/mask.hpp"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/sm80/tile_common.cuh"
+
+namespace flashcore::cuda::sm80 {
+
+using forward_params_t = AttentionParams;
+
+/** Tile sizes and the shared-memory plan of one forward kernel instantiation. */
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_,
+          int kMinBlocksPerSm_ = 0, bool kOverlapPV_ = true>
+struct ForwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
+  static constexpr int kBlockM = kBlockM_;    // query rows per CTA
+  static constexpr int kBlockN = kBlockN_;    // keys per pipelined K/V tile
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kStages = 2;           // K and V buffers each (the loop assumes exactly 2)
+  static constexpr bool kQInRegs = kQInRegs_; // Q fragments loaded once into registers
+  // P V of tile j-1 issued after S_j so that it overlaps softmax_j (costs P's registers across the
+  // iteration); false = the FA2 order S_j, softmax_j, P_j V_j.
+  static constexpr bool kOverlapPV = kOverlapPV_;
+
+  static constexpr int kMmaM = 16, kMmaN = 8, kMmaK = 16;
+  static constexpr int kWarpRows = kBlockM / kWarps;
+  static constexpr int kMTiles = kWarpRows / kMmaM;  // 16-row tiles per warp
+  static constexpr int kNTilesS = kBlockN / kMmaN;   // 8-key tiles of S
+  static constexpr int kKStepsS = kHeadDim / kMmaK;  // reduction steps of Q K^T
+  static constexpr int kNTilesO = kHeadDim / kMmaN;  // 8-dim tiles of O
+  static constexpr int kKStepsO = kBlockN / kMmaK;   // reduction steps of P V
+  static_assert(kWarpRows % kMmaM == 0, "each warp owns whole 16-row tiles");
+  static_assert(kNTilesS % 2 == 0 && kNTilesO % 2 == 0, "ldmatrix.x4 loads two n-tiles at once");
+  static constexpr int kQFragMTiles = kQInRegs ? kMTiles : 1;  // register Q, or a 1-entry dummy
+  static constexpr int kQFragKSteps = kQInRegs ? kKStepsS : 1;
+
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  static constexpr int kSmemQOffset = 0;
+  static constexpr int kSmemKOffset = kSmemQOffset + QTile::kBytes;
+  static constexpr int kSmemVOffset = kSmemKOffset + kStages * KVTile::kBytes;
+  static constexpr int kSmemBytes = kSmemVOffset + kStages * KVTile::kBytes;
+
+  // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_ > 0 ? kMinBlocksPerSm_
+                                         : (kThreads <= 128 ? 2 : 1);
+};
+
+/** The configuration forward_run uses per (dtype, bucket). */
+template <typename Element, int kHeadDim>
+struct DefaultForwardTraits;
+template <typename Element>
+struct DefaultForwardTraits<Element, 64> {
+  // 4 warps x 32 rows (K/V fragments serve two m-tiles: half the smem reads of 16-row warps),
+  // Q in registers, two CTAs per SM.
+  using type = ForwardTraits<Element, 64, 128, 64, 4, true>;
+};
+template <typename Element>
+struct DefaultForwardTraits<Element, 128> {
+  // N = 32 keeps O (128 regs), S, the carried P and the Q fragment of one k-step within 255
+  // registers with the P V overlap; Q is re-read from smem per k-step.
+  using type = ForwardTraits<Element, 128, 128, 32, 4, false>;
+};
+template <typename Element>
+struct DefaultForwardTraits<Element, 256> {
+  // O alone is 128 registers at 16 rows per warp, so 8 warps of 16 rows; one CTA per SM. Here the
+  // FA2 order (no P V overlap) measured faster: the loop is bound by smem bandwidth, not latency.
+  using type = ForwardTraits<Element, 256, 128, 64, 8, false, 0, false>;
+};
+
+/** How raw q.k scores become the log2-domain exponent. */
+enum class ScoreTransform : int {
+  kFoldedScale = 0,  // scale > 0, no softcap: exp2(s * exp2_scale - m * exp2_scale), one FFMA
+  kLinear = 1,       // scale < 0: s <- s * pre_scale first (a max of raw s would be a min)
+  kSoftcap = 2,      // s <- post_scale * tanh(s * pre_scale) first
+};
+
+/** The reference row max moves only when a tile exceeds it by more than this (log2 units), so
+ *  unnormalized P stays <= 2^8 (fine for fp16/bf16 and fp32 sums). */
+constexpr float kRescaleThresholdLog2 = 8.f;
+
+struct ForwardKernelArgs {
+  AttentionParams params;
+  int num_m_blocks;
+  ScoreTransform transform;
+  float exp2_scale;  // factor of the (transformed) score in the exponent
+  float pre_scale;
+  float post_scale;
+  float rescale_threshold;  // lazy rescaling, in the units of row_max (see online_softmax)
+};
+
+// ---- building blocks of the main loop (each inlines into one straight-line block) ---------------
+
+/** S = Q K^T for one key tile. Q comes from registers (kQInRegs) or from smem per k-step; K from the
+ *  smem stage `k_stage`. Each ldmatrix.x4 of K feeds 2 n-tiles for all of the warp's m-tiles. */
+template <class Traits>
+__device__ __forceinline__ void qk_gemm(
+    float (&s)[Traits::kMTiles][Traits::kNTilesS][4],
+    const uint32_t (&q_frag)[Traits::kQFragMTiles][Traits::kQFragKSteps][4],
+    const LdmatrixLaneAddress<typename Traits::QTile>& q_address, uint32_t k_stage,
+    const LdmatrixLaneAddress<typename Traits::KVTile>& k_address) {
+  using Ops = ElementOps<typename Traits::Element>;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < Traits::kKStepsS; ++kk) {
+    uint32_t a[Traits::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+      if constexpr (Traits::kQInRegs) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[mt][kk][i];
+      } else {
+        ptx::ldmatrix_x4(a[mt], q_address.at(mt * Traits::kMmaM, kk));
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < Traits::kNTilesS / 2; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, k_stage + k_address.at(np * 2 * Traits::kMmaN, kk));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        Ops::mma(s[mt][2 * np], a[mt], b_lo);
+        Ops::mma(s[mt][2 * np + 1], a[mt], b_hi);
+      }
+    }
+  }
+}
+
+/** O += P V for one key tile; P is in A-fragment form, V in the smem stage `v_stage`. */
+template <class Traits>
+__device__ __forceinline__ void pv_gemm(float (&o)[Traits::kMTiles][Traits::kNTilesO][4],
+                                        const uint32_t (&p)[Traits::kMTiles][Traits::kKStepsO][4],
+                                        uint32_t v_stage,
+                                        const LdmatrixLaneAddress<typename Traits::KVTile>& v_address) {
+  using Ops = ElementOps<typename Traits::Element>;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kKStepsO; ++kk) {
+#pragma unroll
+    for (int dp = 0; dp < Traits::kNTilesO / 2; ++dp) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, v_stage + v_address.at(kk * Traits::kMmaK, dp));
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+        Ops::mma(o[mt][2 * dp], p[mt][kk], b_lo);
+        Ops::mma(o[mt][2 * dp + 1], p[mt][kk], b_hi);
+      }
+    }
+  }
+}
+
+/** Softcap (or a negative scale): raw scores -> log2-domain scores, exp2 factor 1 afterwards. */
+template <class Traits>
+__device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Traits::kNTilesS][4],
+                                                 const ForwardKernelArgs& args) {
+  const bool softcap = args.transform == ScoreTransform::kSoftcap;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float x = s[mt][nt][i] * args.pre_scale;
+        s[mt][nt][i] = softcap ? args.post_scale * tanhf(x) : x;
+      }
+    }
+  }
+}
+
+/** -inf for every score whose key is outside its row's MaskInfo range (which also excludes keys
+ *  >= seqlen_k). first_row: this lane's row of m-tile 0 (in-sequence index); n0: the tile's key 0. */
+template <class Traits>
+__device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::kNTilesS][4],
+                                            const MaskInfo& mask, int first_row, int n0,
+                                            int lane_quad) {
+  constexpr float kNegInf = -__builtin_huge_valf();
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const KeyRange allowed = mask.keys_for_row(first_row + mt * Traits::kMmaM + 8 * h);
+      const int64_t lo64 = allowed.begin - n0;  // tile-relative, clamped to [0, kBlockN]
+      const int64_t hi64 = allowed.end - n0;
+      const int lo = static_cast<int>(lo64 < 0 ? 0 : (lo64 > Traits::kBlockN ? Traits::kBlockN : lo64));
+      const int hi = static_cast<int>(hi64 < 0 ? 0 : (hi64 > Traits::kBlockN ? Traits::kBlockN : hi64));
+#pragma unroll
+      for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = nt * Traits::kMmaN + 2 * lane_quad + e;
+          if (key < lo || key >= hi) s[mt][nt][2 * h + e] = kNegInf;
+        }
+      }
+    }
+  }
+}
+
+/** One online-softmax step: updates the reference row max (lazily), the partial row sums, writes
+ *  P (rounded, A-fragment form) and the factor alpha by which O must be rescaled. Returns whether
+ *  any of this lane's rows moved its reference max (alpha != 1).
+ *
+ *  Lazy rescaling: the reference max only moves when a tile's max exceeds it by more than
+ *  `rescale_threshold` (kRescaleThresholdLog2 in log2 units), so P <= 2^threshold and O needs
+ *  rescaling only on those rare tiles. The result is exact either way: l and O always refer to the
+ *  same reference max, which the epilogue uses for O / l and the lse. */
+template <class Traits>
+__device__ __forceinline__ bool online_softmax(float (&s)[Traits::kMTiles][Traits::kNTilesS][4],
+                                               float (&row_max)[Traits::kMTiles][2],
+                                               float (&row_sum)[Traits::kMTiles][2],
+                                               float (&alpha)[Traits::kMTiles][2],
+                                               uint32_t (&p)[Traits::kMTiles][Traits::kKStepsO][4],
+                                               float exp2_scale, float rescale_threshold) {
+  using Ops = ElementOps<typename Traits::Element>;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  bool any_raised = false;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Pairwise tree: log-depth dependency chain instead of one FMNMX after another.
+      float partial_max[Traits::kNTilesS];
+#pragma unroll
+      for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+        partial_max[nt] = fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+      }
+#pragma unroll
+      for (int count = Traits::kNTilesS; count > 1; count = (count + 1) / 2) {
+#pragma unroll
+        for (int i = 0; i < count / 2; ++i) {
+          partial_max[i] = fmaxf(partial_max[i], partial_max[i + (count + 1) / 2]);
+        }
+      }
+      const float tile_max = quad_allreduce_max(partial_max[0]);
+      const float old_max = row_max[mt][h];
+      // old_max = -inf and a finite tile max also raises (-inf + threshold = -inf).
+      const bool raise = tile_max > old_max + rescale_threshold;
+      const float new_max = raise ? tile_max : old_max;
+      // A row with no allowed key so far keeps max -inf; 0 avoids exp2(-inf - -inf) = NaN.
+      const float scaled_max = new_max == kNegInf ? 0.f : new_max * exp2_scale;
+      alpha[mt][h] = raise ? fast_exp2(old_max * exp2_scale - scaled_max) : 1.f;
+      any_raised = any_raised || raise;
+      row_max[mt][h] = new_max;
+      // Two interleaved partial sums halve the FADD dependency chain.
+      float sum[2] = {row_sum[mt][h] * alpha[mt][h], 0.f};
+#pragma unroll
+      for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float prob = fast_exp2(fmaf(s[mt][nt][2 * h + e], exp2_scale, -scaled_max));
+          s[mt][nt][2 * h + e] = prob;
+          sum[e] += prob;
+        }
+      }
+      row_sum[mt][h] = sum[0] + sum[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < Traits::kKStepsO; ++kk) {
+      // C fragments of S tiles 2kk, 2kk+1 = A fragment of P V k-step kk (see the top comment).
+      p[mt][kk][0] = Ops::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      p[mt][kk][1] = Ops::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      p[mt][kk][2] = Ops::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      p[mt][kk][3] = Ops::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+  }
+  return any_raised;
+}
+
+template <class Traits>
+__device__ __forceinline__ void rescale_o(float (&o)[Traits::kMTiles][Traits::kNTilesO][4],
+                                          const float (&alpha)[Traits::kMTiles][2]) {
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < Traits::kNTilesO; ++dt) {
+      o[mt][dt][0] *= alpha[mt][0];
+      o[mt][dt][1] *= alpha[mt][0];
+      o[mt][dt][2] *= alpha[mt][1];
+      o[mt][dt][3] *= alpha[mt][1];
+    }
+  }
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
+    forward_kernel(const __grid_constant__ ForwardKernelArgs args) {
+  using Element = typename Traits::Element;
+  using Ops = ElementOps<Element>;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kWarpRows = Traits::kWarpRows;
+  constexpr int kMTiles = Traits::kMTiles;
+  constexpr int kNTilesO = Traits::kNTilesO;
+  constexpr int kKStepsO = Traits::kKStepsO;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  using std::false_type;
+  using std::true_type;
+
+  const AttentionParams& p = args.params;
+
+  // ---- which tile this CTA computes --------------------------------------------------------------
+  const int block = static_cast<int>(blockIdx.x);
+  const int m_block = args.num_m_blocks - 1 - block % args.num_m_blocks;
+  const int64_t head_batch = block / args.num_m_blocks;
+  const int64_t head = head_batch % p.heads_q;
+  const int64_t batch = head_batch / p.heads_q;
+
+  const SeqInfo seq = seq_info(p, batch);
+  const int seqlen_q = static_cast<int>(seq.seqlen_q);
+  const int seqlen_k = static_cast<int>(seq.seqlen_k);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seqlen_q) return;  // varlen: this sequence is shorter than max_seqlen_q
+  const int rows_end = min(m0 + kBlockM, seqlen_q);
+  const MaskInfo mask = mask_info(p, seq);
+  const KeyRange keys = mask.keys_for_rows(m0, rows_end);
+  const int n_block_begin = keys.empty() ? 0 : static_cast<int>(keys.begin / kBlockN);
+  const int n_block_end = keys.empty() ? 0 : static_cast<int>(ceil_div<int64_t>(keys.end, kBlockN));
+
+  const int thread = static_cast<int>(threadIdx.x);
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int lane_group = lane / 4;  // accumulator row within a 16-row tile (and +8)
+  const int lane_quad = lane % 4;   // accumulator column pair
+  const int warp_row0 = warp * kWarpRows;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t smem_q = ptx::smem_addr(smem) + Traits::kSmemQOffset;
+  const uint32_t smem_k = ptx::smem_addr(smem) + Traits::kSmemKOffset;
+  const uint32_t smem_v = ptx::smem_addr(smem) + Traits::kSmemVOffset;
+
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int64_t kv_head = head / (p.heads_q / p.heads_kv);
+  const Element* q_block =
+      static_cast<const Element*>(p.q.data) + offset_of(p.q, batch, seq.q_start + m0, head);
+  const Element* k_seq =
+      static_cast<const Element*>(p.k.data) + offset_of(p.k, batch, seq.k_start, kv_head);
+  const Element* v_seq =
+      static_cast<const Element*>(p.v.data) + offset_of(p.v, batch, seq.k_start, kv_head);
+
+  float acc_o[kMTiles][kNTilesO][4];
+  float row_max[kMTiles][2];  // reference max, raw (or transformed) score units
+  float row_sum[kMTiles][2];  // this thread's partial sum; quad-reduced in the epilogue
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kNTilesO; ++dt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = kNegInf;
+      row_sum[mt][h] = 0.f;
+    }
+  }
+  const float exp2_scale = args.exp2_scale;
+
+  if (n_block_begin < n_block_end) {
+    using QLoader = TileLoader<QTile, Traits::kThreads>;
+    using KVLoader = TileLoader<KVTile, Traits::kThreads>;
+    auto load_k = [&](int n_block, int stage) {
+      const int n0 = n_block * kBlockN;
+      KVLoader::load_async(smem_k + stage * KVTile::kBytes, k_seq + n0 * p.k.row_stride,
+                           p.k.row_stride, seqlen_k - n0, head_dim, thread);
+    };
+    auto load_v = [&](int n_block, int stage) {
+      const int n0 = n_block * kBlockN;
+      KVLoader::load_async(smem_v + stage * KVTile::kBytes, v_seq + n0 * p.v.row_stride,
+                           p.v.row_stride, seqlen_k - n0, head_dim, thread);
+    };
+
+    // Per-lane ldmatrix addresses (see the fragment comment at the top).
+    const LdmatrixLaneAddress<QTile> q_address(smem_q, warp_row0 + lane % 8 + ((lane / 8) % 2) * 8,
+                                               lane / 16);
+    const LdmatrixLaneAddress<KVTile> k_address(0, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const LdmatrixLaneAddress<KVTile> v_address(0, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const int lane_first_row = m0 + warp_row0 + lane_group;
+
+    uint32_t q_frag[Traits::kQFragMTiles][Traits::kQFragKSteps][4];
+    // Carried from one iteration to the next: P of the previous tile (its P V runs one iteration
+    // later) and the O rescale factor its softmax produced, applied before that P V.
+    uint32_t p_prev[kMTiles][kKStepsO][4];
+    float alpha_prev[kMTiles][2];
+    bool rescale_pending = false;
+
+    // Prologue: group {Q, K_first} (+ V_first without the overlap).
+    QLoader::load_async(smem_q, q_block, p.q.row_stride, seqlen_q - m0, head_dim, thread);
+    load_k(n_block_begin, 0);
+    if constexpr (!Traits::kOverlapPV) load_v(n_block_begin, 0);
+    ptx::cp_async_commit();
+
+    // Iteration j (kOverlapPV): wait K_j, V_{j-1}; barrier; issue K_{j+1}, V_j; O *= alpha_{j-1}
+    // if needed; S_j = Q K_j; softmax_j -> P_j; O += P_{j-1} V_{j-1}. The P V product is
+    // independent of softmax_j, so the scheduler interleaves the two; the only branch (the rare O
+    // rescale) sits right after the barrier so that it does not split that block.
+    // Without the overlap: wait K_j, V_j; barrier; issue K_{j+1}, V_{j+1}; S_j; softmax_j;
+    // O *= alpha_j if needed; O += P_j V_j.
+    // Either way one barrier per tile: after it every warp is done with the buffers of tile j-1,
+    // which the loads issued right after it overwrite.
+    auto iteration = [&](int n_block, auto has_prev, auto masked, auto general) {
+      constexpr bool kHasPrev = decltype(has_prev)::value;
+      const int stage = (n_block - n_block_begin) & 1;
+      ptx::cp_async_wait<0>();
+      __syncthreads();
+      if constexpr (Traits::kOverlapPV) {
+        if (n_block + 1 < n_block_end) load_k(n_block + 1, stage ^ 1);
+        load_v(n_block, stage);
+      } else if (n_block + 1 < n_block_end) {
+        load_k(n_block + 1, stage ^ 1);
+        load_v(n_block + 1, stage ^ 1);
+      }
+      ptx::cp_async_commit();
+      if constexpr (Traits::kOverlapPV && kHasPrev) {
+        if (rescale_pending) rescale_o<Traits>(acc_o, alpha_prev);
+      }
+
+      if constexpr (!kHasPrev && Traits::kQInRegs) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int kk = 0; kk < Traits::kKStepsS; ++kk) {
+            ptx::ldmatrix_x4(q_frag[mt][kk], q_address.at(mt * Traits::kMmaM, kk));
+          }
+        }
+      }
+      float s[kMTiles][Traits::kNTilesS][4];
+      qk_gemm<Traits>(s, q_frag, q_address, smem_k + stage * KVTile::kBytes, k_address);
+      if constexpr (decltype(general)::value) transform_scores<Traits>(s, args);
+      if constexpr (decltype(masked)::value) {
+        mask_scores<Traits>(s, mask, lane_first_row, n_block * kBlockN, lane_quad);
+      }
+      uint32_t p_next[kMTiles][kKStepsO][4];
+      const bool raised = online_softmax<Traits>(s, row_max, row_sum, alpha_prev, p_next,
+                                                 exp2_scale, args.rescale_threshold);
+      if constexpr (Traits::kOverlapPV) {
+        // O is still zero after the first tile: nothing to rescale.
+        rescale_pending = kHasPrev && __any_sync(kFullWarpMask, raised);
+        if constexpr (kHasPrev) {
+          pv_gemm<Traits>(acc_o, p_prev, smem_v + (stage ^ 1) * KVTile::kBytes, v_address);
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int kk = 0; kk < kKStepsO; ++kk) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) p_prev[mt][kk][i] = p_next[mt][kk][i];
+          }
+        }
+      } else {
+        if (kHasPrev && __any_sync(kFullWarpMask, raised)) rescale_o<Traits>(acc_o, alpha_prev);
+        pv_gemm<Traits>(acc_o, p_next, smem_v + stage * KVTile::kBytes, v_address);
+      }
+    };
+
+    // Specialized bodies keep the common path branch-free: fully visible tiles skip the
+    // per-element mask; the first tile always takes the masked body, and softcap / negative-scale
+    // calls run transforming, always-masked bodies.
+    auto mainloop = [&](auto general) {
+      iteration(n_block_begin, false_type{}, true_type{}, general);
+      for (int n_block = n_block_begin + 1; n_block < n_block_end; ++n_block) {
+        const int n0 = n_block * kBlockN;
+        if (decltype(general)::value || !mask.tile_fully_visible(m0, rows_end, n0, n0 + kBlockN)) {
+          iteration(n_block, true_type{}, true_type{}, general);
+        } else {
+          iteration(n_block, true_type{}, false_type{}, general);
+        }
+      }
+    };
+    if (args.transform == ScoreTransform::kFoldedScale) {
+      mainloop(false_type{});
+    } else {
+      mainloop(true_type{});
+    }
+
+    if constexpr (Traits::kOverlapPV) {  // the last tile's P V
+      ptx::cp_async_wait<0>();
+      __syncthreads();
+      const int last_stage = (n_block_end - 1 - n_block_begin) & 1;
+      if (rescale_pending) rescale_o<Traits>(acc_o, alpha_prev);
+      pv_gemm<Traits>(acc_o, p_prev, smem_v + last_stage * KVTile::kBytes, v_address);
+    } else {
+      ptx::cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
+    }
+  }
+
+  // ---- epilogue: normalize, lse, stage O in this warp's Q rows, 16-byte stores ------------------
+  __syncwarp();  // this warp's ldmatrix reads of its Q rows are done before they are overwritten
+  float* lse_row0 = nullptr;
+  if (p.lse.data != nullptr) {
+    lse_row0 = p.lse.data + batch * p.lse.batch_stride + head * p.lse.head_stride +
+               (seq.q_start + m0) * p.lse.row_stride;
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float total = quad_allreduce_sum(row_sum[mt][h]);
+      const float inv_total = total > 0.f ? 1.f / total : 0.f;
+      const int block_row = warp_row0 + mt * Traits::kMmaM + lane_group + 8 * h;
+      if (lse_row0 != nullptr && lane_quad == 0 && m0 + block_row < seqlen_q) {
+        const float lse =
+            total > 0.f ? (row_max[mt][h] * exp2_scale + __log2f(total)) * kLn2 : kNegInf;
+        lse_row0[block_row * p.lse.row_stride] = lse;
+      }
+#pragma unroll
+      for (int dt = 0; dt < kNTilesO; ++dt) {
+        const uint32_t packed =
+            Ops::pack(acc_o[mt][dt][2 * h] * inv_total, acc_o[mt][dt][2 * h + 1] * inv_total);
+        // One 8-column d-tile is one 16-byte chunk; this lane's column pair sits at byte 4 * quad.
+        store_shared_4(smem_q + QTile::offset(block_row, dt) + lane_quad * 4, packed);
+      }
+    }
+  }
+  __syncwarp();
+
+  constexpr int kChunksPerRow = QTile::kChunksPerRow;
+  constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
+  static_assert(kWarpChunks % kWarpSize == 0, "whole passes");
+  Element* out_block =
+      static_cast<Element*>(p.out.data) + offset_of(p.out, batch, seq.q_start + m0, head);
+#pragma unroll
+  for (int pass = 0; pass < kWarpChunks / kWarpSize; ++pass) {
+    const int index = pass * kWarpSize + lane;
+    const int block_row = warp_row0 + index / kChunksPerRow;
+    const int chunk = index % kChunksPerRow;
+    const uint4 value = load_shared_16(smem_q + QTile::offset(block_row, chunk));
+    if (m0 + block_row < seqlen_q && chunk * kChunkElems < head_dim) {
+      *reinterpret_cast<uint4*>(out_block + block_row * p.out.row_stride + chunk * kChunkElems) =
+          value;
+    }
+  }
+}
+
+// ---- host side ------------------------------------------------------------------------------------
+
+/** Makes p.device_id current for the launch and restores the caller's device afterwards. */
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      switched_ = cudaSetDevice(device) == cudaSuccess;
+    }
+  }
+  ~ScopedDevice() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+/** Launches the forward kernel configured by Traits on p.stream. */
+template <class Traits>
+Status launch_forward(const forward_params_t& p,
+                      float rescale_threshold_log2 = kRescaleThresholdLog2) {
+  const int64_t num_m_blocks = ceil_div<int64_t>(p.seqlen_q, Traits::kBlockM);
+  const int64_t num_blocks = num_m_blocks * p.heads_q * p.batch;
+  if (num_blocks == 0) return Status::ok();
+  if (num_blocks > INT_MAX) {
+    return Status::unsupported("cuda_sm80 forward: " + std::to_string(num_blocks) +
+                               " query blocks exceed the grid limit");
+  }
+
+  ForwardKernelArgs args{};
+  args.params = p;
+  args.num_m_blocks = static_cast<int>(num_m_blocks);
+  if (p.softcap > 0.f) {
+    args.transform = ScoreTransform::kSoftcap;
+    args.pre_scale = p.softmax_scale / p.softcap;
+    args.post_scale = p.softcap * kLog2e;
+    args.exp2_scale = 1.f;
+  } else if (p.softmax_scale > 0.f) {
+    args.transform = ScoreTransform::kFoldedScale;
+    args.exp2_scale = p.softmax_scale * kLog2e;
+  } else {
+    args.transform = ScoreTransform::kLinear;
+    args.pre_scale = p.softmax_scale * kLog2e;
+    args.exp2_scale = 1.f;
+  }
+
+  args.rescale_threshold = rescale_threshold_log2 / args.exp2_scale;
+
+  ScopedDevice device(p.device_id);
+  auto* kernel = forward_kernel<Traits>;
+  constexpr int kDefaultSmemLimit = 48 * 1024;
+  if (Traits::kSmemBytes > kDefaultSmemLimit) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+    if (err != cudaSuccess) {
+      return Status::cuda(std::string("cuda_sm80 forward: cannot reserve shared memory: ") +
+                          cudaGetErrorString(err));
+    }
+  }
+  kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes,
+           static_cast<cudaStream_t>(p.stream)>>>(args);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return Status::cuda(std::string("cuda_sm80 forward launch failed: ") + cudaGetErrorString(err));
+  }
+  return Status::ok();
+}
+
+/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. The forward
+ *  needs no workspace. */
+template <typename Element, int kHeadDim>
+Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
+  return launch_forward<typename DefaultForwardTraits<Element, kHeadDim>::type>(p);
+}
+
+}  // namespace flashcore::cuda::sm80

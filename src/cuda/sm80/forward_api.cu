@@ -1,0 +1,146 @@
+// Backend functions of the portable tensor-core forward (see api/backends.hpp): which calls it can
+// serve, its workspace (none), and the dispatch from (dtype, head_dim) to the kernel units that
+// cmake/cuda.cmake generated. A head_dim below a compiled bucket runs in the smallest compiled
+// bucket above it; the kernel zero-fills the padded columns and never stores them.
+//
+// Relies on: forward_run<Element, kHeadDim> being explicitly instantiated in the generated units for
+// every bucket/dtype whose FLASHCORE_HDIM_* / FLASHCORE_DTYPE_* macro is defined. This file only
+// declares the template, so it stays cheap to compile.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstddef>
+#include <string>
+
+#include "api/backends.hpp"
+#include "api/params.hpp"
+#include "api/status.hpp"
+
+namespace flashcore::cuda {
+
+namespace sm80 {
+using forward_params_t = AttentionParams;
+template <typename Element, int kHeadDim>
+Status forward_run(const forward_params_t& p, void* workspace, size_t workspace_bytes);
+}  // namespace sm80
+
+namespace {
+
+constexpr int64_t kHeadDimAlignment = 8;   // one 16-byte chunk of fp16/bf16
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int kMinComputeCapability = 80;  // mma.sync bf16, cp.async, ldmatrix
+// Must not exceed the smallest kBlockM of DefaultForwardTraits (grid size bound below).
+constexpr int64_t kSmallestBlockM = 128;
+
+bool dtype_compiled(DType dtype) {
+  switch (dtype) {
+#if defined(FLASHCORE_DTYPE_FP16)
+    case DType::F16:
+      return true;
+#endif
+#if defined(FLASHCORE_DTYPE_BF16)
+    case DType::BF16:
+      return true;
+#endif
+    default:
+      return false;
+  }
+}
+
+/** The smallest compiled head-dim bucket that holds head_dim, or 0. */
+int head_dim_bucket(int64_t head_dim) {
+#if defined(FLASHCORE_HDIM_64)
+  if (head_dim <= 64) return 64;
+#endif
+#if defined(FLASHCORE_HDIM_128)
+  if (head_dim <= 128) return 128;
+#endif
+#if defined(FLASHCORE_HDIM_256)
+  if (head_dim <= 256) return 256;
+#endif
+  (void)head_dim;
+  return 0;
+}
+
+bool reject(Status* why, const std::string& message) {
+  if (why != nullptr) *why = Status::unsupported("cuda_sm80: " + message);
+  return false;
+}
+
+template <typename Element>
+Status run_bucket(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+  switch (head_dim_bucket(p.head_dim)) {
+#if defined(FLASHCORE_HDIM_64)
+    case 64:
+      return sm80::forward_run<Element, 64>(p, workspace, workspace_bytes);
+#endif
+#if defined(FLASHCORE_HDIM_128)
+    case 128:
+      return sm80::forward_run<Element, 128>(p, workspace, workspace_bytes);
+#endif
+#if defined(FLASHCORE_HDIM_256)
+    case 256:
+      return sm80::forward_run<Element, 256>(p, workspace, workspace_bytes);
+#endif
+    default:
+      (void)workspace;
+      (void)workspace_bytes;
+      return Status::internal("cuda_sm80 forward: no compiled bucket for head_dim " +
+                              std::to_string(p.head_dim));
+  }
+}
+
+}  // namespace
+
+bool sm80_supports(const AttentionParams& p, Status* why) {
+  if (p.dtype != DType::F16 && p.dtype != DType::BF16) {
+    return reject(why, "only fp16 and bf16 are supported");
+  }
+  if (!dtype_compiled(p.dtype)) {
+    return reject(why, std::string(p.dtype == DType::F16 ? "fp16" : "bf16") +
+                           " kernels are not compiled in (FLASHCORE_DTYPES)");
+  }
+  if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.head_dim % kHeadDimAlignment != 0) {
+    return reject(why, "head_dim " + std::to_string(p.head_dim) +
+                           " must be a multiple of 8 and at most 256");
+  }
+  if (head_dim_bucket(p.head_dim) == 0) {
+    return reject(why, "no compiled head-dim bucket holds head_dim " + std::to_string(p.head_dim) +
+                           " (FLASHCORE_HEAD_DIMS)");
+  }
+  if (p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) {
+    return reject(why, "sequence lengths above 2^31 - 1 are not supported");
+  }
+  const int64_t m_blocks = (p.seqlen_q + kSmallestBlockM - 1) / kSmallestBlockM;
+  if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
+    return reject(why, "batch * heads_q * query blocks exceeds the grid limit");
+  }
+  const int capability = compute_capability(p.device_id);
+  if (capability < kMinComputeCapability) {
+    return reject(why, "device " + std::to_string(p.device_id) + " has compute capability " +
+                           std::to_string(capability) + ", sm_80 or newer is required");
+  }
+  return true;
+}
+
+size_t sm80_forward_workspace(const AttentionParams& /*p*/) { return 0; }
+
+Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+  switch (p.dtype) {
+#if defined(FLASHCORE_DTYPE_FP16)
+    case DType::F16:
+      return run_bucket<__half>(p, workspace, workspace_bytes);
+#endif
+#if defined(FLASHCORE_DTYPE_BF16)
+    case DType::BF16:
+      return run_bucket<__nv_bfloat16>(p, workspace, workspace_bytes);
+#endif
+    default:
+      (void)workspace;
+      (void)workspace_bytes;
+      return Status::internal("cuda_sm80 forward: dtype not compiled in");
+  }
+}
+
+}  // namespace flashcore::cuda

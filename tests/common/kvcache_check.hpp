@@ -1,0 +1,423 @@
+// Test support for fc_attention_kvcache, shared by the CPU and CUDA suites (header-only, so each
+// suite's glob-picked test file is all CMake needs).
+//
+// KvCase describes one decode problem; KvProblem draws random inputs (caches full of random data
+// also beyond each sequence's length, so reading past it changes results), lays the cache out
+// contiguously (optionally through a permuted cache_batch_idx) or in shuffled pages, poisons out/lse
+// with NaN, uploads everything through a harness Memory and runs the public C ABI. check_kvcache
+// then compares against an fp64 oracle written here from the header's semantics (independent of
+// every backend) with TESTING.md's rule, and checks that the caches changed exactly where k_new/v_new
+// were appended.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/dtype_host.hpp"
+#include "common/harness.hpp"
+#include "common/mask.hpp"
+#include "flashcore/flashcore.h"
+
+namespace flashcore::testing {
+
+struct KvCase {
+  int64_t batch = 1;
+  int64_t seqlen_q = 1;
+  int64_t seqlen_new = 0;
+  int64_t heads_q = 1;
+  int64_t heads_kv = 1;
+  int64_t head_dim = 64;
+  int32_t dtype = FC_DTYPE_BF16;
+  std::vector<int32_t> cache_lens;  // tokens already cached, one per sequence (size batch)
+  int64_t page_size = 0;            // 0 = contiguous cache
+  bool batch_idx = false;           // contiguous: sequences use permuted cache rows (+ spare rows)
+  bool causal = false;
+  int32_t window_left = -1, window_right = -1;
+  double softcap = 0;
+  int32_t num_splits = 1;
+  bool want_lse = true;
+  int64_t slack = 5;  // capacity beyond the longest sequence (garbage that must not be read)
+
+  std::string name() const {
+    std::ostringstream s;
+    s << "b" << batch << " sq" << seqlen_q << " new" << seqlen_new << " h" << heads_q << "/" << heads_kv << " d"
+      << head_dim << " dt" << dtype << " page" << page_size << (batch_idx ? " bidx" : "") << (causal ? " causal" : "")
+      << " win(" << window_left << "," << window_right << ") cap" << softcap << " splits" << num_splits << " lens[";
+    for (size_t i = 0; i < cache_lens.size(); ++i) s << (i ? "," : "") << cache_lens[i];
+    s << "]";
+    return s.str();
+  }
+};
+
+/** A host buffer mirrored in the memory under test. */
+struct KvBuffer {
+  Memory* mem = nullptr;
+  int32_t dtype = FC_DTYPE_F32;
+  std::vector<int64_t> shape, strides;
+  std::vector<uint8_t> host;
+  void* dev = nullptr;
+
+  KvBuffer() = default;
+  KvBuffer(const KvBuffer&) = delete;
+  KvBuffer& operator=(const KvBuffer&) = delete;
+  ~KvBuffer() {
+    if (dev) mem->release(dev);
+  }
+  void init(Memory& m, int32_t dt, std::vector<int64_t> shp) {
+    mem = &m;
+    dtype = dt;
+    shape = std::move(shp);
+    strides.assign(shape.size(), 1);
+    for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    host.assign(static_cast<size_t>(n) * elem(), 0);
+  }
+  size_t elem() const { return dtype == FC_DTYPE_F16 || dtype == FC_DTYPE_BF16 ? 2 : 4; }
+  int64_t numel() const { return static_cast<int64_t>(host.size() / elem()); }
+  float get(int64_t i) const { return load_as_float(host.data(), i, static_cast<DType>(dtype)); }
+  void set(int64_t i, float x) { store_from_float(host.data(), i, static_cast<DType>(dtype), x); }
+  int32_t* ints() { return reinterpret_cast<int32_t*>(host.data()); }
+  void upload() {
+    if (!dev && !host.empty()) dev = mem->alloc(host.size());
+    if (dev) mem->upload(dev, host.data(), host.size());
+  }
+  void download() {
+    if (dev) mem->download(host.data(), dev, host.size());
+  }
+  fc_tensor tensor() const {
+    fc_tensor t{};
+    t.data = dev;
+    t.dtype = dtype;
+    t.device_type = mem->device_type();
+    t.ndim = static_cast<int32_t>(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) {
+      t.shape[i] = shape[i];
+      t.strides[i] = strides[i];
+    }
+    return t;
+  }
+};
+
+struct KvProblem {
+  KvCase c;
+  int64_t capacity = 0, pages_per_seq = 0, cache_rows = 0;
+  KvBuffer q, k_cache, v_cache, k_new, v_new, out, lse, seqlens, block_table, batch_idx;
+  std::vector<uint8_t> k_cache_before, v_cache_before;
+  fc_tensor tq{}, tkc{}, tvc{}, tkn{}, tvn{}, tout{}, tlse{}, tlens{}, tbt{}, tbi{};
+  fc_kvcache_args args{};
+  fc_attention_options opt{};
+
+  KvProblem(const KvCase& kc, Memory& mem, uint64_t seed) : c(kc) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    int64_t longest = 0;
+    for (int32_t L : c.cache_lens) longest = std::max<int64_t>(longest, L + c.seqlen_new);
+    capacity = longest + c.slack;
+    if (c.page_size > 0) {
+      pages_per_seq = (capacity + c.page_size - 1) / c.page_size;
+      capacity = pages_per_seq * c.page_size;  // what the library sees
+      cache_rows = c.batch * pages_per_seq + 3;  // spare pages stay unused
+    } else {
+      cache_rows = c.batch + (c.batch_idx ? 2 : 0);
+    }
+    const int64_t rows_len = c.page_size > 0 ? c.page_size : capacity;
+    auto fill = [&](KvBuffer& t) {
+      for (int64_t i = 0; i < t.numel(); ++i) t.set(i, normal(rng));
+    };
+    q.init(mem, c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+    k_cache.init(mem, c.dtype, {cache_rows, rows_len, c.heads_kv, c.head_dim});
+    v_cache.init(mem, c.dtype, {cache_rows, rows_len, c.heads_kv, c.head_dim});
+    fill(q);
+    fill(k_cache);
+    fill(v_cache);
+    k_cache_before = k_cache.host;
+    v_cache_before = v_cache.host;
+    out.init(mem, c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+    for (int64_t i = 0; i < out.numel(); ++i) out.set(i, std::numeric_limits<float>::quiet_NaN());
+    lse.init(mem, FC_DTYPE_F32, {c.batch, c.heads_q, c.seqlen_q});
+    for (int64_t i = 0; i < lse.numel(); ++i) lse.set(i, std::numeric_limits<float>::quiet_NaN());
+    seqlens.init(mem, FC_DTYPE_I32, {c.batch});
+    for (int64_t b = 0; b < c.batch; ++b) seqlens.ints()[b] = c.cache_lens[b];
+    if (c.seqlen_new > 0) {
+      k_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
+      v_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
+      fill(k_new);
+      fill(v_new);
+    }
+    if (c.page_size > 0) {
+      std::vector<int32_t> ids(cache_rows);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      block_table.init(mem, FC_DTYPE_I32, {c.batch, pages_per_seq});
+      for (int64_t i = 0; i < c.batch * pages_per_seq; ++i) block_table.ints()[i] = ids[i];
+    } else if (c.batch_idx) {
+      batch_idx.init(mem, FC_DTYPE_I32, {c.batch});
+      for (int64_t b = 0; b < c.batch; ++b) batch_idx.ints()[b] = static_cast<int32_t>(cache_rows - 1 - b);
+    }
+    for (KvBuffer* t : {&q, &k_cache, &v_cache, &k_new, &v_new, &out, &lse, &seqlens, &block_table, &batch_idx})
+      if (t->mem) t->upload();
+    tq = q.tensor();
+    tkc = k_cache.tensor();
+    tvc = v_cache.tensor();
+    tout = out.tensor();
+    tlse = lse.tensor();
+    tlens = seqlens.tensor();
+    args.q = &tq;
+    args.k_cache = &tkc;
+    args.v_cache = &tvc;
+    args.cache_seqlens = &tlens;
+    args.out = &tout;
+    args.lse = c.want_lse ? &tlse : nullptr;
+    args.num_splits = c.num_splits;
+    if (c.seqlen_new > 0) {
+      tkn = k_new.tensor();
+      tvn = v_new.tensor();
+      args.k_new = &tkn;
+      args.v_new = &tvn;
+    }
+    if (c.page_size > 0) {
+      tbt = block_table.tensor();
+      args.block_table = &tbt;
+    } else if (c.batch_idx) {
+      tbi = batch_idx.tensor();
+      args.cache_batch_idx = &tbi;
+    }
+    opt.causal = c.causal;
+    opt.has_window = c.window_left != -1 || c.window_right != -1;
+    opt.window_left = c.window_left;
+    opt.window_right = c.window_right;
+    opt.softcap = c.softcap;
+    opt.stream = mem.stream();
+  }
+
+  /** Runs the call with a workspace of the size the library asks for. */
+  fc_status run(Memory& mem) {
+    size_t ws = 0;
+    fc_status st = fc_attention_kvcache_workspace(&args, &opt, &ws);
+    if (st != FC_OK) return st;
+    void* w = ws ? mem.alloc(ws) : nullptr;
+    st = fc_attention_kvcache(&args, &opt, w, ws);
+    if (w) mem.release(w);
+    return st;
+  }
+
+  /** Re-uploads the index tensors after a test edited their host copies. */
+  void upload_indices() {
+    for (KvBuffer* t : {&seqlens, &block_table, &batch_idx})
+      if (t->mem) t->upload();
+  }
+
+  void fetch() {
+    for (KvBuffer* t : {&out, &lse, &k_cache, &v_cache}) t->download();
+  }
+
+  /** Element offset of logical token `pos`, kv head h, of sequence b in the cache buffers. */
+  int64_t cache_elem(int64_t b, int64_t pos, int64_t h) const {
+    int64_t row = b, in_row = pos;
+    if (c.page_size > 0) {
+      row = const_cast<KvBuffer&>(block_table).ints()[b * pages_per_seq + pos / c.page_size];
+      in_row = pos % c.page_size;
+    } else if (c.batch_idx) {
+      row = const_cast<KvBuffer&>(batch_idx).ints()[b];
+    }
+    return row * k_cache.strides[0] + in_row * k_cache.strides[1] + h * k_cache.strides[2];
+  }
+
+  /** Logical key/value element after the append: cached tokens, then k_new/v_new. */
+  float logical(bool value, int64_t b, int64_t pos, int64_t h, int64_t d) const {
+    const int64_t len = c.cache_lens[b];
+    if (pos >= len) {
+      const KvBuffer& n = value ? v_new : k_new;
+      return n.get(((b * c.seqlen_new + pos - len) * c.heads_kv + h) * c.head_dim + d);
+    }
+    const std::vector<uint8_t>& before = value ? v_cache_before : k_cache_before;
+    return load_as_float(before.data(), cache_elem(b, pos, h) + d, static_cast<DType>(c.dtype));
+  }
+};
+
+/** fp64 oracle (exact) or the low-precision emulation X_same (fp32 scores, P rounded to the
+ *  dtype, fp32 accumulation): out as (batch, seqlen_q, heads_q, head_dim), lse (batch, heads_q, seqlen_q). */
+inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* out, std::vector<double>* lse,
+                      int64_t batch_limit) {
+  const KvCase& c = pr.c;
+  const int64_t hd = c.head_dim, group = c.heads_q / c.heads_kv;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const DType dt = static_cast<DType>(c.dtype);
+  out->assign(c.batch * c.seqlen_q * c.heads_q * hd, 0.0);
+  lse->assign(c.batch * c.heads_q * c.seqlen_q, -std::numeric_limits<double>::infinity());
+  for (int64_t b = 0; b < batch_limit; ++b) {
+    const int64_t sk = c.cache_lens[b] + c.seqlen_new;
+    const MaskInfo mask{c.seqlen_q, sk, c.window_left, c.causal ? 0 : c.window_right};
+    std::vector<double> K(sk * hd), V(sk * hd);
+    for (int64_t h = 0; h < c.heads_q; ++h) {
+      const int64_t hk = h / group;
+      for (int64_t j = 0; j < sk; ++j)
+        for (int64_t d = 0; d < hd; ++d) {
+          K[j * hd + d] = pr.logical(false, b, j, hk, d);
+          V[j * hd + d] = pr.logical(true, b, j, hk, d);
+        }
+      for (int64_t i = 0; i < c.seqlen_q; ++i) {
+        const KeyRange r = mask.keys_for_row(i);
+        if (r.empty()) continue;
+        std::vector<double> s(r.end - r.begin);
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = r.begin; j < r.end; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < hd; ++d) dot += double(pr.q.get(((b * c.seqlen_q + i) * c.heads_q + h) * hd + d)) * K[j * hd + d];
+          double sc = dot * scale;
+          if (c.softcap > 0) sc = c.softcap * std::tanh(sc / c.softcap);
+          if (emulate) sc = static_cast<float>(sc);
+          s[j - r.begin] = sc;
+          m = std::max(m, sc);
+        }
+        double l = 0;
+        std::vector<double> acc(hd, 0.0);
+        for (int64_t j = r.begin; j < r.end; ++j) {
+          double pj = std::exp(s[j - r.begin] - m);
+          l += pj;
+          if (emulate) pj = round_to(dt, static_cast<float>(pj));
+          for (int64_t d = 0; d < hd; ++d) acc[d] += pj * V[j * hd + d];
+        }
+        for (int64_t d = 0; d < hd; ++d) {
+          double o = acc[d] / l;
+          if (emulate) o = round_to(dt, static_cast<float>(o));
+          (*out)[((b * c.seqlen_q + i) * c.heads_q + h) * hd + d] = o;
+        }
+        (*lse)[(b * c.heads_q + h) * c.seqlen_q + i] = m + std::log(l);
+      }
+    }
+  }
+}
+
+/** TESTING.md's rule: max|x - ref| <= 2 max|same - ref| + atol (atol: one rounding at the
+ *  reference's magnitude; 1e-4 for the fp32 lse); fp32 data: relative norm <= 1e-5 (or within 2x
+ *  the fp32 emulation's error). NaN never passes; infinities must match exactly. */
+inline std::string kv_compare(const char* what, const std::vector<float>& x, const std::vector<double>& ref,
+                              const std::vector<double>& same, int32_t dtype, bool is_lse) {
+  constexpr double kFactor = 2.0, kLseAtol = 1e-4, kFp32Rel = 1e-5, kProbe = 0.3;
+  double max_err = 0, same_err = 0, atol = 0, diff2 = 0, ref2 = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) return std::string(what) + "[" + std::to_string(i) + "] is NaN (unwritten or computed NaN)";
+    if (std::isinf(ref[i]) || std::isinf(x[i])) {
+      if (double(x[i]) != ref[i])
+        return std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(x[i]) + ", ref " + std::to_string(ref[i]);
+      continue;
+    }
+    const double e = std::fabs(x[i] - ref[i]);
+    max_err = std::max(max_err, e);
+    diff2 += e * e;
+    ref2 += ref[i] * ref[i];
+    same_err = std::max(same_err, std::fabs(same[i] - ref[i]));
+    if (!is_lse && dtype != FC_DTYPE_F32) {
+      const DType dt = static_cast<DType>(dtype);
+      const float rr = round_to(dt, static_cast<float>(ref[i]));
+      const float back = round_to(dt, round_to(dt, rr + float(kProbe)) - float(kProbe));
+      atol = std::max(atol, 2.0 * std::fabs(double(back) - ref[i]));
+    }
+  }
+  std::ostringstream msg;
+  if (dtype == FC_DTYPE_F32) {
+    const double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+    if (rel > kFp32Rel && max_err > kFactor * same_err && max_err > kFp32Rel)
+      msg << what << ": relative error " << rel << " > " << kFp32Rel;
+  } else {
+    if (is_lse) atol = kLseAtol;
+    const double bound = kFactor * same_err + atol;
+    if (max_err > bound) msg << what << ": max error " << max_err << " > bound " << bound << " (same " << same_err << ")";
+  }
+  return msg.str();
+}
+
+/** Everything a successful call must satisfy for sequences [0, batch_limit) (default: all); ""
+ *  when it does. Call after pr.fetch(). Later sequences are neither compared nor expected to have
+ *  appended anything (the device-side bad-index test makes them invalid on purpose). */
+inline std::string check_kvcache_result(const KvProblem& pr, int64_t batch_limit = -1) {
+  const KvCase& c = pr.c;
+  if (batch_limit < 0) batch_limit = c.batch;
+  std::vector<double> ref_o, ref_l, same_o, same_l;
+  kv_oracle(pr, false, &ref_o, &ref_l, batch_limit);
+  kv_oracle(pr, true, &same_o, &same_l, batch_limit);
+  // Sequence-major layouts: the first batch_limit sequences are a prefix of out and lse.
+  const int64_t o_n = batch_limit * c.seqlen_q * c.heads_q * c.head_dim, l_n = batch_limit * c.heads_q * c.seqlen_q;
+  ref_o.resize(o_n);
+  same_o.resize(o_n);
+  ref_l.resize(l_n);
+  same_l.resize(l_n);
+  std::vector<float> o(o_n), l(l_n);
+  for (int64_t i = 0; i < o_n; ++i) o[i] = pr.out.get(i);
+  for (int64_t i = 0; i < l_n; ++i) l[i] = pr.lse.get(i);
+  std::string e = kv_compare("out", o, ref_o, same_o, c.dtype, false);
+  if (e.empty() && c.want_lse) e = kv_compare("lse", l, ref_l, same_l, c.dtype, true);
+  if (!e.empty()) return e;
+  // The caches: appended positions hold k_new/v_new bit for bit; everything else is unchanged.
+  std::vector<uint8_t> expect_k = pr.k_cache_before, expect_v = pr.v_cache_before;
+  const size_t es = pr.k_cache.elem();
+  for (int64_t b = 0; b < batch_limit; ++b)
+    for (int64_t t = 0; t < c.seqlen_new; ++t)
+      for (int64_t h = 0; h < c.heads_kv; ++h) {
+        const int64_t dst = pr.cache_elem(b, c.cache_lens[b] + t, h);
+        const int64_t src = ((b * c.seqlen_new + t) * c.heads_kv + h) * c.head_dim;
+        std::memcpy(&expect_k[dst * es], &pr.k_new.host[src * es], c.head_dim * es);
+        std::memcpy(&expect_v[dst * es], &pr.v_new.host[src * es], c.head_dim * es);
+      }
+  if (expect_k != pr.k_cache.host) return "k_cache: contents differ from the expected append";
+  if (expect_v != pr.v_cache.host) return "v_cache: contents differ from the expected append";
+  return "";
+}
+
+/** Runs one case end to end; "" on success, else what failed. */
+inline std::string run_kvcache_case(const KvCase& c, Memory& mem, uint64_t seed) {
+  KvProblem pr(c, mem, seed);
+  if (pr.run(mem) != FC_OK) return std::string("call failed: ") + fc_last_error();
+  pr.fetch();
+  return check_kvcache_result(pr);
+}
+
+/** The shared grid: layouts x masks x GQA/MQA x append, for the given dtypes and head dims. */
+inline std::vector<KvCase> kvcache_grid(const std::vector<int32_t>& dtypes, const std::vector<int64_t>& head_dims) {
+  std::vector<KvCase> cases;
+  const int64_t pages[] = {0, 1, 16, 64, 256};
+  for (int32_t dt : dtypes)
+    for (int64_t hd : head_dims)
+      for (int64_t page : pages) {
+        KvCase c;
+        c.dtype = dt;
+        c.head_dim = hd;
+        c.page_size = page;
+        c.batch = 3;
+        c.cache_lens = {0, 37, 300};
+        c.heads_q = 8;
+        c.heads_kv = 2;
+        cases.push_back(c);  // decode, GQA
+        KvCase a = c;
+        a.seqlen_new = 3;
+        a.seqlen_q = 3;
+        a.causal = true;
+        a.heads_kv = 1;  // MQA, append, causal with seqlen_q > 1
+        cases.push_back(a);
+        KvCase w = c;
+        w.seqlen_q = 2;
+        w.seqlen_new = 1;
+        w.window_left = 50;
+        w.window_right = 0;
+        w.softcap = 30;
+        w.heads_kv = 8;  // MHA, window + softcap
+        cases.push_back(w);
+        if (page == 0) {
+          KvCase bi = a;
+          bi.batch_idx = true;
+          cases.push_back(bi);
+        }
+      }
+  return cases;
+}
+
+}  // namespace flashcore::testing

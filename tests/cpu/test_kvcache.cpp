@@ -1,0 +1,276 @@
+// CPU tests of the inference path (fc_attention_kvcache, fc_merge_partials) against the fp64
+// oracle of tests/common/kvcache_check.hpp: contiguous and paged caches (page sizes 1/16/64/256),
+// cache_batch_idx, in-place append, causal with seqlen_q > 1, windows, softcap, GQA/MQA, split-KV
+// (1..8 splits agree), merge of partials incl. all -inf parts, and every bad input (the message
+// names the argument; outputs and caches stay untouched).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/kvcache_check.hpp"
+
+namespace flashcore::testing {
+namespace {
+
+std::vector<int32_t> all_dtypes() { return {FC_DTYPE_F32, FC_DTYPE_F16, FC_DTYPE_BF16}; }
+
+void expect_cases(const std::vector<KvCase>& cases, uint64_t seed) {
+  auto mem = host_memory();
+  for (const KvCase& c : cases) {
+    const std::string err = run_kvcache_case(c, *mem, seed++);
+    EXPECT_TRUE(err.empty()) << c.name() << ": " << err;
+  }
+}
+
+TEST(KvCacheCpu, Grid) { expect_cases(kvcache_grid(all_dtypes(), {64, 59}), 1); }
+
+TEST(KvCacheCpu, SplitsAgree) {
+  std::vector<KvCase> cases;
+  for (int32_t splits = 0; splits <= 8; ++splits) {
+    KvCase c;
+    c.batch = 2;
+    c.cache_lens = {700, 5};
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.seqlen_q = 2;
+    c.seqlen_new = 2;
+    c.causal = true;
+    c.page_size = splits % 2 ? 16 : 0;
+    c.num_splits = splits;
+    cases.push_back(c);
+  }
+  expect_cases(cases, 100);
+}
+
+TEST(KvCacheCpu, FullyMaskedRows) {
+  KvCase c;  // seqlen_q > keys with causal: the first rows see nothing (bottom-right aligned)
+  c.batch = 2;
+  c.seqlen_q = 4;
+  c.cache_lens = {1, 0};
+  c.causal = true;
+  c.num_splits = 3;
+  KvCase w = c;  // a window that excludes every key of the longer sequence's first rows
+  w.causal = false;
+  w.cache_lens = {9, 2};
+  w.window_left = 0;
+  w.window_right = -1;
+  w.seqlen_q = 3;
+  w.seqlen_new = 1;
+  expect_cases({c, w}, 200);
+}
+
+TEST(KvCacheCpu, LongSequenceHeadDim128) {
+  KvCase c;
+  c.batch = 1;
+  c.cache_lens = {4000};
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.page_size = 64;
+  c.num_splits = 8;
+  c.seqlen_new = 1;
+  expect_cases({c}, 300);
+}
+
+// ---- bad inputs -------------------------------------------------------------------------------
+
+KvCase small_case(int64_t page_size) {
+  KvCase c;
+  c.batch = 2;
+  c.cache_lens = {3, 10};
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.head_dim = 16;
+  c.page_size = page_size;
+  c.seqlen_new = 2;
+  c.seqlen_q = 2;
+  return c;
+}
+
+/** Builds a valid problem, breaks it, and expects a named error with nothing written. */
+void expect_rejected(const KvCase& c, const std::function<void(KvProblem&)>& breakit, const std::string& prefix,
+                     bool value_error = false) {
+  auto mem = host_memory();
+  KvProblem pr(c, *mem, 7);
+  int32_t flag = 0;
+  pr.args.error_flag = &flag;
+  breakit(pr);
+  pr.upload_indices();
+  const fc_status st = fc_attention_kvcache(&pr.args, &pr.opt, nullptr, 0);
+  pr.fetch();
+  EXPECT_EQ(st, FC_ERROR_INVALID_ARGUMENT) << prefix;
+  const std::string msg = fc_last_error();
+  EXPECT_EQ(msg.rfind(prefix, 0), 0u) << "expected the message to start with '" << prefix << "', got: " << msg;
+  for (int64_t i = 0; i < pr.out.numel(); ++i) ASSERT_TRUE(std::isnan(pr.out.get(i))) << prefix << ": out written";
+  for (int64_t i = 0; i < pr.lse.numel(); ++i) ASSERT_TRUE(std::isnan(pr.lse.get(i))) << prefix << ": lse written";
+  EXPECT_TRUE(pr.k_cache.host == pr.k_cache_before) << prefix << ": k_cache written";
+  EXPECT_TRUE(pr.v_cache.host == pr.v_cache_before) << prefix << ": v_cache written";
+  EXPECT_EQ(flag, value_error ? 1 : 0) << prefix;
+}
+
+TEST(KvCacheCpuBadInput, Tensors) {
+  const KvCase c = small_case(0);
+  expect_rejected(c, [](KvProblem& p) { p.args.q = nullptr; }, "q:");
+  expect_rejected(c, [](KvProblem& p) { p.tq.dtype = FC_DTYPE_I32; }, "q:");
+  expect_rejected(c, [](KvProblem& p) { p.tq.strides[3] = 2; }, "q:");
+  expect_rejected(c, [](KvProblem& p) { p.tq.shape[3] = 0; }, "q:");
+  expect_rejected(c, [](KvProblem& p) { p.tkc.dtype = FC_DTYPE_F16; }, "k_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.tkc.shape[3] = 8; }, "k_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.tkc.shape[2] = 3; p.tvc.shape[2] = 3; }, "k_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.tkc.data = nullptr; }, "k_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.tvc.shape[1] -= 1; }, "v_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.tkc.shape[0] = 1; p.tvc.shape[0] = 1; }, "k_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.args.cache_seqlens = nullptr; }, "cache_seqlens:");
+  expect_rejected(c, [](KvProblem& p) { p.tlens.dtype = FC_DTYPE_F32; }, "cache_seqlens:");
+  expect_rejected(c, [](KvProblem& p) { p.tlens.shape[0] = 3; }, "cache_seqlens:");
+  expect_rejected(c, [](KvProblem& p) { p.args.v_new = nullptr; }, "v_new:");
+  expect_rejected(c, [](KvProblem& p) { p.args.k_new = nullptr; }, "k_new:");
+  expect_rejected(c, [](KvProblem& p) { p.tkn.shape[2] = 1; }, "k_new:");
+  expect_rejected(c, [](KvProblem& p) { p.tvn.dtype = FC_DTYPE_F16; }, "v_new:");
+  expect_rejected(c, [](KvProblem& p) { p.tkn.data = p.tkc.data; }, "k_cache:");
+  expect_rejected(c, [](KvProblem& p) { p.tout.shape[1] = 1; }, "out:");
+  expect_rejected(c, [](KvProblem& p) { p.tout.dtype = FC_DTYPE_F16; }, "out:");
+  expect_rejected(c, [](KvProblem& p) { p.tout.data = p.tq.data; }, "out:");
+  expect_rejected(c, [](KvProblem& p) { p.tout.strides[2] = 0; }, "out:");
+  expect_rejected(c, [](KvProblem& p) { p.tlse.shape[2] = 1; }, "lse:");
+  expect_rejected(c, [](KvProblem& p) { p.tlse.dtype = FC_DTYPE_BF16; }, "lse:");
+  expect_rejected(c, [](KvProblem& p) { p.args.num_splits = -1; }, "num_splits:");
+  expect_rejected(c, [](KvProblem& p) { p.args.num_splits = 100000; }, "num_splits:");
+}
+
+TEST(KvCacheCpuBadInput, Options) {
+  const KvCase c = small_case(4);
+  expect_rejected(c, [](KvProblem& p) { p.opt.has_window = 1; p.opt.window_left = -2; }, "window_left:");
+  expect_rejected(c, [](KvProblem& p) { p.opt.has_window = 1; p.opt.window_right = -3; }, "window_right:");
+  expect_rejected(c, [](KvProblem& p) { p.opt.softcap = -1; }, "softcap:");
+  expect_rejected(c, [](KvProblem& p) { p.opt.softmax_scale = std::nan(""); }, "softmax_scale:");
+  expect_rejected(c, [](KvProblem& p) { p.opt.cu_seqlens_q = p.args.cache_seqlens; }, "cu_seqlens_q:");
+  expect_rejected(c, [](KvProblem& p) { p.opt.backend = 99; }, "backend:");
+  expect_rejected(c, [](KvProblem& p) { p.opt.backend = FC_BACKEND_CUDA_SM80; }, "q:");
+  auto mem = host_memory();
+  EXPECT_EQ(fc_attention_kvcache(nullptr, nullptr, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(fc_last_error()).rfind("args:", 0), 0u);
+}
+
+TEST(KvCacheCpuBadInput, IndexValues) {
+  const KvCase contiguous = small_case(0);
+  const KvCase paged = small_case(4);
+  KvCase bidx = small_case(0);
+  bidx.batch_idx = true;
+  for (const KvCase* c : {&contiguous, &paged}) {
+    expect_rejected(*c, [](KvProblem& p) { p.seqlens.ints()[1] = -1; }, "cache_seqlens:", true);
+    // Capacity is longest + slack: the cached length alone fits, cached + appended does not.
+    expect_rejected(*c, [](KvProblem& p) { p.seqlens.ints()[0] = static_cast<int32_t>(p.capacity - 1); },
+                    "cache_seqlens:", true);
+    expect_rejected(*c, [](KvProblem& p) { p.seqlens.ints()[0] = static_cast<int32_t>(p.capacity + 100); },
+                    "cache_seqlens:", true);
+  }
+  expect_rejected(paged, [](KvProblem& p) { p.block_table.ints()[1] = static_cast<int32_t>(p.cache_rows); },
+                  "block_table:", true);
+  expect_rejected(paged, [](KvProblem& p) { p.block_table.ints()[p.pages_per_seq] = -1; }, "block_table:", true);
+  expect_rejected(paged, [](KvProblem& p) { p.tbt.shape[0] = 1; }, "block_table:");
+  expect_rejected(paged, [](KvProblem& p) { p.tbt.dtype = FC_DTYPE_F32; }, "block_table:");
+  expect_rejected(paged, [](KvProblem& p) { p.args.cache_batch_idx = p.args.cache_seqlens; }, "cache_batch_idx:");
+  expect_rejected(paged, [](KvProblem& p) { p.tkc.shape[1] = 0; p.tvc.shape[1] = 0; }, "k_cache:");
+  expect_rejected(bidx, [](KvProblem& p) { p.batch_idx.ints()[0] = static_cast<int32_t>(p.cache_rows); },
+                  "cache_batch_idx:", true);
+  expect_rejected(bidx, [](KvProblem& p) { p.batch_idx.ints()[1] = -1; }, "cache_batch_idx:", true);
+}
+
+TEST(KvCacheCpu, UnusedBlockTableEntriesAreIgnored) {
+  // Entries past a sequence's last page may hold anything (as in flash_attn_with_kvcache).
+  auto mem = host_memory();
+  KvCase c = small_case(4);
+  c.slack = 40;
+  KvProblem pr(c, *mem, 11);
+  pr.block_table.ints()[pr.pages_per_seq - 1] = -12345;
+  pr.upload_indices();
+  ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
+  pr.fetch();
+  EXPECT_EQ(check_kvcache_result(pr), "");
+}
+
+// ---- fc_merge_partials ------------------------------------------------------------------------
+
+TEST(MergePartialsCpu, MatchesFp64AndHandlesEmptyParts) {
+  constexpr int64_t kParts = 4, kBatch = 2, kSq = 3, kHeads = 2, kHd = 24;
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> op(kParts * kBatch * kSq * kHeads * kHd), lp(kParts * kBatch * kHeads * kSq);
+  for (auto& x : op) x = normal(rng);
+  for (auto& x : lp) x = 3.f * normal(rng);
+  // Row (b=0, h=1, i=2): all parts empty; row (b=1, h=0, i=0): parts 0 and 2 empty.
+  auto lidx = [&](int64_t s, int64_t b, int64_t h, int64_t i) { return ((s * kBatch + b) * kHeads + h) * kSq + i; };
+  for (int64_t s = 0; s < kParts; ++s) lp[lidx(s, 0, 1, 2)] = kNegInf;
+  lp[lidx(0, 1, 0, 0)] = lp[lidx(2, 1, 0, 0)] = kNegInf;
+  for (int32_t dt : all_dtypes()) {
+    std::vector<uint8_t> out(kBatch * kSq * kHeads * kHd * 4);
+    std::vector<float> lse(kBatch * kHeads * kSq, std::nanf(""));
+    auto t = [](void* d, int32_t dtype, std::vector<int64_t> shape) {
+      fc_tensor x{};
+      x.data = d;
+      x.dtype = dtype;
+      x.ndim = static_cast<int32_t>(shape.size());
+      int64_t stride = 1;
+      for (int i = x.ndim - 1; i >= 0; --i) {
+        x.shape[i] = shape[i];
+        x.strides[i] = stride;
+        stride *= shape[i];
+      }
+      return x;
+    };
+    fc_tensor top = t(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
+    fc_tensor tlp = t(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
+    fc_tensor tout = t(out.data(), dt, {kBatch, kSq, kHeads, kHd});
+    fc_tensor tlse = t(lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
+    ASSERT_EQ(fc_merge_partials(&top, &tlp, &tout, &tlse, nullptr), FC_OK) << fc_last_error();
+    for (int64_t b = 0; b < kBatch; ++b)
+      for (int64_t h = 0; h < kHeads; ++h)
+        for (int64_t i = 0; i < kSq; ++i) {
+          double m = -INFINITY;
+          for (int64_t s = 0; s < kParts; ++s) m = std::max(m, double(lp[lidx(s, b, h, i)]));
+          double total = 0;
+          for (int64_t s = 0; s < kParts; ++s) total += std::exp(lp[lidx(s, b, h, i)] - m);
+          const double ref_lse = std::isinf(m) ? m : m + std::log(total);
+          EXPECT_TRUE(std::isinf(ref_lse) ? lse[(b * kHeads + h) * kSq + i] == ref_lse
+                                          : std::fabs(lse[(b * kHeads + h) * kSq + i] - ref_lse) < 1e-5);
+          for (int64_t d = 0; d < kHd; ++d) {
+            double ref = 0;
+            if (!std::isinf(ref_lse))
+              for (int64_t s = 0; s < kParts; ++s) {
+                const double l = lp[lidx(s, b, h, i)];
+                if (!std::isinf(l)) ref += std::exp(l - ref_lse) * op[(((s * kBatch + b) * kSq + i) * kHeads + h) * kHd + d];
+              }
+            const int64_t o = ((b * kSq + i) * kHeads + h) * kHd + d;
+            const double got = load_as_float(out.data(), o, static_cast<DType>(dt));
+            const double tol = dt == FC_DTYPE_F32 ? 1e-5 : (dt == FC_DTYPE_F16 ? 2e-3 : 1.6e-2) * (1 + std::fabs(ref));
+            EXPECT_NEAR(got, ref, tol) << "dtype " << dt << " b" << b << " h" << h << " i" << i << " d" << d;
+          }
+        }
+    // Bad input: wrong partial shape names the argument; nothing written.
+    std::vector<float> lse_before = lse;
+    fc_tensor bad = top;
+    bad.shape[1] = kBatch;
+    EXPECT_EQ(fc_merge_partials(&bad, &tlp, &tout, &tlse, nullptr), FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(fc_last_error()).rfind("out_partials:", 0), 0u) << fc_last_error();
+    fc_tensor badl = tlp;
+    badl.dtype = FC_DTYPE_BF16;
+    EXPECT_EQ(fc_merge_partials(&top, &badl, &tout, &tlse, nullptr), FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(fc_last_error()).rfind("lse_partials:", 0), 0u) << fc_last_error();
+    fc_tensor badlse = tlse;
+    badlse.shape[0] = 1;
+    EXPECT_EQ(fc_merge_partials(&top, &tlp, &tout, &badlse, nullptr), FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(fc_last_error()).rfind("lse:", 0), 0u) << fc_last_error();
+    for (size_t i = 0; i < lse.size(); ++i)
+      EXPECT_TRUE(std::isinf(lse_before[i]) ? lse[i] == lse_before[i] : lse[i] == lse_before[i]);
+  }
+}
+
+}  // namespace
+}  // namespace flashcore::testing

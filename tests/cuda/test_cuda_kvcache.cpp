@@ -1,0 +1,209 @@
+// CUDA tests of the inference path against the fp64 oracle of tests/common/kvcache_check.hpp:
+// the CPU suite's grid (contiguous / paged 1-16-64-256, cache_batch_idx, append, causal, window,
+// softcap, GQA/MQA) on device memory with 1, 5 and heuristic splits, head dims 64/128/256 and a
+// padded one, fc_merge_partials on the GPU, the device-side checks of cache indices (error_flag,
+// NaN rows, no out-of-bounds access - run under compute-sanitizer memcheck), and CUDA-graph capture.
+// Every test skips when no GPU is present.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/kvcache_check.hpp"
+#include "cuda/cuda_memory.hpp"
+
+namespace flashcore::testing {
+namespace {
+
+bool have_gpu() { return fc_cuda_device_count() > 0 && fc_backend_available(FC_BACKEND_CUDA_SM80, 0); }
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU with sm_80+ present: CUDA tests skipped"
+
+void expect_cases(std::vector<KvCase> cases, const std::vector<int32_t>& splits, uint64_t seed) {
+  CudaMemory mem;
+  for (KvCase c : cases)
+    for (int32_t s : splits) {
+      c.num_splits = s;
+      const std::string err = run_kvcache_case(c, mem, seed++);
+      EXPECT_TRUE(err.empty()) << c.name() << ": " << err;
+    }
+}
+
+TEST(CudaKvCache, Grid) {
+  REQUIRE_GPU();
+  expect_cases(kvcache_grid({FC_DTYPE_F16, FC_DTYPE_BF16}, {64, 128}), {1, 5, 0}, 1);
+}
+
+TEST(CudaKvCache, HeadDims) {
+  REQUIRE_GPU();
+  std::vector<KvCase> cases;
+  for (int64_t hd : {40, 96, 256}) {
+    KvCase c;
+    c.head_dim = hd;
+    c.batch = 2;
+    c.cache_lens = {513, 90};
+    c.heads_q = 6;
+    c.heads_kv = 2;
+    c.page_size = 16;
+    c.seqlen_new = 1;
+    cases.push_back(c);
+  }
+  expect_cases(cases, {1, 3, 0}, 100);
+}
+
+TEST(CudaKvCache, TargetShapesSmall) {
+  REQUIRE_GPU();
+  // The decode target's shape (GQA 32/8, d=128, bf16) at short lengths, contiguous and paged.
+  std::vector<KvCase> cases;
+  for (int64_t page : {0, 16, 256}) {
+    KvCase c;
+    c.dtype = FC_DTYPE_BF16;
+    c.head_dim = 128;
+    c.heads_q = 32;
+    c.heads_kv = 8;
+    c.batch = 4;
+    c.cache_lens = {4095, 1000, 1, 2048};
+    c.page_size = page;
+    c.seqlen_new = 1;
+    cases.push_back(c);
+  }
+  expect_cases(cases, {0, 1, 16}, 200);
+}
+
+TEST(CudaKvCache, DeviceSideIndexChecks) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  KvCase c;
+  c.batch = 3;
+  c.cache_lens = {40, 33, 20};
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.page_size = 16;
+  c.seqlen_new = 1;
+  c.num_splits = 3;
+  for (int32_t splits : {1, 3}) {
+    c.num_splits = splits;
+    KvProblem pr(c, mem, 9);
+    // Sequence 1: the page its new token goes to is out of range. Sequence 2: length beyond capacity.
+    pr.block_table.ints()[1 * pr.pages_per_seq + c.cache_lens[1] / c.page_size] = static_cast<int32_t>(pr.cache_rows + 7);
+    pr.seqlens.ints()[2] = static_cast<int32_t>(pr.capacity + 1000);
+    pr.upload_indices();
+    int32_t* flag = static_cast<int32_t*>(mem.alloc(sizeof(int32_t)));
+    const int32_t zero = 0;
+    mem.upload(flag, &zero, sizeof(zero));
+    pr.args.error_flag = flag;
+    ASSERT_EQ(pr.run(mem), FC_OK) << fc_last_error();
+    int32_t flag_value = 0;
+    mem.download(&flag_value, flag, sizeof(flag_value));
+    mem.release(flag);
+    EXPECT_EQ(flag_value, 1);
+    pr.fetch();
+    EXPECT_EQ(check_kvcache_result(pr, 1), "") << "sequence 0 must be unaffected";
+    const int64_t per_seq = c.seqlen_q * c.heads_q * c.head_dim;
+    for (int64_t i = per_seq; i < 3 * per_seq; ++i) ASSERT_TRUE(std::isnan(pr.out.get(i))) << "out[" << i << "]";
+    for (int64_t i = c.heads_q * c.seqlen_q; i < pr.lse.numel(); ++i) ASSERT_TRUE(std::isnan(pr.lse.get(i)));
+  }
+}
+
+TEST(CudaKvCache, RejectsHostIndicesAndMixedDevices) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  KvCase c;
+  c.cache_lens = {10};
+  KvProblem pr(c, mem, 3);
+  std::vector<int32_t> host_lens = {10};
+  fc_tensor host = pr.tlens;
+  host.data = host_lens.data();
+  host.device_type = FC_DEVICE_CPU;
+  pr.args.cache_seqlens = &host;
+  EXPECT_EQ(fc_attention_kvcache(&pr.args, &pr.opt, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(fc_last_error()).rfind("cache_seqlens:", 0), 0u) << fc_last_error();
+}
+
+TEST(CudaKvCache, GraphCapture) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  KvCase c;
+  c.batch = 2;
+  c.cache_lens = {3000, 100};
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.page_size = 64;
+  c.num_splits = 0;
+  KvProblem pr(c, mem, 21);
+  size_t ws = 0;
+  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &ws), FC_OK) << fc_last_error();
+  void* w = ws ? mem.alloc(ws) : nullptr;
+  cudaStream_t stream = static_cast<cudaStream_t>(mem.stream());
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const fc_status st = fc_attention_kvcache(&pr.args, &pr.opt, w, ws);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(st, FC_OK) << fc_last_error();
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  pr.fetch();
+  EXPECT_EQ(check_kvcache_result(pr), "");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  if (w) mem.release(w);
+}
+
+TEST(CudaMergePartials, MatchesCpu) {
+  REQUIRE_GPU();
+  constexpr int64_t kParts = 5, kBatch = 2, kSq = 2, kHeads = 3, kHd = 40;
+  std::vector<float> op(kParts * kBatch * kSq * kHeads * kHd), lp(kParts * kBatch * kHeads * kSq);
+  for (size_t i = 0; i < op.size(); ++i) op[i] = std::sin(0.37 * i);
+  for (size_t i = 0; i < lp.size(); ++i) lp[i] = 4 * std::cos(1.3 * i);
+  for (int64_t s = 0; s < kParts; ++s) lp[(s * kBatch + 1) * kHeads * kSq] = -INFINITY;  // one empty row
+  CudaMemory mem;
+  auto tensor = [](void* d, int32_t dt, int32_t dev, std::vector<int64_t> shape) {
+    fc_tensor t{};
+    t.data = d;
+    t.dtype = dt;
+    t.device_type = dev;
+    t.ndim = static_cast<int32_t>(shape.size());
+    int64_t stride = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      t.shape[i] = shape[i];
+      t.strides[i] = stride;
+      stride *= shape[i];
+    }
+    return t;
+  };
+  std::vector<float> cpu_out(kBatch * kSq * kHeads * kHd), cpu_lse(kBatch * kHeads * kSq);
+  fc_tensor hop = tensor(op.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kParts, kBatch * kSq, kHeads, kHd});
+  fc_tensor hlp = tensor(lp.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kParts, kBatch, kHeads, kSq});
+  fc_tensor hout = tensor(cpu_out.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kBatch, kSq, kHeads, kHd});
+  fc_tensor hlse = tensor(cpu_lse.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kBatch, kHeads, kSq});
+  ASSERT_EQ(fc_merge_partials(&hop, &hlp, &hout, &hlse, nullptr), FC_OK) << fc_last_error();
+  void* dop = mem.alloc(op.size() * 4);
+  void* dlp = mem.alloc(lp.size() * 4);
+  void* dout = mem.alloc(cpu_out.size() * 4);
+  void* dlse = mem.alloc(cpu_lse.size() * 4);
+  mem.upload(dop, op.data(), op.size() * 4);
+  mem.upload(dlp, lp.data(), lp.size() * 4);
+  fc_tensor gop = tensor(dop, FC_DTYPE_F32, FC_DEVICE_CUDA, {kParts, kBatch * kSq, kHeads, kHd});
+  fc_tensor glp = tensor(dlp, FC_DTYPE_F32, FC_DEVICE_CUDA, {kParts, kBatch, kHeads, kSq});
+  fc_tensor gout = tensor(dout, FC_DTYPE_F32, FC_DEVICE_CUDA, {kBatch, kSq, kHeads, kHd});
+  fc_tensor glse = tensor(dlse, FC_DTYPE_F32, FC_DEVICE_CUDA, {kBatch, kHeads, kSq});
+  fc_attention_options opt{};
+  opt.stream = mem.stream();
+  ASSERT_EQ(fc_merge_partials(&gop, &glp, &gout, &glse, &opt), FC_OK) << fc_last_error();
+  std::vector<float> gpu_out(cpu_out.size()), gpu_lse(cpu_lse.size());
+  mem.download(gpu_out.data(), dout, gpu_out.size() * 4);
+  mem.download(gpu_lse.data(), dlse, gpu_lse.size() * 4);
+  for (size_t i = 0; i < cpu_out.size(); ++i) EXPECT_NEAR(gpu_out[i], cpu_out[i], 1e-5) << i;
+  for (size_t i = 0; i < cpu_lse.size(); ++i)
+    EXPECT_TRUE(std::isinf(cpu_lse[i]) ? gpu_lse[i] == cpu_lse[i] : std::fabs(gpu_lse[i] - cpu_lse[i]) < 1e-5) << i;
+  for (void* p : {dop, dlp, dout, dlse}) mem.release(p);
+}
+
+}  // namespace
+}  // namespace flashcore::testing
