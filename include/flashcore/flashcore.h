@@ -191,9 +191,10 @@ FC_API fc_status fc_attention_kvcache_workspace(const fc_kvcache_args* args,
 FC_API fc_status fc_attention_kvcache(const fc_kvcache_args* args, const fc_attention_options* options,
                                       void* workspace, size_t workspace_bytes);
 
-/** Merges attention computed over disjoint key sets: out_partials fp32 (num_parts, batch, seqlen_q,
- *  heads, head_dim), lse_partials fp32 (num_parts, batch, heads, seqlen_q) -> out (dtype of out) and
- *  optional lse. Parts with lse = -inf contribute nothing; all parts -inf gives out 0, lse -inf.
+/** Merges attention computed over disjoint key sets: out_partials fp32 (num_parts, batch * seqlen_q,
+ *  heads, head_dim) (the contiguous 5-D (num_parts, batch, seqlen_q, heads, head_dim) array viewed
+ *  as 4-D, since FC_MAX_DIMS is 4), lse_partials fp32 (num_parts, batch, heads, seqlen_q) -> out
+ *  (dtype of out) and optional lse. Parts with lse = -inf contribute nothing; all parts -inf gives out 0, lse -inf.
  *  Used for split-KV, cascades and ring attention. */
 FC_API fc_status fc_merge_partials(const fc_tensor* out_partials, const fc_tensor* lse_partials,
                                    fc_tensor* out, fc_tensor* lse, const fc_attention_options* options);

@@ -249,9 +249,8 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
 
 Status validate_merge(const fc_tensor* op, const fc_tensor* lp, const fc_tensor* out, const fc_tensor* lse,
                       const fc_attention_options* opt_in, MergeParams* p) {
-  // The header documents out_partials as (num_parts, batch, seqlen_q, heads, head_dim), but an
-  // fc_tensor holds at most FC_MAX_DIMS = 4 dimensions: it is passed with batch and seqlen_q merged,
-  // (num_parts, batch * seqlen_q, heads, head_dim), rows ordered (b, i) - a plain view of the 5-d array.
+  // An fc_tensor holds at most FC_MAX_DIMS = 4 dimensions, so out_partials comes with batch and
+  // seqlen_q merged: (num_parts, batch * seqlen_q, heads, head_dim), rows ordered (b, i).
   Extent eop, elp, eo, el;
   Status s;
   if (!(s = check_tensor_basics(out, "out", 4, &eo)).is_ok()) return s;
