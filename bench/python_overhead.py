@@ -7,6 +7,8 @@ the time to issue them (perf_counter, no synchronization inside the loop), "tota
 waiting for the device at the end. Layers measured, from the outside in:
   fa_api        flashcore.flash_attn_func (custom op, allocates out/lse)
   fa_api+bwd    the same with autograd backward
+  custom_op     torch.ops.flashcore.fwd directly (the path torch.compile sees; eager calls of
+                flash_attn_func on plain tensors bypass the op dispatcher)
   dlpack_api    flashcore.attention_forward with preallocated out (no custom op)
   ext_dlpack    flashcore._C.forward on torch tensors (DLPack import), everything preallocated
   ext_raw       flashcore._C.forward on raw descriptors (what flashcore._torch passes)
@@ -68,6 +70,8 @@ def build_calls(device, shape, dtype):
            (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout))}
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     raw_grads = [_describe(t, "grad") for t in (dq, dk, dv)]
+    # Raw descriptors do not own memory: the tensors they describe must outlive every call.
+    keep_alive = (q, k, v, out, lse, dout, dq, dk, dv)
     bwd_bytes = _C.backward_workspace(raw["q"], raw["k"], raw["v"], None, None, options)
     bwd_buffer = torch.empty(max(bwd_bytes, 1), dtype=torch.uint8, device=device)
     fc_device = _C.DEVICE_CUDA if device == "cuda" else _C.DEVICE_CPU
@@ -82,9 +86,11 @@ def build_calls(device, shape, dtype):
         out_t = F.scaled_dot_product_attention(qg_t, kg_t, vg_t)
         torch.autograd.grad(out_t, (qg, kg, vg), dout.transpose(1, 2))
 
-    return {
+    calls = {
         "fa_api": lambda: flashcore.flash_attn_func(q, k, v),
         "fa_api+bwd": fa_bwd,
+        "custom_op": lambda: torch.ops.flashcore.fwd(q, k, v, None, None, 0, 0, 0.0, False, -1, -1,
+                                                     0.0, 0, False),
         "dlpack_api": lambda: flashcore.attention_forward(q, k, v, out=out, stream=stream),
         "ext_dlpack": lambda: _C.forward(q, k, v, out, lse, None, None, workspace, options),
         "ext_raw": lambda: _C.forward(raw["q"], raw["k"], raw["v"], raw["out"], raw["lse"], None,
@@ -96,6 +102,7 @@ def build_calls(device, shape, dtype):
         "sdpa": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t),
         "sdpa+bwd": sdpa_bwd,
     }
+    return calls, keep_alive
 
 
 def main():
@@ -111,7 +118,7 @@ def main():
     dtype_name = args.dtype or ("float16" if args.device == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
 
-    calls = build_calls(args.device, shape, dtype)
+    calls, _keep_alive = build_calls(args.device, shape, dtype)
     if args.only:
         calls = {name: calls[name] for name in args.only.split(",")}
     rows = []

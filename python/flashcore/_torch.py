@@ -23,7 +23,6 @@ Tensor = torch.Tensor
 # Integer dtype the C ABI reads cu_seqlens in.
 CU_SEQLENS_DTYPE = torch.int32
 
-
 # torch dtypes the C ABI knows, as its fc_dtype codes.
 _FC_DTYPES = {
     torch.float32: _C.DTYPE_F32,
@@ -111,7 +110,46 @@ class _OnDevice:
             self.guard.__exit__(*exc)
 
 
-# ---- the custom ops --------------------------------------------------------------------------
+# ---- implementations (shared by the custom ops and the eager fast path) -----------------------
+
+
+def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                  causal, window_left, window_right, softcap, backend, deterministic):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
+    options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap, backend, deterministic)
+    with _OnDevice(q):
+        _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
+                   _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
+                   _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options)
+    return out, lse
+
+
+def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                   backend, deterministic):
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap, backend, deterministic)
+    with _OnDevice(q):
+        _C.backward(_describe(dout, "dout"), _describe(q, "q"), _describe(k, "k"),
+                    _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),
+                    _describe(dq, "dq"), _describe(dk, "dk"), _describe(dv, "dv"),
+                    _describe(cu_seqlens_q, "cu_seqlens_q"), _describe(cu_seqlens_k, "cu_seqlens_k"),
+                    _workspace_allocator(q), options)
+    return dq, dk, dv
+
+
+def _grad_output(dout, out):
+    if dout is None:  # out did not reach the loss
+        return torch.zeros_like(out)
+    return _last_dim_contiguous(dout)
+
+
+# ---- the custom ops (what torch.compile, export and dispatch modes see) -----------------------
 
 
 @torch.library.custom_op("flashcore::fwd", mutates_args=())
@@ -131,15 +169,9 @@ def _fwd(
     backend: int,
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
-    options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, backend, deterministic)
-    with _OnDevice(q):
-        _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
-                   _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
-                   _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options)
-    return out, lse
+    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, window_left, window_right, softcap, backend,
+                         deterministic)
 
 
 @_fwd.register_fake
@@ -170,18 +202,9 @@ def _bwd(
     backend: int,
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, backend, deterministic)
-    with _OnDevice(q):
-        _C.backward(_describe(dout, "dout"), _describe(q, "q"), _describe(k, "k"),
-                    _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),
-                    _describe(dq, "dq"), _describe(dk, "dk"), _describe(dv, "dv"),
-                    _describe(cu_seqlens_q, "cu_seqlens_q"), _describe(cu_seqlens_k, "cu_seqlens_k"),
-                    _workspace_allocator(q), options)
-    return dq, dk, dv
+    return _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                          backend, deterministic)
 
 
 @_bwd.register_fake
@@ -201,15 +224,52 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    if dout is None:  # out did not reach the loss
-        dout = torch.zeros_like(out)
-    dout = _last_dim_contiguous(dout)
+    dout = _grad_output(dout, out)
     dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.settings)
     no_grad_for_settings = (None,) * (len(ctx.settings) + 2)  # + the two cu_seqlens
     return (dq, dk, dv) + no_grad_for_settings
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- eager fast path ---------------------------------------------------------------------------
+# A call through torch.library's custom-op machinery costs tens of microseconds of host time in
+# eager mode (dispatcher round trip, autograd wrapper, schema checks), several times the
+# library's own launch cost. Plain eager calls on plain tensors therefore run the same
+# implementations directly, under an ordinary autograd.Function; everything that needs to see
+# an op - torch.compile/dynamo, FX tracing, export, tensor subclasses (FakeTensor, DTensor),
+# dispatch modes - goes through flashcore::fwd / flashcore::bwd.
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *settings):
+        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *settings)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.settings = settings
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(_grad_output(dout, out), q, k, v, out, lse, cu_seqlens_q,
+                                    cu_seqlens_k, *ctx.settings)
+        return (dq, dk, dv) + (None,) * (len(ctx.settings) + 2)
+
+
+_dispatch_stack_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _eager_fast_path_ok(tensors):
+    if torch.compiler.is_compiling():
+        return False
+    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
+        return False
+    if _dispatch_stack_depth is None or _dispatch_stack_depth() != 0:
+        return False  # a TorchDispatchMode (make_fx, FakeTensorMode, ...) is active
+    return not torch.overrides.has_torch_function(tuple(t for t in tensors if t is not None))
 
 
 # ---- the entry point used by flash_attn_interface -----------------------------------------------
@@ -233,12 +293,21 @@ def _cu_seqlens(t):
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_size, softcap, deterministic, backend):
     """(out, lse) for torch tensors, differentiable in q, k, v (flash_attn semantics)."""
+    for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
     window_left, window_right = resolve_window(window_size)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return _fwd(
-        q, k, v, _cu_seqlens(cu_seqlens_q), _cu_seqlens(cu_seqlens_k),
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens(cu_seqlens_q), _cu_seqlens(cu_seqlens_k)
+    args = (
+        q, k, v, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q if cu_seqlens_q is not None else 0,
         max_seqlen_k if cu_seqlens_q is not None else 0,
         resolve_scale(softmax_scale), bool(causal), window_left, window_right, float(softcap),
         backend_id(backend), bool(deterministic),
     )
+    if not _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k)):
+        return _fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(*args)
+    return _forward_impl(*args)

@@ -3,9 +3,9 @@
 // Tensors arrive as anything nanobind can import as an ndarray (objects with __dlpack__ such as
 // numpy, torch, cupy and jax arrays, or the buffer protocol), or as raw descriptor tuples (the
 // torch fast path, see RawTensorFields). Their dtype, device, shape and element strides are
-// copied into fc_tensor views and handed to the C ABI as they are: every
-// rule about shapes, strides and dtypes is checked by the library, which names the offending
-// argument in its message; this file only rejects what cannot be expressed as an fc_tensor.
+// copied into fc_tensor views and handed to the C ABI as they are: every rule about shapes,
+// strides and dtypes is checked by the library, which names the offending argument in its
+// message; this file only rejects what cannot be expressed as an fc_tensor.
 // The extension never allocates tensors: outputs come from the caller, and the workspace is
 // either passed in or requested from a caller-supplied allocator (the Python layer allocates
 // with the input's own framework, e.g. torch.empty, so CUDA graphs and caching allocators work).
@@ -291,10 +291,14 @@ struct Workspace {
       using F = RawWorkspaceFields;
       check_raw_arity(source, F::kCount, "workspace");
       nb::tuple fields = nb::borrow<nb::tuple>(source);
-      data = reinterpret_cast<void*>(nb::cast<uintptr_t>(fields[F::kData]));
-      bytes = nb::cast<size_t>(fields[F::kBytes]);
-      device_type = nb::cast<int32_t>(fields[F::kDeviceType]);
-      device_id = nb::cast<int32_t>(fields[F::kDeviceId]);
+      try {
+        data = reinterpret_cast<void*>(nb::cast<uintptr_t>(fields[F::kData]));
+        bytes = nb::cast<size_t>(fields[F::kBytes]);
+        device_type = nb::cast<int32_t>(fields[F::kDeviceType]);
+        device_id = nb::cast<int32_t>(fields[F::kDeviceId]);
+      } catch (const nb::cast_error&) {
+        throw nb::type_error("workspace: malformed raw workspace descriptor");
+      }
     } else {
       array = import_array<OutputArray>(source, "workspace", true);
       if (array.ndim() != 1 || (array.shape(0) > 1 && array.stride(0) != 1)) {

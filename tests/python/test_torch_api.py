@@ -227,6 +227,33 @@ def test_custom_op_opcheck():
     opcheck(torch.ops.flashcore.bwd.default, (torch.randn_like(out), q, k, v, out, lse) + OP_SETTINGS)
 
 
+def test_eager_fast_path_matches_custom_op():
+    # Eager calls on plain tensors skip the op dispatcher; both paths must agree bit for bit.
+    from flashcore import _torch
+
+    q, k, v = make_qkv((2, 21, 4, 32), (2, 27, 2, 32), requires_grad=True)
+    dout = torch.randn(q.shape)
+    settings = (None, None, 0, 0, 0.0, True, 3, -1, 2.0, 0, False)
+    fast = lambda *x: flash_attn.flash_attn_func(*x, causal=True, window_size=(3, -1), softcap=2.0)
+    via_op = lambda *x: _torch._fwd(*x, *settings)[0]
+    assert _torch._eager_fast_path_ok((q, k, v))
+    out_fast, grads_fast = grads_of(fast, (q, k, v), dout)
+    out_op, grads_op = grads_of(via_op, (q, k, v), dout)
+    assert torch.equal(out_fast, out_op)
+    for a, b in zip(grads_fast, grads_op):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(fast(q, k, v), out_fast)
+
+
+def test_dispatch_modes_see_the_custom_op():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = make_qkv((1, 8, 2, 16), (1, 8, 2, 16))
+    graph = make_fx(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True))(q, k, v)
+    assert "flashcore.fwd" in str(graph.graph)
+
+
 def _compile_and_compare(backend):
     q, k, v = make_qkv((2, 24, 4, 32), (2, 30, 2, 32), requires_grad=True)
     dout = torch.randn(q.shape)
