@@ -1,11 +1,13 @@
-// CUDA device queries used by dispatch: how many GPUs are visible and what they are. Both
-// tolerate a missing driver or GPU (they report 0) and clear the error they provoke, so a CPU-only
+// CUDA device queries used by dispatch and the kernels' launch heuristics: how many GPUs are
+// visible, what they are, how many SMs they have, and which head-dim buckets this build compiled.
+// The queries tolerate a missing driver or GPU and clear the error they provoke, so a CPU-only
 // machine running a CUDA build sees no sticky CUDA error afterwards.
 //
 // Relies on: the CUDA runtime only.
 #include <cuda_runtime.h>
 
 #include "api/backends.hpp"
+#include "cuda/build_config.hpp"
 
 namespace flashcore::cuda {
 
@@ -28,6 +30,29 @@ int compute_capability(int device_id) {
   }
   constexpr int kMajorWeight = 10;
   return major * kMajorWeight + minor;
+}
+
+int compiled_head_dim_bucket(int64_t head_dim) {
+#if defined(FLASHCORE_HDIM_64)
+  if (head_dim <= 64) return 64;
+#endif
+#if defined(FLASHCORE_HDIM_128)
+  if (head_dim <= 128) return 128;
+#endif
+#if defined(FLASHCORE_HDIM_256)
+  if (head_dim <= 256) return 256;
+#endif
+  (void)head_dim;
+  return 0;
+}
+
+int multiprocessor_count(int device_id, int fallback) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_id) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();
+    return fallback;
+  }
+  return sms;
 }
 
 }  // namespace flashcore::cuda

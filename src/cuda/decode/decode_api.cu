@@ -1,8 +1,8 @@
 // Host side of the CUDA inference path: the split heuristic, the workspace layout (partial O and
 // LSE of split-KV), the supported-shape rules, and the launches (append -> attention -> combine),
 // all on the caller's stream with no allocation and no synchronization, so a call can be captured
-// in a CUDA graph. The compiled kernels follow FLASHCORE_HDIM_* / FLASHCORE_DTYPE_* (all when none
-// is defined): fp16/bf16 x head-dim buckets 64/128/256, a head_dim padded up to its bucket.
+// in a CUDA graph. The compiled kernels follow FLASHCORE_HDIM_* / FLASHCORE_DTYPE_* (set by
+// cmake/cuda.cmake): fp16/bf16 x head-dim buckets 64/128/256, a head_dim padded up to its bucket.
 // Relies on: decode_kernels.cuh, api/kvcache_backends.hpp.
 #include <cuda_runtime.h>
 
@@ -11,17 +11,9 @@
 #include <string>
 
 #include "api/kvcache_backends.hpp"
+#include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
 
-#if !defined(FLASHCORE_HDIM_64) && !defined(FLASHCORE_HDIM_128) && !defined(FLASHCORE_HDIM_256)
-#define FLASHCORE_HDIM_64 1
-#define FLASHCORE_HDIM_128 1
-#define FLASHCORE_HDIM_256 1
-#endif
-#if !defined(FLASHCORE_DTYPE_FP16) && !defined(FLASHCORE_DTYPE_BF16)
-#define FLASHCORE_DTYPE_FP16 1
-#define FLASHCORE_DTYPE_BF16 1
-#endif
 
 namespace flashcore::cuda {
 namespace {
@@ -41,29 +33,6 @@ struct HeuristicTraits {
 int64_t row_chunks(const KvCacheParams& p) {
   const int64_t rows = p.group_size() * p.seqlen_q;
   return (rows + DecodeTraits::kRows - 1) / DecodeTraits::kRows;
-}
-
-int sm_count(int device) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    cudaGetLastError();
-    return HeuristicTraits::kDefaultSms;
-  }
-  return sms;
-}
-
-/** Smallest compiled head-dim bucket >= head_dim, or 0. */
-int bucket_of(int64_t head_dim) {
-#if defined(FLASHCORE_HDIM_64)
-  if (head_dim <= 64) return 64;
-#endif
-#if defined(FLASHCORE_HDIM_128)
-  if (head_dim <= 128) return 128;
-#endif
-#if defined(FLASHCORE_HDIM_256)
-  if (head_dim <= 256) return 256;
-#endif
-  return 0;
 }
 
 bool dtype_compiled(DType t) {
@@ -153,7 +122,7 @@ Status run_typed(const KvCacheParams& p, void* workspace) {
 
 template <typename T>
 Status run_dtype(const KvCacheParams& p, void* workspace) {
-  switch (bucket_of(p.head_dim)) {
+  switch (compiled_head_dim_bucket(p.head_dim)) {
 #if defined(FLASHCORE_HDIM_64)
     case 64: return run_typed<T, 64>(p, workspace);
 #endif
@@ -181,7 +150,7 @@ int kvcache_num_splits(const KvCacheParams& p) {
   const int64_t max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
   // Wave quantization: every CTA of a call does about the same work, so pick the split count whose
   // last wave is fullest (fewest splits among the near-best, to keep the combine small).
-  const double resident = double(sm_count(p.device_id)) * H::kResidentCtasPerSm;
+  const double resident = double(multiprocessor_count(p.device_id, H::kDefaultSms)) * H::kResidentCtasPerSm;
   auto efficiency = [&](int64_t s) {
     const double waves = double(ctas * s) / resident;
     return waves / std::ceil(waves);
@@ -204,7 +173,7 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
     *why = Status::unsupported("q: this dtype's CUDA KV-cache kernels are not compiled in (FLASHCORE_DTYPES)");
     return false;
   }
-  if (bucket_of(p.head_dim) == 0) {
+  if (compiled_head_dim_bucket(p.head_dim) == 0) {
     *why = Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
                                " has no compiled CUDA KV-cache kernel (FLASHCORE_HEAD_DIMS)");
     return false;

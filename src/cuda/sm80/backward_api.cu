@@ -13,6 +13,7 @@
 #include <string>
 
 #include "api/backends.hpp"
+#include "cuda/build_config.hpp"
 #include "cuda/sm80/backward_workspace.hpp"
 
 namespace flashcore::cuda {
@@ -24,21 +25,6 @@ Status backward_run(const backward_params_t& p, void* workspace, size_t workspac
 }  // namespace sm80
 
 namespace {
-
-/** Smallest compiled head-dim bucket >= head_dim, or 0 when none is compiled. */
-int backward_head_dim_bucket(int64_t head_dim) {
-#ifdef FLASHCORE_HDIM_64
-  if (head_dim <= 64) return 64;
-#endif
-#ifdef FLASHCORE_HDIM_128
-  if (head_dim <= 128) return 128;
-#endif
-#ifdef FLASHCORE_HDIM_256
-  if (head_dim <= 256) return 256;
-#endif
-  (void)head_dim;
-  return 0;
-}
 
 template <typename Element>
 Status run_for_bucket(int bucket, const BackwardParams& p, void* workspace, size_t workspace_bytes) {
@@ -63,13 +49,13 @@ Status run_for_bucket(int bucket, const BackwardParams& p, void* workspace, size
 }  // namespace
 
 size_t sm80_backward_workspace(const BackwardParams& p) {
-  const int bucket = backward_head_dim_bucket(p.head_dim);
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (bucket == 0) return 0;  // sm80_backward reports the unsupported head_dim
   return sm80::BackwardWorkspaceLayout::make(p, bucket).total_bytes;
 }
 
 Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
-  const int bucket = backward_head_dim_bucket(p.head_dim);
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (bucket == 0) {
     return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
                                " has no compiled sm80 backward head-dim bucket (FLASHCORE_HEAD_DIMS)");

@@ -1,0 +1,19 @@
+// What this build compiled for CUDA and what the device offers, asked in one place by every CUDA
+// entry point (forward, backward, decode): the head-dim buckets and dtypes chosen with
+// FLASHCORE_HEAD_DIMS / FLASHCORE_DTYPES, and the multiprocessor count for grid heuristics.
+#pragma once
+
+#include <cstdint>
+
+#include "api/params.hpp"
+
+namespace flashcore::cuda {
+
+/** Smallest compiled head-dim bucket (64, 128, 256) that holds head_dim, or 0 when none does.
+ *  Head dims below a bucket run in it with zero-filled padding columns. */
+int compiled_head_dim_bucket(int64_t head_dim);
+
+/** Multiprocessors of a device, or `fallback` when the query fails (the error is cleared). */
+int multiprocessor_count(int device_id, int fallback);
+
+}  // namespace flashcore::cuda
