@@ -3,7 +3,9 @@
 Drop-in for flash_attn:  ``import flashcore as flash_attn``; then
 ``flash_attn.flash_attn_func(q, k, v)`` on torch tensors (CUDA or CPU, with autograd,
 torch.compile and CUDA graphs) or numpy arrays (CPU backend). Framework-neutral calls for any
-DLPack array and an explicit stream: ``attention_forward`` / ``attention_backward``.
+DLPack array and an explicit stream: ``attention_forward`` / ``attention_backward``. Inference:
+``flash_attn_with_kvcache`` (decode against contiguous or paged KV caches, appending in place)
+and ``merge_partials`` (combine attention over disjoint key sets).
 
 The compiled part is the extension ``flashcore._C`` (the C ABI in include/flashcore/flashcore.h).
 torch is never imported by flashcore itself: the torch integration (flashcore._torch) loads
@@ -22,6 +24,8 @@ from .flash_attn_interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    merge_partials,
     set_default_backend,
 )
 
@@ -72,5 +76,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "merge_partials",
     "set_default_backend",
 ]

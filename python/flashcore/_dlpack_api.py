@@ -28,6 +28,7 @@ VARLEN_NDIM = 3
 EXPLICIT_ZERO_SCALE = sys.float_info.min
 
 INT32_MAX = np.iinfo(np.int32).max
+INT32_MIN = np.iinfo(np.int32).min
 
 
 def backend_id(backend):
@@ -117,15 +118,22 @@ def _as_bfloat16_bits(array):
     return array
 
 
+def _numpy_int32(values, name, lowest=INT32_MIN):
+    """int32 from any integer numpy array whose values lie in [lowest, INT32_MAX]; other arrays
+    are left to the library. Values in range but invalid (a negative length, a page id past the
+    cache) are the library's to reject, with a message naming the entry."""
+    if not isinstance(values, np.ndarray) or values.dtype == np.int32:
+        return values
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"{name}: dtype {values.dtype} is not supported; expected int32")
+    if values.size and (values.min() < lowest or values.max() > INT32_MAX):
+        raise ValueError(f"{name}: values do not fit in int32")
+    return values.astype(np.int32)
+
+
 def _numpy_cu_seqlens(cu_seqlens, name):
     """int32 prefix sums from any integer numpy array; others are left to the library."""
-    if not isinstance(cu_seqlens, np.ndarray) or cu_seqlens.dtype == np.int32:
-        return cu_seqlens
-    if cu_seqlens.dtype.kind not in "iu":
-        raise ValueError(f"{name}: dtype {cu_seqlens.dtype} is not supported; expected int32")
-    if cu_seqlens.size and (cu_seqlens.min() < 0 or cu_seqlens.max() > INT32_MAX):
-        raise ValueError(f"{name}: values do not fit in int32")
-    return cu_seqlens.astype(np.int32)
+    return _numpy_int32(cu_seqlens, name, lowest=0)
 
 
 def _numpy_max_seqlen(cu_seqlens):
@@ -318,3 +326,163 @@ def attention_backward(
     tensors = (_as_bfloat16_bits(_plain(x)) for x in (dout, q, k, v, out, lse, dq, dk, dv))
     _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options)
     return dq, dk, dv
+
+
+def kvcache_lse_shape(q_shape):
+    """LSE layout of fc_attention_kvcache: (batch, heads_q, seqlen_q), like the dense forward."""
+    return lse_shape(q_shape, is_varlen=False)
+
+
+def cache_seqlens_from_int(cache_seqlens, name="cache_seqlens"):
+    """flash_attn accepts one int for every sequence; it must fit the C ABI's int32."""
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int or an int32 array like q, got "
+                        f"{type(cache_seqlens).__name__}")
+    value = int(cache_seqlens)
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise ValueError(f"{name}: {value} does not fit in int32")
+    return value
+
+
+def _full_int32(like, length, value):
+    """(length,) int32 array filled with value, in like's framework and on its device."""
+    array = _allocator_for(like, "cache_seqlens")((length,), np.int32)
+    array[...] = value
+    return array
+
+
+def attention_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    *,
+    k=None,
+    v=None,
+    block_table=None,
+    cache_batch_idx=None,
+    out=None,
+    lse=None,
+    return_lse=False,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    num_splits=0,
+    backend="auto",
+    num_threads=0,
+    stream=None,
+    workspace=None,
+    error_flag=None,
+):
+    """Attention of new queries against a KV cache (flash_attn_with_kvcache semantics) for numpy
+    or DLPack arrays.
+
+    q (batch, seqlen_q, heads_q, head_dim); k_cache/v_cache (batch_cache, seqlen_cache, heads_kv,
+    head_dim), or paged (num_pages, page_size, heads_kv, head_dim) with block_table int32 (batch,
+    pages_per_seq). cache_seqlens: int32 (batch,) tokens already cached, or one int for all.
+    k/v (batch, seqlen_new, heads_kv, head_dim), when given, are written into the caches in place
+    at positions cache_seqlens[b] ... before attending (cache_seqlens itself is not advanced).
+    cache_batch_idx int32 (batch,) picks each sequence's cache row (contiguous caches only).
+    Queries sit at the end of each sequence (causal/window bottom-right aligned). num_splits: 0 =
+    heuristic, 1 = no split-KV. error_flag: optional int32 array on q's device that CUDA calls
+    set to 1 (without synchronizing) when cache_seqlens / block_table values are out of range;
+    on the CPU such values raise ValueError before anything is written. Returns out, or
+    (out, lse) when return_lse, lse float32 (batch, heads_q, seqlen_q).
+    """
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_array(x, name)
+    if isinstance(cache_seqlens, (int, np.integer)):
+        cache_seqlens = _full_int32(q, q.shape[0], cache_seqlens_from_int(cache_seqlens))
+    cache_seqlens = _numpy_int32(cache_seqlens, "cache_seqlens")
+    block_table = _numpy_int32(block_table, "block_table")
+    cache_batch_idx = _numpy_int32(cache_batch_idx, "cache_batch_idx")
+    if out is None:
+        out = _allocator_for(q, "out")(tuple(q.shape))
+    if lse is None and return_lse:
+        lse = _allocator_for(q, "lse")(kvcache_lse_shape(tuple(q.shape)), np.float32)
+    if workspace is None:
+        workspace = _workspace_allocator(q)
+    options = make_options(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        backend=backend,
+        stream=stream,
+        num_threads=num_threads,
+        uint16_is_bfloat16=_is_numpy_bfloat16(q),
+    )
+    # The caches travel as views (never copies): appended tokens must land in the caller's arrays.
+    q_, k_cache_, v_cache_, k_, v_, out_ = (
+        _as_bfloat16_bits(_plain(x)) for x in (q, k_cache, v_cache, k, v, out)
+    )
+    _C.kvcache(q_, k_cache_, v_cache_, cache_seqlens, block_table, cache_batch_idx, k_, v_, out_,
+               _plain(lse), error_flag, workspace, int(num_splits), options)
+    return (out, lse) if return_lse else out
+
+
+def merge_partials_shapes(out_partials_shape, lse_partials_shape):
+    """(out_partials as the C ABI's 4-D shape, out's shape, lse's shape) for out_partials given
+    as (num_parts, batch, seqlen_q, heads, head_dim) or already merged to (num_parts,
+    batch * seqlen_q, heads, head_dim), and lse_partials (num_parts, batch, heads, seqlen_q).
+    The outputs take their sizes from the 5-D out_partials (from lse_partials for the 4-D form),
+    so that the library's shape checks name the other argument when they disagree."""
+    out_partials_shape = tuple(int(n) for n in out_partials_shape)
+    lse_partials_shape = tuple(int(n) for n in lse_partials_shape)
+    if len(out_partials_shape) == 5:
+        parts, batch, seqlen_q, heads, head_dim = out_partials_shape
+        merged = (parts, batch * seqlen_q, heads, head_dim)
+    elif len(out_partials_shape) == 4 and len(lse_partials_shape) == 4:
+        merged = out_partials_shape  # the library checks it as it is
+        _, batch, heads, seqlen_q = lse_partials_shape
+        head_dim = merged[-1]
+    else:
+        raise ValueError(f"out_partials: shape {out_partials_shape} is not (num_parts, batch, "
+                         "seqlen_q, heads, head_dim)")
+    return merged, (batch, seqlen_q, heads, head_dim), (batch, heads, seqlen_q)
+
+
+def _reshape(x, shape):
+    """x viewed (or copied, when its strides allow no view) with shape, in its own framework."""
+    if hasattr(x, "reshape"):
+        return x.reshape(shape)
+    return x.__array_namespace__().reshape(x, shape)
+
+
+def merge_partials(
+    out_partials,
+    lse_partials,
+    out=None,
+    lse=None,
+    *,
+    out_dtype=None,
+    backend="auto",
+    num_threads=0,
+    stream=None,
+):
+    """Merges attention computed over disjoint key sets (split-KV, cascades, ring attention).
+
+    out_partials float32 (num_parts, batch, seqlen_q, heads, head_dim) (or the C ABI's
+    (num_parts, batch * seqlen_q, heads, head_dim)); lse_partials float32 (num_parts, batch,
+    heads, seqlen_q), natural-log, -inf for parts without keys. out (batch, seqlen_q, heads,
+    head_dim) and lse float32 (batch, heads, seqlen_q) may be passed in; otherwise they are
+    allocated with out_partials' framework, out in out_dtype (a numpy dtype; default float32).
+    A row whose parts are all -inf gives out 0 and lse -inf. Returns (out, lse).
+    """
+    _check_array(out_partials, "out_partials")
+    _check_array(lse_partials, "lse_partials")
+    merged_shape, out_shape, lse_out_shape = merge_partials_shapes(
+        tuple(out_partials.shape), tuple(lse_partials.shape))
+    if tuple(out_partials.shape) != merged_shape:
+        out_partials = _reshape(out_partials, merged_shape)
+    allocate = _allocator_for(out_partials, "out")
+    if out is None:
+        out = allocate(out_shape, np.float32 if out_dtype is None else out_dtype)
+    if lse is None:
+        lse = allocate(lse_out_shape, np.float32)
+    options = make_options(backend=backend, stream=stream, num_threads=num_threads,
+                           uint16_is_bfloat16=_is_numpy_bfloat16(out))
+    _C.merge_partials(_plain(out_partials), _plain(lse_partials), _as_bfloat16_bits(_plain(out)),
+                      _plain(lse), options)
+    return out, lse

@@ -1,4 +1,5 @@
-"""PyTorch integration: flashcore as torch.library custom ops with autograd.
+"""PyTorch integration: flashcore as torch.library custom ops with autograd, and the inference
+calls (flash_attn_with_kvcache, merge_partials).
 
 ``flashcore::fwd`` and ``flashcore::bwd`` are registered with torch.library.custom_op, with
 fake (meta) implementations so torch.compile(fullgraph=True) traces through them without a
@@ -8,6 +9,10 @@ torch.empty_like, the workspace as a uint8 tensor of the size the library report
 the current CUDA stream and never synchronize or read device memory on the host, so they can
 be captured in CUDA graphs. Tensors reach the extension as raw descriptors (pointer, dtype,
 device, shape, strides), not through DLPack, to keep the host overhead per call low.
+The KV-cache call (``flashcore::kvcache``, declared as mutating k_cache and v_cache, which it
+appends into) has no autograd, as in flash_attn; int64 index tensors are narrowed to int32 on
+their device with saturation, so out-of-range values reach the library as invalid (rejected on
+the CPU, NaN output rows on the GPU) instead of wrapping, without a host synchronization.
 Imported only when torch is already importable (see __init__.py).
 """
 
@@ -16,7 +21,17 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C
-from ._dlpack_api import backend_id, lse_shape, resolve_scale, resolve_window
+from ._dlpack_api import (
+    INT32_MAX,
+    INT32_MIN,
+    backend_id,
+    cache_seqlens_from_int,
+    kvcache_lse_shape,
+    lse_shape,
+    merge_partials_shapes,
+    resolve_scale,
+    resolve_window,
+)
 
 Tensor = torch.Tensor
 
@@ -311,3 +326,120 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)
     return _forward_impl(*args)
+
+
+# ---- inference: KV cache and merge of partial results -------------------------------------------
+
+
+def _index_tensor(t, name):
+    """int32 view of an integer index tensor (cache_seqlens, block_table, cache_batch_idx).
+
+    Narrowing runs on the tensor's device without a host read (CUDA-graph safe); saturating first
+    keeps values outside int32 invalid rather than letting them wrap into a plausible index.
+    """
+    if t is None or t.dtype == CU_SEQLENS_DTYPE:
+        return t
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported; expected torch.int32")
+    return t.clamp(INT32_MIN, INT32_MAX).to(CU_SEQLENS_DTYPE)
+
+
+def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                  softmax_scale, causal, window_left, window_right, softcap, num_splits, backend,
+                  return_lse):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(kvcache_lse_shape(q.shape), dtype=torch.float32) if return_lse else None
+    options = _options(q, 0, 0, softmax_scale, causal, window_left, window_right, softcap,
+                       backend, False)
+    with _OnDevice(q):
+        _C.kvcache(_describe(q, "q"), _describe(k_cache, "k_cache"), _describe(v_cache, "v_cache"),
+                   _describe(cache_seqlens, "cache_seqlens"), _describe(block_table, "block_table"),
+                   _describe(cache_batch_idx, "cache_batch_idx"), _describe(k, "k"),
+                   _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"), None,
+                   _workspace_allocator(q), num_splits, options)
+    return out, lse
+
+
+@torch.library.custom_op("flashcore::kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Tensor,
+    cache_batch_idx: Optional[Tensor],
+    block_table: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+    backend: int,
+) -> Tuple[Tensor, Tensor]:
+    # An op returns a fixed number of tensors, so lse is always computed here.
+    return _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                         softmax_scale, causal, window_left, window_right, softcap, num_splits,
+                         backend, return_lse=True)
+
+
+@_kvcache_op.register_fake
+def _kvcache_op_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                     softmax_scale, causal, window_left, window_right, softcap, num_splits,
+                     backend):
+    return q.new_empty(q.shape), q.new_empty(kvcache_lse_shape(q.shape), dtype=torch.float32)
+
+
+def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                      softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+                      backend):
+    """flash_attn_with_kvcache for torch tensors: out, or (out, lse) when return_lse."""
+    named = (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+             ("cache_batch_idx", cache_batch_idx), ("block_table", block_table))
+    for name, t in named:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
+    window_left, window_right = resolve_window(window_size)
+    # The caches are never copied: the appended tokens must land in the caller's tensors.
+    q = _last_dim_contiguous(q)
+    k, v = (None if t is None else _last_dim_contiguous(t) for t in (k, v))
+    if isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens")
+    else:
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens_from_int(cache_seqlens),
+                                   dtype=CU_SEQLENS_DTYPE, device=q.device)
+    block_table = _index_tensor(block_table, "block_table")
+    cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx")
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+            resolve_scale(softmax_scale), bool(causal), window_left, window_right,
+            float(softcap), int(num_splits), backend_id(backend))
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    if _eager_fast_path_ok(tensors):
+        # No autograd to set up (as in flash_attn): the outputs are fresh tensors the library
+        # writes through raw pointers, so they carry no graph.
+        out, lse = _kvcache_impl(*args, return_lse=return_lse)
+    else:
+        out, lse = _kvcache_op(*args)
+    return (out, lse) if return_lse else out
+
+
+def merge_partials(out_partials, lse_partials, out, lse, backend):
+    """flashcore.merge_partials for torch tensors: current stream, outputs allocated by torch."""
+    for name, t in (("lse_partials", lse_partials), ("out", out), ("lse", lse)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor like out_partials, got "
+                            f"{type(t).__name__}")
+    merged_shape, out_shape, lse_out_shape = merge_partials_shapes(out_partials.shape,
+                                                                   lse_partials.shape)
+    out_partials = _last_dim_contiguous(out_partials).reshape(merged_shape)
+    if out is None:
+        out = out_partials.new_empty(out_shape)
+    if lse is None:
+        lse = out_partials.new_empty(lse_out_shape, dtype=torch.float32)
+    options = _options(out_partials, 0, 0, 0.0, False, -1, -1, 0.0, backend_id(backend), False)
+    with _OnDevice(out_partials):
+        _C.merge_partials(_describe(out_partials, "out_partials"),
+                          _describe(lse_partials, "lse_partials"), _describe(out, "out"),
+                          _describe(lse, "lse"), options)
+    return out, lse

@@ -6,8 +6,11 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0,
-alibi_slopes, block_table. return_attn_probs returns (out, softmax_lse, None): the lse is real,
-the attention-probability matrix (a testing aid in flash_attn) is not materialized.
+alibi_slopes, block_table (in the varlen call; flash_attn_with_kvcache takes paged caches), and
+in flash_attn_with_kvcache rotary_cos/rotary_sin and cache_leftpad. return_attn_probs returns
+(out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
+flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
+merge_partials is flashcore's own (combining attention over disjoint key sets).
 """
 
 from . import _dlpack_api
@@ -150,3 +153,73 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window_size, softcap, deterministic,
                       return_attn_probs)
+
+
+def _check_unsupported_kvcache(rotary_cos, rotary_sin, cache_leftpad, alibi_slopes):
+    _check_unsupported(0.0, alibi_slopes)
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos/rotary_sin: rotary embedding is not supported; "
+                                  "apply it to q and k before the call and pass None")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: left-padded caches are not supported; pass None")
+
+
+def _whole_cache_seqlens(k_cache, block_table):
+    # flash_attn without cache_seqlens attends over every slot of each sequence's cache.
+    pages_per_seq = 1 if block_table is None else block_table.shape[1]
+    return k_cache.shape[1] * pages_per_seq
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Decoding / incremental attention against a KV cache (inference only, no autograd).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_k, headdim), or paged (num_blocks, page_block_size, nheads_k, headdim) with
+    block_table (batch, max_num_blocks_per_seq) int32. k, v (batch, seqlen_new, nheads_k,
+    headdim), when given, are written into the caches in place starting at cache_seqlens
+    (which the caller advances afterwards). cache_seqlens: int or (batch,) int32 (int64 is
+    converted); None means every slot of the cache. cache_batch_idx (batch,) int32: cache row of
+    each sequence. Causal/window masks are aligned to the bottom-right (queries are the last
+    tokens). num_splits: 0 = heuristic, 1 = no split-KV. Returns out (batch, seqlen_q, nheads,
+    headdim), or (out, softmax_lse) with return_softmax_lse, softmax_lse (batch, nheads,
+    seqlen_q) float32. Not supported (NotImplementedError): rotary_cos/rotary_sin,
+    cache_leftpad, alibi_slopes."""
+    del rotary_interleaved  # only meaningful with rotary_cos/rotary_sin
+    _check_unsupported_kvcache(rotary_cos, rotary_sin, cache_leftpad, alibi_slopes)
+    if (k is None) != (v is None):
+        raise ValueError("k, v: give both (to append into the caches) or neither")
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens: is required when k and v are appended")
+        cache_seqlens = _whole_cache_seqlens(k_cache, block_table)
+    if _is_torch(q):
+        return _load_torch_impl().attention_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+            softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
+            _default_backend)
+    q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
+    return _dlpack_api.attention_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, return_lse=return_softmax_lse,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        num_splits=num_splits, backend=_default_backend)
+
+
+def merge_partials(out_partials, lse_partials, out=None, lse=None):
+    """Merges attention computed over disjoint key sets (split-KV, cascades, ring attention).
+
+    out_partials float32 (num_parts, batch, seqlen_q, heads, head_dim); lse_partials float32
+    (num_parts, batch, heads, seqlen_q), natural-log, -inf for parts that saw no keys. out
+    (batch, seqlen_q, heads, head_dim, any float dtype) and lse float32 (batch, heads, seqlen_q)
+    may be passed in; otherwise both are float32, allocated with out_partials' framework on its
+    device. torch CUDA tensors run on the current stream. Returns (out, lse)."""
+    if _is_torch(out_partials):
+        return _load_torch_impl().merge_partials(out_partials, lse_partials, out, lse,
+                                                 _default_backend)
+    return _dlpack_api.merge_partials(out_partials, lse_partials, out, lse,
+                                      backend=_default_backend)

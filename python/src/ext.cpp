@@ -10,11 +10,14 @@
 // either passed in or requested from a caller-supplied allocator (the Python layer allocates
 // with the input's own framework, e.g. torch.empty, so CUDA graphs and caching allocators work).
 // The GIL is released around the compute calls; the stream is a plain integer (cudaStream_t).
+// Bound entry points: forward/backward (+ workspace queries), kvcache (flash_attn_with_kvcache:
+// appends into caller-owned caches in place, + workspace query) and merge_partials.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "flashcore/flashcore.h"
@@ -87,7 +90,7 @@ int32_t to_fc_dtype(nb::dlpack::dtype dt, const char* name, const CallOptions& o
       return FC_DTYPE_BF16;
   }
   throw nb::value_error((std::string(name) + ": dtype " + dtype_description(dt) +
-                         " is not supported (float32, float16, bfloat16; int32 for cu_seqlens)")
+                         " is not supported (float32, float16, bfloat16; int32 for lengths and indices)")
                             .c_str());
 }
 
@@ -245,9 +248,10 @@ void raise_on_error(fc_status status) {
   throw nb::python_error();
 }
 
-/** fc_attention_options for one call; the cu_seqlens views must outlive its use. */
-fc_attention_options make_options(const CallOptions& call, OptionalInput& cu_q,
-                                   OptionalInput& cu_k) {
+/** fc_attention_options for one call; the cu_seqlens views (null when absent, as for the KV-cache
+ *  and merge calls) must outlive its use. */
+fc_attention_options make_options(const CallOptions& call, const fc_tensor* cu_seqlens_q,
+                                   const fc_tensor* cu_seqlens_k) {
   fc_attention_options options{};
   options.softmax_scale = call.softmax_scale;
   options.causal = call.causal ? 1 : 0;
@@ -255,8 +259,8 @@ fc_attention_options make_options(const CallOptions& call, OptionalInput& cu_q,
   options.window_right = call.window_right;
   options.has_window = 1;  // (-1, -1) means unbounded, so the fields are always meaningful
   options.softcap = call.softcap;
-  options.cu_seqlens_q = cu_q.get();
-  options.cu_seqlens_k = cu_k.get();
+  options.cu_seqlens_q = cu_seqlens_q;
+  options.cu_seqlens_k = cu_seqlens_k;
   options.max_seqlen_q = call.max_seqlen_q;
   options.max_seqlen_k = call.max_seqlen_k;
   options.backend = call.backend;
@@ -324,7 +328,7 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
   OptionalOutput lse_t(lse, "lse", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
-  const fc_attention_options options = make_options(call, cu_q, cu_k);
+  const fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_forward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -347,7 +351,7 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
   Output dq_t(dq, "dq", call), dk_t(dk, "dk", call), dv_t(dv, "dv", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
-  const fc_attention_options options = make_options(call, cu_q, cu_k);
+  const fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_backward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -368,10 +372,133 @@ size_t workspace_bytes(WorkspaceFn fn, nb::handle q, nb::handle k, nb::handle v,
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
-  const fc_attention_options options = make_options(call, cu_q, cu_k);
+  const fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
   size_t bytes = 0;
   raise_on_error(fn(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, &bytes));
   return bytes;
+}
+
+/** A KV cache: imported writable only when the call appends into it, so that read-only caches
+ *  (a read-only numpy array, say) still serve attention without appending. */
+struct CacheArg {
+  std::optional<Input> read_only;
+  std::optional<Output> written;
+
+  CacheArg(nb::handle obj, const char* name, const CallOptions& call, bool appends) {
+    if (appends) {
+      written.emplace(obj, name, call);
+    } else {
+      read_only.emplace(obj, name, call);
+    }
+  }
+  fc_tensor* get() { return written ? written->get() : read_only->get(); }
+};
+
+/** error_flag: an int32 array of at least one element on q's device; the library only sees a
+ *  pointer, so these rules are checked here. */
+int32_t* error_flag_pointer(OptionalOutput& flag, const fc_tensor& like) {
+  if (!flag.present) return nullptr;
+  const fc_tensor& t = flag.tensor;
+  int64_t elements = 1;
+  for (int32_t i = 0; i < t.ndim; ++i) elements *= t.shape[i];
+  if (t.dtype != FC_DTYPE_I32 || elements < 1) {
+    throw nb::value_error("error_flag: must be an int32 array with at least one element");
+  }
+  if (t.device_type != like.device_type || t.device_id != like.device_id) {
+    throw nb::value_error("error_flag: must be on the same device as q");
+  }
+  return static_cast<int32_t*>(t.data);
+}
+
+/** The imported arguments of one fc_attention_kvcache call (or of its workspace query, which
+ *  validates the same arguments), kept alive together with the fc_kvcache_args pointing at them. */
+struct KvCacheCall {
+  Input q;
+  CacheArg k_cache, v_cache;
+  Input cache_seqlens;
+  OptionalInput block_table, cache_batch_idx, k_new, v_new;
+  Output out;
+  OptionalOutput lse, error_flag;
+  fc_attention_options options;
+  fc_kvcache_args args{};
+
+  KvCacheCall(nb::handle q_obj, nb::handle k_cache_obj, nb::handle v_cache_obj,
+              nb::handle cache_seqlens_obj, nb::handle block_table_obj,
+              nb::handle cache_batch_idx_obj, nb::handle k_new_obj, nb::handle v_new_obj,
+              nb::handle out_obj, nb::handle lse_obj, nb::handle error_flag_obj, int32_t num_splits,
+              const CallOptions& call)
+      : q(q_obj, "q", call),
+        k_cache(k_cache_obj, "k_cache", call, /*appends=*/!k_new_obj.is_none()),
+        v_cache(v_cache_obj, "v_cache", call, /*appends=*/!k_new_obj.is_none()),
+        cache_seqlens(cache_seqlens_obj, "cache_seqlens", call),
+        block_table(block_table_obj, "block_table", call),
+        cache_batch_idx(cache_batch_idx_obj, "cache_batch_idx", call),
+        k_new(k_new_obj, "k_new", call),
+        v_new(v_new_obj, "v_new", call),
+        out(out_obj, "out", call),
+        lse(lse_obj, "lse", call),
+        error_flag(error_flag_obj, "error_flag", call),
+        options(make_options(call, nullptr, nullptr)) {
+    args.q = q.get();
+    args.k_cache = k_cache.get();
+    args.v_cache = v_cache.get();
+    args.cache_seqlens = cache_seqlens.get();
+    args.block_table = block_table.get();
+    args.cache_batch_idx = cache_batch_idx.get();
+    args.k_new = k_new.get();
+    args.v_new = v_new.get();
+    args.out = out.get();
+    args.lse = lse.get();
+    args.num_splits = num_splits;
+    args.error_flag = error_flag_pointer(error_flag, q.tensor);
+  }
+
+  fc_status query_workspace(size_t* bytes) const {
+    return fc_attention_kvcache_workspace(&args, &options, bytes);
+  }
+};
+
+void kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle cache_seqlens,
+             nb::handle block_table, nb::handle cache_batch_idx, nb::handle k_new,
+             nb::handle v_new, nb::handle out, nb::handle lse, nb::handle error_flag,
+             nb::handle workspace, int32_t num_splits, const CallOptions& call) {
+  KvCacheCall c(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
+                out, lse, error_flag, num_splits, call);
+  Workspace ws(workspace, c.q.tensor, [&](size_t* bytes) { return c.query_workspace(bytes); });
+  fc_status status;
+  {
+    nb::gil_scoped_release release;
+    status = fc_attention_kvcache(&c.args, &c.options, ws.data, ws.bytes);
+  }
+  raise_on_error(status);
+}
+
+size_t kvcache_workspace(nb::handle q, nb::handle k_cache, nb::handle v_cache,
+                         nb::handle cache_seqlens, nb::handle block_table,
+                         nb::handle cache_batch_idx, nb::handle k_new, nb::handle v_new,
+                         nb::handle out, nb::handle lse, int32_t num_splits,
+                         const CallOptions& call) {
+  KvCacheCall c(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
+                out, lse, nb::none(), num_splits, call);
+  size_t bytes = 0;
+  raise_on_error(c.query_workspace(&bytes));
+  return bytes;
+}
+
+void merge_partials(nb::handle out_partials, nb::handle lse_partials, nb::handle out,
+                    nb::handle lse, const CallOptions& call) {
+  Input out_partials_t(out_partials, "out_partials", call);
+  Input lse_partials_t(lse_partials, "lse_partials", call);
+  Output out_t(out, "out", call);
+  OptionalOutput lse_t(lse, "lse", call);
+  const fc_attention_options options = make_options(call, nullptr, nullptr);
+  fc_status status;
+  {
+    nb::gil_scoped_release release;
+    status = fc_merge_partials(&out_partials_t.tensor, &lse_partials_t.tensor, &out_t.tensor,
+                               lse_t.get(), &options);
+  }
+  raise_on_error(status);
 }
 
 }  // namespace
@@ -430,6 +557,22 @@ NB_MODULE(_C, m) {
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "options"_a,
       "Bytes of scratch memory backward() needs for these arguments.");
+
+  m.def("kvcache", &kvcache, "q"_a.none(), "k_cache"_a.none(), "v_cache"_a.none(),
+        "cache_seqlens"_a.none(), "block_table"_a.none(), "cache_batch_idx"_a.none(),
+        "k_new"_a.none(), "v_new"_a.none(), "out"_a.none(), "lse"_a.none(), "error_flag"_a.none(),
+        "workspace"_a.none(), "num_splits"_a, "options"_a,
+        "Attention of q against a KV cache (flash_attn_with_kvcache); k_new/v_new, when given, "
+        "are first written into the caches in place. workspace as for forward().");
+  m.def("kvcache_workspace", &kvcache_workspace, "q"_a.none(), "k_cache"_a.none(),
+        "v_cache"_a.none(), "cache_seqlens"_a.none(), "block_table"_a.none(),
+        "cache_batch_idx"_a.none(), "k_new"_a.none(), "v_new"_a.none(), "out"_a.none(),
+        "lse"_a.none(), "num_splits"_a, "options"_a,
+        "Bytes of scratch memory kvcache() needs for these arguments.");
+  m.def("merge_partials", &merge_partials, "out_partials"_a.none(), "lse_partials"_a.none(),
+        "out"_a.none(), "lse"_a.none(), "options"_a,
+        "Merges attention over disjoint key sets: out_partials (num_parts, batch * seqlen_q, "
+        "heads, head_dim) and lse_partials (num_parts, batch, heads, seqlen_q), float32.");
 
   m.def("version", [] { return fc_version(); });
   m.def("build_info", [] { return fc_build_info(); });

@@ -1,0 +1,731 @@
+"""flashcore.flash_attn_with_kvcache and flashcore.merge_partials: numpy (CPU backend, runs in CI
+without GPU or torch) and torch CPU tensors (those tests skip when torch is not installed).
+
+Every result is checked against an fp64 numpy reference written here: the reference appends the
+new keys/values into copies of the caches (contiguous, cache_batch_idx rows, or pages through a
+block_table), then attends with bottom-right aligned causal/window masks, softcap and GQA. float32
+must match within a relative error of 1e-5; float16 within TESTING.md's rule (2x the error of a
+naive same-precision implementation + one rounding). The appended caches must equal the
+reference's bit for bit. Bad cache indices must raise ValueError naming the argument and leave
+the caches untouched.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import flashcore
+
+FP32_RELATIVE_TOLERANCE = 1e-5
+LOW_PRECISION_FACTOR = 2  # TESTING.md: 2x the same-precision error for O and LSE
+ROUNDING_PROBE = 0.3  # the rounding of one add at the reference's magnitude
+HEAD_DIM = 16
+SPLIT_COUNTS = [1, 3]
+PAGE_SIZES = [1, 16, 256]
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = ml_dtypes.bfloat16
+except ImportError:  # optional
+    BFLOAT16 = None
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh inputs per case, reproducible per test id.
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ---- fp64 reference ---------------------------------------------------------------------------
+
+
+def allowed_keys(seqlen_q, seqlen_k, causal, window):
+    """(seqlen_q, seqlen_k) bool mask, bottom-right aligned: queries are the last tokens."""
+    left, right = window
+    if causal:
+        right = 0
+    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    keys = np.arange(seqlen_k)[None, :]
+    allowed = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        allowed &= keys >= diagonal - left
+    if right >= 0:
+        allowed &= keys <= diagonal + right
+    return allowed
+
+
+def cache_slot(b, token, page_size, block_table, cache_batch_idx):
+    """(cache row or page, slot inside it) holding token `token` of sequence b."""
+    if block_table is not None:
+        return int(block_table[b, token // page_size]), token % page_size
+    return (b if cache_batch_idx is None else int(cache_batch_idx[b])), token
+
+
+def append_reference(k_cache, v_cache, cache_seqlens, k, v, block_table=None,
+                     cache_batch_idx=None):
+    """Copies of the caches with k/v written at cache_seqlens[b] ... (what the call must do)."""
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    if k is None:
+        return k_cache, v_cache
+    page_size = k_cache.shape[1]
+    for b in range(k.shape[0]):
+        for t in range(k.shape[1]):
+            row, slot = cache_slot(b, int(cache_seqlens[b]) + t, page_size, block_table,
+                                   cache_batch_idx)
+            k_cache[row, slot] = k[b, t]
+            v_cache[row, slot] = v[b, t]
+    return k_cache, v_cache
+
+
+def gather_sequence(cache, b, length, block_table, cache_batch_idx):
+    """(length, heads_kv, head_dim): the tokens of sequence b, in order."""
+    slots = [cache_slot(b, t, cache.shape[1], block_table, cache_batch_idx) for t in range(length)]
+    return np.stack([cache[row, slot] for row, slot in slots]) if slots else cache[0, :0]
+
+
+def attend(q, k, v, scale, causal, window, softcap, compute_dtype, p_dtype):
+    """One sequence: out (sq, hq, d), lse (hq, sq). float64 is the truth; float32 with p_dtype
+    the input dtype is the naive same-precision implementation."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("ihd,jhd->hij", q, k) * scale
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(allowed_keys(q.shape[0], k.shape[0], causal, window)[None], s, -np.inf)
+    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    row_max = np.where(np.isfinite(row_max), row_max, 0)
+    p = np.exp(s - row_max)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(row_sum > 0, np.log(row_sum) + row_max, -np.inf)[..., 0]
+        p = np.where(row_sum > 0, p / row_sum, 0)
+    p = p.astype(p_dtype).astype(compute_dtype)
+    return np.einsum("hij,jhd->ihd", p, v), lse
+
+
+def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None,
+                      cache_batch_idx=None, scale=None, causal=False, window=(-1, -1),
+                      softcap=0.0, same_precision=False):
+    """(out, lse (batch, heads_q, seqlen_q), k_cache after append, v_cache after append)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    compute, p_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
+    k_after, v_after = append_reference(k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                        cache_batch_idx)
+    seqlen_new = 0 if k is None else k.shape[1]
+    out = np.zeros(q.shape, dtype=compute)
+    lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    for b in range(q.shape[0]):
+        length = int(cache_seqlens[b]) + seqlen_new
+        keys = gather_sequence(k_after, b, length, block_table, cache_batch_idx)
+        values = gather_sequence(v_after, b, length, block_table, cache_batch_idx)
+        out[b], lse[b] = attend(q[b], keys, values, scale, causal, window, softcap, compute,
+                                p_dtype)
+    return out, lse, k_after, v_after
+
+
+# ---- comparison rules --------------------------------------------------------------------------
+
+
+def assert_fp32_close(actual, expected, name):
+    actual = np.asarray(actual, dtype=np.float64)
+    assert not np.isnan(actual).any(), f"{name}: NaN in result"
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite], err_msg=f"{name}: -inf rows")
+    norm = np.linalg.norm(expected[finite])
+    error = np.linalg.norm(actual[finite] - expected[finite])
+    assert error <= FP32_RELATIVE_TOLERANCE * max(norm, 1e-30), f"{name}: relative error {error / norm:.3g}"
+
+
+def assert_low_precision_close(actual, expected, same, dtype, name):
+    """TESTING.md: max|X - ref| <= 2 * max|X_same - ref| + atol; NaN never passes."""
+    actual, same = (np.asarray(x).astype(np.float64) for x in (actual, same))
+    assert not np.isnan(actual).any(), f"{name}: NaN in result"
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite], err_msg=f"{name}: -inf rows")
+    error = np.max(np.abs(actual[finite] - expected[finite]), initial=0.0)
+    same_error = np.max(np.abs(same[finite] - expected[finite]), initial=0.0)
+    x = expected[finite].astype(dtype)
+    probe = np.asarray(ROUNDING_PROBE, dtype=dtype)
+    atol = 2 * float(np.max(np.abs(((x + probe) - probe).astype(np.float64) - x.astype(np.float64)),
+                            initial=0.0))
+    assert error <= LOW_PRECISION_FACTOR * same_error + atol, (
+        f"{name}: max error {error:.3g} > {LOW_PRECISION_FACTOR} x {same_error:.3g} + {atol:.3g}")
+
+
+# ---- cases -------------------------------------------------------------------------------------
+
+
+def make_case(rng, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, capacity=40, seqlen_new=0,
+              page_size=None, batch_cache=None, dtype=np.float32, lengths=None):
+    """Inputs of one call as keyword arguments of flash_attn_with_kvcache. Paged caches get more
+    pages than needed, handed out in shuffled order; cache_batch_idx (batch_cache given) picks
+    distinct shuffled rows."""
+    make = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    case = {"q": make(batch, seqlen_q, heads_q, HEAD_DIM)}
+    if page_size is None:
+        rows = batch if batch_cache is None else batch_cache
+        cache_shape = (rows, capacity, heads_kv, HEAD_DIM)
+        if batch_cache is not None:
+            case["cache_batch_idx"] = rng.permutation(batch_cache)[:batch].astype(np.int32)
+    else:
+        pages_per_seq = -(-capacity // page_size)
+        num_pages = batch * pages_per_seq + 2  # spare pages must stay untouched
+        cache_shape = (num_pages, page_size, heads_kv, HEAD_DIM)
+        table = rng.permutation(num_pages)[: batch * pages_per_seq]
+        case["block_table"] = table.reshape(batch, pages_per_seq).astype(np.int32)
+        capacity = pages_per_seq * page_size
+    case["k_cache"], case["v_cache"] = make(*cache_shape), make(*cache_shape)
+    if lengths is None:
+        # Include an empty cache and a cache filled to capacity.
+        most = capacity - seqlen_new
+        lengths = np.concatenate([[0, most], rng.integers(0, most + 1, batch)])[:batch]
+    case["cache_seqlens"] = np.asarray(lengths, dtype=np.int32)
+    if seqlen_new:
+        case["k"], case["v"] = make(batch, seqlen_new, heads_kv, HEAD_DIM), make(
+            batch, seqlen_new, heads_kv, HEAD_DIM)
+    return case
+
+
+def run_and_check(case, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                  num_splits=0):
+    """Calls flash_attn_with_kvcache on copies of the caches and compares out, lse and the
+    caches with the reference."""
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    args = {key: value for key, value in case.items() if key not in ("q", "k_cache", "v_cache")}
+    out, lse = flashcore.flash_attn_with_kvcache(
+        case["q"], k_cache, v_cache, softmax_scale=scale, causal=causal, window_size=window,
+        softcap=softcap, num_splits=num_splits, return_softmax_lse=True, **args)
+    reference_args = dict(k=case.get("k"), v=case.get("v"), block_table=case.get("block_table"),
+                          cache_batch_idx=case.get("cache_batch_idx"), scale=scale,
+                          causal=causal, window=window, softcap=softcap)
+    ref_out, ref_lse, ref_k, ref_v = reference_kvcache(
+        case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], **reference_args)
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    assert lse.shape == (out.shape[0], out.shape[2], out.shape[1]) and lse.dtype == np.float32
+    if case["q"].dtype == np.float32:
+        assert_fp32_close(out, ref_out, "out")
+        assert_fp32_close(lse, ref_lse, "lse")
+    else:
+        same_out, same_lse, _, _ = reference_kvcache(
+            case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"],
+            same_precision=True, **reference_args)
+        assert_low_precision_close(out, ref_out, same_out.astype(out.dtype), out.dtype, "out")
+        assert_low_precision_close(lse, ref_lse, same_lse, np.float32, "lse")
+    np.testing.assert_array_equal(k_cache, ref_k, err_msg="k_cache after the call")
+    np.testing.assert_array_equal(v_cache, ref_v, err_msg="v_cache after the call")
+    return out, lse
+
+
+# ---- numpy: correctness ------------------------------------------------------------------------
+
+
+def test_package_exports():
+    assert flashcore.flash_attn_with_kvcache is flashcore.flash_attn_interface.flash_attn_with_kvcache
+    assert callable(flashcore.merge_partials)
+
+
+@pytest.mark.parametrize("num_splits", SPLIT_COUNTS)
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (1, True), (4, False), (4, True)])
+def test_contiguous_cache(rng, num_splits, seqlen_q, causal):
+    run_and_check(make_case(rng, seqlen_q=seqlen_q, capacity=70), causal=causal,
+                  num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", SPLIT_COUNTS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_paged_cache_with_append(rng, page_size, num_splits):
+    case = make_case(rng, seqlen_q=2, capacity=300, seqlen_new=2, page_size=page_size)
+    run_and_check(case, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_paged_cache_without_append(rng, page_size):
+    run_and_check(make_case(rng, capacity=260, page_size=page_size), num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", SPLIT_COUNTS)
+def test_cache_batch_idx_with_append(rng, num_splits):
+    # Rows that no sequence uses must stay untouched (checked against the reference's copies).
+    case = make_case(rng, batch=3, batch_cache=5, seqlen_q=3, seqlen_new=3, capacity=33)
+    run_and_check(case, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("seqlen_new", [1, 5])
+def test_append_contiguous_then_decode_next_step(rng, seqlen_new):
+    # Two decode steps: the second sees what the first appended once cache_seqlens advances.
+    case = make_case(rng, seqlen_q=seqlen_new, seqlen_new=seqlen_new, capacity=24,
+                     lengths=[0, 7, 11])
+    k_cache, v_cache = case["k_cache"], case["v_cache"]
+    flashcore.flash_attn_with_kvcache(case["q"], k_cache, v_cache, case["k"], case["v"],
+                                      cache_seqlens=case["cache_seqlens"], causal=True)
+    advanced = case["cache_seqlens"] + seqlen_new
+    out = flashcore.flash_attn_with_kvcache(case["q"], k_cache, v_cache, cache_seqlens=advanced)
+    appended_k, appended_v = append_reference(case["k_cache"], case["v_cache"],
+                                              case["cache_seqlens"], case["k"], case["v"])
+    ref_out, _, _, _ = reference_kvcache(case["q"], appended_k, appended_v, advanced)
+    assert_fp32_close(out, ref_out, "out")
+
+
+@pytest.mark.parametrize("window", [(8, 0), (3, 2), (-1, 1), (0, -1)])
+@pytest.mark.parametrize("num_splits", SPLIT_COUNTS)
+def test_sliding_window(rng, window, num_splits):
+    run_and_check(make_case(rng, seqlen_q=4, seqlen_new=4, capacity=64), window=window,
+                  num_splits=num_splits)
+
+
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+def test_softcap(rng, softcap):
+    case = make_case(rng, seqlen_q=2, capacity=50)
+    case["q"] *= 4  # large scores, so the cap matters
+    run_and_check(case, softcap=softcap, causal=True, num_splits=3)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (8, 1), (3, 3)])
+def test_gqa_mqa(rng, heads_q, heads_kv):
+    run_and_check(make_case(rng, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=2, seqlen_new=1,
+                            capacity=30), causal=True, num_splits=3)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.0])
+def test_softmax_scale(rng, scale):
+    # 0.0 is flash_attn's literal zero scale (uniform attention), not "the default".
+    run_and_check(make_case(rng, capacity=20), scale=scale)
+
+
+def test_float16(rng):
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=80, page_size=16, dtype=np.float16)
+    run_and_check(case, causal=True, num_splits=3)
+
+
+def test_empty_sequence_gives_zero_and_minus_inf(rng):
+    case = make_case(rng, lengths=[0, 5, 0])
+    out, lse = run_and_check(case)
+    assert np.all(out[[0, 2]] == 0) and np.all(np.isneginf(lse[[0, 2]]))
+
+
+def test_return_convention_and_int_cache_seqlens(rng):
+    case = make_case(rng, capacity=20)
+    q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
+    out = flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=13)
+    assert isinstance(out, np.ndarray) and out.shape == q.shape
+    broadcast = np.full(q.shape[0], 13, dtype=np.int32)
+    for seqlens in (broadcast, broadcast.astype(np.int64), np.int64(13)):
+        same = flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+        np.testing.assert_array_equal(same, out)
+    ref_out, _, _, _ = reference_kvcache(q, k_cache, v_cache, broadcast)
+    assert_fp32_close(out, ref_out, "out")
+
+
+@pytest.mark.skipif(BFLOAT16 is None, reason="ml_dtypes is not installed")
+def test_bfloat16(rng):
+    case = make_case(rng, seqlen_q=2, seqlen_new=1, capacity=40, dtype=BFLOAT16)
+    run_and_check(case, causal=True, num_splits=3)
+
+
+def test_workspace_query_binding(rng):
+    # CPU calls need no scratch memory; the query validates like the call itself.
+    case = make_case(rng, seqlen_new=1, capacity=20)
+    options = flashcore._C.Options()
+    out = np.empty_like(case["q"])
+    tensors = (case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], None, None,
+               case["k"], case["v"], out, None)
+    assert flashcore._C.kvcache_workspace(*tensors, 0, options) == 0
+    with pytest.raises(ValueError, match=r"^num_splits: "):
+        flashcore._C.kvcache_workspace(*tensors, -1, options)
+
+
+def test_no_cache_seqlens_means_the_whole_cache(rng):
+    case = make_case(rng, capacity=48, page_size=16)
+    q, k_cache, v_cache, table = case["q"], case["k_cache"], case["v_cache"], case["block_table"]
+    out = flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table)
+    full = np.full(q.shape[0], 48, dtype=np.int32)
+    ref_out, _, _, _ = reference_kvcache(q, k_cache, v_cache, full, block_table=table)
+    assert_fp32_close(out, ref_out, "out")
+
+
+def test_int64_indices_are_converted(rng):
+    case = make_case(rng, seqlen_new=1, capacity=32, page_size=16)
+    for key in ("cache_seqlens", "block_table"):
+        case[key] = case[key].astype(np.int64)
+    run_and_check(case)
+
+
+def test_readonly_caches_serve_attention_without_append(rng):
+    case = make_case(rng, capacity=20)
+    for key in ("q", "k_cache", "v_cache", "cache_seqlens"):
+        case[key].flags.writeable = False
+    run_and_check(case)
+
+
+def test_non_contiguous_q_and_new_keys(rng):
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=20)
+    for key in ("q", "k", "v"):  # head_dim stride != 1: the flash_attn API copies these
+        case[key] = np.asfortranarray(case[key])
+    run_and_check(case, causal=True)
+
+
+# ---- numpy: bad inputs -------------------------------------------------------------------------
+
+
+def call_expecting_error(case, error, pattern, **kwargs):
+    """The call raises `error` matching `pattern`, and the caches are left as they were."""
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    args = {key: value for key, value in case.items() if key not in ("q", "k_cache", "v_cache")}
+    with pytest.raises(error, match=pattern):
+        flashcore.flash_attn_with_kvcache(case["q"], k_cache, v_cache, **args, **kwargs)
+    np.testing.assert_array_equal(k_cache, case["k_cache"])
+    np.testing.assert_array_equal(v_cache, case["v_cache"])
+
+
+def test_error_block_table_page_out_of_range(rng):
+    case = make_case(rng, seqlen_new=1, capacity=32, page_size=16, lengths=[3, 20, 31])
+    case["block_table"][2, 1] = case["k_cache"].shape[0]  # one past the last page
+    call_expecting_error(case, ValueError, r"^block_table: entry \[2, 1\]")
+    case["block_table"][2, 1] = -1
+    call_expecting_error(case, ValueError, r"^block_table: ")
+
+
+def test_error_cache_seqlens_beyond_capacity(rng):
+    case = make_case(rng, capacity=20, lengths=[3, 21, 4])
+    call_expecting_error(case, ValueError, r"^cache_seqlens: entry 1 \(21\)")
+
+
+def test_error_negative_cache_seqlens(rng):
+    case = make_case(rng, capacity=20, lengths=[3, -1, 4])
+    call_expecting_error(case, ValueError, r"^cache_seqlens: entry 1 is negative")
+
+
+def test_error_append_overflows_the_cache(rng):
+    case = make_case(rng, seqlen_new=3, capacity=20, lengths=[3, 18, 4])
+    call_expecting_error(case, ValueError, r"^cache_seqlens: entry 1 \(18\) \+ seqlen_new 3")
+
+
+def test_error_append_overflows_a_paged_cache(rng):
+    case = make_case(rng, seqlen_new=2, capacity=32, page_size=16, lengths=[31, 0, 0])
+    call_expecting_error(case, ValueError, r"^cache_seqlens: entry 0 ")
+
+
+def test_error_cache_batch_idx_out_of_range(rng):
+    case = make_case(rng, seqlen_new=1, batch_cache=4, capacity=20)
+    case["cache_batch_idx"][1] = 4
+    call_expecting_error(case, ValueError, r"^cache_batch_idx: entry 1")
+
+
+def test_error_cache_seqlens_not_int32_representable(rng):
+    case = make_case(rng, capacity=20)
+    case["cache_seqlens"] = np.array([1, 2**40, 3], dtype=np.int64)
+    call_expecting_error(case, ValueError, r"^cache_seqlens: ")
+    case["cache_seqlens"] = 2**40
+    call_expecting_error(case, ValueError, r"^cache_seqlens: ")
+    case["cache_seqlens"] = np.array([1.0, 2.0, 3.0])
+    call_expecting_error(case, ValueError, r"^cache_seqlens: ")
+    case["cache_seqlens"] = 2.0
+    call_expecting_error(case, TypeError, r"^cache_seqlens: ")
+
+
+def test_error_wrong_cache_seqlens_length(rng):
+    case = make_case(rng, capacity=20)
+    case["cache_seqlens"] = case["cache_seqlens"][:2]
+    call_expecting_error(case, ValueError, r"^cache_seqlens: ")
+
+
+def test_error_cache_batch_idx_with_block_table(rng):
+    case = make_case(rng, capacity=32, page_size=16)
+    case["cache_batch_idx"] = np.arange(3, dtype=np.int32)
+    call_expecting_error(case, ValueError, r"^cache_batch_idx: ")
+
+
+def test_error_k_without_v_and_append_without_lengths(rng):
+    case = make_case(rng, seqlen_new=1, capacity=20)
+    v = case.pop("v")
+    call_expecting_error(case, ValueError, r"^k, v: ")
+    case["v"] = v
+    case.pop("cache_seqlens")
+    call_expecting_error(case, ValueError, r"^cache_seqlens: ")
+
+
+def test_error_new_keys_shape_names_k_new(rng):
+    case = make_case(rng, seqlen_new=2, capacity=20)
+    case["k"] = case["k"][:, :, :1]  # heads_kv must match the cache
+    call_expecting_error(case, ValueError, r"^k_new: ")
+
+
+def test_error_cache_dtype_and_bad_options(rng):
+    case = make_case(rng, capacity=20)
+    with pytest.raises(ValueError, match=r"^k_cache: "):
+        flashcore.flash_attn_with_kvcache(case["q"], case["k_cache"].astype(np.float16),
+                                          case["v_cache"], cache_seqlens=case["cache_seqlens"])
+    call_expecting_error(case, ValueError, r"^num_splits: ", num_splits=-1)
+    call_expecting_error(case, ValueError, r"^window_left: ", window_size=(-2, 0))
+    call_expecting_error(case, ValueError, r"^softcap: ", softcap=-1.0)
+
+
+def test_error_readonly_cache_with_append(rng):
+    case = make_case(rng, seqlen_new=1, capacity=20)
+    k_cache = case["k_cache"].copy()
+    k_cache.flags.writeable = False
+    with pytest.raises(TypeError, match=r"^k_cache: "):
+        flashcore.flash_attn_with_kvcache(case["q"], k_cache, case["v_cache"].copy(), case["k"],
+                                          case["v"], cache_seqlens=case["cache_seqlens"])
+
+
+@pytest.mark.parametrize("unsupported", [
+    {"rotary_cos": np.ones((20, 8), np.float32), "rotary_sin": np.zeros((20, 8), np.float32)},
+    {"cache_leftpad": np.zeros(3, np.int32)},
+    {"alibi_slopes": np.ones(4, np.float32)},
+])
+def test_unsupported_features_raise_not_implemented(rng, unsupported):
+    call_expecting_error(make_case(rng, seqlen_new=1, capacity=20), NotImplementedError,
+                         r"^(rotary_cos|cache_leftpad|alibi_slopes)", **unsupported)
+
+
+# ---- merge_partials ----------------------------------------------------------------------------
+
+
+def partials_of(q, k, v, boundaries, causal=False):
+    """Attention of each key range [boundaries[i], boundaries[i+1]) as float32 partials:
+    out (parts, batch, seqlen_q, heads, head_dim), lse (parts, batch, heads, seqlen_q). The
+    causal mask is that of the whole key set, so a range may see no key (lse -inf)."""
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k = k.shape[1]
+    outs, lses = [], []
+    for start, stop in zip(boundaries[:-1], boundaries[1:]):
+        out = np.zeros(q.shape)
+        lse = np.zeros((batch, heads, seqlen_q))
+        for b in range(batch):
+            mask = allowed_keys(seqlen_q, seqlen_k, causal, (-1, -1))[:, start:stop]
+            q64, k64, v64 = (x[b].astype(np.float64) for x in (q, k[:, start:stop], v[:, start:stop]))
+            s = np.einsum("ihd,jhd->hij", q64, k64) * q.shape[-1] ** -0.5
+            s = np.where(mask[None], s, -np.inf)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                row_max = np.where(mask.any(-1)[None, :, None], s.max(-1, keepdims=True, initial=-np.inf), 0)
+                p = np.exp(s - row_max)
+                total = p.sum(-1, keepdims=True)
+                lse[b] = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf)
+                out[b] = np.einsum("hij,jhd->ihd", np.where(total > 0, p / total, 0), v64)
+        outs.append(out)
+        lses.append(lse)
+    return np.stack(outs).astype(np.float32), np.stack(lses).astype(np.float32)
+
+
+@pytest.mark.parametrize("boundaries", [[0, 30], [0, 7, 19, 30], [0, 1, 2, 30]])
+def test_merge_partials_equals_whole_attention(rng, boundaries):
+    batch, seqlen_q, heads, seqlen_k = 2, 3, 4, 30
+    q = rng.standard_normal((batch, seqlen_q, heads, HEAD_DIM)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, seqlen_k, heads, HEAD_DIM)).astype(np.float32)
+            for _ in range(2))
+    # Causal over the whole key set: early ranges are empty for no row, late ones for some.
+    out_partials, lse_partials = partials_of(q, k, v, boundaries, causal=True)
+    out, lse = flashcore.merge_partials(out_partials, lse_partials)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    assert lse.shape == (batch, heads, seqlen_q)
+    whole_out, whole_lse = partials_of(q, k, v, [0, seqlen_k], causal=True)
+    assert_fp32_close(out, whole_out[0].astype(np.float64), "out")
+    assert_fp32_close(lse, whole_lse[0].astype(np.float64), "lse")
+
+
+def test_merge_partials_into_given_outputs_and_empty_rows(rng):
+    parts, batch, seqlen_q, heads = 3, 2, 2, 4
+    out_partials = rng.standard_normal((parts, batch, seqlen_q, heads, HEAD_DIM)).astype(np.float32)
+    lse_partials = rng.standard_normal((parts, batch, heads, seqlen_q)).astype(np.float32)
+    lse_partials[1] = -np.inf  # a part that saw no key contributes nothing
+    lse_partials[:, 1, 2, 0] = -np.inf  # a row no part saw: out 0, lse -inf
+    out = np.full((batch, seqlen_q, heads, HEAD_DIM), np.nan, dtype=np.float16)
+    lse = np.full((batch, heads, seqlen_q), np.nan, dtype=np.float32)
+    result = flashcore.merge_partials(out_partials, lse_partials, out=out, lse=lse)
+    assert result[0] is out and result[1] is lse
+    with np.errstate(invalid="ignore"):  # -inf - -inf in the row no part saw
+        weights = np.exp(lse_partials.astype(np.float64) - lse.astype(np.float64)[None])
+    weights = np.where(np.isfinite(lse)[None], weights, 0)  # (parts, batch, heads, seqlen_q)
+    expected = np.einsum("pbhi,pbihd->bihd", weights, out_partials.astype(np.float64))
+    with np.errstate(divide="ignore"):
+        expected_lse = np.log(np.exp(lse_partials.astype(np.float64)).sum(0))
+    assert_fp32_close(lse, expected_lse, "lse")
+    assert np.all(out[1, 0, 2] == 0) and np.isneginf(lse[1, 2, 0])
+    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-3, atol=2e-3)
+    # The C ABI's 4-D layout (batch and seqlen_q merged) gives the same result.
+    flat = out_partials.reshape(parts, batch * seqlen_q, heads, HEAD_DIM)
+    out4, lse4 = flashcore.merge_partials(flat, lse_partials)
+    np.testing.assert_array_equal(out4.astype(np.float16), out)
+    np.testing.assert_array_equal(lse4, lse)
+
+
+def test_merge_partials_errors(rng):
+    out_partials = np.zeros((2, 1, 3, 4, HEAD_DIM), np.float32)
+    lse_partials = np.zeros((2, 1, 4, 3), np.float32)
+    with pytest.raises(ValueError, match=r"^lse_partials: "):
+        flashcore.merge_partials(out_partials, lse_partials[:1])
+    with pytest.raises(ValueError, match=r"^out_partials: "):
+        flashcore.merge_partials(out_partials.astype(np.float16), lse_partials)
+    with pytest.raises(ValueError, match=r"^lse_partials: "):
+        flashcore.merge_partials(out_partials, lse_partials[..., :2])
+    with pytest.raises(ValueError, match=r"^out_partials: "):
+        flashcore.merge_partials(out_partials[:, 0, 0], lse_partials)  # 3-D
+    with pytest.raises(ValueError, match=r"^out: "):
+        flashcore.merge_partials(out_partials, lse_partials, out=np.zeros((1, 3, 4, HEAD_DIM), np.int32))
+
+
+# ---- torch CPU ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="torch is not installed")
+
+
+def torch_case(torch, case):
+    return {key: torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray)
+            else value for key, value in case.items()}
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_torch_cpu_matches_numpy_and_appends_in_place(rng, torch, page_size):
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=48, page_size=page_size)
+    expected_out, expected_lse = run_and_check(case, causal=True, num_splits=3)
+    tcase = torch_case(torch, case)
+    tcase["cache_seqlens"] = tcase["cache_seqlens"].to(torch.int64)  # flash_attn users pass both
+    k_cache, v_cache = tcase.pop("k_cache"), tcase.pop("v_cache")
+    out, lse = flashcore.flash_attn_with_kvcache(tcase.pop("q"), k_cache, v_cache, causal=True,
+                                                 num_splits=3, return_softmax_lse=True, **tcase)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    np.testing.assert_array_equal(out.numpy(), expected_out)
+    np.testing.assert_array_equal(lse.numpy(), expected_lse)
+    _, _, ref_k, ref_v = reference_kvcache(case["q"], case["k_cache"], case["v_cache"],
+                                           case["cache_seqlens"], k=case["k"], v=case["v"],
+                                           block_table=case.get("block_table"))
+    np.testing.assert_array_equal(k_cache.numpy(), ref_k)
+    np.testing.assert_array_equal(v_cache.numpy(), ref_v)
+
+
+def test_torch_cpu_int_cache_seqlens_and_errors(rng, torch):
+    case = torch_case(torch, make_case(rng, capacity=20, seqlen_new=1))
+    q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
+    before = k_cache.clone()
+    out = flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    with pytest.raises(ValueError, match=r"^cache_seqlens: "):
+        flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, case["k"], case["v"],
+                                          cache_seqlens=torch.tensor([1, 2**40, 3]))
+    with pytest.raises(ValueError, match=r"^cache_seqlens: "):
+        flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, case["k"], case["v"],
+                                          cache_seqlens=torch.tensor([1, 20, 3], dtype=torch.int32))
+    assert torch.equal(k_cache, before)
+    with pytest.raises(NotImplementedError):
+        flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5,
+                                          cache_leftpad=torch.zeros(3, dtype=torch.int32))
+
+
+def test_torch_cpu_custom_op_matches_eager(rng, torch):
+    from flashcore import _torch
+
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=48, page_size=16)
+    eager, op = torch_case(torch, case), torch_case(torch, case)
+    out_eager, lse_eager = flashcore.flash_attn_with_kvcache(
+        eager["q"], eager["k_cache"], eager["v_cache"], eager["k"], eager["v"],
+        cache_seqlens=eager["cache_seqlens"], block_table=eager["block_table"], causal=True,
+        return_softmax_lse=True)
+    out_op, lse_op = _torch._kvcache_op(
+        op["q"], op["k_cache"], op["v_cache"], op["k"], op["v"], op["cache_seqlens"], None,
+        op["block_table"], 0.0, True, -1, 0, 0.0, 0, 0)
+    assert torch.equal(out_eager, out_op) and torch.equal(lse_eager, lse_op)
+    assert torch.equal(eager["k_cache"], op["k_cache"])
+    assert torch.equal(eager["v_cache"], op["v_cache"])
+
+
+def test_torch_cpu_compile_sees_the_mutating_op(rng, torch):
+    case = torch_case(torch, make_case(rng, seqlen_q=1, seqlen_new=1, capacity=32))
+    reference_cache = case["k_cache"].clone()
+    expected = flashcore.flash_attn_with_kvcache(case["q"], reference_cache,
+                                                 case["v_cache"].clone(), case["k"], case["v"],
+                                                 cache_seqlens=case["cache_seqlens"])
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens):
+        return flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                 cache_seqlens=cache_seqlens)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    k_cache = case["k_cache"].clone()
+    out = compiled(case["q"], k_cache, case["v_cache"].clone(), case["k"], case["v"],
+                   case["cache_seqlens"])
+    assert torch.equal(out, expected)
+    assert torch.equal(k_cache, reference_cache)  # the append is kept through functionalization
+
+
+def test_torch_cpu_merge_partials(rng, torch):
+    out_partials = rng.standard_normal((3, 2, 2, 4, HEAD_DIM)).astype(np.float32)
+    lse_partials = rng.standard_normal((3, 2, 4, 2)).astype(np.float32)
+    expected_out, expected_lse = flashcore.merge_partials(out_partials, lse_partials)
+    out, lse = flashcore.merge_partials(torch.from_numpy(out_partials),
+                                        torch.from_numpy(lse_partials))
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(out.numpy(), expected_out)
+    np.testing.assert_array_equal(lse.numpy(), expected_lse)
+
+
+def test_torch_cpu_custom_op_opcheck(rng, torch):
+    from flashcore import _torch
+
+    case = torch_case(torch, make_case(rng, seqlen_q=2, seqlen_new=1, capacity=32, page_size=16))
+    args = (case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
+            case["cache_seqlens"], None, case["block_table"], 0.0, True, -1, 0, 0.0, 0, 0)
+    torch.library.opcheck(_torch._kvcache_op, args)
+
+
+# ---- torch CUDA (skip without a GPU) -----------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_torch(torch):
+    if not torch.cuda.is_available() or flashcore.cuda_device_count() == 0:
+        pytest.skip("no CUDA device (or flashcore built without CUDA)")
+    return torch
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_torch_cuda_matches_reference_and_appends(rng, cuda_torch, page_size):
+    torch = cuda_torch
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=300, page_size=page_size,
+                     dtype=np.float16)
+    tcase = {key: value.cuda() for key, value in torch_case(torch, case).items()}
+    out, lse = flashcore.flash_attn_with_kvcache(
+        tcase["q"], tcase["k_cache"], tcase["v_cache"], tcase["k"], tcase["v"],
+        cache_seqlens=tcase["cache_seqlens"].long(), block_table=tcase.get("block_table"),
+        causal=True, return_softmax_lse=True)
+    reference_args = dict(k=case["k"], v=case["v"], block_table=case.get("block_table"),
+                          causal=True)
+    ref_out, ref_lse, ref_k, ref_v = reference_kvcache(
+        case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], **reference_args)
+    same_out, same_lse, _, _ = reference_kvcache(
+        case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], same_precision=True,
+        **reference_args)
+    assert_low_precision_close(out.cpu().numpy(), ref_out, same_out.astype(np.float16),
+                               np.float16, "out")
+    assert_low_precision_close(lse.cpu().numpy(), ref_lse, same_lse, np.float32, "lse")
+    np.testing.assert_array_equal(tcase["k_cache"].cpu().numpy(), ref_k)
+    np.testing.assert_array_equal(tcase["v_cache"].cpu().numpy(), ref_v)
+
+
+def test_torch_cuda_decode_step_captured_in_a_cuda_graph(rng, cuda_torch):
+    torch = cuda_torch
+    case = make_case(rng, seqlen_q=1, seqlen_new=1, capacity=64, page_size=16, dtype=np.float16)
+    t = {key: value.cuda() for key, value in torch_case(torch, case).items()}
+
+    def step():
+        return flashcore.flash_attn_with_kvcache(
+            t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], cache_seqlens=t["cache_seqlens"],
+            block_table=t["block_table"], causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture, as torch recommends
+        eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()  # appends the same token at the same position again: idempotent
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
