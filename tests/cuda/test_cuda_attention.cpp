@@ -75,6 +75,35 @@ TEST(CudaForward, SmallGrids) {
       c.dtype = FC_DTYPE_BF16;
       cases.push_back(c);
     }
+  for (int64_t heads : {32, 33}) {  // either side of "fewer CTAs than SMs" on a 132-SM H100
+    Case c;
+    c.seqlen_q = c.seqlen_k = 512;
+    c.heads_q = c.heads_kv = heads;
+    c.head_dim = 64;
+    c.dtype = FC_DTYPE_F16;
+    cases.push_back(c);
+  }
+  for (bool causal : {false, true}) {  // few queries, many keys: uneven key shares, partial tile
+    Case c;
+    c.seqlen_q = 17;
+    c.seqlen_k = 5000;
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.head_dim = 128;
+    c.dtype = FC_DTYPE_BF16;
+    c.causal = causal;
+    cases.push_back(c);
+  }
+  {  // a narrow window: some key groups get no tiles, rows inside groups fully masked
+    Case c;
+    c.seqlen_q = 32;
+    c.seqlen_k = 2000;
+    c.heads_q = 2;
+    c.head_dim = 64;
+    c.causal = true;
+    c.window_left = 16;
+    cases.push_back(c);
+  }
   Case v;
   v.varlen_q = {1, 300, 0};
   v.varlen_k = {700, 300, 50};

@@ -1,15 +1,18 @@
 // Device helpers shared by the sm80 (mma.sync) kernels: element packing and mma dispatch per dtype,
 // the XOR-swizzled shared-memory tile layout, per-lane ldmatrix addressing into it, predicated
-// global->shared tile copies with cp.async, quad (4-lane) reductions and fast exp2.
+// global->shared tile copies with cp.async, quad (4-lane) reductions, fast exp2, named barriers;
+// on the host, a per-device cache of the SM count and shared-memory limit.
 //
-// Relies on: src/cuda/ptx/{mma,cp_async}.cuh for the raw instructions. Everything here works on
-// 16-bit elements (__half / __nv_bfloat16) and 16-byte "chunks" (8 elements), the unit of cp.async,
-// of one ldmatrix row and of a vector store.
+// Relies on: src/cuda/ptx/{mma,cp_async}.cuh for the raw instructions, the CUDA runtime for the
+// device queries. Everything here works on 16-bit elements (__half / __nv_bfloat16) and 16-byte
+// "chunks" (8 elements), the unit of cp.async, of one ldmatrix row and of a vector store.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -24,6 +27,7 @@ constexpr int kChunkBytes = 16;            // cp.async size, one ldmatrix row, o
 constexpr int kElementBytes = 2;           // fp16 / bf16
 constexpr int kChunkElems = kChunkBytes / kElementBytes;
 constexpr int kSwizzleChunks = 8;          // chunks XOR-permuted within each 128-byte row segment
+constexpr int kMaxNamedBarriers = 16;      // bar.sync ids per CTA; __syncthreads uses id 0
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -178,6 +182,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/** Barrier among the kThreads threads (whole warps) that use named barrier `id` (1 .. 15; 0 belongs
+ *  to __syncthreads). Like __syncthreads, it also orders shared-memory accesses and, after
+ *  cp.async.wait_group, publishes the participating threads' completed copies. */
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  static_assert(kThreads % kWarpSize == 0, "named barriers count whole warps");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
 /** 16-byte shared-memory load (from a .shared window address). */
 __device__ __forceinline__ uint4 load_shared_16(uint32_t addr) {
   uint4 v;
@@ -196,6 +209,41 @@ __device__ __forceinline__ void store_shared_4(uint32_t addr, uint32_t v) {
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
+}
+
+// ---- host: device limits for launch-configuration choices -------------------------------------
+
+/** What a kernel-configuration choice (the forward's small-grid path) needs to know about a device,
+ *  queried once per device and cached in function-local statics (the only mutable state of the
+ *  backend; racing first calls store equal values). */
+struct DeviceLimits {
+  int sm_count = 0;            // 0 when unknown: the small-grid path is then never taken
+  int max_smem_per_block = 0;  // opt-in dynamic shared memory limit
+};
+inline DeviceLimits device_limits(int device_id) {
+  constexpr int kCachedDevices = 64;
+  // sm_count is stored last (release) and read first (acquire): nonzero means both are valid.
+  static std::atomic<int> cached_sm_count[kCachedDevices];  // 0 = not queried yet
+  static std::atomic<int> cached_max_smem[kCachedDevices];
+  const bool cacheable = device_id >= 0 && device_id < kCachedDevices;
+  DeviceLimits limits;
+  if (cacheable) {
+    limits.sm_count = cached_sm_count[device_id].load(std::memory_order_acquire);
+    limits.max_smem_per_block = cached_max_smem[device_id].load(std::memory_order_relaxed);
+    if (limits.sm_count > 0) return limits;
+  }
+  if (cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device_id) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&limits.max_smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                             device_id) != cudaSuccess) {
+    cudaGetLastError();  // a failed query must not leave a sticky error for the launch check
+    return DeviceLimits{};
+  }
+  if (cacheable) {
+    cached_max_smem[device_id].store(limits.max_smem_per_block, std::memory_order_relaxed);
+    cached_sm_count[device_id].store(limits.sm_count, std::memory_order_release);
+  }
+  return limits;
 }
 
 }  // namespace flashcore::cuda::sm80
