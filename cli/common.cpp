@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "common/dtype_host.hpp"
+#include "common/mask.hpp"
 
 #if FLASHCORE_WITH_CUDA
 #include <cuda_runtime.h>
@@ -28,6 +29,7 @@ Args::Args(int argc, char** argv, int first, const std::map<std::string, bool>& 
     }
     auto it = known.find(key);
     if (it == known.end()) throw UsageError("unknown option --" + key);
+    if (!it->second && eq != std::string::npos) throw UsageError("option --" + key + " takes no value");
     if (it->second && eq == std::string::npos) {
       if (i + 1 >= argc) throw UsageError("option --" + key + " needs a value");
       value = argv[++i];
@@ -129,20 +131,45 @@ Problem parse_problem(const Args& a, const Problem& defaults) {
     const size_t comma = w.find(',');
     if (comma == std::string::npos) throw UsageError("--window expects L,R (e.g. 256,0)");
     try {
-      p.window_left = std::stoi(w.substr(0, comma));
-      p.window_right = std::stoi(w.substr(comma + 1));
+      size_t n1 = 0, n2 = 0;
+      const std::string l = w.substr(0, comma), r = w.substr(comma + 1);
+      p.window_left = std::stoi(l, &n1);
+      p.window_right = std::stoi(r, &n2);
+      if (n1 != l.size() || n2 != r.size()) throw std::invalid_argument("trailing characters");
     } catch (...) {
       throw UsageError("--window expects two integers L,R, got '" + w + "'");
     }
   }
   p.softcap = a.real("softcap", 0);
-  p.threads = static_cast<int32_t>(a.num("threads", 0));
+  const int64_t threads = a.num("threads", 0);
+  if (threads < 0 || threads > 4096) throw UsageError("--threads: " + std::to_string(threads) + " is outside 0..4096");
+  p.threads = static_cast<int32_t>(threads);
+  // Sizes are checked here, before any buffer is allocated for them.
+  const std::pair<const char*, int64_t> dims[] = {{"--batch", p.batch},       {"--seqlen", p.seqlen_q},
+                                                  {"--seqlen-k", p.seqlen_k}, {"--heads", p.heads_q},
+                                                  {"--heads-kv", p.heads_kv}, {"--head-dim", p.head_dim}};
+  for (const auto& [name, value] : dims)
+    if (value < 1) throw UsageError(std::string(name) + ": " + std::to_string(value) + " must be >= 1");
+  constexpr double kMaxElements = double(int64_t(1) << 36);  // 128 GiB of fp16 per tensor
+  const double q_elems = double(p.batch) * double(p.seqlen_q) * double(p.heads_q) * double(p.head_dim);
+  const double k_elems = double(p.batch) * double(p.seqlen_k) * double(p.heads_kv) * double(p.head_dim);
+  if (q_elems > kMaxElements || k_elems > kMaxElements)
+    throw UsageError("the problem needs more than 2^36 elements per tensor; reduce --batch, --seqlen or --heads");
   return p;
 }
 
 double Problem::flops_forward() const {
-  const double f = 4.0 * batch * heads_q * double(seqlen_q) * double(seqlen_k) * head_dim;
-  return causal ? f / 2 : f;
+  const double per_pair = 4.0 * batch * heads_q * head_dim;
+  if (window_left == -1 && window_right == -1)  // the field's convention: halved when causal
+    return per_pair * double(seqlen_q) * double(seqlen_k) / (causal ? 2 : 1);
+  // Sliding windows: count the (query, key) pairs the mask admits.
+  const MaskInfo mask{seqlen_q, seqlen_k, window_left, causal ? 0 : window_right};
+  double pairs = 0;
+  for (int64_t i = 0; i < seqlen_q; ++i) {
+    const KeyRange r = mask.keys_for_row(i);
+    pairs += double(r.end - r.begin);
+  }
+  return per_pair * pairs;
 }
 
 std::string Problem::describe() const {

@@ -28,6 +28,7 @@ using Tensor = fc_tensor;
 /** A contiguous (row-major) view of `data` with the given shape. */
 inline Tensor make_tensor(void* data, fc_dtype dtype, std::initializer_list<int64_t> shape,
                           fc_device_type device = FC_DEVICE_CPU, int32_t device_id = 0) {
+  if (shape.size() > FC_MAX_DIMS) throw Error(FC_ERROR_INVALID_ARGUMENT, "make_tensor: more than FC_MAX_DIMS dimensions");
   Tensor t{};
   t.data = data;
   t.dtype = dtype;

@@ -53,6 +53,7 @@ FC_API const char* fc_backend_name(int32_t backend) {
 
 FC_API int32_t fc_backend_available(int32_t backend, int32_t device_id) {
   try {
+    if (backend < FC_BACKEND_AUTO || backend > FC_BACKEND_CUDA_SM90 || device_id < 0) return 0;
     return flashcore::backend_available(static_cast<fc_backend>(backend), device_id) ? 1 : 0;
   } catch (...) {
     return 0;

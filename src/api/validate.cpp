@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -91,7 +92,8 @@ Status check_tensor_basics(const fc_tensor* t, const char* name, int ndim, Exten
   if (numel > 0) {
     if (t->data == nullptr) return Status::invalid(std::string(name) + ": data pointer is null");
     int64_t lo_b = 0, hi_b = 0;
-    if (mul_overflows(lo, elem, &lo_b) || mul_overflows(hi + 1, elem, &hi_b))
+    int64_t hi_end = 0;
+    if (add_overflows(hi, 1, &hi_end) || mul_overflows(lo, elem, &lo_b) || mul_overflows(hi_end, elem, &hi_b))
       return Status::invalid(std::string(name) + ": byte extent overflows int64");
     lo = lo_b;
     hi = hi_b;
@@ -199,6 +201,12 @@ Status check_cu_seqlens_values(const fc_tensor* cu, const char* name, int64_t ba
 namespace {
 using namespace validate_detail;
 
+/** A finite double that float32 represents without overflowing or flushing a nonzero to 0. */
+bool fits_float(double x) {
+  const double a = std::fabs(x);
+  return a <= std::numeric_limits<float>::max() && (a == 0 || a >= std::numeric_limits<float>::denorm_min());
+}
+
 TensorRef dense_ref(const fc_tensor* t) {
   return {t->data, t->strides[0], t->strides[1], t->strides[2]};
 }
@@ -254,8 +262,13 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   // Options.
   if (!std::isfinite(opt.softmax_scale))
     return Status::invalid("softmax_scale: must be finite (0 selects 1/sqrt(head_dim))");
+  if (!fits_float(opt.softmax_scale))
+    return Status::invalid("softmax_scale: " + std::to_string(opt.softmax_scale) +
+                           " is outside float32's range (kernels compute scores in float32)");
   if (!std::isfinite(opt.softcap) || opt.softcap < 0)
     return Status::invalid("softcap: must be finite and >= 0 (0 disables capping)");
+  if (!fits_float(opt.softcap))
+    return Status::invalid("softcap: " + std::to_string(opt.softcap) + " is outside float32's range");
   int64_t wl = -1, wr = -1;
   if (opt.has_window) {
     if (opt.window_left < -1)
@@ -315,8 +328,10 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   if (ck->shape[0] != cq->shape[0])
     return Status::invalid("cu_seqlens_k: has " + std::to_string(ck->shape[0]) + " entries but cu_seqlens_q has " +
                            std::to_string(cq->shape[0]) + " (both are batch + 1)");
-  if (cq->shape[0] > 1 && (cq->strides[0] != 1 || ck->strides[0] != 1))
-    return Status::invalid("cu_seqlens_q: must be contiguous (stride 1), as must cu_seqlens_k");
+  if (cq->shape[0] > 1 && cq->strides[0] != 1)
+    return Status::invalid("cu_seqlens_q: must be contiguous (stride 1)");
+  if (ck->shape[0] > 1 && ck->strides[0] != 1)
+    return Status::invalid("cu_seqlens_k: must be contiguous (stride 1)");
   if (opt.max_seqlen_q < 0) return Status::invalid("max_seqlen_q: " + std::to_string(opt.max_seqlen_q) + " is negative");
   if (opt.max_seqlen_k < 0) return Status::invalid("max_seqlen_k: " + std::to_string(opt.max_seqlen_k) + " is negative");
   if (k->shape[0] != v->shape[0])
@@ -325,8 +340,10 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   p->batch = batch;
   p->total_q = q->shape[0];
   p->total_k = k->shape[0];
-  p->seqlen_q = opt.max_seqlen_q;
-  p->seqlen_k = opt.max_seqlen_k;
+  // No sequence is longer than its packed tensor: a generous max_seqlen (an engine's configured
+  // maximum) is clamped there, so backends never size grids or scratch from an absurd value.
+  p->seqlen_q = std::min<int64_t>(opt.max_seqlen_q, p->total_q);
+  p->seqlen_k = std::min<int64_t>(opt.max_seqlen_k, p->total_k);
   if (q->device_type == FC_DEVICE_CPU) {
     if (!(s = check_cu_seqlens_values(cq, "cu_seqlens_q", batch, p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok())
       return s;

@@ -52,7 +52,12 @@ void parallel_for(int64_t count, int threads, Task&& task) {
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  try {
+    for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  } catch (...) {
+    // Could not start another thread (process limits): the threads already running and this one
+    // finish the tasks; every started thread is joined below either way.
+  }
   worker();
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);

@@ -13,8 +13,8 @@ std::vector<Case> grid_seqlens(const GridOptions& g) {
         c.batch = sq * sk > 500000 ? 1 : 2;
         c.seqlen_q = sq;
         c.seqlen_k = sk;
-        c.heads_q = (i % 2) ? 4 : 2;
-        c.heads_kv = (i % 2) ? 2 : 2;
+        c.heads_q = (i % 2) ? 4 : 2;  // MQA (4 q heads on 1 kv head) and MHA alternate
+        c.heads_kv = (i % 2) ? 1 : 2;
         c.head_dim = g.head_dims[i % g.head_dims.size()];
         c.dtype = dt;
         c.causal = causal;
@@ -88,7 +88,7 @@ std::vector<Case> grid_masks(const GridOptions& g) {
       c.heads_q = 2;
       c.heads_kv = 2;
       c.head_dim = g.head_dims.back();
-      c.dtype = g.dtypes[0];
+      c.dtype = cap < 10 ? g.dtypes[0] : g.dtypes.back();
       c.softcap = cap;
       c.causal = causal;
       c.q_magnitude = 4.f;

@@ -162,6 +162,39 @@ std::vector<float> gather_lse(const HostTensor& t, const Case& c) {
   return out;
 }
 
+/** Every element of `t` outside the valid rows (stride padding, rows of no sequence) must still
+ *  hold the NaN poison: a backend writing past head_dim or into foreign rows fails here. */
+ErrorReport untouched_outside(const std::string& what, const HostTensor& t, const Case& c, bool keys, bool is_lse) {
+  ErrorReport r;
+  r.what = what + " (outside valid rows)";
+  std::vector<char> valid(static_cast<size_t>(t.extent()), 0);
+  const RowSet rs = rows_of(c, keys);
+  const bool varlen = c.is_varlen();
+  const int nd = static_cast<int>(t.shape.size());
+  for (size_t b = 0; b < rs.lengths.size(); ++b)
+    for (int64_t i = 0; i < rs.lengths[b]; ++i) {
+      if (is_lse) {
+        for (int64_t h = 0; h < c.heads_q; ++h)
+          valid[varlen ? h * t.strides[0] + (rs.seq_start[b] + i) * t.strides[1]
+                       : int64_t(b) * t.strides[0] + h * t.strides[1] + i * t.strides[2]] = 1;
+        continue;
+      }
+      const int64_t heads = t.shape[nd - 2], hd = t.shape[nd - 1];
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < hd; ++d)
+          valid[varlen ? (rs.seq_start[b] + i) * t.strides[0] + h * t.strides[1] + d
+                       : int64_t(b) * t.strides[0] + i * t.strides[1] + h * t.strides[2] + d] = 1;
+    }
+  for (int64_t off = 0; off < t.extent(); ++off) {
+    if (!valid[off] && !std::isnan(t.get(off))) {
+      r.ok = false;
+      r.detail = what + ": element at offset " + std::to_string(off) + " outside every valid row was written";
+      break;
+    }
+  }
+  return r;
+}
+
 /** TESTING.md's rule for one output (see harness.hpp). */
 ErrorReport compare(const std::string& what, const std::vector<float>& x, const std::vector<float>& ref,
                     const std::vector<float>& same, int32_t dtype, double k, bool is_lse) {
@@ -171,6 +204,11 @@ ErrorReport compare(const std::string& what, const std::vector<float>& x, const 
   double max_err = 0, same_err = 0, atol = 0, diff2 = 0, ref2 = 0, max_ref = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     const double xi = x[i], ri = ref[i];
+    if (std::isnan(ri)) {
+      r.ok = false;
+      if (detail.str().empty()) detail << what << "[" << i << "]: the reference itself is NaN";
+      continue;
+    }
     if (std::isnan(xi)) {
       r.ok = false;
       if (detail.str().empty()) detail << what << "[" << i << "] is NaN (unwritten or computed NaN), ref " << ri;
@@ -281,6 +319,7 @@ fc_attention_options options_for(const Case& c, fc_backend backend, const fc_ten
   o.backend = backend;
   o.stream = stream;
   o.deterministic = c.deterministic;
+  o.num_threads = c.num_threads;
   if (c.is_varlen()) {
     o.cu_seqlens_q = cu_q;
     o.cu_seqlens_k = cu_k;
@@ -386,6 +425,8 @@ CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64
                                 gather_rows(same_out, c, false), c.dtype, 2.0, false));
   res.reports.push_back(compare("lse", gather_lse(pr.lse, c), gather_lse(ref_lse, c), gather_lse(same_lse, c),
                                 c.dtype, 2.0, true));
+  res.reports.push_back(untouched_outside("out", pr.out, c, false, false));
+  res.reports.push_back(untouched_outside("lse", pr.lse, c, false, true));
   for (auto& r : res.reports) res.ok = res.ok && r.ok;
   return res;
 }
@@ -474,6 +515,9 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
   cmp("dq", g.dq, ref.dq, same.dq, false);
   cmp("dk", g.dk, ref.dk, same.dk, true);
   cmp("dv", g.dv, ref.dv, same.dv, true);
+  res.reports.push_back(untouched_outside("dq", g.dq, c, false, false));
+  res.reports.push_back(untouched_outside("dk", g.dk, c, true, false));
+  res.reports.push_back(untouched_outside("dv", g.dv, c, true, false));
   for (auto& r : res.reports) res.ok = res.ok && r.ok;
   return res;
 }
@@ -487,6 +531,7 @@ bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int
   std::vector<uint8_t> first;
   for (int r = 0; r < repeats; ++r) {
     fill_nan(pr.out);
+    fill_nan(pr.lse);
     std::vector<uint8_t> now;
     if (backward) {
       Grads g;

@@ -54,6 +54,7 @@ struct Case {
   // Multiply q by this to push scores toward overflow territory.
   float q_magnitude = 1.f;
   bool deterministic = false;
+  int32_t num_threads = 0;  // CPU backends: 0 = all cores
 
   std::string name() const;
   bool is_varlen() const { return !varlen_q.empty(); }

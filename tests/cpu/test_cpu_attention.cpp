@@ -84,6 +84,27 @@ TEST(CpuFlashRaces, RepeatsAreBitIdentical) {
   EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, 10, true, &why)) << why;
 }
 
+// Results must not depend on how many threads share the work.
+TEST(CpuFlashThreads, AnyThreadCountIsCorrect) {
+  auto mem = host_memory();
+  for (int32_t threads : {1, 2, 7}) {
+    Case c;
+    c.batch = 2;
+    c.seqlen_q = 130;
+    c.seqlen_k = 170;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = 64;
+    c.dtype = FC_DTYPE_BF16;
+    c.causal = true;
+    c.num_threads = threads;
+    CheckResult r = check_forward(c, FC_BACKEND_CPU_FLASH, *mem, 77);
+    EXPECT_TRUE(r.ok) << threads << " threads\n" << r.summary();
+    r = check_backward(c, FC_BACKEND_CPU_FLASH, *mem, 78);
+    EXPECT_TRUE(r.ok) << threads << " threads\n" << r.summary();
+  }
+}
+
 // The oracle itself: the public reference backend agrees with its own row function and the
 // default (auto) backend on CPU tensors is cpu_flash, which must match the reference too.
 TEST(CpuReference, AutoBackendOnCpuTensors) {
