@@ -3,12 +3,15 @@
 // - Simd: a thin wrapper over one float vector type, chosen at compile time: AVX-512 when
 //   __AVX512F__, AVX2+FMA when __AVX2__ && __FMA__, else a portable scalar emulation. Everything
 //   else here is written once against that wrapper.
-// - vexp / vtanh: vectorized exp (Cephes-style range reduction + degree-5 polynomial, ~1-2 ulp)
+// - vexp / vtanh: vectorized exp (Cody-Waite range reduction + degree-6 minimax polynomial, ~1-2 ulp)
 //   and tanh (odd polynomial near 0, exp-based elsewhere) for softmax and softcap.
 // - load_row / store_row: one row of fp16 / bf16 / fp32 to fp32 and back (round to nearest even).
+// - dot, transpose (16 x 16 register blocks on AVX-512), prefetch_rows (rows 4 KiB apart, which
+//   the hardware prefetcher does not follow).
 // - gemm_bcast: the one register-blocked micro-kernel family both directions are built from:
 //   C[i][j..j+W) (+)= sum_k A(i, k) * B[k][j..j+W), A read by scalar broadcast through two
-//   strides (so the same code serves A and A^T), B and C read as vectors along j.
+//   strides (so the same code serves A and A^T), B and C read as vectors along j; optional
+//   epilogues fold in the online-softmax rescale and the row max.
 // - AlignedFloats (64-byte aligned scratch) and run_workers (std::thread pool for one call with a
 //   shared atomic task counter; results never depend on which thread ran a task).
 // Compiled with -O3 -march=native (CMakeLists sets it for the two .cpp files that include this).
@@ -158,33 +161,47 @@ struct ExpConstants {
   // the upper clamp keeps 2^n inside the normal exponent range (n <= 127).
   static constexpr float kMinInput = -87.3365447505f;
   static constexpr float kMaxInput = 88.0f;
+  // vexp_softmax's floor: 2^round(-110 log2 e) = 2^-159 scales any y < 2 to exactly 0.
+  static constexpr float kSoftmaxFloor = -110.0f;
   static constexpr float kLog2e = 1.44269504088896341f;
   // ln 2 split in two (Cody-Waite) so r = x - n ln2 is exact to ~2^-32.
   static constexpr float kLn2Hi = 0.693359375f;
   static constexpr float kLn2Lo = -2.12194440e-4f;
-  // exp(r) ~ 1 + r + r^2 * P(r) on |r| <= ln2 / 2 (minimax, Cephes expf).
-  static constexpr float kP0 = 1.9875691500e-4f;
-  static constexpr float kP1 = 1.3981999507e-3f;
-  static constexpr float kP2 = 8.3334519073e-3f;
-  static constexpr float kP3 = 4.1665795894e-2f;
-  static constexpr float kP4 = 1.6666665459e-1f;
-  static constexpr float kP5 = 5.0000001201e-1f;
+  // exp(r) ~ sum_j kC[j] r^j on |r| <= ln2 / 2: relative-error minimax fit (Remez, error
+  // 1.9e-9 before float rounding), evaluated by Horner with fused multiply-adds.
+  static constexpr int kDegree = 6;
+  static constexpr float kC[kDegree + 1] = {1.0f, 1.0000000363f, 4.9999992080e-1f, 1.6666420170e-1f,
+                                             4.1668225567e-2f, 8.3748157983e-3f, 1.3836846135e-3f};
 };
 
-inline Vec vexp(Vec x) {
+/** exp(x) = y * 2^n with |r| <= ln2 / 2; `clamped` must already be inside the usable range. */
+inline Vec exp_of_clamped(Vec clamped) {
   using C = ExpConstants;
-  const Vec clamped = Simd::min(Simd::max(x, Simd::set1(C::kMinInput)), Simd::set1(C::kMaxInput));
   const Vec n = Simd::round_nearest(Simd::mul(clamped, Simd::set1(C::kLog2e)));
   Vec r = Simd::fma(n, Simd::set1(-C::kLn2Hi), clamped);
   r = Simd::fma(n, Simd::set1(-C::kLn2Lo), r);
-  Vec poly = Simd::set1(C::kP0);
-  poly = Simd::fma(poly, r, Simd::set1(C::kP1));
-  poly = Simd::fma(poly, r, Simd::set1(C::kP2));
-  poly = Simd::fma(poly, r, Simd::set1(C::kP3));
-  poly = Simd::fma(poly, r, Simd::set1(C::kP4));
-  poly = Simd::fma(poly, r, Simd::set1(C::kP5));
-  const Vec y = Simd::fma(poly, Simd::mul(r, r), Simd::add(r, Simd::set1(1.f)));
-  return Simd::select(Simd::lt(x, Simd::set1(C::kMinInput)), Simd::zero(), Simd::times_pow2(y, n));
+  Vec y = Simd::set1(C::kC[C::kDegree]);
+  for (int j = C::kDegree - 1; j >= 0; --j) y = Simd::fma(y, r, Simd::set1(C::kC[j]));
+  return Simd::times_pow2(y, n);
+}
+
+/** exp for any input: 0 below ln(FLT_MIN) (so exp(-inf) is exactly 0), clamped above. */
+inline Vec vexp(Vec x) {
+  using C = ExpConstants;
+  const Vec clamped = Simd::min(Simd::max(x, Simd::set1(C::kMinInput)), Simd::set1(C::kMaxInput));
+  return Simd::select(Simd::lt(x, Simd::set1(C::kMinInput)), Simd::zero(), exp_of_clamped(clamped));
+}
+
+/** exp for softmax arguments x = s - max (<= 0, or -inf): exactly 0 for -inf. There is no upper
+ *  clamp: a lane that may be large and positive (a masked key in the backward) must be selected
+ *  away by the caller. With AVX-512 scalef underflows to 0 on its own, which saves the
+ *  clamp-and-select of vexp in the hottest loop; other ISAs take the general path. */
+inline Vec vexp_softmax(Vec x) {
+#if defined(__AVX512F__)
+  return exp_of_clamped(Simd::max(x, Simd::set1(ExpConstants::kSoftmaxFloor)));
+#else
+  return vexp(x);
+#endif
 }
 
 struct TanhConstants {
@@ -326,6 +343,88 @@ inline void* element_ptr_mut(const TensorRef& t, DType dtype, int64_t b, int64_t
   return static_cast<char*>(t.data) + offset_of(t, b, row, h) * static_cast<int64_t>(dtype_size(dtype));
 }
 
+/** sum_i a[i] * b[i] in fp32, SIMD lanes first, then the lanes in a fixed order. */
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc = Simd::zero();
+  int64_t i = 0;
+  for (; i + kSimdWidth <= n; i += kSimdWidth) acc = Simd::fma(Simd::load(a + i), Simd::load(b + i), acc);
+  float sum = Simd::reduce_add(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transposition (Q into Q^T, O^T back into rows) in register blocks: a scalar loop with strided
+// stores was measured at ~7 cycles per element, a large share of a short sequence's time.
+// ---------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr int kTransposeBlock = 16;
+/** dst[c * dst_ld + r] = src[r * src_ld + c] for one full 16 x 16 block. */
+inline void transpose_block(const float* src, int64_t src_ld, float* dst, int64_t dst_ld) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_ld);
+  for (int i = 0; i < 16; i += 2) {  // interleave 32-bit lanes of row pairs
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then 64-bit lanes of pairs of pairs
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+      r[i + j + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {  // then 128-bit lanes, twice
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+  // Lane bookkeeping of the four stages: output row c sits in r[perm[c]].
+  static constexpr int kOrder[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+  for (int c = 0; c < 16; ++c) _mm512_storeu_ps(dst + c * dst_ld, r[kOrder[c]]);
+}
+#else
+constexpr int kTransposeBlock = 8;
+inline void transpose_block(const float* src, int64_t src_ld, float* dst, int64_t dst_ld) {
+  for (int c = 0; c < kTransposeBlock; ++c)
+    for (int r = 0; r < kTransposeBlock; ++r) dst[c * dst_ld + r] = src[r * src_ld + c];
+}
+#endif
+
+/** dst[c * dst_ld + r] = src[r * src_ld + c] for r < rows, c < cols. */
+inline void transpose(const float* src, int64_t src_ld, int64_t rows, int64_t cols, float* dst, int64_t dst_ld) {
+  constexpr int64_t kB = kTransposeBlock;
+  const int64_t full_rows = rows / kB * kB, full_cols = cols / kB * kB;
+  for (int64_t r = 0; r < full_rows; r += kB)
+    for (int64_t c = 0; c < full_cols; c += kB) transpose_block(src + r * src_ld + c, src_ld, dst + c * dst_ld + r, dst_ld);
+  for (int64_t r = 0; r < rows; ++r) {  // ragged edges
+    const int64_t c_begin = r < full_rows ? full_cols : 0;
+    for (int64_t c = c_begin; c < cols; ++c) dst[c * dst_ld + r] = src[r * src_ld + c];
+  }
+}
+
+/** Asks the cache for `rows` rows of `row_bytes` bytes, `stride_bytes` apart. Rows of one head
+ *  in a (batch, seq, heads, dim) tensor are often 4 KiB apart, a stride the hardware prefetcher
+ *  does not follow, so loads of a tile would otherwise wait on one cache miss after another. */
+inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes, bool for_write = false) {
+  constexpr int64_t kLine = 64;
+  const char* base = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = base + r * stride_bytes;
+    for (int64_t off = 0; off < row_bytes; off += kLine) {
+      if (for_write) {
+        __builtin_prefetch(row + off, 1, 3);
+      } else {
+        __builtin_prefetch(row + off, 0, 3);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scratch memory.
 // ---------------------------------------------------------------------------------------------
@@ -363,7 +462,8 @@ class AlignedFloats {
 enum class Accumulate {
   kOverwrite,   // C = A B
   kAdd,         // C += A B
-  kScaleAdd,    // C = C * col_scale[j] + A B   (the online-softmax rescale, folded in)
+  kScaleAdd,    // C = C * column[j] + A B     (the online-softmax rescale, folded in)
+  kOverwriteMax,  // C = A B and column[j] = max(column[j], max_i C[i][j])  (the row max, folded in)
 };
 
 struct GemmTraits {
@@ -378,82 +478,102 @@ struct GemmTraits {
 #endif
 };
 
+// Full unrolling of the R x V loops lets GCC keep the accumulators in registers from start to end
+// (without it they round-trip through the stack around the k loop).
+#if defined(__GNUC__) && !defined(__clang__)
+#define FC_UNROLL _Pragma("GCC unroll 16")
+#elif defined(__clang__)
+#define FC_UNROLL _Pragma("unroll")
+#else
+#define FC_UNROLL
+#endif
+
 /** One R x V-vector tile. A(i, k) = a[i * a_row + k * a_k]. */
 template <int R, int V, Accumulate kMode>
 inline void gemm_micro(const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb, float* c,
-                       int64_t ldc, int64_t depth, const float* col_scale) {
+                       int64_t ldc, int64_t depth, float* column) {
   Vec acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = Simd::zero();
+  FC_UNROLL for (int r = 0; r < R; ++r) {
+    FC_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = Simd::zero();
+  }
   for (int64_t k = 0; k < depth; ++k) {
     const float* b_k = b + k * ldb;
     const float* a_k_ptr = a + k * a_k;
     Vec bv[V];
-    for (int v = 0; v < V; ++v) bv[v] = Simd::load(b_k + v * kSimdWidth);
-    for (int r = 0; r < R; ++r) {
+    FC_UNROLL for (int v = 0; v < V; ++v) bv[v] = Simd::load(b_k + v * kSimdWidth);
+    FC_UNROLL for (int r = 0; r < R; ++r) {
       const Vec ar = Simd::set1(a_k_ptr[r * a_row]);
-      for (int v = 0; v < V; ++v) acc[r][v] = Simd::fma(ar, bv[v], acc[r][v]);
+      FC_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = Simd::fma(ar, bv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  FC_UNROLL for (int r = 0; r < R; ++r) {
     float* c_r = c + r * ldc;
-    for (int v = 0; v < V; ++v) {
+    FC_UNROLL for (int v = 0; v < V; ++v) {
       float* dst = c_r + v * kSimdWidth;
       if (kMode == Accumulate::kOverwrite) {
         Simd::store(dst, acc[r][v]);
       } else if (kMode == Accumulate::kAdd) {
         Simd::store(dst, Simd::add(Simd::load(dst), acc[r][v]));
+      } else if (kMode == Accumulate::kScaleAdd) {
+        Simd::store(dst, Simd::fma(Simd::load(dst), Simd::load(column + v * kSimdWidth), acc[r][v]));
       } else {
-        Simd::store(dst, Simd::fma(Simd::load(dst), Simd::load(col_scale + v * kSimdWidth), acc[r][v]));
+        Simd::store(dst, acc[r][v]);
       }
+    }
+  }
+  if (kMode == Accumulate::kOverwriteMax) {
+    FC_UNROLL for (int v = 0; v < V; ++v) {
+      Vec m = acc[0][v];
+      FC_UNROLL for (int r = 1; r < R; ++r) m = Simd::max(m, acc[r][v]);
+      Simd::store(column + v * kSimdWidth, Simd::max(Simd::load(column + v * kSimdWidth), m));
     }
   }
 }
 
 template <int V, Accumulate kMode>
 inline void gemm_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
-                      float* c, int64_t ldc, int64_t depth, const float* col_scale) {
+                      float* c, int64_t ldc, int64_t depth, float* column) {
   constexpr int kR = GemmTraits::kRows;
   int64_t i = 0;
   for (; i + kR <= rows; i += kR) {
-    gemm_micro<kR, V, kMode>(a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc, depth, col_scale);
+    gemm_micro<kR, V, kMode>(a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc, depth, column);
   }
   const int rest = static_cast<int>(rows - i);
   const float* a_i = a + i * a_row;
   float* c_i = c + i * ldc;
   static_assert(kR <= 8, "extend the remainder switch");
   switch (rest) {
-    case 1: gemm_micro<1, V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
-    case 2: gemm_micro<(kR > 2 ? 2 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
-    case 3: gemm_micro<(kR > 3 ? 3 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
-    case 4: gemm_micro<(kR > 4 ? 4 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
-    case 5: gemm_micro<(kR > 5 ? 5 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
-    case 6: gemm_micro<(kR > 6 ? 6 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
-    case 7: gemm_micro<(kR > 7 ? 7 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, col_scale); break;
+    case 1: gemm_micro<1, V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
+    case 2: gemm_micro<(kR > 2 ? 2 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
+    case 3: gemm_micro<(kR > 3 ? 3 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
+    case 4: gemm_micro<(kR > 4 ? 4 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
+    case 5: gemm_micro<(kR > 5 ? 5 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
+    case 6: gemm_micro<(kR > 6 ? 6 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
+    case 7: gemm_micro<(kR > 7 ? 7 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
     default: break;
   }
 }
 
 /** C[rows x cols] (+)= A[rows x depth] * B[depth x cols]; cols must be a multiple of kSimdWidth.
  *  A(i, k) = a[i * a_row + k * a_k]: (a_row = lda, a_k = 1) reads A, (1, lda) reads A^T.
- *  col_scale (kScaleAdd only) has cols entries. */
+ *  column has cols entries: the scale read by kScaleAdd or the running max kOverwriteMax updates. */
 template <Accumulate kMode>
 inline void gemm_bcast(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_row, int64_t a_k,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, const float* col_scale = nullptr) {
+                       const float* b, int64_t ldb, float* c, int64_t ldc, float* column = nullptr) {
   constexpr int kV = GemmTraits::kVecs;
   const int64_t vectors = cols / kSimdWidth;
   int64_t v = 0;
   for (; v + kV <= vectors; v += kV) {
     const int64_t j = v * kSimdWidth;
-    gemm_rows<kV, kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, col_scale ? col_scale + j : nullptr);
+    gemm_rows<kV, kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column ? column + j : nullptr);
   }
   const int64_t j = v * kSimdWidth;
-  const float* scale_j = col_scale ? col_scale + j : nullptr;
+  float* column_j = column ? column + j : nullptr;
   static_assert(kV <= 4, "extend the remainder switch");
   switch (vectors - v) {
-    case 1: gemm_rows<1, kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, scale_j); break;
-    case 2: gemm_rows<(kV > 2 ? 2 : 1), kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, scale_j); break;
-    case 3: gemm_rows<(kV > 3 ? 3 : 1), kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, scale_j); break;
+    case 1: gemm_rows<1, kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column_j); break;
+    case 2: gemm_rows<(kV > 2 ? 2 : 1), kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column_j); break;
+    case 3: gemm_rows<(kV > 3 ? 3 : 1), kMode>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column_j); break;
     default: break;
   }
 }
@@ -464,7 +584,11 @@ inline void gemm_bcast(int64_t rows, int64_t cols, int64_t depth, const float* a
 /** Hands out task ids 0..count-1, each exactly once, to whichever worker asks first. */
 class TaskQueue {
  public:
-  explicit TaskQueue(int64_t count) : count_(count) {}
+  TaskQueue(int64_t count, int64_t workers) : count_(count), workers_(workers) {}
+  /** Number of workers draining the queue: task t + workers() is a fair guess at what the
+   *  worker that just took t will take next (used to prefetch its inputs). */
+  int64_t workers() const { return workers_; }
+  int64_t size() const { return count_; }
   /** Next task id, or -1 when all are taken. */
   int64_t next() {
     const int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
@@ -474,6 +598,7 @@ class TaskQueue {
  private:
   std::atomic<int64_t> next_{0};
   int64_t count_;
+  int64_t workers_;
 };
 
 inline int resolve_thread_count(int requested) {
@@ -489,7 +614,7 @@ template <class Worker>
 Status run_workers(int64_t num_tasks, int requested_threads, Worker&& worker) {
   if (num_tasks <= 0) return Status::ok();
   const int64_t threads = std::min<int64_t>(resolve_thread_count(requested_threads), num_tasks);
-  TaskQueue queue(num_tasks);
+  TaskQueue queue(num_tasks, threads);
   std::atomic<bool> failed{false};
   std::string failure;
   std::atomic_flag failure_lock = ATOMIC_FLAG_INIT;

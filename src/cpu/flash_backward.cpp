@@ -2,9 +2,9 @@
 //
 // Work split: one task per (batch, query head). Inside a task the FA2 loop order is kept: for
 // each key block (its K^T, V^T tiles packed once), for each query block that can see it:
-//   S = Q K^T, P = exp(scale * S - lse)   (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
+//   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
 //   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
-//   dK^T += Q^T dS      dQ += dS K       (scale applied once when dK and dQ are written)
+//   dK^T += (scale Q)^T dS               dQ += dS K  (times scale once, when dQ is written)
 // with D_i = rowsum(dO_i * O_i) computed first. The task owns its query head, so dQ accumulates
 // in a per-thread fp32 buffer [seqlen_q x D] with no sharing; dK/dV of a key block are complete
 // when the block's loop ends. With GQA several tasks feed one KV head: each writes fp32 partial
@@ -32,6 +32,7 @@ struct BackwardTraits {
   static constexpr int64_t kBlockKeys = 64;   // keys per tile (a multiple of kSimdWidth)
   static constexpr int64_t kBlockRows = 64;   // query rows per tile
   static constexpr int64_t kReduceRows = 256; // key rows per task of the GQA reduction pass
+  static constexpr int64_t kPrefetchRows = 8; // how far ahead strided input rows are prefetched
   static_assert(kBlockKeys % kSimdWidth == 0, "key block must fill whole vectors");
 };
 
@@ -41,22 +42,19 @@ struct BackwardTask {
   int64_t cost;
 };
 
-/** Q or dO of one (batch, head) as fp32 rows: the input itself for fp32, else a converted copy. */
-struct RowTile {
-  const float* data;
-  int64_t row_stride;
-};
-
 /** Per-thread buffers; the per-head ones are sized for the longest sequence. */
 struct BackwardScratch {
-  AlignedFloats q_rows, dout_rows;  // [seqlen_q x D] (fp16/bf16 inputs only)
+  AlignedFloats q_rows;             // [seqlen_q x D] Q * softmax_scale
+  AlignedFloats dout_rows;          // [seqlen_q x D]
   AlignedFloats dq_acc;             // [seqlen_q x D_pad]
   AlignedFloats delta, lse;         // [seqlen_q]
   AlignedFloats k_t, v_t;           // [D x N]
   AlignedFloats k_rows;             // [N x D_pad], zero padded columns
+  AlignedFloats v_rows;             // [N x D] V rows on their way into V^T, then dV rows
+  AlignedFloats dk_rows;            // [N x D] dK rows on their way out
   AlignedFloats dk_t, dv_t;         // [D x N]
   AlignedFloats probs, dscores, tanh_grad;  // [M x N]
-  AlignedFloats row_a, row_b;       // [D_pad]
+  AlignedFloats row_a;              // [D_pad] one row in flight
 
   void reserve(int64_t max_seqlen_q, int64_t head_dim) {
     const int64_t n = BackwardTraits::kBlockKeys, m = BackwardTraits::kBlockRows;
@@ -69,9 +67,10 @@ struct BackwardScratch {
     lse.reserve(rows);
     for (AlignedFloats* a : {&k_t, &v_t, &dk_t, &dv_t}) a->reserve(head_dim * n);
     k_rows.reserve(n * d_pad);
+    v_rows.reserve(n * head_dim);
+    dk_rows.reserve(n * head_dim);
     for (AlignedFloats* a : {&probs, &dscores, &tanh_grad}) a->reserve(m * n);
     row_a.reserve(d_pad);
-    row_b.reserve(d_pad);
   }
 };
 
@@ -98,9 +97,7 @@ class BackwardTaskRunner {
     kv_head_ = task.head / p_.group_size();
     seq_ = seq_info(p_, b_);
     const MaskInfo mask = mask_info(p_, seq_);
-    q_ = load_head_rows(p_.q, w_.q_rows);
-    dout_ = load_head_rows(p_.dout, w_.dout_rows);
-    compute_delta_and_lse();
+    load_head();
     std::fill(w_.dq_acc.data(), w_.dq_acc.data() + seq_.seqlen_q * d_pad_, 0.f);
 
     constexpr int64_t kN = BackwardTraits::kBlockKeys, kM = BackwardTraits::kBlockRows;
@@ -121,28 +118,37 @@ class BackwardTaskRunner {
   }
 
  private:
-  RowTile load_head_rows(const TensorRef& t, AlignedFloats& buffer) {
-    if (p_.dtype == DType::F32) {
-      return {static_cast<const float*>(element_ptr(t, p_.dtype, b_, seq_.q_start, head_)), t.row_stride};
-    }
-    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
-      load_row(p_.dtype, element_ptr(t, p_.dtype, b_, seq_.q_start + i, head_), p_.head_dim,
-               buffer.data() + i * p_.head_dim);
-    }
-    return {buffer.data(), p_.head_dim};
-  }
-
-  /** D_i = dO_i . O_i (fp32), and the forward's lse of each row. */
-  void compute_delta_and_lse() {
+  /** Loads what the head's rows need for the whole task, as contiguous fp32:
+   *  - Q * softmax_scale, rounded exactly as the forward rounds it, so the recomputed scores
+   *    match the forward's bit for bit (same products, same summation order) and P = exp(s - lse)
+   *    stays consistent with the given lse even for huge logits; dK = dS^T (Q * scale) then
+   *    needs no further scaling;
+   *  - dO (copied even for fp32: rows 4 KiB apart in the input all fall into one L1 set, and the
+   *    dO^T P product walks every row once per group of columns);
+   *  - D_i = dO_i . O_i and the forward's lse.
+   *  Input rows are prefetched a few rows ahead: their stride defeats the hardware prefetcher. */
+  void load_head() {
+    const int64_t head_dim = p_.head_dim;
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
+    float* q_rows = w_.q_rows.data();
+    float* dout_rows = w_.dout_rows.data();
     float* out_row = w_.row_a.data();
     for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
-      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, seq_.q_start + i, head_), p_.head_dim, out_row);
-      const float* dout_row = dout_.data + i * dout_.row_stride;
-      float dot = 0.f;
-      for (int64_t d = 0; d < p_.head_dim; ++d) dot += dout_row[d] * out_row[d];
-      w_.delta.data()[i] = dot;
-      w_.lse.data()[i] =
-          p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + (seq_.q_start + i) * p_.lse.row_stride];
+      const int64_t row = seq_.q_start + i;
+      if (i + BackwardTraits::kPrefetchRows < seq_.seqlen_q) {
+        const int64_t ahead = row + BackwardTraits::kPrefetchRows;
+        for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
+          prefetch_rows(element_ptr(*t, p_.dtype, b_, ahead, head_), 1, 0, row_bytes);
+        }
+      }
+      float* q = q_rows + i * head_dim;
+      load_row(p_.dtype, element_ptr(p_.q, p_.dtype, b_, row, head_), head_dim, q);
+      for (int64_t d = 0; d < head_dim; ++d) q[d] *= p_.softmax_scale;
+      float* dout = dout_rows + i * head_dim;
+      load_row(p_.dtype, element_ptr(p_.dout, p_.dtype, b_, row, head_), head_dim, dout);
+      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, out_row);
+      w_.delta.data()[i] = dot(dout, out_row, head_dim);
+      w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
     }
   }
 
@@ -150,49 +156,53 @@ class BackwardTaskRunner {
   void pack_keys(int64_t n0, int64_t n_valid) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    float* k_t = w_.k_t.data();
-    float* v_t = w_.v_t.data();
-    float* v_row = w_.row_b.data();
-    for (int64_t n = 0; n < n_valid; ++n) {
-      float* k_row = w_.k_rows.data() + n * d_pad_;
-      load_row(p_.dtype, element_ptr(p_.k, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, k_row);
-      std::fill(k_row + head_dim, k_row + d_pad_, 0.f);
-      load_row(p_.dtype, element_ptr(p_.v, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, v_row);
-      for (int64_t d = 0; d < head_dim; ++d) {
-        k_t[d * kN + n] = k_row[d];
-        v_t[d * kN + n] = v_row[d];
+    // The next block's rows stream in while this block's query loop computes.
+    const int64_t next_rows = std::min(kN, seq_.seqlen_k - n0 - kN);
+    if (next_rows > 0) {
+      const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
+      for (const TensorRef* t : {&p_.k, &p_.v}) {
+        prefetch_rows(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kN, kv_head_), next_rows, t->row_stride * elem,
+                      head_dim * elem);
       }
     }
-    for (int64_t d = 0; d < head_dim; ++d) {
-      std::fill(k_t + d * kN + n_valid, k_t + (d + 1) * kN, 0.f);
-      std::fill(v_t + d * kN + n_valid, v_t + (d + 1) * kN, 0.f);
+    float* k_rows = w_.k_rows.data();
+    float* v_rows = w_.v_rows.data();
+    for (int64_t n = 0; n < n_valid; ++n) {
+      float* k_row = k_rows + n * d_pad_;
+      load_row(p_.dtype, element_ptr(p_.k, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, k_row);
+      std::fill(k_row + head_dim, k_row + d_pad_, 0.f);
+      load_row(p_.dtype, element_ptr(p_.v, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, v_rows + n * head_dim);
     }
+    std::fill(k_rows + n_valid * d_pad_, k_rows + kN * d_pad_, 0.f);
+    std::fill(v_rows + n_valid * head_dim, v_rows + kN * head_dim, 0.f);
+    transpose(k_rows, d_pad_, kN, head_dim, w_.k_t.data(), kN);
+    transpose(v_rows, head_dim, kN, head_dim, w_.v_t.data(), kN);
   }
 
   void process_block(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid, bool first) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    const float* q = q_.data + m0 * q_.row_stride;
-    const float* dout = dout_.data + m0 * dout_.row_stride;
+    const float* q = w_.q_rows.data() + m0 * head_dim;
+    const float* dout = w_.dout_rows.data() + m0 * head_dim;
     float* probs = w_.probs.data();
     float* dscores = w_.dscores.data();
-    // S = Q K^T, then P in place.
-    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, q, q_.row_stride, 1, w_.k_t.data(), kN, probs, kN);
+    // S = (scale Q) K^T, then P in place.
+    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, q, head_dim, 1, w_.k_t.data(), kN, probs, kN);
     probabilities(mask, m0, m_valid, n0, n_valid);
     // dV^T += dO^T P
     if (first) {
-      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, dout, 1, dout_.row_stride, probs, kN, w_.dv_t.data(), kN);
+      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, dout, 1, head_dim, probs, kN, w_.dv_t.data(), kN);
     } else {
-      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, dout, 1, dout_.row_stride, probs, kN, w_.dv_t.data(), kN);
+      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, dout, 1, head_dim, probs, kN, w_.dv_t.data(), kN);
     }
     // dP = dO V^T, then dS in place.
-    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, dout, dout_.row_stride, 1, w_.v_t.data(), kN, dscores, kN);
+    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, dout, head_dim, 1, w_.v_t.data(), kN, dscores, kN);
     score_gradients(m0, m_valid);
-    // dK^T += Q^T dS
+    // dK^T += (scale Q)^T dS
     if (first) {
-      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, q, 1, q_.row_stride, dscores, kN, w_.dk_t.data(), kN);
+      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, q, 1, head_dim, dscores, kN, w_.dk_t.data(), kN);
     } else {
-      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, q, 1, q_.row_stride, dscores, kN, w_.dk_t.data(), kN);
+      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, q, 1, head_dim, dscores, kN, w_.dk_t.data(), kN);
     }
     // dQ += dS K
     gemm_bcast<Accumulate::kAdd>(m_valid, d_pad_, n_valid, dscores, kN, 1, w_.k_rows.data(), d_pad_,
@@ -203,7 +213,6 @@ class BackwardTaskRunner {
   void probabilities(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const bool capped = p_.softcap > 0.f;
-    const Vec scale = Simd::set1(p_.softmax_scale);
     const Vec cap = Simd::set1(p_.softcap);
     const Vec inv_cap = Simd::set1(capped ? 1.f / p_.softcap : 0.f);
     const Vec one = Simd::set1(1.f);
@@ -224,19 +233,19 @@ class BackwardTaskRunner {
       Vec key = Simd::iota();
       const Vec step = Simd::set1(static_cast<float>(kSimdWidth));
       for (int64_t j = 0; j < kN; j += kSimdWidth, key = Simd::add(key, step)) {
-        Vec x = Simd::mul(Simd::load(s + j), scale);
+        Vec x = Simd::load(s + j);
         if (capped) {
           const Vec t = vtanh(Simd::mul(x, inv_cap));
           x = Simd::mul(cap, t);
           Simd::store(tanh_grad + j, Simd::sub(one, Simd::mul(t, t)));
         }
-        const Vec prob = vexp(Simd::sub(x, row_lse));
+        const Vec prob = vexp_softmax(Simd::sub(x, row_lse));
         Simd::store(s + j, Simd::select(Simd::both(Simd::le(lo, key), Simd::lt(key, hi)), prob, Simd::zero()));
       }
     }
   }
 
-  /** dS = P * (dP - D_i), times tanh' under softcap (scale is applied when dK / dQ are written). */
+  /** dS = P * (dP - D_i), times tanh' under softcap (the scale is in Q for dK, applied to dQ last). */
   void score_gradients(int64_t m0, int64_t m_valid) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const bool capped = p_.softcap > 0.f;
@@ -253,33 +262,41 @@ class BackwardTaskRunner {
     }
   }
 
-  /** dK = scale * (dK^T)^T and dV rows of the block: to the outputs, or to this head's partials. */
+  /** dK and dV rows of the block (transposed back): to the outputs, or to this head's partials. */
   void write_key_grads(int64_t n0, int64_t n_valid, bool have_grads) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    float* dk_row = w_.row_a.data();
-    float* dv_row = w_.row_b.data();
+    // Rows of this block: straight into this head's partials (consecutive rows), or staged.
+    float* dk_rows = w_.dk_rows.data();
+    float* dv_rows = w_.v_rows.data();
+    if (partials_) {
+      const int64_t row = partials_->row_index(p_, b_, seq_, n0);
+      dk_rows = partials_->dk_row(p_, head_, row);
+      dv_rows = partials_->dv_row(p_, head_, row);
+    }
+    if (have_grads) {
+      transpose(w_.dk_t.data(), kN, head_dim, n_valid, dk_rows, head_dim);
+      transpose(w_.dv_t.data(), kN, head_dim, n_valid, dv_rows, head_dim);
+    } else {
+      std::fill(dk_rows, dk_rows + n_valid * head_dim, 0.f);
+      std::fill(dv_rows, dv_rows + n_valid * head_dim, 0.f);
+    }
+    if (partials_) return;
     for (int64_t n = 0; n < n_valid; ++n) {
-      const int64_t key = n0 + n;
-      if (partials_) {
-        const int64_t row = partials_->row_index(p_, b_, seq_, key);
-        dk_row = partials_->dk_row(p_, head_, row);
-        dv_row = partials_->dv_row(p_, head_, row);
-      }
-      for (int64_t d = 0; d < head_dim; ++d) {
-        dk_row[d] = have_grads ? w_.dk_t.data()[d * kN + n] * p_.softmax_scale : 0.f;
-        dv_row[d] = have_grads ? w_.dv_t.data()[d * kN + n] : 0.f;
-      }
-      if (!partials_) {
-        store_row(p_.dtype, dk_row, head_dim, element_ptr_mut(p_.dk, p_.dtype, b_, seq_.k_start + key, kv_head_));
-        store_row(p_.dtype, dv_row, head_dim, element_ptr_mut(p_.dv, p_.dtype, b_, seq_.k_start + key, kv_head_));
-      }
+      const int64_t key_row = seq_.k_start + n0 + n;
+      store_row(p_.dtype, dk_rows + n * head_dim, head_dim, element_ptr_mut(p_.dk, p_.dtype, b_, key_row, kv_head_));
+      store_row(p_.dtype, dv_rows + n * head_dim, head_dim, element_ptr_mut(p_.dv, p_.dtype, b_, key_row, kv_head_));
     }
   }
 
   void write_dq() {
     float* row = w_.row_a.data();
+    const int64_t row_bytes = p_.head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
     for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
+      if (i + BackwardTraits::kPrefetchRows < seq_.seqlen_q) {
+        prefetch_rows(element_ptr(p_.dq, p_.dtype, b_, seq_.q_start + i + BackwardTraits::kPrefetchRows, head_), 1, 0,
+                      row_bytes, /*for_write=*/true);
+      }
       const float* acc = w_.dq_acc.data() + i * d_pad_;
       for (int64_t d = 0; d < p_.head_dim; ++d) row[d] = acc[d] * p_.softmax_scale;
       store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i, head_));
@@ -292,7 +309,6 @@ class BackwardTaskRunner {
   const int64_t d_pad_;
   int64_t b_ = 0, head_ = 0, kv_head_ = 0;
   SeqInfo seq_{};
-  RowTile q_{}, dout_{};
 };
 
 std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p) {
