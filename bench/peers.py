@@ -12,6 +12,7 @@ Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table las
 Timing follows TARGETS.md: calls back to back between CUDA events, median of repeats.
 
 usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--budget SECONDS]
+       python3 bench/peers.py OUTDIR --cpu-only [--threads 2,16]   (section 5 alone, no GPU needed)
 """
 import argparse
 import json
@@ -31,6 +32,8 @@ ap.add_argument("--quick", action="store_true", help="a few cells only")
 ap.add_argument("--no-backward", action="store_true")
 ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole script")
 ap.add_argument("--dtype", default="bf16")
+ap.add_argument("--cpu-only", action="store_true", help="only the CPU comparison (no GPU needed)")
+ap.add_argument("--threads", default="2,16", help="CPU thread counts to compare, comma-separated")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 T0 = time.time()
@@ -197,7 +200,7 @@ def cpu_path():
     shapes = [(1, 16, 1024, 64, False), (1, 16, 2048, 64, True), (1, 16, 2048, 128, False)]
     if args.quick:
         shapes = shapes[:1]
-    for threads in (2, 16):
+    for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for (b, h, s, d, causal) in shapes:
             if left() < 20:
@@ -251,7 +254,8 @@ def plot():
 
 
 def summary():
-    print("\n==== flashcore vs peers (same process, %s) ====" % torch.cuda.get_device_name())
+    device = "CPU only" if args.cpu_only else torch.cuda.get_device_name()
+    print("\n==== flashcore vs peers (same process, %s) ====" % device)
     for r in ROWS:
         if r["kind"] == "ceiling":
             print("ceiling %-18s %s" % (r["what"], r.get("tflops") or r.get("tbps")))
@@ -290,7 +294,8 @@ def summary():
             print("skipped:", r["what"])
 
 
-for section in (ceilings, seed_shape, training_grid, memory, cpu_path):
+sections = (cpu_path,) if args.cpu_only else (ceilings, seed_shape, training_grid, memory, cpu_path)
+for section in sections:
     try:
         section()
     except Exception as e:  # keep going: a later section's numbers are still worth having
