@@ -6,18 +6,15 @@
 // processed together so every cached K/V row is converted and read once per task. Keys go in
 // blocks: scores for the block, one rescale of the accumulators per block (online softmax), fp32
 // throughout. Relies on: kvcache_params.hpp (validated params, cache addressing, masks), the
-// host dtype conversions in dtype_host.hpp.
+// host dtype conversions in dtype_host.hpp, the CPU backend's worker pool in cpu_common.hpp.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <exception>
 #include <limits>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "api/kvcache_backends.hpp"
+#include "cpu/cpu_common.hpp"
 #include "common/dtype_host.hpp"
 
 namespace flashcore::cpu {
@@ -29,38 +26,13 @@ struct DecodeTraits {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-/** Runs task(i) for i in [0, count) on up to `threads` threads (0 = all cores). Exceptions are
- *  rethrown on the caller's thread. */
+/** Runs task(i) for i in [0, count) on the CPU backend's shared worker pool (cpu_common.hpp):
+ *  up to `threads` threads (0 = all cores); an exception in a task becomes the returned Status. */
 template <typename Task>
-void parallel_for(int64_t count, int threads, Task&& task) {
-  int n = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  n = static_cast<int>(std::min<int64_t>(n, count));
-  if (n <= 1) {
-    for (int64_t i = 0; i < count; ++i) task(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  auto worker = [&] {
-    try {
-      for (int64_t i; (i = next.fetch_add(1)) < count;) task(i);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-      next.store(count);
-    }
-  };
-  std::vector<std::thread> pool;
-  try {
-    for (int t = 1; t < n; ++t) pool.emplace_back(worker);
-  } catch (...) {
-    // Could not start another thread (process limits): the threads already running and this one
-    // finish the tasks; every started thread is joined below either way.
-  }
-  worker();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+Status parallel_for(int64_t count, int threads, Task&& task) {
+  return flash_detail::run_workers(count, threads, [&](flash_detail::TaskQueue& queue) {
+    for (int64_t i; (i = queue.next()) >= 0;) task(i);
+  });
 }
 
 void load_row(const void* base, int64_t off, DType dt, int64_t n, float* dst) {
@@ -212,13 +184,12 @@ void attend_task(const KvCacheParams& p, int64_t b, int64_t hk, int num_splits) 
 Status kvcache_forward(const KvCacheParams& p) {
   if (p.appends()) append_new_tokens(p);
   const int num_splits = std::max(1, p.num_splits);  // the CPU heuristic: one pass per task
-  parallel_for(p.batch * p.heads_kv, p.num_threads,
-               [&](int64_t task) { attend_task(p, task / p.heads_kv, task % p.heads_kv, num_splits); });
-  return Status::ok();
+  return parallel_for(p.batch * p.heads_kv, p.num_threads,
+                      [&](int64_t task) { attend_task(p, task / p.heads_kv, task % p.heads_kv, num_splits); });
 }
 
 Status merge_partials(const MergeParams& p) {
-  parallel_for(p.batch * p.heads, p.num_threads, [&](int64_t task) {
+  return parallel_for(p.batch * p.heads, p.num_threads, [&](int64_t task) {
     const int64_t b = task / p.heads, h = task % p.heads;
     for (int64_t i = 0; i < p.seqlen_q; ++i) {
       const float* o = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
@@ -232,7 +203,6 @@ Status merge_partials(const MergeParams& p) {
       if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
     }
   });
-  return Status::ok();
 }
 
 }  // namespace flashcore::cpu

@@ -16,6 +16,7 @@
 #include "api/backends.hpp"
 #include "api/params.hpp"
 #include "api/status.hpp"
+#include "cuda/build_config.hpp"
 
 namespace flashcore::cuda {
 
@@ -50,21 +51,6 @@ bool dtype_compiled(DType dtype) {
   }
 }
 
-/** The smallest compiled head-dim bucket that holds head_dim, or 0. */
-int head_dim_bucket(int64_t head_dim) {
-#if defined(FLASHCORE_HDIM_64)
-  if (head_dim <= 64) return 64;
-#endif
-#if defined(FLASHCORE_HDIM_128)
-  if (head_dim <= 128) return 128;
-#endif
-#if defined(FLASHCORE_HDIM_256)
-  if (head_dim <= 256) return 256;
-#endif
-  (void)head_dim;
-  return 0;
-}
-
 bool reject(Status* why, const std::string& message) {
   if (why != nullptr) *why = Status::unsupported("cuda_sm80: " + message);
   return false;
@@ -72,7 +58,7 @@ bool reject(Status* why, const std::string& message) {
 
 template <typename Element>
 Status run_bucket(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  switch (head_dim_bucket(p.head_dim)) {
+  switch (compiled_head_dim_bucket(p.head_dim)) {
 #if defined(FLASHCORE_HDIM_64)
     case 64:
       return sm80::forward_run<Element, 64>(p, workspace, workspace_bytes);
@@ -107,7 +93,7 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
     return reject(why, "head_dim " + std::to_string(p.head_dim) +
                            " must be a multiple of 8 and at most 256");
   }
-  if (head_dim_bucket(p.head_dim) == 0) {
+  if (compiled_head_dim_bucket(p.head_dim) == 0) {
     return reject(why, "no compiled head-dim bucket holds head_dim " + std::to_string(p.head_dim) +
                            " (FLASHCORE_HEAD_DIMS)");
   }
