@@ -34,30 +34,16 @@ Status check_int_vector(const fc_tensor* t, const char* name, int64_t len, const
 /** The options rules of the forward call that apply here (varlen fields must be unset). */
 Status apply_options(const fc_attention_options& opt, int64_t head_dim, KvCacheParams* p) {
   if (opt.cu_seqlens_q || opt.cu_seqlens_k)
-    return Status::invalid("cu_seqlens_q: must be null for fc_attention_kvcache (lengths come from cache_seqlens)");
-  if (!std::isfinite(opt.softmax_scale))
-    return Status::invalid("softmax_scale: must be finite (0 selects 1/sqrt(head_dim))");
-  if (!std::isfinite(opt.softcap) || opt.softcap < 0)
-    return Status::invalid("softcap: must be finite and >= 0 (0 disables capping)");
-  int64_t wl = -1, wr = -1;
-  if (opt.has_window) {
-    if (opt.window_left < -1)
-      return Status::invalid("window_left: " + str(opt.window_left) + " is below -1 (-1 = unbounded)");
-    if (opt.window_right < -1)
-      return Status::invalid("window_right: " + str(opt.window_right) + " is below -1 (-1 = unbounded)");
-    wl = opt.window_left;
-    wr = opt.window_right;
-  }
-  if (opt.causal) wr = 0;
-  if (opt.backend < FC_BACKEND_AUTO || opt.backend > FC_BACKEND_CUDA_SM90)
-    return Status::invalid("backend: unknown backend code " + str(opt.backend));
-  if (opt.num_threads < 0) return Status::invalid("num_threads: " + str(opt.num_threads) + " is negative (0 = all cores)");
-  p->softmax_scale =
-      static_cast<float>(opt.softmax_scale != 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(head_dim)));
-  p->softcap = static_cast<float>(opt.softcap);
+    return Status::invalid(std::string(opt.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k") +
+                           ": must be null for fc_attention_kvcache (lengths come from cache_seqlens)");
+  ResolvedOptions ro;
+  const Status s = check_common_options(opt, head_dim, &ro);
+  if (!s.is_ok()) return s;
+  p->softmax_scale = ro.softmax_scale;
+  p->softcap = ro.softcap;
   p->causal = opt.causal != 0;
-  p->window_left = wl;
-  p->window_right = wr;
+  p->window_left = ro.window_left;
+  p->window_right = ro.window_right;
   p->num_threads = opt.num_threads;
   p->stream = opt.stream;
   return Status::ok();

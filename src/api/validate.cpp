@@ -196,16 +196,50 @@ Status check_cu_seqlens_values(const fc_tensor* cu, const char* name, int64_t ba
   return Status::ok();
 }
 
+/** A finite double that float32 represents without overflowing. */
+bool fits_float(double x) { return std::fabs(x) <= std::numeric_limits<float>::max(); }
+
+/** ... and, for a switch like softcap where 0 means "off", without flushing a nonzero to 0. */
+bool fits_float_nonzero(double x) {
+  return fits_float(x) && (x == 0 || std::fabs(x) >= std::numeric_limits<float>::denorm_min());
+}
+
+Status check_common_options(const fc_attention_options& opt, int64_t head_dim, ResolvedOptions* r) {
+  if (!std::isfinite(opt.softmax_scale))
+    return Status::invalid("softmax_scale: must be finite (0 selects 1/sqrt(head_dim))");
+  if (!fits_float(opt.softmax_scale))
+    return Status::invalid("softmax_scale: " + std::to_string(opt.softmax_scale) +
+                           " is outside float32's range (kernels compute scores in float32)");
+  if (!std::isfinite(opt.softcap) || opt.softcap < 0)
+    return Status::invalid("softcap: must be finite and >= 0 (0 disables capping)");
+  if (!fits_float_nonzero(opt.softcap))
+    return Status::invalid("softcap: " + std::to_string(opt.softcap) + " is outside float32's range");
+  int64_t wl = -1, wr = -1;
+  if (opt.has_window) {
+    if (opt.window_left < -1)
+      return Status::invalid("window_left: " + std::to_string(opt.window_left) + " is below -1 (-1 = unbounded)");
+    if (opt.window_right < -1)
+      return Status::invalid("window_right: " + std::to_string(opt.window_right) + " is below -1 (-1 = unbounded)");
+    wl = opt.window_left;
+    wr = opt.window_right;
+  }
+  if (opt.causal) wr = 0;
+  if (opt.backend < FC_BACKEND_AUTO || opt.backend > FC_BACKEND_CUDA_SM90)
+    return Status::invalid("backend: unknown backend code " + std::to_string(opt.backend));
+  if (opt.num_threads < 0)
+    return Status::invalid("num_threads: " + std::to_string(opt.num_threads) + " is negative (0 = all cores)");
+  r->softmax_scale =
+      static_cast<float>(opt.softmax_scale != 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(head_dim)));
+  r->softcap = static_cast<float>(opt.softcap);
+  r->window_left = wl;
+  r->window_right = wr;
+  return Status::ok();
+}
+
 }  // namespace validate_detail
 
 namespace {
 using namespace validate_detail;
-
-/** A finite double that float32 represents without overflowing or flushing a nonzero to 0. */
-bool fits_float(double x) {
-  const double a = std::fabs(x);
-  return a <= std::numeric_limits<float>::max() && (a == 0 || a >= std::numeric_limits<float>::denorm_min());
-}
 
 TensorRef dense_ref(const fc_tensor* t) {
   return {t->data, t->strides[0], t->strides[1], t->strides[2]};
@@ -260,29 +294,8 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
     return s;
 
   // Options.
-  if (!std::isfinite(opt.softmax_scale))
-    return Status::invalid("softmax_scale: must be finite (0 selects 1/sqrt(head_dim))");
-  if (!fits_float(opt.softmax_scale))
-    return Status::invalid("softmax_scale: " + std::to_string(opt.softmax_scale) +
-                           " is outside float32's range (kernels compute scores in float32)");
-  if (!std::isfinite(opt.softcap) || opt.softcap < 0)
-    return Status::invalid("softcap: must be finite and >= 0 (0 disables capping)");
-  if (!fits_float(opt.softcap))
-    return Status::invalid("softcap: " + std::to_string(opt.softcap) + " is outside float32's range");
-  int64_t wl = -1, wr = -1;
-  if (opt.has_window) {
-    if (opt.window_left < -1)
-      return Status::invalid("window_left: " + std::to_string(opt.window_left) + " is below -1 (-1 = unbounded)");
-    if (opt.window_right < -1)
-      return Status::invalid("window_right: " + std::to_string(opt.window_right) + " is below -1 (-1 = unbounded)");
-    wl = opt.window_left;
-    wr = opt.window_right;
-  }
-  if (opt.causal) wr = 0;
-  if (opt.backend < FC_BACKEND_AUTO || opt.backend > FC_BACKEND_CUDA_SM90)
-    return Status::invalid("backend: unknown backend code " + std::to_string(opt.backend));
-  if (opt.num_threads < 0)
-    return Status::invalid("num_threads: " + std::to_string(opt.num_threads) + " is negative (0 = all cores)");
+  ResolvedOptions ro;
+  if (!(s = check_common_options(opt, head_dim, &ro)).is_ok()) return s;
 
   p->dtype = static_cast<DType>(q->dtype);
   p->device_type = q->device_type;
@@ -290,11 +303,11 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   p->heads_q = heads_q;
   p->heads_kv = heads_kv;
   p->head_dim = head_dim;
-  p->softmax_scale = static_cast<float>(opt.softmax_scale != 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(head_dim)));
-  p->softcap = static_cast<float>(opt.softcap);
+  p->softmax_scale = ro.softmax_scale;
+  p->softcap = ro.softcap;
   p->causal = opt.causal != 0;
-  p->window_left = wl;
-  p->window_right = wr;
+  p->window_left = ro.window_left;
+  p->window_right = ro.window_right;
   p->deterministic = opt.deterministic != 0;
   p->num_threads = opt.num_threads;
   p->stream = opt.stream;

@@ -32,4 +32,14 @@ Status check_no_self_overlap(const fc_tensor* t, const char* name);
 Status check_disjoint(const fc_tensor* a, const Extent& ea, const char* an, const fc_tensor* b, const Extent& eb,
                       const char* bn);
 
+/** The options every attention entry point shares, checked and resolved: the scale (0 selects
+ *  1/sqrt(head_dim)) and softcap as float32, the window with causal folded in (right = 0). */
+struct ResolvedOptions {
+  float softmax_scale = 0.f;
+  float softcap = 0.f;
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+};
+Status check_common_options(const fc_attention_options& opt, int64_t head_dim, ResolvedOptions* r);
+
 }  // namespace flashcore::validate_detail
