@@ -190,7 +190,13 @@ TEST_F(BadInput, Options) {
   expect_forward_error("softmax_scale: must be finite");
   opt.softmax_scale = INFINITY;
   expect_forward_error("softmax_scale: must be finite");
+  opt.softmax_scale = 1e300;
+  expect_forward_error("softmax_scale: ");  // overflows float32
   opt.softmax_scale = 0;
+  opt.softcap = 1e300;
+  expect_forward_error("softcap: ");
+  opt.softcap = 1e-50;  // would flush to 0 = "off"
+  expect_forward_error("softcap: ");
   opt.softcap = -1;
   expect_forward_error("softcap: must be finite and >= 0");
   opt.softcap = NAN;
