@@ -52,6 +52,10 @@ if [ "$TESTS" = all ]; then
   build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >"$OUTDIR/tests.log" 2>&1
   note "cuda tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED  \]' "$OUTDIR/tests.log" | head -20 | tee -a "$SUM"
+  if [ -x build-gpu/tests/cuda/sm90/flashcore_sm90_primitive_tests ]; then
+    build-gpu/tests/cuda/sm90/flashcore_sm90_primitive_tests >>"$OUTDIR/tests.log" 2>&1
+    note "sm90 primitive tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tail -1)"
+  fi
   for tool in memcheck racecheck synccheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
       --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaMergePartials.*' >>"$OUTDIR/tests.log" 2>&1
