@@ -197,17 +197,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             raise ValueError("cache_seqlens: is required when k and v are appended")
         cache_seqlens = _whole_cache_seqlens(k_cache, block_table)
-    if _is_torch(q):
-        return _load_torch_impl().attention_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-            softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
-            _default_backend)
-    q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
-    return _dlpack_api.attention_kvcache(
-        q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
-        cache_batch_idx=cache_batch_idx, return_lse=return_softmax_lse,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        num_splits=num_splits, backend=_default_backend)
+    try:
+        if _is_torch(q):
+            return _load_torch_impl().attention_kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
+                _default_backend)
+        q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
+        return _dlpack_api.attention_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, return_lse=return_softmax_lse,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            num_splits=num_splits, backend=_default_backend)
+    except ValueError as e:
+        # The library calls the appended tokens k_new / v_new; this API's arguments are k / v.
+        message = str(e)
+        for lib_name, arg in (("k_new:", "k:"), ("v_new:", "v:")):
+            if message.startswith(lib_name):
+                raise ValueError(arg + message[len(lib_name):]) from None
+        raise
 
 
 def merge_partials(out_partials, lse_partials, out=None, lse=None):

@@ -447,10 +447,11 @@ def test_error_k_without_v_and_append_without_lengths(rng):
     call_expecting_error(case, ValueError, r"^cache_seqlens: ")
 
 
-def test_error_new_keys_shape_names_k_new(rng):
+def test_error_new_keys_shape_names_k(rng):
+    """Errors about the appended tokens name `k`/`v`, this API's arguments (the ABI's k_new)."""
     case = make_case(rng, seqlen_new=2, capacity=20)
     case["k"] = case["k"][:, :, :1]  # heads_kv must match the cache
-    call_expecting_error(case, ValueError, r"^k_new: ")
+    call_expecting_error(case, ValueError, r"^k: ")
 
 
 def test_error_cache_dtype_and_bad_options(rng):
@@ -729,3 +730,4 @@ def test_torch_cuda_decode_step_captured_in_a_cuda_graph(rng, cuda_torch):
     graph.replay()  # appends the same token at the same position again: idempotent
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
