@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import flashcore
+from attention_reference import allowed_keys, sequence_forward as attend
 
 FP32_RELATIVE_TOLERANCE = 1e-5
 LOW_PRECISION_FACTOR = 2  # TESTING.md: 2x the same-precision error for O and LSE
@@ -39,21 +40,6 @@ def rng(request):
 
 
 # ---- fp64 reference ---------------------------------------------------------------------------
-
-
-def allowed_keys(seqlen_q, seqlen_k, causal, window):
-    """(seqlen_q, seqlen_k) bool mask, bottom-right aligned: queries are the last tokens."""
-    left, right = window
-    if causal:
-        right = 0
-    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-    keys = np.arange(seqlen_k)[None, :]
-    allowed = np.ones((seqlen_q, seqlen_k), dtype=bool)
-    if left >= 0:
-        allowed &= keys >= diagonal - left
-    if right >= 0:
-        allowed &= keys <= diagonal + right
-    return allowed
 
 
 def cache_slot(b, token, page_size, block_table, cache_batch_idx):
@@ -83,27 +69,6 @@ def gather_sequence(cache, b, length, block_table, cache_batch_idx):
     """(length, heads_kv, head_dim): the tokens of sequence b, in order."""
     slots = [cache_slot(b, t, cache.shape[1], block_table, cache_batch_idx) for t in range(length)]
     return np.stack([cache[row, slot] for row, slot in slots]) if slots else cache[0, :0]
-
-
-def attend(q, k, v, scale, causal, window, softcap, compute_dtype, p_dtype):
-    """One sequence: out (sq, hq, d), lse (hq, sq). float64 is the truth; float32 with p_dtype
-    the input dtype is the naive same-precision implementation."""
-    group = q.shape[1] // k.shape[1]
-    q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = np.einsum("ihd,jhd->hij", q, k) * scale
-    if softcap > 0:
-        s = softcap * np.tanh(s / softcap)
-    s = np.where(allowed_keys(q.shape[0], k.shape[0], causal, window)[None], s, -np.inf)
-    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    row_max = np.where(np.isfinite(row_max), row_max, 0)
-    p = np.exp(s - row_max)
-    row_sum = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(row_sum > 0, np.log(row_sum) + row_max, -np.inf)[..., 0]
-        p = np.where(row_sum > 0, p / row_sum, 0)
-    p = p.astype(p_dtype).astype(compute_dtype)
-    return np.einsum("hij,jhd->ihd", p, v), lse
 
 
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None,
