@@ -31,14 +31,15 @@ ap.add_argument("out")
 ap.add_argument("--quick", action="store_true", help="a few cells only")
 ap.add_argument("--no-backward", action="store_true")
 ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole script")
-ap.add_argument("--dtype", default="bf16")
+ap.add_argument("--dtype", default="bf16", help="grid dtypes, comma-separated (bf16,fp16)")
 ap.add_argument("--cpu-only", action="store_true", help="only the CPU comparison (no GPU needed)")
 ap.add_argument("--threads", default="2,16", help="CPU thread counts to compare, comma-separated")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 T0 = time.time()
 ROWS = []
-DT = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GRID_DTYPES = [d for d in args.dtype.split(",") if d]
 
 
 def emit(**kw):
@@ -105,46 +106,63 @@ def grid_cells():
     return cells
 
 
+def _flashcore_on(backend, q, k, v, causal):
+    """flashcore forced onto one backend (the AUTO choice is the 'flashcore' column)."""
+    flashcore.set_default_backend(backend)
+    try:
+        return flashcore.flash_attn_func(q, k, v, causal=causal)
+    finally:
+        flashcore.set_default_backend("auto")
+
+
 def training_grid():
     modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
-    for (b, h, s, d, causal) in grid_cells():
-        if left() < 60:
-            emit(kind="skipped", what=f"training grid from b{b} s{s} d{d} (budget)")
-            return
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DT) for _ in range(3))
-        dout = torch.randn_like(q)
-        for mode in modes:
-            impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=causal)}
-            for name, be in SDPA.items():
-                # SDPA layout (b, h, s, d) as views, taken at call time so autograd sees q, k, v
-                impls[name] = (lambda be=be: _sdpa(be, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   causal))
-            for name, fn in impls.items():
-                try:
-                    if mode == "fwd":
-                        with torch.no_grad():
-                            ms = bench_ms(fn)
-                    else:
-                        for x in (q, k, v):
-                            x.requires_grad_(True)
+    for dt in GRID_DTYPES:
+        for cell in grid_cells():
+            if left() < 60:
+                emit(kind="skipped", what=f"training grid from {dt} {cell} (budget)")
+                return
+            _training_cell(dt, modes, *cell)
 
-                        def step(fn=fn, name=name):
-                            o = fn()
-                            if name != "flashcore":
-                                o = o.transpose(1, 2)
-                            o.backward(dout)
 
-                        ms = bench_ms(step)
-                        for x in (q, k, v):
-                            x.grad = None
-                            x.requires_grad_(False)
-                    emit(kind="train", impl=name, mode=mode, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
-                         ms=ms, tflops=flops(b, h, s, d, causal, mode) / ms / 1e9)
-                except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
-                    emit(kind="train", impl=name, mode=mode, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
-                         error=str(e).splitlines()[0][:160])
-        del q, k, v, dout
-        torch.cuda.empty_cache()
+def _training_cell(dt, modes, b, h, s, d, causal):
+    DT = DTYPES[dt]
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DT) for _ in range(3))
+    dout = torch.randn_like(q)
+    for mode in modes:
+        impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=causal)}
+        if mode == "fwd" and flashcore.backend_available("cuda_sm90"):
+            impls["flashcore_sm80"] = lambda: _flashcore_on("cuda_sm80", q, k, v, causal)
+        for name, be in SDPA.items():
+            # SDPA layout (b, h, s, d) as views, taken at call time so autograd sees q, k, v
+            impls[name] = (lambda be=be: _sdpa(be, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               causal))
+        for name, fn in impls.items():
+            try:
+                if mode == "fwd":
+                    with torch.no_grad():
+                        ms = bench_ms(fn)
+                else:
+                    for x in (q, k, v):
+                        x.requires_grad_(True)
+
+                    def step(fn=fn, name=name):
+                        o = fn()
+                        if not name.startswith("flashcore"):
+                            o = o.transpose(1, 2)
+                        o.backward(dout)
+
+                    ms = bench_ms(step)
+                    for x in (q, k, v):
+                        x.grad = None
+                        x.requires_grad_(False)
+                emit(kind="train", impl=name, mode=mode, dtype=dt, batch=b, heads=h, seqlen=s, hdim=d,
+                     causal=causal, ms=ms, tflops=flops(b, h, s, d, causal, mode) / ms / 1e9)
+            except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
+                emit(kind="train", impl=name, mode=mode, dtype=dt, batch=b, heads=h, seqlen=s, hdim=d,
+                     causal=causal, error=str(e).splitlines()[0][:160])
+    del q, k, v, dout
+    torch.cuda.empty_cache()
 
 
 def _sdpa(be, q, k, v, causal):
@@ -157,6 +175,8 @@ def seed_shape():
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v)}
+    if flashcore.backend_available("cuda_sm90"):
+        impls["flashcore_sm80"] = lambda: _flashcore_on("cuda_sm80", q, k, v, False)
     for name, be in SDPA.items():
         impls[name] = (lambda be=be: _sdpa(be, qt, kt, vt, False))
     impls["naive_torch"] = lambda: torch.softmax((qt @ kt.transpose(-1, -2)) / math.sqrt(d), -1) @ vt
@@ -232,14 +252,15 @@ def plot():
         import matplotlib.pyplot as plt
     except Exception:
         return
-    train = [r for r in ROWS if r.get("kind") == "train" and "tflops" in r]
+    train = [r for r in ROWS if r.get("kind") == "train" and "tflops" in r
+             and r.get("dtype", GRID_DTYPES[0]) == GRID_DTYPES[0]]
     if not train:
         return
     fig, axes = plt.subplots(2, 6, figsize=(24, 8), sharex=True)
     for mi, mode in enumerate(("fwd", "fwd+bwd")):
         for ci, (d, causal) in enumerate([(d, c) for d in (64, 128, 256) for c in (False, True)]):
             ax = axes[mi][ci]
-            for impl in ("flashcore", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
+            for impl in ("flashcore", "flashcore_sm80", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
                 pts = sorted((r["seqlen"], r["tflops"]) for r in train
                              if r["impl"] == impl and r["mode"] == mode and r["hdim"] == d and r["causal"] == causal)
                 if pts:
@@ -260,26 +281,30 @@ def summary():
         if r["kind"] == "ceiling":
             print("ceiling %-18s %s" % (r["what"], r.get("tflops") or r.get("tbps")))
     train = [r for r in ROWS if r["kind"] == "train"]
-    key = lambda r: (r["mode"], r["hdim"], r["causal"], r["seqlen"])
+    key = lambda r: (r["mode"], r.get("dtype", "bf16"), r["hdim"], r["causal"], r["seqlen"])
     cells = sorted({key(r) for r in train})
-    print("%-8s %-5s %-6s %-6s %10s %10s %10s %10s %8s %8s" % ("mode", "hdim", "mask", "seqlen", "flashcore",
-                                                             "sdpa_fa2", "cudnn", "effic.", "vs FA2", "vs cuDNN"))
-    ratios = {"fwd": [], "fwd+bwd": []}
+    print("%-8s %-5s %-5s %-6s %-6s %10s %10s %10s %10s %10s %8s %8s" % (
+        "mode", "dtype", "hdim", "mask", "seqlen", "flashcore", "fc_sm80", "sdpa_fa2", "cudnn", "effic.", "vs FA2",
+        "vs cuDNN"))
+    ratios = {}
     for c in cells:
         by = {r["impl"]: r.get("tflops") for r in train if key(r) == c}
-        fc, fa2, cu, ef = (by.get(n) for n in ("flashcore", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"))
+        fc, f80, fa2, cu, ef = (by.get(n) for n in ("flashcore", "flashcore_sm80", "sdpa_flash", "sdpa_cudnn",
+                                                    "sdpa_efficient"))
         fmt = lambda x: "%10.1f" % x if x else "%10s" % "-"
         r1 = fc / fa2 if fc and fa2 else None
         r2 = fc / cu if fc and cu else None
         if r1:
-            ratios[c[0]].append(r1)
-        print("%-8s %-5d %-6s %-6d %s %s %s %s %8s %8s" % (c[0], c[1], "causal" if c[2] else "full", c[3], fmt(fc),
-                                                          fmt(fa2), fmt(cu), fmt(ef), "%.2fx" % r1 if r1 else "-",
-                                                          "%.2fx" % r2 if r2 else "-"))
-    for mode, rs in ratios.items():
-        if rs:
-            gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
-            print("%s vs sdpa_flash: geomean %.2fx, min %.2fx over %d cells" % (mode, gm, min(rs), len(rs)))
+            ratios.setdefault((c[0], "sdpa_flash"), []).append(r1)
+        if r2:
+            ratios.setdefault((c[0], "sdpa_cudnn"), []).append(r2)
+        print("%-8s %-5s %-5d %-6s %-6d %s %s %s %s %s %8s %8s" % (
+            c[0], c[1], c[2], "causal" if c[3] else "full", c[4], fmt(fc), fmt(f80), fmt(fa2), fmt(cu), fmt(ef),
+            "%.2fx" % r1 if r1 else "-", "%.2fx" % r2 if r2 else "-"))
+    for (mode, peer), rs in sorted(ratios.items()):
+        gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
+        print("%s vs %s: geomean %.2fx, min %.2fx, max %.2fx over %d cells" % (mode, peer, gm, min(rs), max(rs),
+                                                                                len(rs)))
     for r in ROWS:
         if r["kind"] == "seed":
             print("seed B=1 H=8 S=512 D=64 fp16 %-15s %s" % (r["impl"], "%.1f us" % r["us"] if "us" in r else r["error"]))

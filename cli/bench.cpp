@@ -168,7 +168,9 @@ int command_bench(int argc, char** argv) {
   std::fprintf(stderr, "\r%-100s\r", "");
 
   const std::string backend_name = base.backend != FC_BACKEND_AUTO ? fc_backend_name(base.backend)
-                                                                    : (base.on_gpu ? "cuda_sm80" : "cpu_flash");
+                                                                    : std::string("auto (forward ") +
+                                           auto_backend_name(base.on_gpu, false) + ", backward " +
+                                           auto_backend_name(base.on_gpu, true) + ")";
   const char* unit = base.on_gpu ? "TFLOP/s" : "GFLOP/s";
   const double div = base.on_gpu ? 1e12 : 1e9;
   std::printf("flashcore bench: backend %s, grid %s, threads %d\n", backend_name.c_str(), grid_name.c_str(),

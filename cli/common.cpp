@@ -88,7 +88,7 @@ std::string problem_options_help() {
          "  --causal             causal mask (bottom-right aligned)\n"
          "  --window L,R         sliding window, -1 = unbounded side\n"
          "  --softcap C          tanh soft-capping of scores (0 = off)\n"
-         "  --backend B          auto | cpu | cpu_reference | cuda\n"
+         "  --backend B          auto | cpu | cpu_reference | cuda | cuda_sm80 | cuda_sm90\n"
          "  --threads N          CPU threads (0 = all cores)\n";
 }
 
@@ -106,11 +106,18 @@ Problem parse_problem(const Args& a, const Problem& defaults) {
   } else if (backend == "cpu_reference") {
     p.backend = FC_BACKEND_CPU_REFERENCE;
     p.on_gpu = false;
-  } else if (backend == "cuda" || backend == "cuda_sm80") {
+  } else if (backend == "cuda_sm80") {
     p.backend = FC_BACKEND_CUDA_SM80;
     p.on_gpu = true;
+  } else if (backend == "cuda_sm90") {
+    p.backend = FC_BACKEND_CUDA_SM90;
+    p.on_gpu = true;
+  } else if (backend == "cuda") {
+    p.backend = FC_BACKEND_AUTO;  // the best CUDA backend for each call
+    p.on_gpu = true;
   } else {
-    throw UsageError("--backend: unknown backend '" + backend + "' (auto, cpu, cpu_reference, cuda)");
+    throw UsageError("--backend: unknown backend '" + backend +
+                     "' (auto, cpu, cpu_reference, cuda, cuda_sm80, cuda_sm90)");
   }
   if (p.on_gpu && p.dtype == FC_DTYPE_F32) p.dtype = FC_DTYPE_BF16;
   if (!p.on_gpu && defaults.on_gpu) p.dtype = FC_DTYPE_F32;
@@ -366,6 +373,12 @@ std::string format_bytes(double b) {
   s.precision(b < 10 ? 2 : 1);
   s << std::fixed << b << " " << units[u];
   return s.str();
+}
+
+const char* auto_backend_name(bool on_gpu, bool backward) {
+  if (!on_gpu) return "cpu_flash";
+  if (!backward && fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) return "cuda_sm90";
+  return "cuda_sm80";
 }
 
 }  // namespace flashcore::cli

@@ -53,6 +53,8 @@ std::string problem_options_help();
 
 /** Best backend present for a problem: CUDA when a usable GPU exists, else CPU flash. */
 bool gpu_usable();
+/** The backend AUTO resolves to for a standard problem of the given direction (for labels). */
+const char* auto_backend_name(bool on_gpu, bool backward);
 
 /** Tensors of one problem, filled with random normal values, in host or device memory. */
 class Buffers {

@@ -98,7 +98,7 @@ int command_run(int argc, char** argv) {
 
   Buffers buf(p, false, 42);
   const char* backend = p.backend != FC_BACKEND_AUTO ? fc_backend_name(p.backend)
-                                                     : (p.on_gpu ? "cuda_sm80" : "cpu_flash");
+                                                     : auto_backend_name(p.on_gpu, false);
   std::printf("flashcore %s  run\n", fc_version());
   std::printf("  problem : %s\n", p.describe().c_str());
   std::printf("  backend : %s\n", backend);

@@ -33,6 +33,12 @@ size_t sm80_forward_workspace(const AttentionParams& p);
 Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes);
 size_t sm80_backward_workspace(const BackwardParams& p);
 Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes);
+
+// Hopper path (TMA + wgmma, sm_90a SASS; forward only). Where it cannot serve a call (not built,
+// not a CC 9.0 device, TMA-unfriendly strides) sm90_supports says why and AUTO uses sm80.
+bool sm90_supports(const AttentionParams& p, Status* why);
+size_t sm90_forward_workspace(const AttentionParams& p);
+Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes);
 }  // namespace cuda
 
 }  // namespace flashcore

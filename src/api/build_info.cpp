@@ -11,6 +11,9 @@ FC_API const char* fc_build_info(void) {
   static const std::string info = std::string("flashcore ") + FLASHCORE_VERSION +
                                   "\n  backends compiled: cpu_reference, cpu_flash" +
                                   (FLASHCORE_WITH_CUDA ? ", cuda_sm80" : "") +
+#if defined(FLASHCORE_HAS_SM90)
+                                  ", cuda_sm90" +
+#endif
                                   "\n  cuda: " + (FLASHCORE_WITH_CUDA ? "yes" : "no") +
                                   "\n  cuda archs: " + (FLASHCORE_WITH_CUDA ? FLASHCORE_CUDA_ARCHS_STR : "-") +
                                   "\n  cuda head dims: " + (FLASHCORE_WITH_CUDA ? FLASHCORE_HEAD_DIMS_STR : "-") +

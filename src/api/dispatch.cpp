@@ -11,6 +11,13 @@ namespace flashcore {
 namespace {
 
 constexpr int kMinSm80Capability = 80;
+constexpr int kSm90Capability = 90;  // sm_90a SASS runs on CC 9.0 only
+
+#if defined(FLASHCORE_HAS_SM90)
+constexpr bool kSm90Built = true;
+#else
+constexpr bool kSm90Built = false;
+#endif
 
 bool is_cuda_backend(fc_backend b) { return b == FC_BACKEND_CUDA_SM80 || b == FC_BACKEND_CUDA_SM90; }
 
@@ -55,16 +62,27 @@ bool backend_available(fc_backend backend, int device_id) {
     case FC_BACKEND_CPU_FLASH: return true;
     case FC_BACKEND_CUDA_SM80:
       return device_id < cuda::device_count() && cuda::compute_capability(device_id) >= kMinSm80Capability;
-    case FC_BACKEND_CUDA_SM90: return false;  // not built yet
+    case FC_BACKEND_CUDA_SM90:
+      return kSm90Built && device_id < cuda::device_count() &&
+             cuda::compute_capability(device_id) == kSm90Capability;
     default: return false;
   }
 }
 
 Status choose_backend(const AttentionParams& p, fc_backend requested, bool backward, fc_backend* chosen) {
-  (void)backward;
   fc_backend b = requested;
   if (b == FC_BACKEND_AUTO) {
-    b = p.device_type == FC_DEVICE_CUDA ? FC_BACKEND_CUDA_SM80 : FC_BACKEND_CPU_FLASH;
+    if (p.device_type != FC_DEVICE_CUDA) {
+      b = FC_BACKEND_CPU_FLASH;
+    } else if (!backward && backend_available(FC_BACKEND_CUDA_SM90, p.device_id) &&
+               cuda::sm90_supports(p, nullptr)) {
+      b = FC_BACKEND_CUDA_SM90;  // Hopper forward; anything it cannot serve goes to sm80
+    } else {
+      b = FC_BACKEND_CUDA_SM80;
+    }
+  }
+  if (b == FC_BACKEND_CUDA_SM90 && backward) {
+    return Status::unsupported("backend: cuda_sm90 has no backward pass; use cuda_sm80 or AUTO");
   }
   if (is_cuda_backend(b) && p.device_type == FC_DEVICE_CUDA && !backend_available(b, p.device_id)) {
     return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " is not available on cuda:" +
@@ -91,6 +109,10 @@ static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend
     Status why;
     if (!cuda::sm80_supports(*p, &why)) return why;
   }
+  if (*backend == FC_BACKEND_CUDA_SM90) {
+    Status why;
+    if (!cuda::sm90_supports(*p, &why)) return why;
+  }
   return Status::ok();
 }
 
@@ -99,7 +121,9 @@ Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
   fc_backend b;
   Status s = prepare(a, /*workspace_query=*/true, &p, &b);
   if (!s.is_ok()) return s;
-  *bytes = b == FC_BACKEND_CUDA_SM80 ? cuda::sm80_forward_workspace(p) : 0;
+  *bytes = b == FC_BACKEND_CUDA_SM80   ? cuda::sm80_forward_workspace(p)
+           : b == FC_BACKEND_CUDA_SM90 ? cuda::sm90_forward_workspace(p)
+                                       : 0;
   return Status::ok();
 }
 
@@ -114,6 +138,9 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     case FC_BACKEND_CUDA_SM80:
       if (!(s = check_workspace(cuda::sm80_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
       return cuda::sm80_forward(p, workspace, workspace_bytes);
+    case FC_BACKEND_CUDA_SM90:
+      if (!(s = check_workspace(cuda::sm90_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      return cuda::sm90_forward(p, workspace, workspace_bytes);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run forward");
   }
 }

@@ -1,6 +1,7 @@
-// The CUDA backend against the CPU fp64 reference: the same TESTING.md grids as the CPU suite,
+// The CUDA backends against the CPU fp64 reference: the same TESTING.md grids as the CPU suite,
 // with tensors in device memory, poisoned outputs, race hunting, and GPU-only bad inputs.
-// Every test skips with a message when no GPU is present.
+// Forward tests run once per CUDA backend (sm80 everywhere, sm90 on Hopper); every test skips
+// with a message when its backend is not available (no GPU, or not a CC 9.0 device for sm90).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -18,6 +19,18 @@ bool have_gpu() { return fc_cuda_device_count() > 0 && fc_backend_available(FC_B
 #define REQUIRE_GPU() \
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU with sm_80+ present: CUDA tests skipped"
 
+#define REQUIRE_BACKEND(backend)                                                             \
+  if (!fc_backend_available(backend, 0))                                                     \
+  GTEST_SKIP() << fc_backend_name(backend) << " is not available here (no GPU, not compiled, " \
+                                              "or the GPU is not of its generation): skipped"
+
+/** The CUDA forward backends, each running every forward test. */
+class CudaForward : public ::testing::TestWithParam<fc_backend> {};
+
+std::string backend_label(const ::testing::TestParamInfo<fc_backend>& info) {
+  return info.param == FC_BACKEND_CUDA_SM90 ? "sm90" : "sm80";
+}
+
 GridOptions cuda_grid() {
   GridOptions g;
   g.dtypes = {FC_DTYPE_F16, FC_DTYPE_BF16};
@@ -27,11 +40,11 @@ GridOptions cuda_grid() {
   return g;
 }
 
-void expect_forward(const std::vector<Case>& cases) {
+void expect_forward(const std::vector<Case>& cases, fc_backend backend) {
   CudaMemory mem;
   uint64_t seed = 1;
   for (const Case& c : cases) {
-    const CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, seed++);
+    const CheckResult r = check_forward(c, backend, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
   }
 }
@@ -46,16 +59,16 @@ void expect_backward(const std::vector<Case>& cases, bool deterministic = false)
   }
 }
 
-TEST(CudaForward, SeqlenGrid) { REQUIRE_GPU(); expect_forward(grid_seqlens(cuda_grid())); }
-TEST(CudaForward, Shapes) { REQUIRE_GPU(); expect_forward(grid_shapes(cuda_grid())); }
-TEST(CudaForward, Masks) { REQUIRE_GPU(); expect_forward(grid_masks(cuda_grid())); }
-TEST(CudaForward, Varlen) { REQUIRE_GPU(); expect_forward(grid_varlen(cuda_grid())); }
-TEST(CudaForward, Edges) { REQUIRE_GPU(); expect_forward(grid_edges(cuda_grid())); }
+TEST_P(CudaForward, SeqlenGrid) { REQUIRE_BACKEND(GetParam()); expect_forward(grid_seqlens(cuda_grid()), GetParam()); }
+TEST_P(CudaForward, Shapes) { REQUIRE_BACKEND(GetParam()); expect_forward(grid_shapes(cuda_grid()), GetParam()); }
+TEST_P(CudaForward, Masks) { REQUIRE_BACKEND(GetParam()); expect_forward(grid_masks(cuda_grid()), GetParam()); }
+TEST_P(CudaForward, Varlen) { REQUIRE_BACKEND(GetParam()); expect_forward(grid_varlen(cuda_grid()), GetParam()); }
+TEST_P(CudaForward, Edges) { REQUIRE_BACKEND(GetParam()); expect_forward(grid_edges(cuda_grid()), GetParam()); }
 
 // Shapes whose normal grid leaves most SMs idle (the seed shape B=1 H=8 S=512 D=64 among them):
 // whatever configuration serves them must keep every semantic of the large-grid path.
-TEST(CudaForward, SmallGrids) {
-  REQUIRE_GPU();
+TEST_P(CudaForward, SmallGrids) {
+  REQUIRE_BACKEND(GetParam());
   std::vector<Case> cases;
   for (bool causal : {false, true})
     for (int64_t d : {64, 128}) {
@@ -111,10 +124,10 @@ TEST(CudaForward, SmallGrids) {
   v.head_dim = 64;
   v.causal = true;
   cases.push_back(v);
-  expect_forward(cases);
+  expect_forward(cases, GetParam());
   CudaMemory mem;
   std::string why;
-  EXPECT_TRUE(repeat_is_bit_identical(cases[0], FC_BACKEND_CUDA_SM80, mem, 50, false, &why)) << why;
+  EXPECT_TRUE(repeat_is_bit_identical(cases[0], GetParam(), mem, 50, false, &why)) << why;
 }
 
 GridOptions cuda_bwd_grid() {
@@ -129,8 +142,8 @@ TEST(CudaBackward, Varlen) { REQUIRE_GPU(); expect_backward(grid_varlen(cuda_bwd
 TEST(CudaBackward, Edges) { REQUIRE_GPU(); expect_backward(grid_edges(cuda_bwd_grid())); }
 TEST(CudaBackward, Deterministic) { REQUIRE_GPU(); expect_backward(grid_varlen(cuda_bwd_grid()), true); }
 
-TEST(CudaRaces, ForwardRepeatsAreBitIdentical) {
-  REQUIRE_GPU();
+TEST_P(CudaForward, RepeatsAreBitIdentical) {
+  REQUIRE_BACKEND(GetParam());
   CudaMemory mem;
   Case c;
   c.batch = 2;
@@ -142,8 +155,11 @@ TEST(CudaRaces, ForwardRepeatsAreBitIdentical) {
   c.dtype = FC_DTYPE_BF16;
   c.causal = true;
   std::string why;
-  EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM80, mem, 100, false, &why)) << why;
+  EXPECT_TRUE(repeat_is_bit_identical(c, GetParam(), mem, 100, false, &why)) << why;
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, CudaForward,
+                         ::testing::Values(FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90), backend_label);
 
 TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
   REQUIRE_GPU();
@@ -186,9 +202,14 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   v.head_dim = 64;
   cases.push_back(v);
   uint64_t seed = 9;
+  const bool sm90 = fc_backend_available(FC_BACKEND_CUDA_SM90, 0);
   for (const Case& c : cases) {
     CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
+    if (sm90) {
+      r = check_forward(c, FC_BACKEND_CUDA_SM90, mem, seed++);
+      EXPECT_TRUE(r.ok) << "sm90 " << c.name() << "\n" << r.summary();
+    }
     r = check_backward(c, FC_BACKEND_CUDA_SM80, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
   }

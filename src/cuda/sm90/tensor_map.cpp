@@ -116,24 +116,72 @@ uint32_t tma_swizzle_span_bytes(TmaSwizzle swizzle) {
 Status encode_tensor_map_2d(const TiledView2d& view, CUtensorMap* map) {
   if (map == nullptr) return Status::invalid("tensor map: output pointer is null");
   if (Status s = validate(view); !s.is_ok()) return s;
-  const EntryPoint& entry = encode_tiled_entry_point();
-  if (entry.fn == nullptr) return Status::cuda("tensor map: " + entry.error);
+  TiledViewNd nd;
+  nd.base = view.base;
+  nd.element = view.element;
+  nd.rank = kRank;
+  nd.dims[0] = view.cols;
+  nd.dims[1] = view.rows;
+  nd.strides[0] = 1;
+  nd.strides[1] = view.row_stride;
+  nd.box[0] = view.box_cols;
+  nd.box[1] = view.box_rows;
+  nd.swizzle = view.swizzle;
+  return encode_tensor_map_nd(nd, map);
+}
 
-  const cuuint64_t global_dim[kRank] = {view.cols, view.rows};
-  // Strides of every dimension but the innermost, in bytes.
-  const cuuint64_t global_stride[kRank - 1] = {view.row_stride * TensorMapLimits::kElemBytes};
-  const cuuint32_t box_dim[kRank] = {view.box_cols, view.box_rows};
-  const cuuint32_t element_stride[kRank] = {1, 1};  // dense box, no sub-sampling
+Status encode_tensor_map_nd(const TiledViewNd& view, CUtensorMap* map) {
+  using L = TensorMapLimits;
+  const std::string where = "tensor map: ";
+  if (map == nullptr) return Status::invalid(where + "output pointer is null");
+  if (view.rank < 2 || view.rank > TiledViewNd::kMaxRank)
+    return Status::invalid(where + "rank must be in [2, 5], got " + std::to_string(view.rank));
+  if (view.base == nullptr) return Status::invalid(where + "base is null");
+  if (reinterpret_cast<uintptr_t>(view.base) % L::kAlignBytes != 0)
+    return Status::invalid(where + "base must be 16-byte aligned");
+  cuuint64_t global_dim[TiledViewNd::kMaxRank];
+  cuuint64_t global_stride[TiledViewNd::kMaxRank - 1];  // bytes, every dimension but the innermost
+  cuuint32_t box_dim[TiledViewNd::kMaxRank];
+  cuuint32_t element_stride[TiledViewNd::kMaxRank];
+  for (int d = 0; d < view.rank; ++d) {
+    const std::string dim = "dimension " + std::to_string(d);
+    if (view.dims[d] == 0 || view.dims[d] > L::kMaxDim)
+      return Status::invalid(where + dim + " extent must be in [1, 2^32], got " +
+                             std::to_string(view.dims[d]));
+    if (view.box[d] == 0 || view.box[d] > L::kMaxBoxSide)
+      return Status::invalid(where + dim + " box side must be in [1, 256], got " +
+                             std::to_string(view.box[d]));
+    global_dim[d] = view.dims[d];
+    box_dim[d] = view.box[d];
+    element_stride[d] = 1;  // dense box, no sub-sampling
+    if (d > 0) {
+      const uint64_t bytes = view.strides[d] * L::kElemBytes;
+      if (bytes == 0 || bytes % L::kAlignBytes != 0 || bytes >= L::kMaxStrideBytes)
+        return Status::invalid(where + dim + " stride must be a nonzero multiple of 16 bytes below "
+                               "2^40, got " + std::to_string(bytes) + " bytes");
+      global_stride[d - 1] = bytes;
+    }
+  }
+  const uint32_t box_row_bytes = view.box[0] * L::kElemBytes;
+  if (box_row_bytes % L::kAlignBytes != 0)
+    return Status::invalid(where + "box row must be a multiple of 16 bytes, got " +
+                           std::to_string(box_row_bytes));
+  const uint32_t span = tma_swizzle_span_bytes(view.swizzle);
+  if (span != 0 && box_row_bytes > span)
+    return Status::invalid(where + "box row of " + std::to_string(box_row_bytes) +
+                           " bytes exceeds the " + std::to_string(span) + "-byte swizzle span");
+  const EntryPoint& entry = encode_tiled_entry_point();
+  if (entry.fn == nullptr) return Status::cuda(where + entry.error);
   const CUtensorMapDataType type = view.element == TmaElement::kBf16
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult rc =
-      entry.fn(map, type, kRank, const_cast<void*>(view.base), global_dim, global_stride, box_dim,
-               element_stride, CU_TENSOR_MAP_INTERLEAVE_NONE, to_cu_swizzle(view.swizzle),
-               CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out of bounds reads zero
+  const CUresult rc = entry.fn(map, type, static_cast<cuuint32_t>(view.rank),
+                               const_cast<void*>(view.base), global_dim, global_stride, box_dim,
+                               element_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               to_cu_swizzle(view.swizzle), CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);  // out of bounds reads zero
   if (rc != CUDA_SUCCESS)
-    return Status::cuda("tensor map: cuTensorMapEncodeTiled failed with CUresult " +
+    return Status::cuda(where + "cuTensorMapEncodeTiled failed with CUresult " +
                         std::to_string(static_cast<int>(rc)));
   return Status::ok();
 }

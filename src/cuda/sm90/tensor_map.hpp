@@ -56,6 +56,23 @@ inline uint32_t box_bytes(const TiledView2d& view) {
   return view.box_rows * view.box_cols * TensorMapLimits::kElemBytes;
 }
 
+/** A row-major view of rank 2..5 (dims[0] innermost and contiguous) and its box: the attention
+ *  tensors are 4-D (head_dim, rows, heads, batch) with arbitrary outer strides. */
+struct TiledViewNd {
+  static constexpr int kMaxRank = 5;
+  const void* base = nullptr;  // 16-byte aligned
+  TmaElement element = TmaElement::kBf16;
+  int rank = 0;
+  uint64_t dims[kMaxRank] = {};     // extent of each dimension, innermost first
+  uint64_t strides[kMaxRank] = {};  // elements between consecutive indices; strides[0] is 1
+  uint32_t box[kMaxRank] = {};      // box side per dimension
+  TmaSwizzle swizzle = TmaSwizzle::k128B;
+};
+
+/** Encodes an N-D view (same rules per dimension as the 2-D form: each outer stride a multiple of
+ *  16 bytes below 2^40, box sides in [1, 256], box row within the swizzle span). */
+Status encode_tensor_map_nd(const TiledViewNd& view, CUtensorMap* map);
+
 /** Encodes `view` into *map. Errors: FC_ERROR_INVALID_ARGUMENT for a view TMA cannot describe,
  *  FC_ERROR_CUDA when the driver entry point is missing or the driver rejects the map. */
 Status encode_tensor_map_2d(const TiledView2d& view, CUtensorMap* map);

@@ -1,0 +1,653 @@
+// Hopper forward kernel: TMA loads into an mbarrier pipeline, wgmma on the tensor cores, one
+// producer warpgroup and two consumer warpgroups (warp specialization). Header-only:
+// cmake/cuda.cmake generates one sm_90a translation unit per (dtype, head-dim bucket) that
+// explicitly instantiates forward_run.
+//
+// Relies on: api/params.hpp (AttentionParams, seq_info, offset_of), common/mask.hpp (MaskInfo, the
+// one definition of causal / window masks), cuda/ptx/{wgmma,tma,mbarrier,warpgroup}.cuh (the PTX
+// wrappers, each unit-tested alone in tests/cuda/sm90), cuda/sm90/tensor_map.hpp (host side).
+//
+// ---- Work decomposition -------------------------------------------------------------------------
+// A tile is (query block of kBlockM = 64 * kConsumers rows, query head, batch entry); a CTA has
+// 1 + kConsumers warpgroups:
+//  warpgroup 0, the producer: one elected thread issues every TMA copy (Q of a tile, then K and
+//      V of its key blocks into a ring of kStages buffers); the warpgroup gives registers away
+//      with setmaxnreg.dec so the consumers can hold 240 each.
+//  warpgroups 1.., the consumers: each owns 64 query rows (one wgmma M) and runs the whole key
+//      loop for them: S = Q K^T (wgmma, both operands in shared memory), online softmax in
+//      registers, O += P V (wgmma with P from registers, the "RS" form). The consumers share
+//      each K/V tile and interleave naturally: while one does its softmax (FMA / MUFU pipes) the
+//      other's wgmmas occupy the tensor cores.
+// Without a causal / window mask the grid is persistent (one CTA per SM walking tiles c,
+// c + gridDim.x, ...): the producer loads the next tile's Q and first K/V blocks while the
+// consumers finish the current one. With a mask, tiles differ in cost and each CTA takes one
+// (the hardware block scheduler balances them). Key blocks run from the last to the first, so
+// the tiles that need per-element masks (the causal diagonal, the partial last block) come first
+// and the rest take the branch-free body.
+//
+// ---- Pipeline (mbarriers; the n-th use of a ring slot waits for parity (n / slots) & 1) -------
+//  q_full / q_empty  : Q of the current tile; every consumer warp arrives on q_empty once its
+//                      last Q K^T completed, and the producer waits for it before the next Q.
+//  k_full[s], v_full[s]: producer arms with a tile's bytes; the TMA completes the phase.
+//  k_empty[s], v_empty[s]: one arrival per consumer warp once its wgmmas reading the buffer have
+//                      completed (wgmma.wait_group); the producer waits before refilling.
+// K and V have separate barriers so S = Q K^T starts before V has landed. Fill counters run on
+// across the tiles of a persistent CTA (PipelineCounters), identically in both roles.
+//
+// ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
+//   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
+//   softmax_j on S_j (fp32, in place) ; wait for the P V (wait_group 0) ; release V_{j-1} ;
+//   rescale O by the max correction of tile j ; round P_j to 16 bits in the A-fragment registers.
+// The softmax of tile j runs while the tensor cores still work on P_{j-1} V_{j-1}; O is touched
+// only after its wgmma completed, and P_{j-1}'s registers are not rewritten before that either.
+//
+// ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) ----------------------------
+// A tile of R rows x D columns is stored as D/64 column chunks of [R rows][128 bytes] - what a TMA
+// box of {64, R} with CU_TENSOR_MAP_SWIZZLE_128B writes, and the canonical wgmma layout:
+// KMajorTile{k128B, R, D} for Q (A operand) and K (B operand of Q K^T, K-major), and
+// MnMajorTile{k128B, D, R} for V (B operand of P V, head dim contiguous = MN-major).
+//
+// ---- Fragments (see cuda/ptx/wgmma.cuh) ---------------------------------------------------------
+// Accumulator register i of warpgroup thread t (warp w, g = lane / 4, quad = lane % 4) holds row
+// 16w + g + 8*((i % 4) / 2), column 8*(i / 4) + 2*quad + (i % 2): each thread owns 2 rows, whose
+// maxima and sums reduce over the 4 lanes of a quad. The S accumulator of key slice s (16 keys)
+// packs into the RS A fragment {S[8s],S[8s+1]}, {S[8s+2],S[8s+3]}, {S[8s+4],S[8s+5]},
+// {S[8s+6],S[8s+7]} with no data movement.
+//
+// ---- Softmax and masks ---------------------------------------------------------------------------
+// Exactly the sm80 rules: the max runs on raw scores with the scale folded into one FFMA in log2
+// units (a softcap or a negative scale transforms the scores first); a row whose max is still
+// -inf subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
+// MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
+// are not MaskInfo::tile_fully_visible. Rows past seqlen_q compute on whatever TMA loaded and are
+// never stored. Rows with no keys give out = 0, lse = -inf.
+//
+// ---- Addressing -----------------------------------------------------------------------------------
+// Dense calls: 4-D tensor maps (head_dim, seqlen, heads, batch) with the caller's strides, so
+// rows past a sequence's end read as zeros. Varlen calls: (head_dim, total rows, heads, 1) and the
+// row coordinate starts at the sequence's packed offset; keys past seqlen_k of sequence b are
+// then rows of sequence b+1, which the mask turns into P = 0 exactly (their values are finite
+// inputs), and the end of the packed tensor reads as zeros.
+// Head dims below the bucket: the map's head_dim extent is the real one, TMA zero-fills the
+// padding columns, and the epilogue never stores them.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "api/params.hpp"
+#include "api/status.hpp"
+#include "common/mask.hpp"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/forward_scores.hpp"
+#include "cuda/build_config.hpp"  // multiprocessor_count
+#include "cuda/scoped_device.hpp"
+#include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
+#include "cuda/sm90/tensor_map.hpp"
+
+namespace flashcore::cuda::sm90 {
+
+using forward_params_t = AttentionParams;
+constexpr int kFallbackSmCount = 132;  // H100 SXM, when the attribute query fails
+using sm80::ElementOps;
+using sm80::fast_exp2;
+using sm80::kLn2;
+using sm80::kLog2e;
+using sm80::quad_allreduce_max;
+using sm80::quad_allreduce_sum;
+
+/** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2>
+struct ForwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
+  static constexpr int kBlockN = kBlockN_;    // keys per K/V tile (the N of S = Q K^T)
+  static constexpr int kStages = kStages_;    // K/V buffers in the ring
+  static constexpr int kConsumers = kConsumers_;  // consumer warpgroups, 64 query rows each
+  static constexpr int kRowsPerConsumer = 64; // one wgmma M
+  static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
+  static constexpr int kConsumerWarps = kConsumers * 4;
+  // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
+  // per-thread count at entry (65536 / kThreads rounded down to the allocation granule of 8,
+  // which __launch_bounds__(kThreads, 1) makes ptxas use). The split must fit in it, or the
+  // consumers' setmaxnreg.inc waits forever: 384 threads enter with 168 (64512 registers =
+  // 128 * (24 + 2 * 240)), 512 threads with 128 (65536 = 128 * (32 + 3 * 160)).
+  static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+  static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <=
+                    kThreads * kEntryRegisters,
+                "setmaxnreg split exceeds the registers the CTA is launched with");
+
+  static constexpr int kChunkCols = 64;  // 128-byte swizzle span of 16-bit elements
+  static constexpr int kChunks = kHeadDim / kChunkCols;
+  static constexpr int kSwizzleBytes = 128;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr uint32_t kTileBytes = kBlockN * kHeadDim * 2;  // one K or V buffer
+  static constexpr uint32_t kQChunkBytes = kBlockM * kSwizzleBytes;
+  static constexpr uint32_t kTileChunkBytes = kBlockN * kSwizzleBytes;
+
+  static constexpr uint32_t kAlign = 1024;  // 128B-swizzle period: tiles start on it
+  static constexpr uint32_t kQOffset = 0;
+  static constexpr uint32_t kKOffset = kQOffset + kQBytes;
+  static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kTileBytes;
+  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
+
+  static_assert(kHeadDim % kChunkCols == 0, "head dim buckets are multiples of 64");
+  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "wgmma N");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma N of P V");
+  static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "tiles stay 1024-aligned");
+};
+
+/** Per-bucket configuration (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
+ *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). */
+template <typename Element, int kHeadDim>
+struct DefaultForwardTraits;
+// d64 with three consumers (192-row tiles, 160 registers each) measured slower on the H100 than
+// two consumers in most cells of the training grid (docs/PERF.md), so every bucket uses two.
+template <typename Element>
+struct DefaultForwardTraits<Element, 64> {
+  using type = ForwardTraits<Element, 64, 128, 4>;  // 16 + 4*32 KiB
+};
+template <typename Element>
+struct DefaultForwardTraits<Element, 128> {
+  using type = ForwardTraits<Element, 128, 128, 2>;  // 32 + 2*64 KiB
+};
+template <typename Element>
+struct DefaultForwardTraits<Element, 256> {
+  using type = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 KiB
+};
+
+using cuda::ScoreScales;  // how raw scores become the log2-domain exponent (as in sm80)
+using cuda::ScoreTransform;
+using cuda::ScopedDevice;
+
+struct ForwardKernelArgs {
+  CUtensorMap map_q, map_k, map_v;  // first: 64-byte aligned members
+  AttentionParams params;
+  int num_m_blocks;
+  int num_tiles;  // num_m_blocks * heads_q * batch; CTA c serves tiles c, c + gridDim.x, ...
+  ScoreTransform transform;
+  float exp2_scale;  // factor of the (transformed) score in the exponent
+  float pre_scale;   // kLinear / kSoftcap
+  float post_scale;  // kSoftcap
+};
+
+/** Shared-memory tiles and barriers of one CTA: generic pointers for TMA destinations, .shared
+ *  window addresses for wgmma descriptors. */
+template <class T>
+struct SmemPlan {
+  uint8_t* base;   // 1024-aligned
+  uint32_t addr;   // its .shared window address
+  uint64_t* bars;
+
+  __device__ uint8_t* q_ptr() const { return base + T::kQOffset; }
+  __device__ uint8_t* k_ptr(int s) const { return base + T::kKOffset + s * T::kTileBytes; }
+  __device__ uint8_t* v_ptr(int s) const { return base + T::kVOffset + s * T::kTileBytes; }
+  __device__ uint32_t q_addr() const { return addr + T::kQOffset; }
+  __device__ uint32_t k_addr(int s) const { return addr + T::kKOffset + s * T::kTileBytes; }
+  __device__ uint32_t v_addr(int s) const { return addr + T::kVOffset + s * T::kTileBytes; }
+  __device__ uint64_t* q_full() const { return bars; }
+  __device__ uint64_t* k_full(int s) const { return bars + 1 + s; }
+  __device__ uint64_t* v_full(int s) const { return bars + 1 + T::kStages + s; }
+  __device__ uint64_t* k_empty(int s) const { return bars + 1 + 2 * T::kStages + s; }
+  __device__ uint64_t* v_empty(int s) const { return bars + 1 + 3 * T::kStages + s; }
+  __device__ uint64_t* q_empty() const { return bars + 1 + 4 * T::kStages; }
+};
+
+/** The work of one CTA, resolved identically by every warpgroup. */
+struct BlockWork {
+  int64_t batch, head, kv_head, m0;
+  SeqInfo seq;
+  MaskInfo mask;
+  int n_block_end;  // key blocks [n_block_end - n_tiles, n_block_end), visited downwards
+  int n_tiles;
+  bool has_rows;  // false: nothing to compute or store (both roles skip the tile)
+  int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
+};
+
+/** Tile index -> (query block, head, batch): m fastest and reversed, so the heaviest causal
+ *  blocks of a head come first and the CTAs of one head run together (K/V shared through L2). */
+template <class T>
+__device__ BlockWork resolve_block(const ForwardKernelArgs& args, int tile) {
+  const AttentionParams& p = args.params;
+  BlockWork w;
+  const int m_block = args.num_m_blocks - 1 - tile % args.num_m_blocks;
+  const int rest = tile / args.num_m_blocks;
+  w.head = rest % p.heads_q;
+  w.batch = rest / p.heads_q;
+  w.kv_head = w.head / (p.heads_q / p.heads_kv);
+  w.m0 = int64_t(m_block) * T::kBlockM;
+  w.seq = seq_info(p, w.batch);
+  w.mask = mask_info(p, w.seq);
+  w.n_tiles = 0;
+  w.n_block_end = 0;
+  w.has_rows = w.m0 < w.seq.seqlen_q;  // varlen: a sequence shorter than max_seqlen_q
+  if (w.has_rows) {
+    const int64_t row_end = w.m0 + T::kBlockM < w.seq.seqlen_q ? w.m0 + T::kBlockM : w.seq.seqlen_q;
+    const KeyRange keys = w.mask.keys_for_rows(w.m0, row_end);
+    if (!keys.empty()) {
+      const int first = static_cast<int>(keys.begin / T::kBlockN);
+      w.n_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
+      w.n_tiles = w.n_block_end - first;
+    }
+  }
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  w.q_row0 = w.seq.q_start + w.m0;
+  w.k_row0 = w.seq.k_start;
+  w.batch_coord = varlen ? 0 : w.batch;
+  return w;
+}
+
+/** Pipeline position carried across the tiles of a persistent CTA: how many Q tiles and K/V
+ *  tiles went through their barriers so far (stage = count % kStages, parity = count / kStages). */
+struct PipelineCounters {
+  int q_fills = 0;
+  int kv_fills = 0;
+};
+
+/** The producer thread, for one tile: Q, then K and V of every key block into the ring. */
+template <class T>
+__device__ void produce(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
+                        PipelineCounters& pc) {
+  const int32_t bc = static_cast<int32_t>(w.batch_coord);
+  const int32_t hq = static_cast<int32_t>(w.head), hk = static_cast<int32_t>(w.kv_head);
+  // Q of the previous tile must be dead (every consumer warp past its last Q K^T). A fresh
+  // barrier counts as having completed the phase before phase 0, so the first wait passes.
+  ptx::mbarrier_wait_parity(sm.q_empty(), (pc.q_fills & 1) ^ 1);
+  ++pc.q_fills;
+  ptx::mbarrier_arrive_expect_tx(sm.q_full(), T::kQBytes);
+#pragma unroll
+  for (int c = 0; c < T::kChunks; ++c) {
+    ptx::tma_load_4d(sm.q_ptr() + c * T::kQChunkBytes, &args.map_q, sm.q_full(),
+                     c * T::kChunkCols, static_cast<int32_t>(w.q_row0), hq, bc);
+  }
+  for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
+    const int stage = pc.kv_fills % T::kStages;
+    const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
+    const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+    ptx::mbarrier_wait_parity(sm.k_empty(stage), parity ^ 1);
+    ptx::mbarrier_arrive_expect_tx(sm.k_full(stage), T::kTileBytes);
+#pragma unroll
+    for (int c = 0; c < T::kChunks; ++c) {
+      ptx::tma_load_4d(sm.k_ptr(stage) + c * T::kTileChunkBytes, &args.map_k, sm.k_full(stage),
+                       c * T::kChunkCols, row, hk, bc);
+    }
+    ptx::mbarrier_wait_parity(sm.v_empty(stage), parity ^ 1);
+    ptx::mbarrier_arrive_expect_tx(sm.v_full(stage), T::kTileBytes);
+#pragma unroll
+    for (int c = 0; c < T::kChunks; ++c) {
+      ptx::tma_load_4d(sm.v_ptr(stage) + c * T::kTileChunkBytes, &args.map_v, sm.v_full(stage),
+                       c * T::kChunkCols, row, hk, bc);
+    }
+  }
+}
+
+/** Online-softmax state of the two rows a consumer thread owns. */
+struct RowState {
+  float max[2];  // reference max per row, raw (or transformed) score units
+  float sum[2];  // this thread's partial sum of P per row
+};
+
+/** Turns the fp32 scores of one tile into unnormalized probabilities in place, updating the row
+ *  state; returns through `correction` the factor O must be multiplied by (0 <= c <= 1). */
+template <class T, bool kMasked>
+__device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowState& st,
+                                             float (&correction)[2], const ForwardKernelArgs& args,
+                                             const KeyRange (&rows)[2], int64_t key0, int quad) {
+  constexpr int kRegs = T::kBlockN / 2;
+  if (args.transform != ScoreTransform::kFoldedScale) {
+    const bool softcap = args.transform == ScoreTransform::kSoftcap;
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+      const float x = s[i] * args.pre_scale;
+      s[i] = softcap ? args.post_scale * tanhf(x) : x;
+    }
+  }
+  if constexpr (kMasked) {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+      const int64_t key = key0 + 8 * (i / 4) + 2 * quad + (i % 2);
+      const KeyRange& r = rows[(i % 4) / 2];
+      if (key < r.begin || key >= r.end) s[i] = -INFINITY;
+    }
+  }
+  const float scale = args.exp2_scale;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = st.max[r];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+      if ((i % 4) / 2 == r) mx = fmaxf(mx, s[i]);
+    }
+    mx = quad_allreduce_max(mx);
+    // A row that has seen only masked keys keeps max -inf and subtracts 0 (no -inf - -inf).
+    const float base = mx == -INFINITY ? 0.f : mx * scale;
+    correction[r] = fast_exp2(st.max[r] * scale - base);  // exp2(-inf) = 0 on the first tile
+    st.max[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+      if ((i % 4) / 2 == r) {
+        s[i] = fast_exp2(fmaf(s[i], scale, -base));
+        sum += s[i];
+      }
+    }
+    st.sum[r] = st.sum[r] * correction[r] + sum;
+  }
+}
+
+/** P (fp32 accumulator layout) rounded to 16 bits as the RS A fragments of the P V product. */
+template <class T>
+__device__ __forceinline__ void pack_probabilities(const float (&s)[T::kBlockN / 2],
+                                                   uint32_t (&pa)[T::kBlockN / 16][4]) {
+  using Ops = ElementOps<typename T::Element>;
+#pragma unroll
+  for (int k = 0; k < T::kBlockN / 16; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[k][r] = Ops::pack(s[8 * k + 2 * r], s[8 * k + 2 * r + 1]);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void issue_qk(float (&s)[T::kBlockN / 2], const SmemPlan<T>& sm,
+                                         int consumer, int stage) {
+  constexpr ptx::KMajorTile kQTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kHeadDim};
+  constexpr ptx::KMajorTile kKTile{ptx::SmemSwizzle::k128B, T::kBlockN, T::kHeadDim};
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < T::kHeadDim / 16; ++k) {
+    ptx::wgmma_ss<T::kBlockN, typename T::Element>(
+        s, kQTile.desc(sm.q_addr(), consumer * T::kRowsPerConsumer, 16 * k),
+        kKTile.desc(sm.k_addr(stage), 0, 16 * k), k > 0);
+  }
+  ptx::wgmma_commit_group();
+}
+
+template <class T>
+__device__ __forceinline__ void issue_pv(float (&o)[T::kHeadDim / 2],
+                                         const uint32_t (&pa)[T::kBlockN / 16][4],
+                                         const SmemPlan<T>& sm, int stage) {
+  constexpr ptx::MnMajorTile kVTile{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockN};
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < T::kBlockN / 16; ++k) {
+    ptx::wgmma_rs<T::kHeadDim, typename T::Element, /*kTransB=*/1>(
+        o, pa[k], kVTile.desc(sm.v_addr(stage), 0, 16 * k), true);
+  }
+  ptx::wgmma_commit_group();
+}
+
+/** One warp's arrival on an "empty" barrier once its wgmmas reading the buffer completed. */
+__device__ __forceinline__ void release(uint64_t* bar) {
+  if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive(bar);
+}
+
+/** One consumer warpgroup, for one tile: its 64 rows through every key block, then the epilogue. */
+template <class T>
+__device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
+                        int consumer, PipelineCounters& pc) {
+  const AttentionParams& p = args.params;
+  const int t = static_cast<int>(ptx::thread_in_warpgroup());
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int64_t row_base = w.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
+  KeyRange rows[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rows[r] = w.mask.keys_for_row(row_base + 8 * r);
+  const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
+
+  float o[T::kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
+  RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
+
+  ptx::mbarrier_wait_parity(sm.q_full(), pc.q_fills & 1);
+  ++pc.q_fills;
+  if (w.n_tiles > 0) {
+    float s[T::kBlockN / 2];
+    uint32_t pa[T::kBlockN / 16][4];
+    float correction[2];
+    auto masked = [&](int n_block) {
+      const int64_t key0 = int64_t(n_block) * T::kBlockN;
+      return !w.mask.tile_fully_visible(wg_row0, wg_row0 + T::kRowsPerConsumer, key0,
+                                        key0 + T::kBlockN);
+    };
+    auto softmax = [&](int n_block) {
+      const int64_t key0 = int64_t(n_block) * T::kBlockN;
+      if (masked(n_block)) {
+        softmax_tile<T, true>(s, st, correction, args, rows, key0, quad);
+      } else {
+        softmax_tile<T, false>(s, st, correction, args, rows, key0, quad);
+      }
+    };
+
+    // Tile 0: S, softmax (O is still zero, so its correction is irrelevant).
+    int stage = pc.kv_fills % T::kStages;
+    ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
+    issue_qk<T>(s, sm, consumer, stage);
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(s);
+    release(sm.k_empty(stage));
+    if (w.n_tiles == 1) release(sm.q_empty());
+    softmax(w.n_block_end - 1);
+    pack_probabilities<T>(s, pa);
+
+    for (int it = 1; it < w.n_tiles; ++it) {
+      const int prev = stage;
+      const uint32_t prev_parity = (pc.kv_fills / T::kStages) & 1;
+      ++pc.kv_fills;
+      stage = pc.kv_fills % T::kStages;
+      ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
+      issue_qk<T>(s, sm, consumer, stage);
+      ptx::mbarrier_wait_parity(sm.v_full(prev), prev_parity);
+      issue_pv<T>(o, pa, sm, prev);
+      ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
+      ptx::wgmma_fence_operands(s);
+      release(sm.k_empty(stage));
+      if (it == w.n_tiles - 1) release(sm.q_empty());  // the last read of this tile's Q is done
+      softmax(w.n_block_end - 1 - it);
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(o);
+      release(sm.v_empty(prev));
+#pragma unroll
+      for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] *= correction[(i % 4) / 2];
+      pack_probabilities<T>(s, pa);
+    }
+    ptx::mbarrier_wait_parity(sm.v_full(stage), (pc.kv_fills / T::kStages) & 1);
+    issue_pv<T>(o, pa, sm, stage);
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(o);
+    release(sm.v_empty(stage));
+    ++pc.kv_fills;
+  } else {
+    release(sm.q_empty());  // no key block: Q was loaded but is not needed
+  }
+
+  // Epilogue: O / l rounded to the dtype, 4-byte stores of column pairs; lse from lane quad 0.
+  using Ops = ElementOps<typename T::Element>;
+  auto* out = static_cast<typename T::Element*>(p.out.data);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_allreduce_sum(st.sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t row = row_base + 8 * r;
+    if (row >= w.seq.seqlen_q) continue;
+    const int64_t packed_row = w.seq.q_start + row;
+    typename T::Element* dst = out + offset_of(p.out, w.batch, packed_row, w.head);
+#pragma unroll
+    for (int j = 0; j < T::kHeadDim / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (col < p.head_dim) {
+        const uint32_t packed = Ops::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(dst + col) = packed;
+      }
+    }
+    if (p.lse.data != nullptr && quad == 0) {
+      const float lse = sum > 0.f ? (st.max[r] * args.exp2_scale + log2f(sum)) * kLn2 : -INFINITY;
+      p.lse.data[w.batch * p.lse.batch_stride + w.head * p.lse.head_stride +
+                 packed_row * p.lse.row_stride] = lse;
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    forward_kernel(const __grid_constant__ ForwardKernelArgs args) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = ptx::smem_addr(smem_raw);
+  const uint32_t pad = (T::kAlign - raw_addr % T::kAlign) % T::kAlign;
+  SmemPlan<T> sm;
+  sm.base = smem_raw + pad;
+  sm.addr = raw_addr + pad;
+  sm.bars = reinterpret_cast<uint64_t*>(sm.base + T::kBarrierOffset);
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(sm.q_full(), 1);
+    ptx::mbarrier_init(sm.q_empty(), T::kConsumerWarps);
+    for (int s = 0; s < T::kStages; ++s) {
+      ptx::mbarrier_init(sm.k_full(s), 1);
+      ptx::mbarrier_init(sm.v_full(s), 1);
+      ptx::mbarrier_init(sm.k_empty(s), T::kConsumerWarps);
+      ptx::mbarrier_init(sm.v_empty(s), T::kConsumerWarps);
+    }
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // Persistent CTA: tiles blockIdx.x, blockIdx.x + gridDim.x, ... Both roles walk the same list
+  // and skip the same empty tiles, so their barrier phases stay in step; the producer runs ahead
+  // by up to kStages K/V tiles and one Q tile, which overlaps the next tile's loads with this
+  // tile's last P V and epilogue.
+  PipelineCounters pc;
+  const uint32_t warpgroup = ptx::warpgroup_index();
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<T::kProducerRegisters>();
+    if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) {
+      ptx::tma_prefetch_tensor_map(&args.map_q);
+      ptx::tma_prefetch_tensor_map(&args.map_k);
+      ptx::tma_prefetch_tensor_map(&args.map_v);
+      for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+        const BlockWork w = resolve_block<T>(args, tile);
+        if (w.has_rows) produce<T>(args, sm, w, pc);
+      }
+    }
+  } else {
+    ptx::setmaxnreg_inc<T::kConsumerRegisters>();
+    for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+      const BlockWork w = resolve_block<T>(args, tile);
+      if (w.has_rows) consume<T>(args, sm, w, static_cast<int>(warpgroup) - 1, pc);
+    }
+  }
+}
+
+// ---- host -----------------------------------------------------------------------------------------
+
+/** The 4-D view TMA reads a q/k/v tensor through: (head_dim, rows, heads, batch). */
+inline TiledViewNd attention_view(const TensorRef& t, TmaElement element, int64_t rows,
+                                  int64_t heads, int64_t batch, int64_t head_dim, bool varlen,
+                                  uint32_t box_rows) {
+  TiledViewNd v;
+  v.base = t.data;
+  v.element = element;
+  v.rank = 4;
+  v.dims[0] = static_cast<uint64_t>(head_dim);
+  v.dims[1] = static_cast<uint64_t>(rows);
+  v.dims[2] = static_cast<uint64_t>(heads);
+  v.dims[3] = varlen ? 1 : static_cast<uint64_t>(batch);
+  v.strides[0] = 1;
+  v.strides[1] = static_cast<uint64_t>(t.row_stride);
+  v.strides[2] = static_cast<uint64_t>(t.head_stride);
+  // A batch of one never steps its stride; any legal value does.
+  v.strides[3] = varlen || batch == 1 ? static_cast<uint64_t>(t.row_stride)
+                                      : static_cast<uint64_t>(t.batch_stride);
+  v.box[0] = 64;
+  v.box[1] = box_rows;
+  v.box[2] = 1;
+  v.box[3] = 1;
+  v.swizzle = TmaSwizzle::k128B;
+  return v;
+}
+
+template <class T>
+Status launch_forward(const forward_params_t& p) {
+  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  if (num_m_blocks == 0 || p.heads_q == 0 || p.batch == 0) return Status::ok();
+  if (num_m_blocks * p.heads_q * p.batch > INT_MAX) {  // sm90_supports rules this out
+    return Status::unsupported("cuda_sm90 forward: more than 2^31 - 1 query tiles");
+  }
+
+  ForwardKernelArgs args{};
+  args.params = p;
+  args.num_m_blocks = static_cast<int>(num_m_blocks);
+  args.num_tiles = static_cast<int>(num_m_blocks * p.heads_q * p.batch);
+  const ScoreScales scales = resolve_score_scales(p);
+  args.transform = scales.transform;
+  args.exp2_scale = scales.exp2_scale;
+  args.pre_scale = scales.pre_scale;
+  args.post_scale = scales.post_scale;
+
+  const bool varlen = p.is_varlen();
+  const TmaElement element =
+      std::is_same_v<typename T::Element, __nv_bfloat16> ? TmaElement::kBf16 : TmaElement::kFp16;
+  const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
+  const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
+  // With no keys anywhere (k_rows == 0) the K/V maps stay zero: n_tiles is 0 in every CTA, no
+  // copy is issued, and every row gets out = 0, lse = -inf.
+  Status s = encode_tensor_map_nd(
+      attention_view(p.q, element, q_rows, p.heads_q, p.batch, p.head_dim, varlen, T::kBlockM),
+      &args.map_q);
+  if (s.is_ok() && k_rows > 0) {
+    s = encode_tensor_map_nd(
+        attention_view(p.k, element, k_rows, p.heads_kv, p.batch, p.head_dim, varlen, T::kBlockN),
+        &args.map_k);
+  }
+  if (s.is_ok() && k_rows > 0) {
+    s = encode_tensor_map_nd(
+        attention_view(p.v, element, k_rows, p.heads_kv, p.batch, p.head_dim, varlen, T::kBlockN),
+        &args.map_v);
+  }
+  if (!s.is_ok()) return Status{s.code, "cuda_sm90 forward: " + s.message};
+
+  ScopedDevice device(p.device_id);
+  auto* kernel = forward_kernel<T>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (err != cudaSuccess) {
+    return Status::cuda(std::string("cuda_sm90 forward: cannot reserve shared memory: ") +
+                        cudaGetErrorString(err));
+  }
+  // Persistent CTAs (one per SM) when every tile costs the same; with a causal or window mask the
+  // tiles differ in work and a static round-robin leaves SMs idle at the end (measured: causal
+  // 16k d128 at 424 TFLOP/s persistent vs 630 with one CTA per tile), so there each CTA takes
+  // one tile and the hardware's block scheduler balances them.
+  const bool uniform_work = p.window_left < 0 && p.window_right < 0;
+  const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
+  const int64_t ctas = uniform_work ? std::min<int64_t>(args.num_tiles, sm_count) : args.num_tiles;
+  const dim3 grid(static_cast<unsigned>(ctas));
+  kernel<<<grid, T::kThreads, T::kSmemBytes, static_cast<cudaStream_t>(p.stream)>>>(args);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return Status::cuda(std::string("cuda_sm90 forward launch failed: ") + cudaGetErrorString(err));
+  }
+  return Status::ok();
+}
+
+/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
+template <typename Element, int kHeadDim>
+Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
+  return launch_forward<typename DefaultForwardTraits<Element, kHeadDim>::type>(p);
+}
+
+}  // namespace flashcore::cuda::sm90

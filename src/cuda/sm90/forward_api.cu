@@ -1,0 +1,138 @@
+// Backend functions of the Hopper forward (see api/backends.hpp): which calls it can serve (the
+// TMA constraints on pointers and strides included), its workspace (none), and the dispatch from
+// (dtype, head_dim) to the kernel units that cmake/cuda.cmake generated for sm_90a.
+//
+// Relies on: forward_run<Element, kHeadDim> explicitly instantiated in the generated sm90 units for
+// every bucket/dtype whose FLASHCORE_HDIM_* / FLASHCORE_DTYPE_* macro is defined.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "api/backends.hpp"
+#include "api/params.hpp"
+#include "api/status.hpp"
+#include "cuda/build_config.hpp"
+
+namespace flashcore::cuda {
+
+namespace sm90 {
+using forward_params_t = AttentionParams;
+template <typename Element, int kHeadDim>
+Status forward_run(const forward_params_t& p, void* workspace, size_t workspace_bytes);
+}  // namespace sm90
+
+namespace {
+
+constexpr int kHopperCapability = 90;      // wgmma / setmaxnreg: sm_90a SASS runs on CC 9.0 only
+constexpr int64_t kTmaAlignElems = 8;      // TMA: base and outer strides multiples of 16 bytes
+constexpr int64_t kHeadDimAlignment = 8;
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kSmallestBlockM = 128;  // of the DefaultForwardTraits (most tiles)
+constexpr int64_t kLargestBlockM = 192;   // (furthest TMA row coordinate)
+constexpr int64_t kMaxTmaCoord = INT_MAX;  // TMA coordinates are int32
+
+bool reject(Status* why, const std::string& message) {
+  if (why != nullptr) *why = Status::unsupported("cuda_sm90: " + message);
+  return false;
+}
+
+bool tma_addressable(const TensorRef& t, bool varlen, int64_t batch) {
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  if (base % (kTmaAlignElems * 2) != 0) return false;
+  if (t.row_stride % kTmaAlignElems != 0 || t.row_stride <= 0) return false;
+  if (t.head_stride % kTmaAlignElems != 0 || t.head_stride <= 0) return false;
+  if (!varlen && batch > 1 && (t.batch_stride % kTmaAlignElems != 0 || t.batch_stride <= 0)) return false;
+  return true;
+}
+
+template <typename Element>
+Status run_bucket(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+  switch (compiled_head_dim_bucket(p.head_dim)) {
+#if defined(FLASHCORE_HDIM_64)
+    case 64:
+      return sm90::forward_run<Element, 64>(p, workspace, workspace_bytes);
+#endif
+#if defined(FLASHCORE_HDIM_128)
+    case 128:
+      return sm90::forward_run<Element, 128>(p, workspace, workspace_bytes);
+#endif
+#if defined(FLASHCORE_HDIM_256)
+    case 256:
+      return sm90::forward_run<Element, 256>(p, workspace, workspace_bytes);
+#endif
+    default:
+      (void)workspace;
+      (void)workspace_bytes;
+      return Status::internal("cuda_sm90 forward: no compiled bucket for head_dim " +
+                              std::to_string(p.head_dim));
+  }
+}
+
+}  // namespace
+
+bool sm90_supports(const AttentionParams& p, Status* why) {
+  if (p.dtype != DType::F16 && p.dtype != DType::BF16) return reject(why, "only fp16 and bf16 are supported");
+#if !defined(FLASHCORE_DTYPE_FP16)
+  if (p.dtype == DType::F16) return reject(why, "fp16 kernels are not compiled in (FLASHCORE_DTYPES)");
+#endif
+#if !defined(FLASHCORE_DTYPE_BF16)
+  if (p.dtype == DType::BF16) return reject(why, "bf16 kernels are not compiled in (FLASHCORE_DTYPES)");
+#endif
+  if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.head_dim % kHeadDimAlignment != 0) {
+    return reject(why, "head_dim " + std::to_string(p.head_dim) + " must be a multiple of 8 and at most 256");
+  }
+  if (compiled_head_dim_bucket(p.head_dim) == 0) {
+    return reject(why, "no compiled head-dim bucket holds head_dim " + std::to_string(p.head_dim) +
+                           " (FLASHCORE_HEAD_DIMS)");
+  }
+  const bool varlen = p.is_varlen();
+  const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
+  const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
+  if (q_rows + kLargestBlockM > kMaxTmaCoord || k_rows + kLargestBlockM > kMaxTmaCoord) {
+    return reject(why, "more than 2^31 - 193 rows do not fit TMA coordinates");
+  }
+  const int64_t m_blocks = (p.seqlen_q + kSmallestBlockM - 1) / kSmallestBlockM;
+  if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
+    return reject(why, "batch * heads_q * query blocks exceeds 2^31 - 1 tiles");
+  }
+  if (!tma_addressable(p.q, varlen, p.batch) || !tma_addressable(p.k, varlen, p.batch) ||
+      !tma_addressable(p.v, varlen, p.batch)) {
+    return reject(why, "q, k and v need 16-byte aligned data and strides that are multiples of 8 "
+                       "elements (TMA)");
+  }
+  if (p.out.row_stride % 2 != 0 || reinterpret_cast<uintptr_t>(p.out.data) % 4 != 0 ||
+      p.out.head_stride % 2 != 0 || (!varlen && p.out.batch_stride % 2 != 0)) {
+    return reject(why, "out needs 4-byte aligned data and even strides (column-pair stores)");
+  }
+  const int capability = compute_capability(p.device_id);
+  if (capability != kHopperCapability) {
+    return reject(why, "device " + std::to_string(p.device_id) + " has compute capability " +
+                           std::to_string(capability) + "; the sm_90a kernels need exactly 9.0");
+  }
+  return true;
+}
+
+size_t sm90_forward_workspace(const AttentionParams& /*p*/) { return 0; }
+
+Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+  switch (p.dtype) {
+#if defined(FLASHCORE_DTYPE_FP16)
+    case DType::F16:
+      return run_bucket<__half>(p, workspace, workspace_bytes);
+#endif
+#if defined(FLASHCORE_DTYPE_BF16)
+    case DType::BF16:
+      return run_bucket<__nv_bfloat16>(p, workspace, workspace_bytes);
+#endif
+    default:
+      (void)workspace;
+      (void)workspace_bytes;
+      return Status::internal("cuda_sm90 forward: dtype not compiled in");
+  }
+}
+
+}  // namespace flashcore::cuda
