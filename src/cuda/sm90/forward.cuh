@@ -18,10 +18,9 @@
 //      registers, O += P V (wgmma with P from registers, the "RS" form). The consumers share
 //      each K/V tile and interleave naturally: while one does its softmax (FMA / MUFU pipes) the
 //      other's wgmmas occupy the tensor cores.
-// Without a causal / window mask the grid is persistent (one CTA per SM walking tiles c,
-// c + gridDim.x, ...): the producer loads the next tile's Q and first K/V blocks while the
-// consumers finish the current one. With a mask, tiles differ in cost and each CTA takes one
-// (the hardware block scheduler balances them). Key blocks run from the last to the first, so
+// The grid is persistent (one CTA per SM): the producer loads the next tile's Q and first K/V
+// blocks while the consumers finish the current one. Tiles come in pairs of equal total cost
+// under a causal mask (for_each_tile). Key blocks run from the last to the first, so
 // the tiles that need per-element masks (the causal diagonal, the partial last block) come first
 // and the rest take the branch-free body.
 //
@@ -105,7 +104,8 @@ using sm80::quad_allreduce_max;
 using sm80::quad_allreduce_sum;
 
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
+          bool kPingPong_ = true>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -117,6 +117,7 @@ struct ForwardTraits {
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kConsumerWarps = kConsumers * 4;
+  static constexpr bool kPingPong = kPingPong_;  // consumers take turns issuing wgmmas
   // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
   // per-thread count at entry (65536 / kThreads rounded down to the allocation granule of 8,
   // which __launch_bounds__(kThreads, 1) makes ptxas use). The split must fit in it, or the
@@ -155,11 +156,13 @@ struct ForwardTraits {
  *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). */
 template <typename Element, int kHeadDim>
 struct DefaultForwardTraits;
-// d64 with three consumers (192-row tiles, 160 registers each) measured slower on the H100 than
-// two consumers in most cells of the training grid (docs/PERF.md), so every bucket uses two.
+// Measured on the H100 (docs/PERF.md): d64 with three consumers (192-row tiles, 160 registers
+// each) was slower than two in most cells of the training grid, and the ping-pong turns gain at
+// d128/d256 (geomean +2.4% over the grid) but cost ~2% at d64, where the softmax is as long as
+// the GEMMs it would hide behind.
 template <typename Element>
 struct DefaultForwardTraits<Element, 64> {
-  using type = ForwardTraits<Element, 64, 128, 4>;  // 16 + 4*32 KiB
+  using type = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;  // 16 + 4*32 KiB
 };
 template <typename Element>
 struct DefaultForwardTraits<Element, 128> {
@@ -178,7 +181,7 @@ struct ForwardKernelArgs {
   CUtensorMap map_q, map_k, map_v;  // first: 64-byte aligned members
   AttentionParams params;
   int num_m_blocks;
-  int num_tiles;  // num_m_blocks * heads_q * batch; CTA c serves tiles c, c + gridDim.x, ...
+  int num_pairs;  // work items: ceil(num_m_blocks / 2) * heads_q * batch (see for_each_tile)
   ScoreTransform transform;
   float exp2_scale;  // factor of the (transformed) score in the exponent
   float pre_scale;   // kLinear / kSoftcap
@@ -218,16 +221,13 @@ struct BlockWork {
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
 };
 
-/** Tile index -> (query block, head, batch): m fastest and reversed, so the heaviest causal
- *  blocks of a head come first and the CTAs of one head run together (K/V shared through L2). */
 template <class T>
-__device__ BlockWork resolve_block(const ForwardKernelArgs& args, int tile) {
+__device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, int head,
+                                   int batch) {
   const AttentionParams& p = args.params;
   BlockWork w;
-  const int m_block = args.num_m_blocks - 1 - tile % args.num_m_blocks;
-  const int rest = tile / args.num_m_blocks;
-  w.head = rest % p.heads_q;
-  w.batch = rest / p.heads_q;
+  w.head = head;
+  w.batch = batch;
   w.kv_head = w.head / (p.heads_q / p.heads_kv);
   w.m0 = int64_t(m_block) * T::kBlockM;
   w.seq = seq_info(p, w.batch);
@@ -395,10 +395,36 @@ __device__ __forceinline__ void release(uint64_t* bar) {
   if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive(bar);
 }
 
+/** Ping-pong between the consumer warpgroups: they take turns issuing their wgmmas (named barrier
+ *  1 + c is consumer c's turn; it waits there, issues, and passes the turn to the next one), so
+ *  one warpgroup's GEMMs run on the tensor cores while the other does its softmax instead of the
+ *  two contending for both at once. Every consumer issues at the same points (both walk the
+ *  same tiles and key blocks), so the turns stay in step across tiles; the last pass of the
+ *  kernel is left pending at exit, which no one waits for. */
+template <class T>
+struct IssueTurn {
+  int consumer;
+  static constexpr uint32_t kThreads = 2 * T::kWarpgroupThreads;  // the taker + the passer
+  __device__ void take() const {
+    if constexpr (T::kPingPong) ptx::named_barrier_sync(1 + consumer, kThreads);
+  }
+  __device__ void pass() const {
+    if constexpr (T::kPingPong) {
+      ptx::named_barrier_arrive(1 + (consumer + 1) % T::kConsumers, kThreads);
+    }
+  }
+  /** Before the first take: the last consumer hands the first turn to consumer 0. */
+  __device__ void start() const {
+    if constexpr (T::kPingPong) {
+      if (consumer == T::kConsumers - 1) ptx::named_barrier_arrive(1, kThreads);
+    }
+  }
+};
+
 /** One consumer warpgroup, for one tile: its 64 rows through every key block, then the epilogue. */
 template <class T>
 __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
-                        int consumer, PipelineCounters& pc) {
+                        int consumer, PipelineCounters& pc, const IssueTurn<T>& turn) {
   const AttentionParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
@@ -436,7 +462,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
     // Tile 0: S, softmax (O is still zero, so its correction is irrelevant).
     int stage = pc.kv_fills % T::kStages;
     ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
+    turn.take();
     issue_qk<T>(s, sm, consumer, stage);
+    turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(s);
     release(sm.k_empty(stage));
@@ -450,9 +478,11 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
       ++pc.kv_fills;
       stage = pc.kv_fills % T::kStages;
       ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
-      issue_qk<T>(s, sm, consumer, stage);
       ptx::mbarrier_wait_parity(sm.v_full(prev), prev_parity);
+      turn.take();
+      issue_qk<T>(s, sm, consumer, stage);
       issue_pv<T>(o, pa, sm, prev);
+      turn.pass();
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
       ptx::wgmma_fence_operands(s);
       release(sm.k_empty(stage));
@@ -466,7 +496,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
       pack_probabilities<T>(s, pa);
     }
     ptx::mbarrier_wait_parity(sm.v_full(stage), (pc.kv_fills / T::kStages) & 1);
+    turn.take();
     issue_pv<T>(o, pa, sm, stage);
+    turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(o);
     release(sm.v_empty(stage));
@@ -498,6 +530,32 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
       const float lse = sum > 0.f ? (st.max[r] * args.exp2_scale + log2f(sum)) * kLn2 : -INFINITY;
       p.lse.data[w.batch * p.lse.batch_stride + w.head * p.lse.head_stride +
                  packed_row * p.lse.row_stride] = lse;
+    }
+  }
+}
+
+/** The tiles of this persistent CTA, in order, as both roles must see them. Work item i (CTAs
+ *  take items blockIdx.x, blockIdx.x + gridDim.x, ...) is a pair of query blocks of one head:
+ *  the (M-1-j)-th and the j-th of its M blocks. Under a causal mask block m costs m + 1 key
+ *  blocks, so every pair costs about the same (M + 1) and a static round-robin keeps the SMs
+ *  evenly busy; without a mask the pairing is just an order. Items run head after head, so the
+ *  CTAs working at one time share K/V through L2. Tiles without query rows (varlen) are skipped
+ *  by both roles alike. */
+template <class T, class Fn>
+__device__ __forceinline__ void for_each_tile(const ForwardKernelArgs& args, Fn&& fn) {
+  const int m_blocks = args.num_m_blocks;
+  const int pairs_per_head = (m_blocks + 1) / 2;
+  for (int item = blockIdx.x; item < args.num_pairs; item += gridDim.x) {
+    const int j = item % pairs_per_head;
+    const int rest = item / pairs_per_head;
+    const int head = rest % static_cast<int>(args.params.heads_q);
+    const int batch = rest / static_cast<int>(args.params.heads_q);
+#pragma unroll 1
+    for (int k = 0; k < 2; ++k) {
+      const int m_block = k == 0 ? m_blocks - 1 - j : j;
+      if (k == 1 && m_block == m_blocks - 1 - j) break;  // odd M: the middle block is alone
+      const BlockWork w = resolve_block<T>(args, m_block, head, batch);
+      if (w.has_rows) fn(w);
     }
   }
 }
@@ -538,17 +596,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ptx::tma_prefetch_tensor_map(&args.map_q);
       ptx::tma_prefetch_tensor_map(&args.map_k);
       ptx::tma_prefetch_tensor_map(&args.map_v);
-      for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
-        const BlockWork w = resolve_block<T>(args, tile);
-        if (w.has_rows) produce<T>(args, sm, w, pc);
-      }
+      for_each_tile<T>(args, [&](const BlockWork& w) { produce<T>(args, sm, w, pc); });
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
-    for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
-      const BlockWork w = resolve_block<T>(args, tile);
-      if (w.has_rows) consume<T>(args, sm, w, static_cast<int>(warpgroup) - 1, pc);
-    }
+    const int consumer = static_cast<int>(warpgroup) - 1;
+    const IssueTurn<T> turn{consumer};
+    turn.start();
+    for_each_tile<T>(args, [&](const BlockWork& w) { consume<T>(args, sm, w, consumer, pc, turn); });
   }
 }
 
@@ -591,7 +646,7 @@ Status launch_forward(const forward_params_t& p) {
   ForwardKernelArgs args{};
   args.params = p;
   args.num_m_blocks = static_cast<int>(num_m_blocks);
-  args.num_tiles = static_cast<int>(num_m_blocks * p.heads_q * p.batch);
+  args.num_pairs = static_cast<int>((num_m_blocks + 1) / 2 * p.heads_q * p.batch);
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
   args.exp2_scale = scales.exp2_scale;
@@ -628,14 +683,9 @@ Status launch_forward(const forward_params_t& p) {
     return Status::cuda(std::string("cuda_sm90 forward: cannot reserve shared memory: ") +
                         cudaGetErrorString(err));
   }
-  // Persistent CTAs (one per SM) when every tile costs the same; with a causal or window mask the
-  // tiles differ in work and a static round-robin leaves SMs idle at the end (measured: causal
-  // 16k d128 at 424 TFLOP/s persistent vs 630 with one CTA per tile), so there each CTA takes
-  // one tile and the hardware's block scheduler balances them.
-  const bool uniform_work = p.window_left < 0 && p.window_right < 0;
+  // Persistent: one CTA per SM (fewer when there are fewer work items).
   const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
-  const int64_t ctas = uniform_work ? std::min<int64_t>(args.num_tiles, sm_count) : args.num_tiles;
-  const dim3 grid(static_cast<unsigned>(ctas));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_pairs, sm_count)));
   kernel<<<grid, T::kThreads, T::kSmemBytes, static_cast<cudaStream_t>(p.stream)>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
