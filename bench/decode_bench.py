@@ -6,7 +6,11 @@ Cells of TARGETS.md: one query token per sequence, GQA 32 q / 8 kv heads, head_d
 Metric: K+V bytes / time (TB/s), timed with CUDA events around many calls issued back to back
 (median of repeats). flashcore is called through ctypes on the built libflashcore.so.
 
-Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5]
+The read ceiling (sum of a 4 GiB bf16 tensor) is measured in the same run; the target is every
+flashcore cell >= cuDNN and >= 95% of that ceiling. --sweep also times explicit split counts
+(num_splits) per cell, to tune the split heuristic.
+
+Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5] [--sweep]
 """
 import argparse
 import ctypes
@@ -78,7 +82,7 @@ def time_tbps(fn, nbytes, iters, repeats):
     return statistics.median(rates)
 
 
-def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep):
+def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None):
     """Builds the ctypes arguments once; returns a closure that issues one call."""
     lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
     tensors = {"q": fc_tensor(q), "out": fc_tensor(out), "lens": fc_tensor(lens)}
@@ -101,7 +105,7 @@ def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep):
     if page:
         args.block_table = ctypes.pointer(tensors["table"])
     args.out = ctypes.pointer(tensors["out"])
-    args.num_splits = 0
+    args.num_splits = num_splits
     opts = FcOptions()
     opts.stream = torch.cuda.current_stream().cuda_stream
     ws = ctypes.c_size_t(0)
@@ -109,6 +113,9 @@ def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep):
         raise RuntimeError(lib.fc_last_error().decode())
     workspace = torch.empty(max(ws.value, 1), dtype=torch.uint8, device="cuda")
     keep += [args, opts, workspace]
+    if info is not None:  # split count the heuristic chose, read back from the workspace size
+        per_split = batch * HEADS_Q * HEAD_DIM * 4
+        info["splits"] = ws.value // per_split if ws.value else 1
     wptr, wbytes = ctypes.c_void_p(workspace.data_ptr()), ctypes.c_size_t(ws.value)
 
     def call():
@@ -128,18 +135,30 @@ def sdpa_call(backend, q, k, v):
     return call
 
 
+def read_ceiling(iters, repeats):
+    """TB/s of summing a 4 GiB bf16 tensor (the measured read bandwidth)."""
+    x = torch.randn(2 * 1024 ** 3, device="cuda", dtype=torch.bfloat16)
+    rate = time_tbps(lambda: x.sum(dtype=torch.float32), x.numel() * 2, max(1, iters // 5), repeats)
+    del x
+    torch.cuda.empty_cache()
+    return rate
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build-gpu/libflashcore.so")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time explicit num_splits values")
     a = ap.parse_args()
     lib = ctypes.CDLL(a.lib)
     lib.fc_last_error.restype = ctypes.c_char_p
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    header = ["batch x kv_len", "cuDNN", "flash"] + [f"flashcore {n}" for n, _ in LAYOUTS]
+    ceiling = read_ceiling(a.iters, a.repeats)
+    header = ["batch x kv_len", "cuDNN", "flash"] + [f"flashcore {n}" for n, _ in LAYOUTS] + ["splits"]
     rows = []
+    sweep_lines = []
     for batch, kv_len in CELLS:
         q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -152,10 +171,21 @@ def main():
                 row.append(f"{time_tbps(sdpa_call(backend, q, k, v), nbytes, a.iters, a.repeats):.2f}")
             except Exception as e:  # a backend that refuses the shape
                 row.append(f"n/a ({type(e).__name__})")
-        for _, page in LAYOUTS:
+        info = {}
+        for name, page in LAYOUTS:
             keep = []
-            call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep)
+            call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, info=info)
             row.append(f"{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
+            if a.sweep:
+                rates = []
+                for s in (1, 2, 3, 4, 6, 8, 12, 16, 17, 20, 24, 32, 33, 48, 66, 99, 132):
+                    if s > max(1, kv_len // 256):
+                        continue
+                    keep = []
+                    call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=s)
+                    rates.append(f"{s}:{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
+                sweep_lines.append(f"sweep {batch}x{kv_len} {name}: " + " ".join(rates))
+        row.append(str(info.get("splits", "?")))
         rows.append(row)
         del q, k, v, out
         torch.cuda.empty_cache()
@@ -164,6 +194,9 @@ def main():
     print("-|-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+    for line in sweep_lines:
+        print(line)
+    print(f"read ceiling (sum of 4 GiB bf16, same run): {ceiling:.2f} TB/s; 95% = {0.95 * ceiling:.2f} TB/s")
     print("TB/s = K+V bytes / time; target: every flashcore cell >= cuDNN and >= 95% of the read bandwidth")
 
 

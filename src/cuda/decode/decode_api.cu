@@ -20,12 +20,18 @@ namespace {
 using decode::DecodeTraits;
 
 struct HeuristicTraits {
-  // Attention CTAs resident per SM: 128 threads x ~168 registers (ptxas, sm_90) allow 3.
-  static constexpr int kResidentCtasPerSm = 3;
+  // A CTA keeps (stages - 1) x 4 tiles of K+V in flight (64-96 KB): one CTA per SM is taken to
+  // saturate the memory system, so the split count only has to give every SM at least one CTA
+  // without leaving a short last wave.
+  static constexpr double kSaturatingCtasPerSm = 1.0;
   static constexpr double kNearBest = 0.95;
   static constexpr int64_t kMinKeysPerSplit = 256;  // below this a split costs more than it hides
   static constexpr int kMaxSplits = 128;
   static constexpr int kDefaultSms = 132;        // when the device query fails
+  static constexpr int kDefaultSmemPerSm = 228 * 1024;
+  static constexpr int kStaticSmem = 1024;  // the attention kernel's static shared memory (896 B)
+  static constexpr int kSmemReservedPerCta = 1024 + kStaticSmem;  // driver reserve + static
+  static constexpr int kMaxCtasPerSm = 16;
   static constexpr int64_t kMaxGridYZ = 65535;
   static constexpr size_t kWorkspaceAlign = 256;
 };
@@ -33,6 +39,14 @@ struct HeuristicTraits {
 int64_t row_chunks(const KvCacheParams& p) {
   const int64_t rows = p.group_size() * p.seqlen_q;
   return (rows + DecodeTraits::kRows - 1) / DecodeTraits::kRows;
+}
+
+/** Dynamic shared memory of the attention kernel for p's head-dim bucket. */
+int attention_smem(const KvCacheParams& p) {
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
+  return bucket <= 64 ? decode::AttnTile<64>::kSmemBytes
+         : bucket <= 128 ? decode::AttnTile<128>::kSmemBytes
+                         : decode::AttnTile<256>::kSmemBytes;
 }
 
 bool dtype_compiled(DType t) {
@@ -62,15 +76,39 @@ Status launch_error(const char* what) {
   return Status::cuda(std::string(what) + " launch failed: " + cudaGetErrorString(err));
 }
 
+/** programmatic_dependent: launch as a programmatic dependent of the previous kernel on the
+ *  stream (sm_90+: its launch overlaps that kernel's tail; the kernel waits for its results). */
 template <typename OutT>
-Status launch_merge(const MergeParams& m) {
+Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
   const int64_t rows = m.batch * m.seqlen_q * m.heads;
   if (rows == 0) return Status::ok();
   constexpr int kRowsPerBlock = DecodeTraits::kMergeThreads / DecodeTraits::kWarp;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  decode::merge_kernel<OutT><<<static_cast<unsigned>(blocks), DecodeTraits::kMergeThreads, 0,
-                               static_cast<cudaStream_t>(m.stream)>>>(m);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(DecodeTraits::kMergeThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = static_cast<cudaStream_t>(m.stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic_dependent ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, decode::merge_kernel<OutT>, m);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::cuda(std::string("merge_partials launch failed: ") + cudaGetErrorString(err));
+  }
   return launch_error("merge_partials");
+}
+
+bool supports_programmatic_launch(int device_id) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 9;
 }
 
 template <typename T, int HD>
@@ -92,7 +130,12 @@ Status run_typed(const KvCacheParams& p, void* workspace) {
   }
   const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
                   static_cast<unsigned>(p.batch));
-  decode::attention_kernel<T, HD><<<grid, DecodeTraits::kThreads, 0, stream>>>(p, so);
+  constexpr int kSmem = decode::AttnTile<HD>::kSmemBytes;
+  // Per call (cheap, allowed during stream capture, and right for whichever device is current).
+  if (cudaFuncSetAttribute(decode::attention_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
+      cudaSuccess)
+    return launch_error("kvcache attention (shared memory size)");
+  decode::attention_kernel<T, HD><<<grid, DecodeTraits::kThreads, kSmem, stream>>>(p, so);
   Status s = launch_error("kvcache attention");
   if (!s.is_ok() || so.num_splits == 1) return s;
   MergeParams m;
@@ -117,7 +160,7 @@ Status run_typed(const KvCacheParams& p, void* workspace) {
   m.heads = p.heads_q;
   m.head_dim = p.head_dim;
   m.stream = p.stream;
-  return launch_merge<T>(m);
+  return launch_merge<T>(m, supports_programmatic_launch(p.device_id));
 }
 
 template <typename T>
@@ -148,12 +191,25 @@ int kvcache_num_splits(const KvCacheParams& p) {
     max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
   const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
   const int64_t max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
-  // Wave quantization: every CTA of a call does about the same work, so pick the split count whose
-  // last wave is fullest (fewest splits among the near-best, to keep the combine small).
-  const double resident = double(multiprocessor_count(p.device_id, H::kDefaultSms)) * H::kResidentCtasPerSm;
+  // CTAs of a call do about the same work and share the memory bandwidth. A wave of resident CTAs
+  // runs at full bandwidth when it has at least `saturating` CTAs; a smaller (last) wave takes as
+  // long as a saturating one. Pick the fewest splits within kNearBest of the best efficiency.
+  const int sms = multiprocessor_count(p.device_id, H::kDefaultSms);
+  int smem_per_sm = 0;
+  if (cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, p.device_id) != cudaSuccess ||
+      smem_per_sm <= 0) {
+    cudaGetLastError();
+    smem_per_sm = H::kDefaultSmemPerSm;
+  }
+  const int per_sm = std::clamp(smem_per_sm / (attention_smem(p) + H::kSmemReservedPerCta), 1, H::kMaxCtasPerSm);
+  const double resident = double(sms) * per_sm;
+  const double saturating = std::min(resident, double(sms) * H::kSaturatingCtasPerSm);
   auto efficiency = [&](int64_t s) {
-    const double waves = double(ctas * s) / resident;
-    return waves / std::ceil(waves);
+    const double n = double(ctas * s);
+    const double full = std::floor(n / resident);
+    const double rest = n - full * resident;
+    const double time = full * resident + (rest > 0 ? std::max(rest, saturating) : 0.0);
+    return n / time;
   };
   double best = 0;
   for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
@@ -178,6 +234,16 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
                                " has no compiled CUDA KV-cache kernel (FLASHCORE_HEAD_DIMS)");
     return false;
   }
+  const int smem = attention_smem(p);
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) == cudaSuccess &&
+      optin > 0 && optin < smem + HeuristicTraits::kStaticSmem) {
+    *why = Status::unsupported("q: head_dim " + std::to_string(p.head_dim) + ": the CUDA KV-cache kernel needs " +
+                               std::to_string(smem + HeuristicTraits::kStaticSmem) +
+                               " bytes of shared memory per block, this GPU offers " + std::to_string(optin));
+    return false;
+  }
+  cudaGetLastError();
   if (p.batch > HeuristicTraits::kMaxGridYZ || p.heads_kv * row_chunks(p) > HeuristicTraits::kMaxGridYZ ||
       p.seqlen_new > INT32_MAX) {
     *why = Status::unsupported("q: batch or heads exceed the CUDA grid limits (65535) of the KV-cache kernels");

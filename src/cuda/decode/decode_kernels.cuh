@@ -4,14 +4,15 @@
 //
 // Attention CTA = (split, KV head x chunk of kRows query rows, sequence). The query rows of one CTA
 // are the GQA heads sharing the KV head times the query tokens, so every K/V row is read once for
-// all of them. A "thread group" of HD/8 threads owns one key at a time: each thread holds 8
-// elements (one 16-byte load) of the key/value row and of every query row; the q.k dot is reduced
-// with xor-shuffles inside the group. Each group keeps its own online-softmax state over the keys
-// it visits (kKeysPerIter keys per step, all loads issued before use, streaming cache hint), and
-// the groups are combined through shared memory at the end. Memory-bound by design: fp32 FMA, no
-// tensor cores. Cache indices that live on the device (cache_seqlens, cache_batch_idx, block_table)
-// are checked before use: nothing out of bounds is read or written; a bad sequence gets NaN rows
-// and *error_flag = 1.
+// all of them. The CTA's key range is cut into tiles of 16 keys; each of the 4 warps streams every
+// 4th tile through its own multi-stage cp.async ring in shared memory (several tiles in flight per
+// warp, so the memory system always has enough bytes requested) and computes S = Q K^T and
+// O += P V with mma.sync (m16n8k16, fp32 accumulation; the query rows are the M dimension, padded
+// to 16, so the tensor cores make the math free and the kernel is bound by the cache reads). Each
+// warp keeps its own online-softmax state; the warps are combined through shared memory at the
+// end. Cache indices that live on the device (cache_seqlens, cache_batch_idx, block_table) are
+// checked before use: nothing out of bounds is read or written; a bad sequence gets NaN rows and
+// *error_flag = 1.
 // Relies on: api/kvcache_params.hpp (addressing and checks shared with the CPU backend).
 #pragma once
 
@@ -26,9 +27,8 @@ namespace flashcore::cuda::decode {
 
 struct DecodeTraits {
   static constexpr int kThreads = 128;
-  static constexpr int kVec = 8;           // elements per 16-byte load
-  static constexpr int kRows = 4;          // query rows per CTA (GQA 32/8 decode = 4)
-  static constexpr int kKeysPerIter = 4;   // keys a thread group loads before using them
+  static constexpr int kVec = 8;    // elements per 16-byte load
+  static constexpr int kRows = 16;  // query rows per attention CTA (the m of the mma tile)
   static constexpr int kWarp = 32;
   static constexpr int kMergeThreads = 128;
 };
@@ -103,194 +103,376 @@ struct SplitOutput {
   int row_chunks = 1;
 };
 
+/** Shapes of the attention kernel for one head-dim bucket. The shared-memory ring holds, per warp,
+ *  kStages tiles of kKeys keys (K and V): (kStages - 1) tiles stay in flight while one is used. */
+template <int HD>
+struct AttnTile {
+  static constexpr int kWarps = DecodeTraits::kThreads / DecodeTraits::kWarp;
+  static constexpr int kKeys = 16;                        // keys per tile (the k of the P.V mma)
+  static constexpr int kRows = DecodeTraits::kRows;       // query rows per CTA (the m of the mma)
+  static constexpr int kChunks = HD / DecodeTraits::kVec;  // 16-byte chunks per key row
+  static constexpr int kRowBytes = HD * 2;
+  static constexpr int kStageBytes = 2 * kKeys * kRowBytes;  // K + V of one tile
+  // 96 KB of ring for HD 64 / 128 (two CTAs per SM on H100; fits the 99 KB of sm_86/89); HD 256
+  // takes 2 stages (136 KB with Q: fits A100's 163 KB).
+  static constexpr int kStages = HD <= 64 ? 6 : (HD <= 128 ? 3 : 2);
+  static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kCombineBytes = kWarps * kRows * HD * int(sizeof(float));
+  // HD 256: Q's mma fragments (64 registers) would spill next to the 128 accumulators; they are
+  // read from shared memory (ldmatrix per k-step) instead, placed after the ring.
+  static constexpr bool kQInSmem = HD > 128;
+  static constexpr int kQBytes = kQInSmem ? kRows * kRowBytes : 0;
+  static constexpr int kSmemBytes = (kRingBytes > kCombineBytes ? kRingBytes : kCombineBytes) + kQBytes;
+  static_assert(kChunks >= 8 && kChunks % 8 == 0, "the swizzle needs rows of 8k 16-byte chunks");
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/** 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes zeros and reads nothing. */
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+/** d += a * b on tensor cores (m16n8k16, fp32 accumulate). */
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                         __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// CTA = (split, KV head x chunk of kRows query rows, sequence); 4 warps, each owning every 4th
+// tile of the CTA's key range with its own cp.async ring and its own online-softmax state.
+// Per tile: S (16 rows x 16 keys) = Q K^T and O += P V on tensor cores (rows past the GQA group are
+// zero padding: the math is free, the kernel is bound by the cache reads). Shared-memory rows are
+// XOR-swizzled by 16-byte chunk (chunk ^ (key & 7)) so cp.async stores and ldmatrix loads are free
+// of bank conflicts. The warps' states are combined through shared memory at the end.
 template <typename T, int HD>
 __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCacheParams p, SplitOutput so) {
-  using Tr = DecodeTraits;
-  constexpr int kG = HD / Tr::kVec;  // threads per key
-  static_assert(kG <= Tr::kWarp && Tr::kWarp % kG == 0, "a key's thread group must sit inside one warp");
-  constexpr int kGroups = Tr::kThreads / kG;
-  constexpr int kRows = Tr::kRows, kU = Tr::kKeysPerIter;
+  using Tl = AttnTile<HD>;
+  constexpr int kWarps = Tl::kWarps, kKeys = Tl::kKeys, kRows = Tl::kRows, kStages = Tl::kStages;
+  constexpr int kSteps = HD / 16;  // k-steps of Q K^T, n-tiles of P V: HD / 8
   const float kNegInf = -__int_as_float(0x7f800000);
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float s_m[kWarps][kRows];
+  __shared__ float s_l[kWarps][kRows];
+  __shared__ float s_w[kWarps][kRows];
+  __shared__ float s_lse[kRows];  // log2 domain
 
-  __shared__ float s_acc[kGroups][kRows][HD];
-  __shared__ float s_m[kGroups][kRows];
-  __shared__ float s_l[kGroups][kRows];
-  __shared__ float s_w[kGroups][kRows];  // weight of each group's state in the CTA's result
-  __shared__ float s_lse[kRows];         // log2 domain
-
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The combine kernel (launched as a programmatic dependent) may be scheduled once every CTA of
+  // this grid has started; it waits for this grid's completion before reading the partials.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int split = blockIdx.x;
   const int64_t hk = blockIdx.y / so.row_chunks, chunk = blockIdx.y % so.row_chunks;
   const int64_t b = blockIdx.z;
-  const int tid = threadIdx.x, group = tid / kG, lane_g = tid % kG;
-  const int d0 = lane_g * Tr::kVec;
-  const bool d_active = d0 < p.head_dim;
+  const int tid = threadIdx.x, warp = tid / DecodeTraits::kWarp, lane = tid % DecodeTraits::kWarp;
+  const int g = lane >> 2, c = lane & 3;  // mma fragment coordinates
   const int64_t group_size = p.heads_q / p.heads_kv;
   const int64_t rows_total = group_size * p.seqlen_q;
   const int64_t row0 = chunk * kRows;
   const int nrows = static_cast<int>(min(int64_t(kRows), rows_total - row0));
+  const int hd_chunks = static_cast<int>(p.head_dim) / DecodeTraits::kVec;
 
   bool bad = !sequence_in_bounds(p, b);
   const int64_t seqlen_k = bad ? 0 : total_len(p, b);
   const MaskInfo mask = kv_mask(p, seqlen_k);
   const KeyRange all = mask.keys_for_rows(0, p.seqlen_q);
-  const int64_t len = all.end > all.begin ? all.end - all.begin : 0;
-  const int64_t per_split = (len + so.num_splits - 1) / so.num_splits;
-  const int64_t k0 = all.begin + split * per_split;
+  // Splits start on multiples of kKeys so that tiles never straddle a page of 16 or more keys.
+  const int64_t base = all.begin / kKeys * kKeys;
+  const int64_t len = all.end > all.begin ? all.end - base : 0;
+  const int64_t per_split = ((len + so.num_splits - 1) / so.num_splits + kKeys - 1) / kKeys * kKeys;
+  const int64_t k0 = base + split * per_split;
   const int64_t k1 = max(k0, min(all.end, k0 + per_split));
   const int span = static_cast<int>(k1 - k0);
   const int64_t contiguous_row = (p.paged || bad) ? 0 : cache_row_of(p, b);
 
-  // Query rows (pre-scaled) and each row's visible keys relative to k0.
-  float q[kRows][Tr::kVec];
-  int rel_lo[kRows], rel_hi[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    rel_lo[r] = rel_hi[r] = 0;
-#pragma unroll
-    for (int e = 0; e < Tr::kVec; ++e) q[r][e] = 0.f;
-    if (r < nrows) {
-      const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
-      if (d_active) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q.data) + offset_of(p.q, b, i, h) + d0);
-        to_float8(raw, q[r], T());
-      }
-      const KeyRange kr = mask.keys_for_row(i);
-      rel_lo[r] = static_cast<int>(min(max(kr.begin - k0, int64_t(0)), int64_t(span)));
-      rel_hi[r] = static_cast<int>(min(max(kr.end - k0, int64_t(0)), int64_t(span)));
-    }
-  }
   const float score_scale = p.softcap > 0 ? p.softmax_scale / p.softcap : p.softmax_scale * kLog2e;
   const float cap_scale = p.softcap * kLog2e;
 
-  float m[kRows], l[kRows], acc[kRows][Tr::kVec];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    m[r] = kNegInf;
-    l[r] = 0.f;
-#pragma unroll
-    for (int e = 0; e < Tr::kVec; ++e) acc[r][e] = 0.f;
-  }
-
+  // Tiles of this warp: w, w + kWarps, ... of the CTA's range.
+  const int tiles = (span + kKeys - 1) / kKeys;
+  const int my_tiles = warp < tiles ? (tiles - warp + kWarps - 1) / kWarps : 0;
   const T* kc = static_cast<const T*>(p.k_cache.data);
   const T* vc = static_cast<const T*>(p.v_cache.data);
-  // Loop bounds are warp-uniform (every lane takes part in the shuffles): a warp steps while its
-  // first group still has keys; the other groups of the warp mask theirs.
-  constexpr int kGroupsPerWarp = Tr::kWarp / kG;
-  const int warp_first_group = (tid / Tr::kWarp) * kGroupsPerWarp;
-  // Paged addressing without 64-bit division: page sizes are powers of two in practice (shift and
-  // mask), any other size takes a 32-bit division (positions fit int32: cache_seqlens is int32).
-  const int page_size = static_cast<int>(p.page_size);
+  const int64_t page_size = p.page_size;
   const bool page_pow2 = (page_size & (page_size - 1)) == 0;
-  const int page_shift = __ffs(page_size) - 1;
-  // All kU keys' loads of a step are issued before any is used. (Register double buffering of the
-  // next step was measured slower on H100: ~209 registers leave 2 CTAs per SM.)
-  auto load_step = [&](int step, uint4 (&kr)[kU], uint4 (&vr)[kU]) {
-    const int base = group * kU + step * kGroups * kU;
+  const int page_shift = __ffsll(page_size) - 1;
+  const int64_t k_head = hk * p.k_cache.head_stride, v_head = hk * p.v_cache.head_stride;
+  const uint32_t ring = smem_addr(smem) + warp * kStages * Tl::kStageBytes;
+
+  // Copies: lane copies keys (lane / 8) + 4i (i < 4), chunks (lane % 8) + 8j of K and V. The page of
+  // each key is read from the block table one tile ahead of its copy and checked only when the copy
+  // is issued, so the table read's latency is hidden behind a tile of work. With pages of kKeys or
+  // more keys (powers of two), a tile lies in one page: one table read per tile.
+  auto tile_pos = [&](int local) { return k0 + int64_t(warp + kWarps * local) * kKeys; };
+  const bool page_per_tile = p.paged && page_pow2 && page_size >= kKeys;
+  int32_t phys[4] = {0, 0, 0, 0};  // page (or cache row) of each of the lane's keys, unchecked
+  unsigned need = 0;  // bit i: key i of the lane is copied (else zero-filled)
+  auto lookup = [&](int local) {
+    need = 0;
+    const int64_t pos0 = tile_pos(local);
+    if (p.paged && page_per_tile && local < my_tiles) {
+      const int64_t page = pos0 >> page_shift;
+      const int32_t ph = p.block_table[b * p.block_table_batch_stride + page * p.block_table_page_stride];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-      const int rel = base + u;
-      if (rel < span && d_active) {
-        const int pos = static_cast<int>(k0) + rel;
-        int64_t phys = contiguous_row, in_page = pos;
-        if (p.paged) {
-          const int page = page_pow2 ? pos >> page_shift : pos / page_size;
-          in_page = pos - page * page_size;
-          phys = physical_page(p, b, page);
-        }
-        if (page_in_range(p, phys)) {
-          const int64_t ko = phys * p.k_cache.batch_stride + in_page * p.k_cache.row_stride + hk * p.k_cache.head_stride;
-          const int64_t vo = phys * p.v_cache.batch_stride + in_page * p.v_cache.row_stride + hk * p.v_cache.head_stride;
-          kr[u] = __ldcs(reinterpret_cast<const uint4*>(kc + ko + d0));
-          vr[u] = __ldcs(reinterpret_cast<const uint4*>(vc + vo + d0));
-        } else {
-          bad = true;
+      for (int i = 0; i < 4; ++i) phys[i] = ph;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t pos = pos0 + (lane >> 3) + 4 * i;
+      if (local < my_tiles && pos >= all.begin && pos < k1) {
+        need |= 1u << i;
+        if (!p.paged) {
+          phys[i] = static_cast<int32_t>(contiguous_row);
+        } else if (!page_per_tile) {
+          const int64_t page = page_pow2 ? pos >> page_shift : pos / page_size;
+          phys[i] = p.block_table[b * p.block_table_batch_stride + page * p.block_table_page_stride];
         }
       }
     }
   };
-  for (int step = 0; warp_first_group * kU + step * kGroups * kU < span; ++step) {
-    const int base = group * kU + step * kGroups * kU;
-    uint4 kraw[kU], vraw[kU];
-    load_step(step, kraw, vraw);
-    float s[kRows][kU];
-    {
-      float kf[kU][Tr::kVec];
+  auto issue = [&](int local) {
+    const uint32_t stage = ring + (local % kStages) * Tl::kStageBytes;
 #pragma unroll
-      for (int u = 0; u < kU; ++u) to_float8(kraw[u], kf[u], T());
+    for (int i = 0; i < 4; ++i) {
+      const int key = (lane >> 3) + 4 * i;
+      const int64_t pos = tile_pos(local) + key;
+      const int64_t in_page = !p.paged ? pos : (page_pow2 ? (pos & (page_size - 1)) : pos % page_size);
+      const bool in_range = page_in_range(p, phys[i]);
+      const bool ok = ((need >> i) & 1u) && in_range;
+      if (((need >> i) & 1u) && !in_range) bad = true;
+      const T* ks = ok ? kc + phys[i] * p.k_cache.batch_stride + in_page * p.k_cache.row_stride + k_head : kc;
+      const T* vs = ok ? vc + phys[i] * p.v_cache.batch_stride + in_page * p.v_cache.row_stride + v_head : vc;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
+      for (int j = 0; j < Tl::kChunks / 8; ++j) {
+        const int ch = (lane & 7) + 8 * j;
+        const bool on = ok && ch < hd_chunks;
+        const uint32_t dst = stage + key * Tl::kRowBytes + ((ch ^ (key & 7)) << 4);
+        cp_async16(dst, on ? ks + ch * DecodeTraits::kVec : kc, on ? 16 : 0);
+        cp_async16(dst + kKeys * Tl::kRowBytes, on ? vs + ch * DecodeTraits::kVec : vc, on ? 16 : 0);
+      }
+    }
+  };
+
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  float acc[2 * kSteps][4];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          float dot = 0.f;
+  for (int t = 0; t < 2 * kSteps; ++t)
 #pragma unroll
-          for (int e = 0; e < Tr::kVec; ++e) dot = fmaf(q[r][e], kf[u][e], dot);
-          if (r < nrows) {
+    for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+
+  lookup(0);
 #pragma unroll
-            for (int off = kG / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < my_tiles) issue(st);
+    cp_async_commit();
+    lookup(st + 1);
+  }
+  // With the first copies in flight: this thread's two query rows (g and g + 8), their visible keys
+  // relative to k0, and Q as mma A fragments (a0: row g, d 2c..; a1: row g+8; a2: row g, d 2c+8..;
+  // a3: row g+8, d 2c+8..), in registers or (kQInSmem) in shared memory, swizzled like K/V tiles.
+  int rel_lo[2], rel_hi[2];
+  constexpr int kQRegSteps = Tl::kQInSmem ? 1 : kSteps;
+  uint32_t qa[kQRegSteps][4];
+  const uint32_t q_smem = smem_addr(smem) + (Tl::kSmemBytes - Tl::kQBytes);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    rel_lo[half] = rel_hi[half] = 0;
+    const T* qrow = nullptr;
+    if (r < nrows) {
+      const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
+      qrow = static_cast<const T*>(p.q.data) + offset_of(p.q, b, i, h);
+      const KeyRange kr = mask.keys_for_row(i);
+      rel_lo[half] = static_cast<int>(min(max(kr.begin - k0, int64_t(0)), int64_t(span)));
+      rel_hi[half] = static_cast<int>(min(max(kr.end - k0, int64_t(0)), int64_t(span)));
+    }
+    if constexpr (!Tl::kQInSmem) {
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = 16 * s + 2 * c + 8 * e;
+          qa[s][half + 2 * e] =
+              (qrow != nullptr && d < p.head_dim) ? *reinterpret_cast<const uint32_t*>(qrow + d) : 0u;
+        }
+    }
+  }
+  if constexpr (Tl::kQInSmem) {
+    for (int idx = tid; idx < kRows * Tl::kChunks; idx += DecodeTraits::kThreads) {
+      const int r = idx / Tl::kChunks, ch = idx % Tl::kChunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nrows && ch < hd_chunks) {
+        const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
+        v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q.data) + offset_of(p.q, b, i, h) +
+                                            ch * DecodeTraits::kVec);
+      }
+      *reinterpret_cast<uint4*>(smem + (Tl::kSmemBytes - Tl::kQBytes) + r * Tl::kRowBytes + ((ch ^ (r & 7)) << 4)) = v;
+    }
+    __syncthreads();
+  }
+  for (int t = 0; t < my_tiles; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncwarp();  // every lane's copies of tile t landed; every lane is done with tile t - 1
+    if (t + kStages - 1 < my_tiles) issue(t + kStages - 1);
+    cp_async_commit();
+    lookup(t + kStages);
+    const uint32_t ks = ring + (t % kStages) * Tl::kStageBytes, vs = ks + kKeys * Tl::kRowBytes;
+
+    // S = Q K^T: n-tile j holds keys 8j..8j+7 (c0, c1: row g, keys 8j + 2c, +1; c2, c3: row g + 8).
+    float sacc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[j][e] = 0.f;
+#pragma unroll
+      for (int sp = 0; sp < kSteps / 2; ++sp) {
+        uint32_t kb[4];
+        const int key = 8 * j + (lane & 7), ch = 4 * sp + (lane >> 3);
+        ldmatrix_x4(kb, ks + key * Tl::kRowBytes + ((ch ^ (lane & 7)) << 4));
+        if constexpr (Tl::kQInSmem) {
+          // A fragments of k-steps 2sp, 2sp+1: matrices (rows 0-7 | 8-15) x (chunk lo | hi).
+          const int qr = ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int qch = 2 * (2 * sp + u) + (lane >> 4);
+            ldmatrix_x4(qa[0], q_smem + qr * Tl::kRowBytes + ((qch ^ (lane & 7)) << 4));
+            mma16816(sacc[j], qa[0], kb[2 * u], kb[2 * u + 1], T());
           }
-          const int rel = base + u;
-          float sc = dot * score_scale;
-          if (p.softcap > 0) sc = cap_scale * tanhf(sc);
-          s[r][u] = (rel >= rel_lo[r] && rel < rel_hi[r]) ? sc : kNegInf;
+        } else {
+          mma16816(sacc[j], qa[2 * sp], kb[0], kb[1], T());
+          mma16816(sacc[j], qa[2 * sp + 1], kb[2], kb[3], T());
         }
       }
     }
-    float vf[kU][Tr::kVec];
+    // Online softmax (log2 domain) of rows g and g + 8; the 4 lanes of a row hold 4 keys each.
+    const int rel0 = (warp + kWarps * t) * kKeys;
+    uint32_t pa[4];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) to_float8(vraw[u], vf[u], T());
+    for (int half = 0; half < 2; ++half) {
+      float sc[4];
+      float mx = kNegInf;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float cmax = s[r][0];
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int u = 1; u < kU; ++u) cmax = fmaxf(cmax, s[r][u]);
-      const float m_new = fmaxf(m[r], cmax);
-      if (m_new == kNegInf) continue;  // nothing visible to this row yet
-      const float alpha = exp2f(m[r] - m_new);
-      l[r] *= alpha;
+        for (int e = 0; e < 2; ++e) {
+          float x = sacc[j][2 * half + e] * score_scale;
+          if (p.softcap > 0) x = cap_scale * tanhf(x);
+          const int rel = rel0 + 8 * j + 2 * c + e;
+          x = (rel >= rel_lo[half] && rel < rel_hi[half]) ? x : kNegInf;
+          sc[2 * j + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[half], mx);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;  // nothing visible yet: p = 0, state stays 0
+      const float alpha = exp2f(m[half] - m_use);
+      float psum = 0.f;
 #pragma unroll
-      for (int e = 0; e < Tr::kVec; ++e) acc[r][e] *= alpha;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const float pu = exp2f(s[r][u] - m_new);
-        l[r] += pu;
-#pragma unroll
-        for (int e = 0; e < Tr::kVec; ++e) acc[r][e] = fmaf(pu, vf[u][e], acc[r][e]);
+      for (int e = 0; e < 4; ++e) {
+        sc[e] = exp2f(sc[e] - m_use);
+        psum += sc[e];
       }
-      m[r] = m_new;
+      l[half] = l[half] * alpha + psum;
+      m[half] = m_new;
+#pragma unroll
+      for (int n = 0; n < 2 * kSteps; ++n) {
+        acc[n][2 * half] *= alpha;
+        acc[n][2 * half + 1] *= alpha;
+      }
+      pa[half] = pack2(sc[0], sc[1], T());      // keys 2c, 2c + 1
+      pa[half + 2] = pack2(sc[2], sc[3], T());  // keys 8 + 2c, 8 + 2c + 1
+    }
+    // O += P V: n-tile n holds d 8n..8n+7 (c0, c1: row g, d 8n + 2c, +1; c2, c3: row g + 8).
+#pragma unroll
+    for (int np = 0; np < kSteps; ++np) {
+      uint32_t vb[4];
+      const int key = ((lane >> 3) & 1) * 8 + (lane & 7), ch = 2 * np + (lane >> 4);
+      ldmatrix_x4_trans(vb, vs + key * Tl::kRowBytes + ((ch ^ (lane & 7)) << 4));
+      mma16816(acc[2 * np], pa, vb[0], vb[1], T());
+      mma16816(acc[2 * np + 1], pa, vb[2], vb[3], T());
     }
   }
+  cp_async_wait<0>();
 
-  // Combine the groups' states.
-  const bool any_bad = __syncthreads_or(bad);
+  // Combine the warps' states.
+  const bool any_bad = __syncthreads_or(bad);  // also: every warp is done with its ring
+  float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][HD]
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    const int r = g + 8 * half;
 #pragma unroll
-    for (int e = 0; e < Tr::kVec; ++e) s_acc[group][r][d0 + e] = acc[r][e];
-    if (lane_g == 0) {
-      s_m[group][r] = m[r];
-      s_l[group][r] = l[r];
+    for (int n = 0; n < 2 * kSteps; ++n)
+      *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * HD + 8 * n + 2 * c) =
+          make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+    if (c == 0) {
+      s_m[warp][r] = m[half];
+      s_l[warp][r] = l[half];
     }
   }
   __syncthreads();
   if (tid < nrows) {
     float mx = kNegInf;
-    for (int g = 0; g < kGroups; ++g) mx = fmaxf(mx, s_m[g][tid]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][tid]);
     float total = 0.f;
-    for (int g = 0; g < kGroups; ++g) {
-      const float w = mx == kNegInf ? 0.f : exp2f(s_m[g][tid] - mx);
-      s_w[g][tid] = w;
-      total += w * s_l[g][tid];
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = mx == kNegInf ? 0.f : exp2f(s_m[w][tid] - mx);
+      s_w[w][tid] = wt;
+      total += wt * s_l[w][tid];
     }
-    for (int g = 0; g < kGroups; ++g) s_w[g][tid] = total > 0.f ? s_w[g][tid] / total : 0.f;
+    for (int w = 0; w < kWarps; ++w) s_w[w][tid] = total > 0.f ? s_w[w][tid] / total : 0.f;
     s_lse[tid] = total > 0.f ? mx + log2f(total) : kNegInf;
   }
   __syncthreads();
   const float nan = __int_as_float(0x7fc00000);
-  for (int idx = tid; idx < nrows * p.head_dim; idx += Tr::kThreads) {
+  for (int idx = tid; idx < nrows * p.head_dim; idx += DecodeTraits::kThreads) {
     const int r = idx / static_cast<int>(p.head_dim), d = idx % static_cast<int>(p.head_dim);
     float o = 0.f;
-    for (int g = 0; g < kGroups; ++g) o = fmaf(s_w[g][r], s_acc[g][r][d], o);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o = fmaf(s_w[w][r], s_o[(w * kRows + r) * HD + d], o);
     if (any_bad) o = nan;
     const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
     if (so.num_splits == 1) {
@@ -318,6 +500,11 @@ template <typename OutT>
 __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(MergeParams p) {
   constexpr int kWarp = DecodeTraits::kWarp;
   const float kNegInf = -__int_as_float(0x7f800000);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the attention kernel (split-KV combine): wait until
+  // its partials are complete and visible. A no-op for an ordinary launch.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int lane = threadIdx.x % kWarp;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (row >= p.batch * p.seqlen_q * p.heads) return;
@@ -345,17 +532,34 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
     lse = mx + __logf(total);
   }
   OutT* out = static_cast<OutT*>(p.out.data) + offset_of(p.out, b, i, h);
-  for (int64_t d = lane; d < p.head_dim; d += kWarp) {
-    float x = 0.f;
-    if (has_nan) {
-      x = lse;
-    } else if (mx != kNegInf) {
+  // A lane sums kPerLane columns at once and the parts loop is unrolled: many independent loads
+  // in flight (the combine of a long split-KV call is latency-bound, not bandwidth-bound).
+  constexpr int kPerLane = 4;
+  for (int64_t d0 = 0; d0 < p.head_dim; d0 += kPerLane * kWarp) {
+    float x[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) x[j] = has_nan ? lse : 0.f;
+    if (!has_nan && mx != kNegInf) {
+      // Loads are unconditional (an empty part's O may hold anything: it is read, then ignored) so
+      // that the compiler can hoist them out of the unrolled iterations.
+#pragma unroll 8
       for (int64_t s = 0; s < p.parts; ++s) {
         const float l = lp[s * p.lp_part_stride];
-        if (l != kNegInf) x = fmaf(__expf(l - lse), op[s * p.op_part_stride + d], x);
+        const float w = __expf(l - lse);
+        const float* ops = op + s * p.op_part_stride;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+          const int64_t d = d0 + lane + j * kWarp;
+          const float v = d < p.head_dim ? ops[d] : 0.f;
+          if (l != kNegInf) x[j] = fmaf(w, v, x[j]);
+        }
       }
     }
-    out[d] = from_float<OutT>(x);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = d0 + lane + j * kWarp;
+      if (d < p.head_dim) out[d] = from_float<OutT>(x[j]);
+    }
   }
   if (lane == 0 && p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
 }
