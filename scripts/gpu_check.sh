@@ -62,7 +62,7 @@ if [ "$TESTS" = all ]; then
   fi
   note "smoke (small cases): rc=$rc ($(el))"
   # timeouts: a hung kernel (e.g. a pipeline barrier never completing) must not eat the whole call
-  timeout 300 build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >>"$OUTDIR/tests.log" 2>&1
+  timeout 420 build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >>"$OUTDIR/tests.log" 2>&1
   note "cuda tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED  \]' "$OUTDIR/tests.log" | head -20 | tee -a "$SUM"
   if [ -x build-gpu/tests/cuda/sm90/flashcore_sm90_primitive_tests ]; then

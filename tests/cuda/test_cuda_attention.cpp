@@ -142,6 +142,25 @@ TEST(CudaBackward, Varlen) { REQUIRE_GPU(); expect_backward(grid_varlen(cuda_bwd
 TEST(CudaBackward, Edges) { REQUIRE_GPU(); expect_backward(grid_edges(cuda_bwd_grid())); }
 TEST(CudaBackward, Deterministic) { REQUIRE_GPU(); expect_backward(grid_varlen(cuda_bwd_grid()), true); }
 
+// Enough query blocks that the persistent sm90 grid pairs them (odd block count: a block alone).
+TEST_P(CudaForward, ManyTiles) {
+  REQUIRE_BACKEND(GetParam());
+  std::vector<Case> cases;
+  for (bool causal : {true, false}) {
+    Case c;
+    c.batch = 2;  // 5 query blocks of 128: 3 pairs x 24 heads x 2 >= 132 SMs
+    c.seqlen_q = 600;
+    c.seqlen_k = causal ? 700 : 600;
+    c.heads_q = 24;
+    c.heads_kv = causal ? 8 : 24;
+    c.head_dim = causal ? 128 : 64;
+    c.dtype = causal ? FC_DTYPE_BF16 : FC_DTYPE_F16;
+    c.causal = causal;
+    cases.push_back(c);
+  }
+  expect_forward(cases, GetParam());
+}
+
 TEST_P(CudaForward, RepeatsAreBitIdentical) {
   REQUIRE_BACKEND(GetParam());
   CudaMemory mem;

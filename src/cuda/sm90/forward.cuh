@@ -25,8 +25,8 @@
 // and the rest take the branch-free body.
 //
 // ---- Pipeline (mbarriers; the n-th use of a ring slot waits for parity (n / slots) & 1) -------
-//  q_full / q_empty  : Q of the current tile; every consumer warp arrives on q_empty once its
-//                      last Q K^T completed, and the producer waits for it before the next Q.
+//  q_full[q] / q_empty[q]: Q of a tile (kQStages buffers); every consumer warp arrives on
+//                      q_empty once its last Q K^T completed; the producer waits before a refill.
 //  k_full[s], v_full[s]: producer arms with a tile's bytes; the TMA completes the phase.
 //  k_empty[s], v_empty[s]: one arrival per consumer warp once its wgmmas reading the buffer have
 //                      completed (wgmma.wait_group); the producer waits before refilling.
@@ -139,11 +139,14 @@ struct ForwardTraits {
   static constexpr uint32_t kTileChunkBytes = kBlockN * kSwizzleBytes;
 
   static constexpr uint32_t kAlign = 1024;  // 128B-swizzle period: tiles start on it
+  // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
+  // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
+  static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
   static constexpr uint32_t kQOffset = 0;
-  static constexpr uint32_t kKOffset = kQOffset + kQBytes;
+  static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
   static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kTileBytes;
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
   static_assert(kHeadDim % kChunkCols == 0, "head dim buckets are multiples of 64");
@@ -181,7 +184,8 @@ struct ForwardKernelArgs {
   CUtensorMap map_q, map_k, map_v;  // first: 64-byte aligned members
   AttentionParams params;
   int num_m_blocks;
-  int num_pairs;  // work items: ceil(num_m_blocks / 2) * heads_q * batch (see for_each_tile)
+  int tiles_per_item;  // 2: pairs of query blocks (see for_each_tile); 1: single blocks
+  int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
   ScoreTransform transform;
   float exp2_scale;  // factor of the (transformed) score in the exponent
   float pre_scale;   // kLinear / kSoftcap
@@ -196,18 +200,18 @@ struct SmemPlan {
   uint32_t addr;   // its .shared window address
   uint64_t* bars;
 
-  __device__ uint8_t* q_ptr() const { return base + T::kQOffset; }
+  __device__ uint8_t* q_ptr(int q) const { return base + T::kQOffset + q * T::kQBytes; }
   __device__ uint8_t* k_ptr(int s) const { return base + T::kKOffset + s * T::kTileBytes; }
   __device__ uint8_t* v_ptr(int s) const { return base + T::kVOffset + s * T::kTileBytes; }
-  __device__ uint32_t q_addr() const { return addr + T::kQOffset; }
+  __device__ uint32_t q_addr(int q) const { return addr + T::kQOffset + q * T::kQBytes; }
   __device__ uint32_t k_addr(int s) const { return addr + T::kKOffset + s * T::kTileBytes; }
   __device__ uint32_t v_addr(int s) const { return addr + T::kVOffset + s * T::kTileBytes; }
-  __device__ uint64_t* q_full() const { return bars; }
-  __device__ uint64_t* k_full(int s) const { return bars + 1 + s; }
-  __device__ uint64_t* v_full(int s) const { return bars + 1 + T::kStages + s; }
-  __device__ uint64_t* k_empty(int s) const { return bars + 1 + 2 * T::kStages + s; }
-  __device__ uint64_t* v_empty(int s) const { return bars + 1 + 3 * T::kStages + s; }
-  __device__ uint64_t* q_empty() const { return bars + 1 + 4 * T::kStages; }
+  __device__ uint64_t* q_full(int q) const { return bars + q; }
+  __device__ uint64_t* k_full(int s) const { return bars + T::kQStages + s; }
+  __device__ uint64_t* v_full(int s) const { return bars + T::kQStages + T::kStages + s; }
+  __device__ uint64_t* k_empty(int s) const { return bars + T::kQStages + 2 * T::kStages + s; }
+  __device__ uint64_t* v_empty(int s) const { return bars + T::kQStages + 3 * T::kStages + s; }
+  __device__ uint64_t* q_empty(int q) const { return bars + T::kQStages + 4 * T::kStages + q; }
 };
 
 /** The work of one CTA, resolved identically by every warpgroup. */
@@ -266,12 +270,13 @@ __device__ void produce(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
   const int32_t hq = static_cast<int32_t>(w.head), hk = static_cast<int32_t>(w.kv_head);
   // Q of the previous tile must be dead (every consumer warp past its last Q K^T). A fresh
   // barrier counts as having completed the phase before phase 0, so the first wait passes.
-  ptx::mbarrier_wait_parity(sm.q_empty(), (pc.q_fills & 1) ^ 1);
+  const int q_slot = pc.q_fills % T::kQStages;
+  ptx::mbarrier_wait_parity(sm.q_empty(q_slot), ((pc.q_fills / T::kQStages) & 1) ^ 1);
   ++pc.q_fills;
-  ptx::mbarrier_arrive_expect_tx(sm.q_full(), T::kQBytes);
+  ptx::mbarrier_arrive_expect_tx(sm.q_full(q_slot), T::kQBytes);
 #pragma unroll
   for (int c = 0; c < T::kChunks; ++c) {
-    ptx::tma_load_4d(sm.q_ptr() + c * T::kQChunkBytes, &args.map_q, sm.q_full(),
+    ptx::tma_load_4d(sm.q_ptr(q_slot) + c * T::kQChunkBytes, &args.map_q, sm.q_full(q_slot),
                      c * T::kChunkCols, static_cast<int32_t>(w.q_row0), hq, bc);
   }
   for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
@@ -363,14 +368,14 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[T::kBlockN /
 
 template <class T>
 __device__ __forceinline__ void issue_qk(float (&s)[T::kBlockN / 2], const SmemPlan<T>& sm,
-                                         int consumer, int stage) {
+                                         int consumer, int q_slot, int stage) {
   constexpr ptx::KMajorTile kQTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kHeadDim};
   constexpr ptx::KMajorTile kKTile{ptx::SmemSwizzle::k128B, T::kBlockN, T::kHeadDim};
   ptx::wgmma_fence();
 #pragma unroll
   for (int k = 0; k < T::kHeadDim / 16; ++k) {
     ptx::wgmma_ss<T::kBlockN, typename T::Element>(
-        s, kQTile.desc(sm.q_addr(), consumer * T::kRowsPerConsumer, 16 * k),
+        s, kQTile.desc(sm.q_addr(q_slot), consumer * T::kRowsPerConsumer, 16 * k),
         kKTile.desc(sm.k_addr(stage), 0, 16 * k), k > 0);
   }
   ptx::wgmma_commit_group();
@@ -439,7 +444,8 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
   for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
   RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
 
-  ptx::mbarrier_wait_parity(sm.q_full(), pc.q_fills & 1);
+  const int q_slot = pc.q_fills % T::kQStages;
+  ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
   ++pc.q_fills;
   if (w.n_tiles > 0) {
     float s[T::kBlockN / 2];
@@ -463,12 +469,12 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
     int stage = pc.kv_fills % T::kStages;
     ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
     turn.take();
-    issue_qk<T>(s, sm, consumer, stage);
+    issue_qk<T>(s, sm, consumer, q_slot, stage);
     turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(s);
     release(sm.k_empty(stage));
-    if (w.n_tiles == 1) release(sm.q_empty());
+    if (w.n_tiles == 1) release(sm.q_empty(q_slot));
     softmax(w.n_block_end - 1);
     pack_probabilities<T>(s, pa);
 
@@ -480,13 +486,13 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
       ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
       ptx::mbarrier_wait_parity(sm.v_full(prev), prev_parity);
       turn.take();
-      issue_qk<T>(s, sm, consumer, stage);
+      issue_qk<T>(s, sm, consumer, q_slot, stage);
       issue_pv<T>(o, pa, sm, prev);
       turn.pass();
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
       ptx::wgmma_fence_operands(s);
       release(sm.k_empty(stage));
-      if (it == w.n_tiles - 1) release(sm.q_empty());  // the last read of this tile's Q is done
+      if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
       softmax(w.n_block_end - 1 - it);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(o);
@@ -504,7 +510,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
     release(sm.v_empty(stage));
     ++pc.kv_fills;
   } else {
-    release(sm.q_empty());  // no key block: Q was loaded but is not needed
+    release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
   }
 
   // Epilogue: O / l rounded to the dtype, 4-byte stores of column pairs; lse from lane quad 0.
@@ -536,7 +542,8 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
 
 /** The tiles of this persistent CTA, in order, as both roles must see them. Work item i (CTAs
  *  take items blockIdx.x, blockIdx.x + gridDim.x, ...) is a pair of query blocks of one head:
- *  the (M-1-j)-th and the j-th of its M blocks. Under a causal mask block m costs m + 1 key
+ *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1,
+ *  for problems too small to fill the GPU with pairs). Under a causal mask block m costs m + 1 key
  *  blocks, so every pair costs about the same (M + 1) and a static round-robin keeps the SMs
  *  evenly busy; without a mask the pairing is just an order. Items run head after head, so the
  *  CTAs working at one time share K/V through L2. Tiles without query rows (varlen) are skipped
@@ -544,14 +551,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
 template <class T, class Fn>
 __device__ __forceinline__ void for_each_tile(const ForwardKernelArgs& args, Fn&& fn) {
   const int m_blocks = args.num_m_blocks;
-  const int pairs_per_head = (m_blocks + 1) / 2;
-  for (int item = blockIdx.x; item < args.num_pairs; item += gridDim.x) {
-    const int j = item % pairs_per_head;
-    const int rest = item / pairs_per_head;
+  const int items_per_head = (m_blocks + args.tiles_per_item - 1) / args.tiles_per_item;
+  for (int item = blockIdx.x; item < args.num_items; item += gridDim.x) {
+    const int j = item % items_per_head;
+    const int rest = item / items_per_head;
     const int head = rest % static_cast<int>(args.params.heads_q);
     const int batch = rest / static_cast<int>(args.params.heads_q);
 #pragma unroll 1
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < args.tiles_per_item; ++k) {
       const int m_block = k == 0 ? m_blocks - 1 - j : j;
       if (k == 1 && m_block == m_blocks - 1 - j) break;  // odd M: the middle block is alone
       const BlockWork w = resolve_block<T>(args, m_block, head, batch);
@@ -572,8 +579,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   sm.bars = reinterpret_cast<uint64_t*>(sm.base + T::kBarrierOffset);
 
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(sm.q_full(), 1);
-    ptx::mbarrier_init(sm.q_empty(), T::kConsumerWarps);
+    for (int q = 0; q < T::kQStages; ++q) {
+      ptx::mbarrier_init(sm.q_full(q), 1);
+      ptx::mbarrier_init(sm.q_empty(q), T::kConsumerWarps);
+    }
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(sm.k_full(s), 1);
       ptx::mbarrier_init(sm.v_full(s), 1);
@@ -646,7 +655,12 @@ Status launch_forward(const forward_params_t& p) {
   ForwardKernelArgs args{};
   args.params = p;
   args.num_m_blocks = static_cast<int>(num_m_blocks);
-  args.num_pairs = static_cast<int>((num_m_blocks + 1) / 2 * p.heads_q * p.batch);
+  // Pairs only when they still give every SM work: a small problem keeps one block per item
+  // (twice the CTAs), since an idle SM costs more than an uneven one.
+  const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
+  const int64_t pairs = (num_m_blocks + 1) / 2 * p.heads_q * p.batch;
+  args.tiles_per_item = pairs >= sm_count ? 2 : 1;
+  args.num_items = static_cast<int>(args.tiles_per_item == 2 ? pairs : num_m_blocks * p.heads_q * p.batch);
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
   args.exp2_scale = scales.exp2_scale;
@@ -684,8 +698,7 @@ Status launch_forward(const forward_params_t& p) {
                         cudaGetErrorString(err));
   }
   // Persistent: one CTA per SM (fewer when there are fewer work items).
-  const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_pairs, sm_count)));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_items, sm_count)));
   kernel<<<grid, T::kThreads, T::kSmemBytes, static_cast<cudaStream_t>(p.stream)>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
