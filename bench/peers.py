@@ -20,6 +20,10 @@ import math
 import os
 import time
 
+# torch's idle OpenMP workers otherwise keep spinning after each CPU call and take a core from
+# the next one (flashcore's, in the CPU comparison); passive waiting leaves torch no slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
