@@ -237,9 +237,18 @@ TEST_F(BadInput, DeviceMismatch) {
   // CPU tensors given to a CUDA backend (and the reverse) name the tensor and the backend.
   opt.backend = FC_BACKEND_CUDA_SM80;
   expect_forward_error("q: is a cpu tensor but backend cuda_sm80 needs cuda tensors");
+  opt.backend = FC_BACKEND_CUDA_SM90;
+  expect_forward_error("q: is a cpu tensor but backend cuda_sm90 needs cuda tensors");
   opt.backend = FC_BACKEND_CPU_FLASH;
   q.device_type = k.device_type = v.device_type = out.device_type = lse.device_type = FC_DEVICE_CUDA;
   expect_forward_error("q: is a cuda tensor but backend cpu_flash needs cpu tensors");
+}
+
+TEST_F(BadInput, Sm90HasNoBackward) {
+  // The Hopper backend serves forward calls only; asking for it in a backward says so (AUTO
+  // takes cuda_sm80 for every backward).
+  opt.backend = FC_BACKEND_CUDA_SM90;
+  expect_backward_error("cuda_sm90 has no backward pass", FC_ERROR_UNSUPPORTED);
 }
 
 /** Varlen: (total, heads, dim) tensors with int32 prefix sums. */
