@@ -120,6 +120,41 @@ def test_forward_backward_vs_torch_math(dtype, case):
         assert_within_rule(got[i], ref[i], same[i], dtype, factor, name)
 
 
+@pytest.mark.parametrize("backend", ["cuda_sm80", "cuda_sm90"])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_forward_on_each_cuda_backend(backend, case):
+    """AUTO picks one backend per call; each one forced must meet the same rule."""
+    if not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available on this GPU / build")
+    batch, sq, sk, hq, hkv, d, mask = case
+    q = torch.randn(batch, sq, hq, d, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, sk, hkv, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    flashcore.set_default_backend(backend)
+    try:
+        out = flash_attn.flash_attn_func(
+            q, k, v, causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+            softcap=mask.get("softcap", 0.0))
+    finally:
+        flashcore.set_default_backend("auto")
+    ref = reference_attention(q, k, v, **mask)
+    same = reference_attention(q, k, v, **mask, dtype=torch.bfloat16)
+    assert_within_rule(out, ref, same, torch.bfloat16, FWD_FACTOR, f"{backend} out")
+
+
+def test_sm90_backward_is_refused_by_name():
+    if not flashcore.backend_available("cuda_sm90"):
+        pytest.skip("cuda_sm90 is not available on this GPU / build")
+    q, k, v = (torch.randn(1, 64, 2, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    flashcore.set_default_backend("cuda_sm90")
+    try:
+        out = flash_attn.flash_attn_func(q, k, v)
+        with pytest.raises(Exception, match="cuda_sm90 has no backward"):
+            out.sum().backward()
+    finally:
+        flashcore.set_default_backend("auto")
+
+
 def test_varlen_matches_dense_per_sequence():
     lengths = [100, 1, 0, 257]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
