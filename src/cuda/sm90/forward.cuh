@@ -39,6 +39,8 @@
 //   rescale O by the max correction of tile j ; round P_j to 16 bits in the A-fragment registers.
 // The softmax of tile j runs while the tensor cores still work on P_{j-1} V_{j-1}; O is touched
 // only after its wgmma completed, and P_{j-1}'s registers are not rewritten before that either.
+// At d128/d256 the consumers also take turns issuing (IssueTurn, named barriers), so one's GEMMs
+// run while the other does its softmax.
 //
 // ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) ----------------------------
 // A tile of R rows x D columns is stored as D/64 column chunks of [R rows][128 bytes] - what a TMA
@@ -54,8 +56,9 @@
 // {S[8s+6],S[8s+7]} with no data movement.
 //
 // ---- Softmax and masks ---------------------------------------------------------------------------
-// Exactly the sm80 rules: the max runs on raw scores with the scale folded into one FFMA in log2
-// units (a softcap or a negative scale transforms the scores first); a row whose max is still
+// The sm80 rules, except that O is rescaled eagerly on every tile (no lazy threshold: the
+// multiply hides behind the P V wgmma). The max runs on raw scores with the scale folded into one
+// FFMA in log2 units (a softcap or a negative scale transforms the scores first); a row whose max is still
 // -inf subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
 // are not MaskInfo::tile_fully_visible. Rows past seqlen_q compute on whatever TMA loaded and are
