@@ -677,20 +677,23 @@ Status launch_forward(const forward_params_t& p) {
   const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
   // With no keys anywhere (k_rows == 0) the K/V maps stay zero: n_tiles is 0 in every CTA, no
   // copy is issued, and every row gets out = 0, lse = -inf.
-  Status s = encode_tensor_map_nd(
-      attention_view(p.q, element, q_rows, p.heads_q, p.batch, p.head_dim, varlen, T::kBlockM),
-      &args.map_q);
-  if (s.is_ok() && k_rows > 0) {
-    s = encode_tensor_map_nd(
-        attention_view(p.k, element, k_rows, p.heads_kv, p.batch, p.head_dim, varlen, T::kBlockN),
-        &args.map_k);
+  struct MapJob {
+    const char* name;
+    const TensorRef* tensor;
+    int64_t rows, heads;
+    uint32_t box_rows;
+    CUtensorMap* map;
+  };
+  const MapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
+                         {"k", &p.k, k_rows, p.heads_kv, T::kBlockN, &args.map_k},
+                         {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
+  for (const MapJob& job : jobs) {
+    if (job.rows == 0) continue;  // no keys at all: the K/V maps are never read
+    const Status s = encode_tensor_map_nd(attention_view(*job.tensor, element, job.rows, job.heads,
+                                                         p.batch, p.head_dim, varlen, job.box_rows),
+                                          job.map);
+    if (!s.is_ok()) return Status{s.code, std::string(job.name) + ": cuda_sm90 forward: " + s.message};
   }
-  if (s.is_ok() && k_rows > 0) {
-    s = encode_tensor_map_nd(
-        attention_view(p.v, element, k_rows, p.heads_kv, p.batch, p.head_dim, varlen, T::kBlockN),
-        &args.map_v);
-  }
-  if (!s.is_ok()) return Status{s.code, "cuda_sm90 forward: " + s.message};
 
   ScopedDevice device(p.device_id);
   auto* kernel = forward_kernel<T>;
