@@ -14,6 +14,7 @@
 
 #include "api/backends.hpp"
 #include "cuda/build_config.hpp"
+#include "cuda/compiled_dispatch.cuh"
 #include "cuda/sm80/backward_workspace.hpp"
 
 namespace flashcore::cuda {
@@ -26,25 +27,12 @@ Status backward_run(const backward_params_t& p, void* workspace, size_t workspac
 
 namespace {
 
-template <typename Element>
-Status run_for_bucket(int bucket, const BackwardParams& p, void* workspace, size_t workspace_bytes) {
-  switch (bucket) {
-#ifdef FLASHCORE_HDIM_64
-    case 64: return sm80::backward_run<Element, 64>(p, workspace, workspace_bytes);
-#endif
-#ifdef FLASHCORE_HDIM_128
-    case 128: return sm80::backward_run<Element, 128>(p, workspace, workspace_bytes);
-#endif
-#ifdef FLASHCORE_HDIM_256
-    case 256: return sm80::backward_run<Element, 256>(p, workspace, workspace_bytes);
-#endif
-    default: break;
+template <typename Element, int kHeadDim>
+struct BackwardEntry {
+  static Status run(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
+    return sm80::backward_run<Element, kHeadDim>(p, workspace, workspace_bytes);
   }
-  (void)workspace;
-  (void)workspace_bytes;
-  return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
-                             " has no compiled sm80 backward head-dim bucket (FLASHCORE_HEAD_DIMS)");
-}
+};
 
 }  // namespace
 
@@ -65,16 +53,7 @@ Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_
     return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
                            std::to_string(needed) + " needed (query it with the *_workspace function)");
   }
-  switch (p.dtype) {
-#ifdef FLASHCORE_DTYPE_FP16
-    case DType::F16: return run_for_bucket<__half>(bucket, p, workspace, workspace_bytes);
-#endif
-#ifdef FLASHCORE_DTYPE_BF16
-    case DType::BF16: return run_for_bucket<__nv_bfloat16>(bucket, p, workspace, workspace_bytes);
-#endif
-    default: break;
-  }
-  return Status::unsupported("q: dtype is not compiled for the sm80 backward (FLASHCORE_DTYPES)");
+  return run_compiled<BackwardEntry>(p, workspace, workspace_bytes, "sm80 backward");
 }
 
 }  // namespace flashcore::cuda

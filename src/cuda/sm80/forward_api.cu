@@ -17,6 +17,7 @@
 #include "api/params.hpp"
 #include "api/status.hpp"
 #include "cuda/build_config.hpp"
+#include "cuda/compiled_dispatch.cuh"
 
 namespace flashcore::cuda {
 
@@ -56,28 +57,12 @@ bool reject(Status* why, const std::string& message) {
   return false;
 }
 
-template <typename Element>
-Status run_bucket(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  switch (compiled_head_dim_bucket(p.head_dim)) {
-#if defined(FLASHCORE_HDIM_64)
-    case 64:
-      return sm80::forward_run<Element, 64>(p, workspace, workspace_bytes);
-#endif
-#if defined(FLASHCORE_HDIM_128)
-    case 128:
-      return sm80::forward_run<Element, 128>(p, workspace, workspace_bytes);
-#endif
-#if defined(FLASHCORE_HDIM_256)
-    case 256:
-      return sm80::forward_run<Element, 256>(p, workspace, workspace_bytes);
-#endif
-    default:
-      (void)workspace;
-      (void)workspace_bytes;
-      return Status::internal("cuda_sm80 forward: no compiled bucket for head_dim " +
-                              std::to_string(p.head_dim));
+template <typename Element, int kHeadDim>
+struct ForwardEntry {
+  static Status run(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+    return sm80::forward_run<Element, kHeadDim>(p, workspace, workspace_bytes);
   }
-}
+};
 
 }  // namespace
 
@@ -115,20 +100,7 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
 size_t sm80_forward_workspace(const AttentionParams& /*p*/) { return 0; }
 
 Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  switch (p.dtype) {
-#if defined(FLASHCORE_DTYPE_FP16)
-    case DType::F16:
-      return run_bucket<__half>(p, workspace, workspace_bytes);
-#endif
-#if defined(FLASHCORE_DTYPE_BF16)
-    case DType::BF16:
-      return run_bucket<__nv_bfloat16>(p, workspace, workspace_bytes);
-#endif
-    default:
-      (void)workspace;
-      (void)workspace_bytes;
-      return Status::internal("cuda_sm80 forward: dtype not compiled in");
-  }
+  return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm80 forward");
 }
 
 }  // namespace flashcore::cuda

@@ -16,6 +16,7 @@
 #include "api/params.hpp"
 #include "api/status.hpp"
 #include "cuda/build_config.hpp"
+#include "cuda/compiled_dispatch.cuh"
 
 namespace flashcore::cuda {
 
@@ -49,28 +50,12 @@ bool tma_addressable(const TensorRef& t, bool varlen, int64_t batch) {
   return true;
 }
 
-template <typename Element>
-Status run_bucket(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  switch (compiled_head_dim_bucket(p.head_dim)) {
-#if defined(FLASHCORE_HDIM_64)
-    case 64:
-      return sm90::forward_run<Element, 64>(p, workspace, workspace_bytes);
-#endif
-#if defined(FLASHCORE_HDIM_128)
-    case 128:
-      return sm90::forward_run<Element, 128>(p, workspace, workspace_bytes);
-#endif
-#if defined(FLASHCORE_HDIM_256)
-    case 256:
-      return sm90::forward_run<Element, 256>(p, workspace, workspace_bytes);
-#endif
-    default:
-      (void)workspace;
-      (void)workspace_bytes;
-      return Status::internal("cuda_sm90 forward: no compiled bucket for head_dim " +
-                              std::to_string(p.head_dim));
+template <typename Element, int kHeadDim>
+struct ForwardEntry {
+  static Status run(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+    return sm90::forward_run<Element, kHeadDim>(p, workspace, workspace_bytes);
   }
-}
+};
 
 }  // namespace
 
@@ -119,20 +104,7 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
 size_t sm90_forward_workspace(const AttentionParams& /*p*/) { return 0; }
 
 Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  switch (p.dtype) {
-#if defined(FLASHCORE_DTYPE_FP16)
-    case DType::F16:
-      return run_bucket<__half>(p, workspace, workspace_bytes);
-#endif
-#if defined(FLASHCORE_DTYPE_BF16)
-    case DType::BF16:
-      return run_bucket<__nv_bfloat16>(p, workspace, workspace_bytes);
-#endif
-    default:
-      (void)workspace;
-      (void)workspace_bytes;
-      return Status::internal("cuda_sm90 forward: dtype not compiled in");
-  }
+  return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm90 forward");
 }
 
 }  // namespace flashcore::cuda
