@@ -41,6 +41,10 @@ bool reject(Status* why, const std::string& message) {
   return false;
 }
 
+/** validate_for_backend already demands 16-byte pointers and strides that are multiples of 8
+ *  elements, but only for dimensions longer than 1. The 4-D tensor map encodes the head stride
+ *  even for a single head, so this checks it (and the batch stride where it is used) too; a call
+ *  that fails here is served by sm80 under AUTO. */
 bool tma_addressable(const TensorRef& t, bool varlen, int64_t batch) {
   const auto base = reinterpret_cast<uintptr_t>(t.data);
   if (base % (kTmaAlignElems * 2) != 0) return false;
@@ -89,6 +93,7 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
     return reject(why, "q, k and v need 16-byte aligned data and strides that are multiples of 8 "
                        "elements (TMA)");
   }
+  // Same gap for out: 4-byte column-pair stores need even strides of single-extent dims too.
   if (p.out.row_stride % 2 != 0 || reinterpret_cast<uintptr_t>(p.out.data) % 4 != 0 ||
       p.out.head_stride % 2 != 0 || (!varlen && p.out.batch_stride % 2 != 0)) {
     return reject(why, "out needs 4-byte aligned data and even strides (column-pair stores)");
