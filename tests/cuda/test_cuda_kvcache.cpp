@@ -1,8 +1,9 @@
 // CUDA tests of the inference path against the fp64 oracle of tests/common/kvcache_check.hpp:
 // the CPU suite's grid (contiguous / paged 1-16-64-256, cache_batch_idx, append, causal, window,
 // softcap, GQA/MQA) on device memory with 1, 5 and heuristic splits, head dims 64/128/256 and a
-// padded one, fc_merge_partials on the GPU, the device-side checks of cache indices (error_flag,
-// NaN rows, no out-of-bounds access - run under compute-sanitizer memcheck), and CUDA-graph capture.
+// padded one, long paged sequences (block-table batches), fc_merge_partials on the GPU, the
+// device-side checks of cache indices (error_flag, NaN rows, no out-of-bounds access - run under
+// compute-sanitizer memcheck), and CUDA-graph capture.
 // Every test skips when no GPU is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -71,6 +72,32 @@ TEST(CudaKvCache, TargetShapesSmall) {
     cases.push_back(c);
   }
   expect_cases(cases, {0, 1, 16}, 200);
+}
+
+TEST(CudaKvCache, LongPagedTables) {
+  REQUIRE_GPU();
+  // Pages of 16+ keys (powers of two) read the block table in batches of 32 tiles per warp, the
+  // next batch prefetched: long sequences with few splits cross several batches, a window makes
+  // the key range start past 0, and pages of 48 (not a power of two) take the per-key lookups.
+  std::vector<KvCase> cases;
+  for (int64_t page : {16, 32, 64, 256, 48}) {
+    for (bool window : {false, true}) {
+      KvCase c;
+      c.dtype = page == 32 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+      c.head_dim = 128;
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.batch = 3;
+      c.seqlen_q = window ? 2 : 1;
+      c.cache_lens = {4100, 2500, 17};
+      c.page_size = page;
+      c.seqlen_new = 1;
+      c.causal = window;
+      if (window) c.window_left = 3000;
+      cases.push_back(c);
+    }
+  }
+  expect_cases(cases, {1, 2, 0}, 300);
 }
 
 TEST(CudaKvCache, DeviceSideIndexChecks) {

@@ -114,7 +114,8 @@ struct AttnTile {
   static constexpr int kRowBytes = HD * 2;
   static constexpr int kStageBytes = 2 * kKeys * kRowBytes;  // K + V of one tile
   // 96 KB of ring for HD 64 / 128 (two CTAs per SM on H100; fits the 99 KB of sm_86/89); HD 256
-  // takes 2 stages (136 KB with Q: fits A100's 163 KB).
+  // takes 2 stages (136 KB with Q: fits A100's 163 KB). A ring twice as deep (one CTA per SM,
+  // 5 tiles in flight per warp) was slower on every decode target cell of the H100 (2026-11-23).
   static constexpr int kStages = HD <= 64 ? 6 : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kCombineBytes = kWarps * kRows * HD * int(sizeof(float));
@@ -240,20 +241,39 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   const int64_t k_head = hk * p.k_cache.head_stride, v_head = hk * p.v_cache.head_stride;
   const uint32_t ring = smem_addr(smem) + warp * kStages * Tl::kStageBytes;
 
-  // Copies: lane copies keys (lane / 8) + 4i (i < 4), chunks (lane % 8) + 8j of K and V. The page of
-  // each key is read from the block table one tile ahead of its copy and checked only when the copy
-  // is issued, so the table read's latency is hidden behind a tile of work. With pages of kKeys or
-  // more keys (powers of two), a tile lies in one page: one table read per tile.
+  // Copies: lane copies keys (lane / 8) + 4i (i < 4), chunks (lane % 8) + 8j of K and V.
+  // With pages of kKeys or more keys (powers of two) a tile lies in one page, so one block-table
+  // entry serves a tile. Those entries are read kTableBatch tiles at a time, lane j holding the
+  // entry of the warp's tile (batch * kTableBatch + j), and the next batch is requested as soon as
+  // the current one is entered: a table read is issued ~32 tiles before its copy needs it, and a
+  // tile's address costs a shuffle instead of a dependent global load on the copy's critical path
+  // (with pages of 16 keys every tile is a new page). Entries are checked only when a copy uses them.
+  // Other page sizes read one entry per key, one tile ahead of its copy.
+  constexpr int kTableBatch = DecodeTraits::kWarp;
   auto tile_pos = [&](int local) { return k0 + int64_t(warp + kWarps * local) * kKeys; };
   const bool page_per_tile = p.paged && page_pow2 && page_size >= kKeys;
+  const int32_t* table_row = p.paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+  auto table_batch = [&](int batch) -> int32_t {  // this lane's entry of the given batch
+    const int local = batch * kTableBatch + lane;
+    if (!page_per_tile || local >= my_tiles) return 0;  // local < my_tiles: tile_pos < k1 <= capacity
+    return table_row[(tile_pos(local) >> page_shift) * p.block_table_page_stride];
+  };
+  int table_at = 0;                   // batch held in table_cur
+  int32_t table_cur = table_batch(0);  // lane j: page of the warp's tile table_at * kTableBatch + j
+  int32_t table_next = table_batch(1);
   int32_t phys[4] = {0, 0, 0, 0};  // page (or cache row) of each of the lane's keys, unchecked
   unsigned need = 0;  // bit i: key i of the lane is copied (else zero-filled)
+  // Called by the whole warp with the same `local`, for local = 0, 1, 2, ... in order.
   auto lookup = [&](int local) {
     need = 0;
     const int64_t pos0 = tile_pos(local);
-    if (p.paged && page_per_tile && local < my_tiles) {
-      const int64_t page = pos0 >> page_shift;
-      const int32_t ph = p.block_table[b * p.block_table_batch_stride + page * p.block_table_page_stride];
+    if (page_per_tile) {
+      if (local / kTableBatch != table_at) {  // entering the next batch: prefetch the one after
+        ++table_at;
+        table_cur = table_next;
+        table_next = table_batch(table_at + 1);
+      }
+      const int32_t ph = __shfl_sync(0xffffffffu, table_cur, local % kTableBatch);
 #pragma unroll
       for (int i = 0; i < 4; ++i) phys[i] = ph;
     }
@@ -266,7 +286,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
           phys[i] = static_cast<int32_t>(contiguous_row);
         } else if (!page_per_tile) {
           const int64_t page = page_pow2 ? pos >> page_shift : pos / page_size;
-          phys[i] = p.block_table[b * p.block_table_batch_stride + page * p.block_table_page_stride];
+          phys[i] = table_row[page * p.block_table_page_stride];
         }
       }
     }
