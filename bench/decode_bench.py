@@ -8,9 +8,11 @@ Metric: K+V bytes / time (TB/s), timed with CUDA events around many calls issued
 
 The read ceiling (sum of a 4 GiB bf16 tensor) is measured in the same run; the target is every
 flashcore cell >= cuDNN and >= 95% of that ceiling. --sweep also times explicit split counts
-(num_splits) per cell, to tune the split heuristic.
+(num_splits) per cell, to tune the split heuristic; --profile splits each flashcore cell's time
+into its kernels (torch.profiler: attention vs combine, and the launch gaps).
 
 Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5] [--sweep]
+                                    [--profile]
 """
 import argparse
 import ctypes
@@ -124,6 +126,29 @@ def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, i
     return call
 
 
+def kernel_breakdown(fn, calls=20):
+    """Per-call device time of each kernel of `fn` (us) and the wall time per call between the
+    first kernel's start and the last one's end, from torch.profiler over `calls` calls."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    starts, ends = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.split("<")[0].split("(")[0].split("::")[-1]
+        per_kernel[name] = per_kernel.get(name, 0.0) + e.device_time_total / calls
+        starts.append(e.time_range.start)
+        ends.append(e.time_range.end)
+    span = (max(ends) - min(starts)) / calls if starts else 0.0
+    return " ".join(f"{k} {v:.1f}us" for k, v in sorted(per_kernel.items())) + f" | span/call {span:.1f}us"
+
+
 def sdpa_call(backend, q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
@@ -150,6 +175,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time explicit num_splits values")
+    ap.add_argument("--profile", action="store_true", help="also print each flashcore cell's kernel times")
     a = ap.parse_args()
     lib = ctypes.CDLL(a.lib)
     lib.fc_last_error.restype = ctypes.c_char_p
@@ -159,6 +185,7 @@ def main():
     header = ["batch x kv_len", "cuDNN", "flash"] + [f"flashcore {n}" for n, _ in LAYOUTS] + ["splits"]
     rows = []
     sweep_lines = []
+    profile_lines = []
     for batch, kv_len in CELLS:
         q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -176,15 +203,20 @@ def main():
             keep = []
             call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, info=info)
             row.append(f"{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
+            if a.profile:
+                profile_lines.append(f"profile {batch}x{kv_len} {name} (splits {info.get('splits')}): "
+                                     + kernel_breakdown(call))
+                print(profile_lines[-1], flush=True)
             if a.sweep:
                 rates = []
-                for s in (1, 2, 3, 4, 6, 8, 12, 16, 17, 20, 24, 32, 33, 48, 66, 99, 132):
+                for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 66):
                     if s > max(1, kv_len // 256):
                         continue
                     keep = []
                     call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=s)
                     rates.append(f"{s}:{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
                 sweep_lines.append(f"sweep {batch}x{kv_len} {name}: " + " ".join(rates))
+                print(sweep_lines[-1], flush=True)
         row.append(str(info.get("splits", "?")))
         rows.append(row)
         del q, k, v, out
@@ -194,7 +226,7 @@ def main():
     print("-|-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    for line in sweep_lines:
+    for line in profile_lines + sweep_lines:
         print(line)
     print(f"read ceiling (sum of 4 GiB bf16, same run): {ceiling:.2f} TB/s; 95% = {0.95 * ceiling:.2f} TB/s")
     print("TB/s = K+V bytes / time; target: every flashcore cell >= cuDNN and >= 95% of the read bandwidth")
