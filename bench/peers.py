@@ -11,7 +11,8 @@ Measures, in this order and within a time budget:
 Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
 Timing follows TARGETS.md: calls back to back between CUDA events, median of repeats.
 
-usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--budget SECONDS]
+usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--no-forward] [--skip seed,memory,cpu]
+                              [--budget SECONDS]
        python3 bench/peers.py OUTDIR --cpu-only [--threads 2,16]   (section 5 alone, no GPU needed)
 """
 import argparse
@@ -34,6 +35,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--quick", action="store_true", help="a few cells only")
 ap.add_argument("--no-backward", action="store_true")
+ap.add_argument("--no-forward", action="store_true", help="training grid: fwd+bwd cells only")
+ap.add_argument("--skip", default="", help="sections to leave out, comma-separated (seed,memory,cpu)")
 ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole script")
 ap.add_argument("--dtype", default="bf16", help="grid dtypes, comma-separated (bf16,fp16)")
 ap.add_argument("--cpu-only", action="store_true", help="only the CPU comparison (no GPU needed)")
@@ -120,7 +123,8 @@ def _flashcore_on(backend, q, k, v, causal):
 
 
 def training_grid():
-    modes = ["fwd"] if args.no_backward else ["fwd", "fwd+bwd"]
+    modes = [m for m in ("fwd", "fwd+bwd") if not (m == "fwd" and args.no_forward) and
+             not (m == "fwd+bwd" and args.no_backward)]
     for dt in GRID_DTYPES:
         for cell in grid_cells():
             if left() < 60:
@@ -323,7 +327,10 @@ def summary():
             print("skipped:", r["what"])
 
 
-sections = (cpu_path,) if args.cpu_only else (ceilings, seed_shape, training_grid, memory, cpu_path)
+skipped = set(filter(None, args.skip.split(",")))
+sections = (cpu_path,) if args.cpu_only else tuple(
+    fn for name, fn in (("ceilings", ceilings), ("seed", seed_shape), ("grid", training_grid), ("memory", memory),
+                        ("cpu", cpu_path)) if name not in skipped)
 for section in sections:
     try:
         section()

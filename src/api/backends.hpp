@@ -34,11 +34,15 @@ Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_
 size_t sm80_backward_workspace(const BackwardParams& p);
 Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes);
 
-// Hopper path (TMA + wgmma, sm_90a SASS; forward only). Where it cannot serve a call (not built,
-// not a CC 9.0 device, TMA-unfriendly strides) sm90_supports says why and AUTO uses sm80.
+// Hopper path (TMA + wgmma, sm_90a SASS). Where it cannot serve a call (not built, not a CC 9.0
+// device, TMA-unfriendly strides; for the backward also head dims above 128) the *_supports
+// function says why and AUTO uses sm80.
 bool sm90_supports(const AttentionParams& p, Status* why);
 size_t sm90_forward_workspace(const AttentionParams& p);
 Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes);
+bool sm90_backward_supports(const BackwardParams& p, Status* why);
+size_t sm90_backward_workspace(const BackwardParams& p);
+Status sm90_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes);
 }  // namespace cuda
 
 }  // namespace flashcore

@@ -69,20 +69,30 @@ bool backend_available(fc_backend backend, int device_id) {
   }
 }
 
-Status choose_backend(const AttentionParams& p, fc_backend requested, bool backward, fc_backend* chosen) {
+namespace {
+
+/** Whether the Hopper backend can serve the call, and if not why: the backward has rules of its
+ *  own (head dims up to 128, dout / dk / dv addressing). */
+Status sm90_serves(const AttentionParams& p) {
+  Status why;
+  return cuda::sm90_supports(p, &why) ? Status::ok() : why;
+}
+Status sm90_serves(const BackwardParams& p) {
+  Status why;
+  return cuda::sm90_backward_supports(p, &why) ? Status::ok() : why;
+}
+
+template <class Params>
+Status choose_backend_for(const Params& p, fc_backend requested, fc_backend* chosen) {
   fc_backend b = requested;
   if (b == FC_BACKEND_AUTO) {
     if (p.device_type != FC_DEVICE_CUDA) {
       b = FC_BACKEND_CPU_FLASH;
-    } else if (!backward && backend_available(FC_BACKEND_CUDA_SM90, p.device_id) &&
-               cuda::sm90_supports(p, nullptr)) {
-      b = FC_BACKEND_CUDA_SM90;  // Hopper forward; anything it cannot serve goes to sm80
+    } else if (backend_available(FC_BACKEND_CUDA_SM90, p.device_id) && sm90_serves(p).is_ok()) {
+      b = FC_BACKEND_CUDA_SM90;  // Hopper kernels; anything they cannot serve goes to sm80
     } else {
       b = FC_BACKEND_CUDA_SM80;
     }
-  }
-  if (b == FC_BACKEND_CUDA_SM90 && backward) {
-    return Status::unsupported("backend: cuda_sm90 has no backward pass; use cuda_sm80 or AUTO");
   }
   if (is_cuda_backend(b) && p.device_type == FC_DEVICE_CUDA && !backend_available(b, p.device_id)) {
     return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " is not available on cuda:" +
@@ -91,6 +101,15 @@ Status choose_backend(const AttentionParams& p, fc_backend requested, bool backw
   }
   *chosen = b;
   return Status::ok();
+}
+
+}  // namespace
+
+Status choose_backend(const AttentionParams& p, fc_backend requested, fc_backend* chosen) {
+  return choose_backend_for(p, requested, chosen);
+}
+Status choose_backend(const BackwardParams& p, fc_backend requested, fc_backend* chosen) {
+  return choose_backend_for(p, requested, chosen);
 }
 
 template <typename Args, typename Params>
@@ -103,15 +122,14 @@ static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend
   }
   if (!s.is_ok()) return s;
   constexpr bool kBackward = std::is_same_v<Args, BackwardArgs>;
-  if (!(s = choose_backend(*p, requested_backend(a.options), kBackward, backend)).is_ok()) return s;
+  if (!(s = choose_backend(*p, requested_backend(a.options), backend)).is_ok()) return s;
   if (!(s = backend_checks(*p, a, *backend, kBackward)).is_ok()) return s;
   if (*backend == FC_BACKEND_CUDA_SM80) {
     Status why;
     if (!cuda::sm80_supports(*p, &why)) return why;
   }
   if (*backend == FC_BACKEND_CUDA_SM90) {
-    Status why;
-    if (!cuda::sm90_supports(*p, &why)) return why;
+    if (!(s = sm90_serves(*p)).is_ok()) return s;
   }
   return Status::ok();
 }
@@ -150,7 +168,9 @@ Status backward_workspace(const BackwardArgs& a, size_t* bytes) {
   fc_backend b;
   Status s = prepare(a, true, &p, &b);
   if (!s.is_ok()) return s;
-  *bytes = b == FC_BACKEND_CUDA_SM80 ? cuda::sm80_backward_workspace(p) : 0;
+  *bytes = b == FC_BACKEND_CUDA_SM80   ? cuda::sm80_backward_workspace(p)
+           : b == FC_BACKEND_CUDA_SM90 ? cuda::sm90_backward_workspace(p)
+                                       : 0;
   return Status::ok();
 }
 
@@ -165,6 +185,9 @@ Status run_backward(const BackwardArgs& a, void* workspace, size_t workspace_byt
     case FC_BACKEND_CUDA_SM80:
       if (!(s = check_workspace(cuda::sm80_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
       return cuda::sm80_backward(p, workspace, workspace_bytes);
+    case FC_BACKEND_CUDA_SM90:
+      if (!(s = check_workspace(cuda::sm90_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      return cuda::sm90_backward(p, workspace, workspace_bytes);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run backward");
   }
 }

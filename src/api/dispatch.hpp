@@ -11,8 +11,10 @@ namespace flashcore {
 /** Whether `backend` is compiled in and can run on device `device_id` (ignored for CPU). */
 bool backend_available(fc_backend backend, int device_id);
 
-/** The backend AUTO resolves to for these (validated) parameters, or an error. */
-Status choose_backend(const AttentionParams& p, fc_backend requested, bool backward, fc_backend* chosen);
+/** The backend AUTO resolves to for these (validated) forward / backward parameters, or an
+ *  error when the requested backend is not available. */
+Status choose_backend(const AttentionParams& p, fc_backend requested, fc_backend* chosen);
+Status choose_backend(const BackwardParams& p, fc_backend requested, fc_backend* chosen);
 
 Status forward_workspace(const ForwardArgs& args, size_t* bytes);
 Status run_forward(const ForwardArgs& args, void* workspace, size_t workspace_bytes);

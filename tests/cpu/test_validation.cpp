@@ -244,11 +244,11 @@ TEST_F(BadInput, DeviceMismatch) {
   expect_forward_error("q: is a cuda tensor but backend cpu_flash needs cpu tensors");
 }
 
-TEST_F(BadInput, Sm90HasNoBackward) {
-  // The Hopper backend serves forward calls only; asking for it in a backward says so (AUTO
-  // takes cuda_sm80 for every backward).
+TEST_F(BadInput, Sm90BackwardNeedsCudaTensors) {
+  // The Hopper backward, forced on CPU tensors, names the tensor and the backend (its own
+  // refusals on a GPU, e.g. head_dim 256, are tested in tests/cuda and tests/python).
   opt.backend = FC_BACKEND_CUDA_SM90;
-  expect_backward_error("cuda_sm90 has no backward pass", FC_ERROR_UNSUPPORTED);
+  expect_backward_error("dout: is a cpu tensor but backend cuda_sm90 needs cuda tensors");
 }
 
 /** Varlen: (total, heads, dim) tensors with int32 prefix sums. */

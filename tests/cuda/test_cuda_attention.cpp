@@ -1,6 +1,6 @@
 // The CUDA backends against the CPU fp64 reference: the same TESTING.md grids as the CPU suite,
 // with tensors in device memory, poisoned outputs, race hunting, and GPU-only bad inputs.
-// Forward tests run once per CUDA backend (sm80 everywhere, sm90 on Hopper); every test skips
+// Forward and backward tests run once per CUDA backend (sm80 everywhere, sm90 on Hopper); every test skips
 // with a message when its backend is not available (no GPU, or not a CC 9.0 device for sm90).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -49,12 +49,19 @@ void expect_forward(const std::vector<Case>& cases, fc_backend backend) {
   }
 }
 
-void expect_backward(const std::vector<Case>& cases, bool deterministic = false) {
+/** The CUDA backward backends, each running every backward test (sm90: the head dims it serves,
+ *  up to 128; AUTO runs larger ones on sm80, and tests/python checks the forced refusal). */
+class CudaBackward : public ::testing::TestWithParam<fc_backend> {};
+
+constexpr int64_t kSm90BackwardMaxHeadDim = 128;
+
+void expect_backward(const std::vector<Case>& cases, fc_backend backend, bool deterministic = false) {
   CudaMemory mem;
   uint64_t seed = 500;
   for (Case c : cases) {
+    if (backend == FC_BACKEND_CUDA_SM90 && c.head_dim > kSm90BackwardMaxHeadDim) continue;
     c.deterministic = deterministic;
-    const CheckResult r = check_backward(c, FC_BACKEND_CUDA_SM80, mem, seed++);
+    const CheckResult r = check_backward(c, backend, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
   }
 }
@@ -88,7 +95,9 @@ TEST_P(CudaForward, SmallGrids) {
       c.dtype = FC_DTYPE_BF16;
       cases.push_back(c);
     }
-  for (int64_t heads : {32, 33}) {  // either side of "fewer CTAs than SMs" on a 132-SM H100
+  // Either side of sm80's small-grid bound on a 132-SM H100 (32-row blocks in at most two waves:
+  // 16 x 16 = 256 CTAs take it, 17 x 16 = 272 do not).
+  for (int64_t heads : {16, 17}) {
     Case c;
     c.seqlen_q = c.seqlen_k = 512;
     c.heads_q = c.heads_kv = heads;
@@ -135,12 +144,51 @@ GridOptions cuda_bwd_grid() {
   g.large = false;
   return g;
 }
-TEST(CudaBackward, SeqlenGrid) { REQUIRE_GPU(); expect_backward(grid_seqlens(cuda_bwd_grid())); }
-TEST(CudaBackward, Shapes) { REQUIRE_GPU(); expect_backward(grid_shapes(cuda_bwd_grid())); }
-TEST(CudaBackward, Masks) { REQUIRE_GPU(); expect_backward(grid_masks(cuda_bwd_grid())); }
-TEST(CudaBackward, Varlen) { REQUIRE_GPU(); expect_backward(grid_varlen(cuda_bwd_grid())); }
-TEST(CudaBackward, Edges) { REQUIRE_GPU(); expect_backward(grid_edges(cuda_bwd_grid())); }
-TEST(CudaBackward, Deterministic) { REQUIRE_GPU(); expect_backward(grid_varlen(cuda_bwd_grid()), true); }
+#define BACKWARD_TEST(name, grid, ...)                         \
+  TEST_P(CudaBackward, name) {                                 \
+    REQUIRE_BACKEND(GetParam());                               \
+    expect_backward(grid(cuda_bwd_grid()), GetParam(), ##__VA_ARGS__); \
+  }
+BACKWARD_TEST(SeqlenGrid, grid_seqlens)
+BACKWARD_TEST(Shapes, grid_shapes)
+BACKWARD_TEST(Masks, grid_masks)
+BACKWARD_TEST(Varlen, grid_varlen)
+BACKWARD_TEST(Edges, grid_edges)
+BACKWARD_TEST(Deterministic, grid_varlen, true)
+#undef BACKWARD_TEST
+
+// Many key blocks and query steps per CTA, GQA groups walked inside one CTA, a causal diagonal
+// crossing the tiles, and sequence ends inside a tile (the sm90 pipeline wraps its stages).
+TEST_P(CudaBackward, LongSequences) {
+  REQUIRE_BACKEND(GetParam());
+  std::vector<Case> cases;
+  for (int64_t d : {64, 128})
+    for (bool causal : {false, true}) {
+      Case c;
+      c.batch = 2;
+      c.seqlen_q = 1000;
+      c.seqlen_k = 1100;
+      c.heads_q = 6;
+      c.heads_kv = 2;
+      c.head_dim = d;
+      c.dtype = d == 64 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+      c.causal = causal;
+      cases.push_back(c);
+    }
+  Case w;
+  w.seqlen_q = 700;
+  w.seqlen_k = 650;
+  w.heads_q = 2;
+  w.head_dim = 128;
+  w.window_left = 100;
+  w.window_right = 20;
+  w.softcap = 30.f;
+  cases.push_back(w);
+  expect_backward(cases, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CudaBackward,
+                         ::testing::Values(FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90), backend_label);
 
 // Enough query blocks that the persistent sm90 grid pairs them (odd block count: a block alone).
 TEST_P(CudaForward, ManyTiles) {
@@ -195,6 +243,9 @@ TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
   c.deterministic = true;
   std::string why;
   EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM80, mem, 20, true, &why)) << why;
+  if (fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) {
+    EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM90, mem, 20, true, &why)) << "sm90: " << why;
+  }
 }
 
 // Small cases for compute-sanitizer runs (memcheck / racecheck are slow: keep them tiny).
@@ -231,6 +282,10 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
     }
     r = check_backward(c, FC_BACKEND_CUDA_SM80, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
+    if (sm90 && c.head_dim <= kSm90BackwardMaxHeadDim) {
+      r = check_backward(c, FC_BACKEND_CUDA_SM90, mem, seed++);
+      EXPECT_TRUE(r.ok) << "sm90 " << c.name() << "\n" << r.summary();
+    }
   }
 }
 

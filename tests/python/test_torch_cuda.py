@@ -141,15 +141,43 @@ def test_forward_on_each_cuda_backend(backend, case):
     assert_within_rule(out, ref, same, torch.bfloat16, FWD_FACTOR, f"{backend} out")
 
 
-def test_sm90_backward_is_refused_by_name():
+@pytest.mark.parametrize("backend", ["cuda_sm80", "cuda_sm90"])
+@pytest.mark.parametrize("case", [(2, 300, 300, 4, 2, 64, dict(causal=True)),
+                                  (1, 200, 333, 4, 1, 128, dict(window=(50, 10), softcap=20.0))],
+                         ids=["d64_causal_gqa", "d128_window_softcap"])
+def test_backward_on_each_cuda_backend(backend, case):
+    """Each CUDA backward forced must meet the rule (AUTO uses sm90 for head dims <= 128 on Hopper)."""
+    if not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available on this GPU / build")
+    batch, sq, sk, hq, hkv, d, mask = case
+    dtype = torch.bfloat16
+    q = torch.randn(batch, sq, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(batch, sk, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    fa = lambda q, k, v: flash_attn.flash_attn_func(
+        q, k, v, causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+        softcap=mask.get("softcap", 0.0))
+    flashcore.set_default_backend(backend)
+    try:
+        got = forward_backward(fa, (q, k, v), dout)
+    finally:
+        flashcore.set_default_backend("auto")
+    ref = forward_backward(lambda *x: reference_attention(*x, **mask), (q, k, v), dout)
+    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), (q, k, v), dout)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
+        assert_within_rule(got[i], ref[i], same[i], dtype, factor, f"{backend} {name}")
+
+
+def test_sm90_backward_refuses_head_dim_256_by_name():
     if not flashcore.backend_available("cuda_sm90"):
         pytest.skip("cuda_sm90 is not available on this GPU / build")
-    q, k, v = (torch.randn(1, 64, 2, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(1, 64, 2, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     flashcore.set_default_backend("cuda_sm90")
     try:
         out = flash_attn.flash_attn_func(q, k, v)
-        with pytest.raises(Exception, match="cuda_sm90 has no backward"):
+        with pytest.raises(Exception, match="backward serves head dims up to 128"):
             out.sum().backward()
     finally:
         flashcore.set_default_backend("auto")

@@ -66,7 +66,7 @@ constexpr int64_t kPostprocessMaxBlocks = 1 << 16;  // grid-stride beyond this m
 inline Status launch_status(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) return Status::ok();
-  return Status::cuda(std::string("sm80 backward ") + what + ": " + cudaGetErrorString(err));
+  return Status::cuda(std::string("backward ") + what + ": " + cudaGetErrorString(err));
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -74,6 +74,61 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace bwd
 
 namespace bwd {
+
+/** The workspace regions of `layout` inside `workspace`. */
+inline BackwardWorkspacePtrs workspace_ptrs(const BackwardWorkspaceLayout& layout, void* workspace) {
+  char* base = static_cast<char*>(workspace);
+  BackwardWorkspacePtrs ws;
+  ws.lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2_offset);
+  ws.dsum = reinterpret_cast<float*>(base + layout.dsum_offset);
+  ws.dq_accum = layout.has_dq_accum ? reinterpret_cast<float*>(base + layout.dq_accum_offset) : nullptr;
+  return ws;
+}
+
+/** Stage 1: D, lse_log2; zero dQ_accum. Shared with the sm90 backward, which runs the same
+ *  stages 1 and 3 around its own main kernel. */
+template <typename Element, int kHeadDim>
+Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs& ws, cudaStream_t stream) {
+  const int64_t stat_rows = p.total_q * p.heads_q;
+  if (stat_rows == 0) return Status::ok();
+  const int64_t blocks = ceil_div(stat_rows, kPrepostWarps);
+  if (blocks > INT_MAX) return Status::unsupported("q: total_q * heads_q is too large for the backward grid");
+  backward_preprocess_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), kPrepostThreads, 0, stream>>>(p, ws);
+  Status s = launch_status("preprocess");
+  if (!s.is_ok()) return s;
+  if (ws.dq_accum != nullptr) {
+    const size_t bytes = static_cast<size_t>(stat_rows) * kHeadDim * sizeof(float);
+    const cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, bytes, stream);
+    if (err != cudaSuccess) return Status::cuda(std::string("backward memset: ") + cudaGetErrorString(err));
+  }
+  return Status::ok();
+}
+
+/** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel. */
+template <typename Element, int kHeadDim>
+Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& ws, cudaStream_t stream) {
+  const int64_t stat_rows = p.total_q * p.heads_q;
+  if (p.deterministic) {
+    using DqTraits = typename DeterministicDqTraits<kHeadDim>::type;
+    const int64_t num_query_blocks = ceil_div(p.seqlen_q, DqTraits::kBlockM);
+    const int64_t dq_ctas = num_query_blocks * p.heads_q * p.batch;
+    if (dq_ctas > INT_MAX) return Status::unsupported("q: too many query blocks for the backward grid");
+    if (dq_ctas == 0) return Status::ok();
+    auto* kernel = backward_dq_kernel<Element, DqTraits>;
+    const int smem_bytes = static_cast<int>(sizeof(DqSharedStorage<Element, DqTraits>));
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return Status::cuda(std::string("backward dq smem: ") + cudaGetErrorString(err));
+    kernel<<<static_cast<unsigned>(dq_ctas), DqTraits::kThreads, smem_bytes, stream>>>(
+        p, ws, static_cast<int>(num_query_blocks));
+    return launch_status("dq kernel");
+  }
+  if (stat_rows == 0) return Status::ok();
+  const int64_t items = stat_rows * ceil_div(p.head_dim, kChunkElems);
+  int64_t blocks = ceil_div(items, kPrepostThreads);
+  if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;
+  backward_postprocess_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), kPrepostThreads, 0, stream>>>(p, ws);
+  return launch_status("postprocess");
+}
 
 /** The three stages for one tile configuration (BackwardTraits<d> in production). */
 template <typename Element, typename Traits>
@@ -85,66 +140,24 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
                            std::to_string(layout.total_bytes) + " needed by the sm80 backward");
   }
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  char* base = static_cast<char*>(workspace);
-  bwd::BackwardWorkspacePtrs ws;
-  ws.lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2_offset);
-  ws.dsum = reinterpret_cast<float*>(base + layout.dsum_offset);
-  ws.dq_accum = layout.has_dq_accum ? reinterpret_cast<float*>(base + layout.dq_accum_offset) : nullptr;
-  const int64_t stat_rows = p.total_q * p.heads_q;
-  Status s;
-
-  // 1. D, lse_log2; zero dQ_accum.
-  if (stat_rows > 0) {
-    const int64_t blocks = bwd::ceil_div(stat_rows, bwd::kPrepostWarps);
-    if (blocks > INT_MAX) return Status::unsupported("q: total_q * heads_q is too large for the sm80 backward grid");
-    bwd::backward_preprocess_kernel<Element, kHeadDim>
-        <<<static_cast<unsigned>(blocks), bwd::kPrepostThreads, 0, stream>>>(p, ws);
-    if (!(s = bwd::launch_status("preprocess")).is_ok()) return s;
-    if (ws.dq_accum != nullptr) {
-      const size_t bytes = static_cast<size_t>(stat_rows) * kHeadDim * sizeof(float);
-      const cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, bytes, stream);
-      if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward memset: ") + cudaGetErrorString(err));
-    }
-  }
+  const BackwardWorkspacePtrs ws = workspace_ptrs(layout, workspace);
+  Status s = launch_preprocess<Element, kHeadDim>(p, ws, stream);
+  if (!s.is_ok()) return s;
 
   // 2. dK, dV (and dQ_accum).
-  const int64_t num_key_blocks = bwd::ceil_div(p.seqlen_k, Traits::kBlockN);
+  const int64_t num_key_blocks = ceil_div(p.seqlen_k, Traits::kBlockN);
   const int64_t main_ctas = num_key_blocks * p.heads_kv * p.batch;
   if (main_ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the sm80 backward grid");
   if (main_ctas > 0) {
-    auto* kernel = bwd::backward_dkdv_kernel<Element, Traits>;
-    const int smem_bytes = static_cast<int>(sizeof(bwd::MainSharedStorage<Element, Traits>));
+    auto* kernel = backward_dkdv_kernel<Element, Traits>;
+    const int smem_bytes = static_cast<int>(sizeof(MainSharedStorage<Element, Traits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
     kernel<<<static_cast<unsigned>(main_ctas), Traits::kThreads, smem_bytes, stream>>>(
         p, ws, static_cast<int>(num_key_blocks));
-    if (!(s = bwd::launch_status("main kernel")).is_ok()) return s;
+    if (!(s = launch_status("main kernel")).is_ok()) return s;
   }
-
-  // 3. dq.
-  if (p.deterministic) {
-    using DqTraits = typename bwd::DeterministicDqTraits<kHeadDim>::type;
-    const int64_t num_query_blocks = bwd::ceil_div(p.seqlen_q, DqTraits::kBlockM);
-    const int64_t dq_ctas = num_query_blocks * p.heads_q * p.batch;
-    if (dq_ctas > INT_MAX) return Status::unsupported("q: too many query blocks for the sm80 backward grid");
-    if (dq_ctas > 0) {
-      auto* kernel = bwd::backward_dq_kernel<Element, DqTraits>;
-      const int smem_bytes = static_cast<int>(sizeof(bwd::DqSharedStorage<Element, DqTraits>));
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-      if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
-      kernel<<<static_cast<unsigned>(dq_ctas), Traits::kThreads, smem_bytes, stream>>>(
-          p, ws, static_cast<int>(num_query_blocks));
-      if (!(s = bwd::launch_status("dq kernel")).is_ok()) return s;
-    }
-  } else if (stat_rows > 0) {
-    const int64_t items = stat_rows * bwd::ceil_div(p.head_dim, bwd::kChunkElems);
-    int64_t blocks = bwd::ceil_div(items, bwd::kPrepostThreads);
-    if (blocks > bwd::kPostprocessMaxBlocks) blocks = bwd::kPostprocessMaxBlocks;
-    bwd::backward_postprocess_kernel<Element, kHeadDim>
-        <<<static_cast<unsigned>(blocks), bwd::kPrepostThreads, 0, stream>>>(p, ws);
-    if (!(s = bwd::launch_status("postprocess")).is_ok()) return s;
-  }
-  return Status::ok();
+  return launch_dq_stage<Element, kHeadDim>(p, ws, stream);
 }
 
 }  // namespace bwd

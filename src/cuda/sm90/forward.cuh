@@ -93,6 +93,7 @@
 #include "cuda/build_config.hpp"  // multiprocessor_count
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
+#include "cuda/sm90/attention_views.hpp"
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace flashcore::cuda::sm90 {
@@ -621,32 +622,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 // ---- host -----------------------------------------------------------------------------------------
 
-/** The 4-D view TMA reads a q/k/v tensor through: (head_dim, rows, heads, batch). */
-inline TiledViewNd attention_view(const TensorRef& t, TmaElement element, int64_t rows,
-                                  int64_t heads, int64_t batch, int64_t head_dim, bool varlen,
-                                  uint32_t box_rows) {
-  TiledViewNd v;
-  v.base = t.data;
-  v.element = element;
-  v.rank = 4;
-  v.dims[0] = static_cast<uint64_t>(head_dim);
-  v.dims[1] = static_cast<uint64_t>(rows);
-  v.dims[2] = static_cast<uint64_t>(heads);
-  v.dims[3] = varlen ? 1 : static_cast<uint64_t>(batch);
-  v.strides[0] = 1;
-  v.strides[1] = static_cast<uint64_t>(t.row_stride);
-  v.strides[2] = static_cast<uint64_t>(t.head_stride);
-  // A batch of one never steps its stride; any legal value does.
-  v.strides[3] = varlen || batch == 1 ? static_cast<uint64_t>(t.row_stride)
-                                      : static_cast<uint64_t>(t.batch_stride);
-  v.box[0] = 64;
-  v.box[1] = box_rows;
-  v.box[2] = 1;
-  v.box[3] = 1;
-  v.swizzle = TmaSwizzle::k128B;
-  return v;
-}
-
 template <class T>
 Status launch_forward(const forward_params_t& p) {
   const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
@@ -677,23 +652,11 @@ Status launch_forward(const forward_params_t& p) {
   const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
   // With no keys anywhere (k_rows == 0) the K/V maps stay zero: n_tiles is 0 in every CTA, no
   // copy is issued, and every row gets out = 0, lse = -inf.
-  struct MapJob {
-    const char* name;
-    const TensorRef* tensor;
-    int64_t rows, heads;
-    uint32_t box_rows;
-    CUtensorMap* map;
-  };
-  const MapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
-                         {"k", &p.k, k_rows, p.heads_kv, T::kBlockN, &args.map_k},
-                         {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
-  for (const MapJob& job : jobs) {
-    if (job.rows == 0) continue;  // no keys at all: the K/V maps are never read
-    const Status s = encode_tensor_map_nd(attention_view(*job.tensor, element, job.rows, job.heads,
-                                                         p.batch, p.head_dim, varlen, job.box_rows),
-                                          job.map);
-    if (!s.is_ok()) return Status{s.code, std::string(job.name) + ": cuda_sm90 forward: " + s.message};
-  }
+  const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
+                                  {"k", &p.k, k_rows, p.heads_kv, T::kBlockN, &args.map_k},
+                                  {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
+  const Status s = encode_attention_maps(jobs, 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
+  if (!s.is_ok()) return s;
 
   ScopedDevice device(p.device_id);
   auto* kernel = forward_kernel<T>;

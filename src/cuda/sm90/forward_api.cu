@@ -17,6 +17,7 @@
 #include "api/status.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/compiled_dispatch.cuh"
+#include "cuda/sm90/attention_views.hpp"
 
 namespace flashcore::cuda {
 
@@ -29,7 +30,6 @@ Status forward_run(const forward_params_t& p, void* workspace, size_t workspace_
 namespace {
 
 constexpr int kHopperCapability = 90;      // wgmma / setmaxnreg: sm_90a SASS runs on CC 9.0 only
-constexpr int64_t kTmaAlignElems = 8;      // TMA: base and outer strides multiples of 16 bytes
 constexpr int64_t kHeadDimAlignment = 8;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kSmallestBlockM = 128;  // of the DefaultForwardTraits (most tiles)
@@ -39,19 +39,6 @@ constexpr int64_t kMaxTmaCoord = INT_MAX;  // TMA coordinates are int32
 bool reject(Status* why, const std::string& message) {
   if (why != nullptr) *why = Status::unsupported("cuda_sm90: " + message);
   return false;
-}
-
-/** validate_for_backend already demands 16-byte pointers and strides that are multiples of 8
- *  elements, but only for dimensions longer than 1. The 4-D tensor map encodes the head stride
- *  even for a single head, so this checks it (and the batch stride where it is used) too; a call
- *  that fails here is served by sm80 under AUTO. */
-bool tma_addressable(const TensorRef& t, bool varlen, int64_t batch) {
-  const auto base = reinterpret_cast<uintptr_t>(t.data);
-  if (base % (kTmaAlignElems * 2) != 0) return false;
-  if (t.row_stride % kTmaAlignElems != 0 || t.row_stride <= 0) return false;
-  if (t.head_stride % kTmaAlignElems != 0 || t.head_stride <= 0) return false;
-  if (!varlen && batch > 1 && (t.batch_stride % kTmaAlignElems != 0 || t.batch_stride <= 0)) return false;
-  return true;
 }
 
 template <typename Element, int kHeadDim>
@@ -88,8 +75,8 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
     return reject(why, "batch * heads_q * query blocks exceeds 2^31 - 1 tiles");
   }
-  if (!tma_addressable(p.q, varlen, p.batch) || !tma_addressable(p.k, varlen, p.batch) ||
-      !tma_addressable(p.v, varlen, p.batch)) {
+  if (!sm90::tma_addressable(p.q, varlen, p.batch) || !sm90::tma_addressable(p.k, varlen, p.batch) ||
+      !sm90::tma_addressable(p.v, varlen, p.batch)) {
     return reject(why, "q, k and v need 16-byte aligned data and strides that are multiples of 8 "
                        "elements (TMA)");
   }

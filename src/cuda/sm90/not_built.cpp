@@ -15,5 +15,10 @@ size_t sm90_forward_workspace(const AttentionParams&) { return 0; }
 Status sm90_forward(const AttentionParams&, void*, size_t) {
   return Status::unsupported("backend: cuda_sm90 is not compiled into this build");
 }
+bool sm90_backward_supports(const BackwardParams& p, Status* why) { return sm90_supports(p, why); }
+size_t sm90_backward_workspace(const BackwardParams&) { return 0; }
+Status sm90_backward(const BackwardParams&, void*, size_t) {
+  return Status::unsupported("backend: cuda_sm90 is not compiled into this build");
+}
 
 }  // namespace flashcore::cuda

@@ -1,0 +1,666 @@
+// Hopper backward: dK and dV (and dQ through an fp32 accumulator) with TMA loads and wgmma, one
+// producer warp and two consumer warpgroups. Header-only: cmake/cuda.cmake generates one sm_90a
+// translation unit per (dtype, head-dim bucket) that explicitly instantiates backward_run.
+//
+// Stages, all on p.stream, no host synchronization (stages 1 and 3 are the sm80 backward's own
+// kernels, compiled here for sm_90a; only the main kernel differs):
+//   1. preprocess: D = rowsum(dO * O), lse * log2(e) into the workspace; zero the dQ accumulator.
+//   2. main (this file): one CTA per (key block of kBlockN = 128 keys, KV head, batch).
+//   3. postprocess: dq = softmax_scale * dQ_accum in the element type; in deterministic mode the
+//      main kernel adds nothing to dQ and the sm80 dq kernel recomputes it in a fixed order.
+//
+// Relies on: cuda/sm80/backward.cuh (stages 1 and 3, the workspace layout, the score transform,
+// the query-block range of a key block), cuda/ptx/{wgmma,tma,mbarrier,warpgroup}.cuh,
+// cuda/sm90/attention_views.hpp and tensor_map.hpp (host side of TMA).
+//
+// ---- Work of one CTA ------------------------------------------------------------------------------
+// K and V of its 128 keys are loaded once (TMA) and stay in shared memory. The CTA walks every query
+// head of the KV head's GQA group and, per head, every query block of kBlockM rows that can see
+// one of its keys (QueryBlockRange); dK and dV stay in registers the whole time (no atomics, so
+// GQA needs no extra workspace). Consumer warpgroup c owns keys 64c .. 64c + 63 of the block and
+// computes, per query block, with the key dimension as the wgmma M:
+//   S^T  = K_c Q^T             wgmma SS: A = K (K-major), B = Q (K-major)          64 x kBlockM
+//   dP^T = V_c dO^T            wgmma SS: A = V, B = dO                              64 x kBlockM
+//   P^T  = exp2(S^T * scale * log2e - lse_log2[query]), dS^T = P^T (dP^T - D[query])   registers
+//   dV  += P^T dO              wgmma RS: A = P^T from registers, B = dO (MN-major)  64 x d
+//   dK  += dS^T Q              wgmma RS: A = dS^T, B = Q (MN-major)                 64 x d
+//   dS^T goes to shared memory (both consumers' halves), then
+//   dQ piece c = dS K          wgmma SS: A = dS (MN-major), B = K (MN-major)        64 x 64
+//   added to the fp32 dQ accumulator with vector atomics (red.global.add.v2.f32).
+// Computing the transposed products keeps P^T and dS^T in the accumulator layout that converts
+// to the RS A fragment with no data movement (as P does in the forward), so only dS is ever
+// stored. The dQ tile (kBlockM x d = 2 x 64 x 64 by choice of kBlockM) splits into one 64 x 64
+// piece per consumer: by rows at d = 64 (kBlockM = 128), by columns at d = 128 (kBlockM = 64).
+//
+// ---- Pipeline -------------------------------------------------------------------------------------
+//  kv_full:             K and V (TMA, one phase, armed once).
+//  q_full[s]/q_empty[s]: Q and dO (TMA, one producer thread) of query step i in stage
+//                       s = i % kStages; every consumer warp arrives on q_empty once the wgmmas
+//                       that read the stage have completed.
+//  named barriers 2, 3: consumer 0's / 1's own barrier: its copy of the step's row statistics
+//                       (lse_log2, D), loaded a step ahead into registers by its threads
+//                       (StatsPrefetch) and stored at the top of the step, is visible.
+//  named barrier 1:     the 256 consumer threads, after both halves of dS^T are stored (and
+//                       fenced to the async proxy) and before either reads them in the dQ wgmma.
+//                       dS is double-buffered by step parity: a consumer can only write step
+//                       i + 2's dS after passing step i + 1's barrier, which the other consumer
+//                       reaches only after its dQ wgmma of step i completed.
+//
+// ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) -------------------------------
+// Q, dO, K, V are stored as TMA writes them: d/64 column chunks of [rows][128 bytes]. That one
+// layout is both KMajorTile{rows, d} (A/B of the S^T and dP^T products, the head dim contracted)
+// and MnMajorTile{d, rows} (B of dV, dK and dQ, the rows contracted). dS is MnMajorTile{kBlockM,
+// kBlockN}: queries contiguous, so each thread's accumulator pairs (two adjacent queries of one
+// key) are single 4-byte stores, conflict-free under the swizzle.
+//
+// ---- Masks and bounds -----------------------------------------------------------------------------
+// Elements are masked (P = dS = 0, by select) only in tiles that are not fully visible: outside
+// MaskInfo::keys_for_row, keys past seqlen_k, queries past seqlen_q. Rows past seqlen_q also get
+// lse = +inf and D = 0 from the producer, so even their unmasked P is exactly 0, and their dQ is
+// never added. Varlen rows past a sequence's end are the next sequence's rows in TMA's view (as
+// in the forward); the end of a tensor reads as zeros.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "api/params.hpp"
+#include "api/status.hpp"
+#include "common/mask.hpp"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/scoped_device.hpp"
+#include "cuda/sm80/backward.cuh"
+#include "cuda/sm90/attention_views.hpp"
+#include "cuda/sm90/tensor_map.hpp"
+
+namespace flashcore::cuda::sm90 {
+
+using backward_params_t = BackwardParams;
+
+/** Tile sizes, roles and the shared-memory plan of one backward instantiation. */
+template <typename Element_, int kHeadDim_, int kBlockM_, int kStages_ = 2>
+struct BackwardTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step (the N of S^T, the K of dV / dK)
+  static constexpr int kConsumers = 2;
+  static constexpr int kKeysPerConsumer = 64;  // one wgmma M
+  static constexpr int kBlockN = kConsumers * kKeysPerConsumer;
+  static constexpr int kStages = kStages_;  // Q / dO buffers
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
+  static constexpr int kConsumerWarps = kConsumers * 4;
+  static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
+  // Same register split as the forward (see ForwardTraits): 384 threads enter with 168 each.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kEntryRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <=
+                    kThreads * kEntryRegisters,
+                "setmaxnreg split exceeds the registers the CTA is launched with");
+
+  // dQ (kBlockM x kHeadDim) in one 64 x 64 piece per consumer.
+  static constexpr int kDqPiece = 64;
+  static_assert(kBlockM * kHeadDim == kConsumers * kDqPiece * kDqPiece, "one dQ piece per consumer");
+  static constexpr bool kDqSplitRows = kBlockM > kDqPiece;  // else split by columns
+
+  static constexpr int kChunkCols = 64;  // 128-byte swizzle span of 16-bit elements
+  static constexpr int kChunks = kHeadDim / kChunkCols;
+  static constexpr uint32_t kSwizzleBytes = 128;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO buffer
+  static constexpr uint32_t kKvBytes = kBlockN * kHeadDim * 2;  // K or V
+  static constexpr uint32_t kQChunkBytes = kBlockM * kSwizzleBytes;
+  static constexpr uint32_t kKvChunkBytes = kBlockN * kSwizzleBytes;
+  static constexpr uint32_t kDsBytes = kBlockM * kBlockN * 2;
+  static constexpr uint32_t kStatBytes = kBlockM * sizeof(float);
+
+  static constexpr uint32_t kAlign = 1024;
+  static constexpr uint32_t kKOffset = 0;
+  static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
+  static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
+  static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
+  static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
+  // Row statistics: per consumer, two step-parity buffers of (lse_log2, D) for kBlockM rows.
+  static constexpr uint32_t kStatsOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kStatsBytesPerConsumer = 2 * 2 * kStatBytes;
+  static constexpr uint32_t kBarrierOffset = kStatsOffset + kConsumers * kStatsBytesPerConsumer;
+  static constexpr int kBarriers = 1 + 2 * kStages;
+  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma N of dV / dK; d256 stays on sm80");
+  static_assert(kBlockM == 64 || kBlockM == 128, "wgmma N of S^T");
+  static_assert(kQBytes % kAlign == 0 && kKvBytes % kAlign == 0 && kDsBytes % kAlign == 0,
+                "tiles stay 1024-aligned");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
+};
+
+/** Per-bucket configuration: 160 KiB of shared memory each. Registers per consumer thread: dK and
+ *  dV d/2 floats each, S^T and dP^T kBlockM/2 each, the dQ piece 32. */
+template <typename Element, int kHeadDim>
+struct DefaultBackwardTraits;
+template <typename Element>
+struct DefaultBackwardTraits<Element, 64> {
+  using type = BackwardTraits<Element, 64, 128>;
+};
+template <typename Element>
+struct DefaultBackwardTraits<Element, 128> {
+  using type = BackwardTraits<Element, 128, 64>;
+};
+
+struct BackwardKernelArgs {
+  CUtensorMap map_q, map_k, map_v, map_do;  // first: 64-byte aligned members
+  BackwardParams params;
+  sm80::bwd::BackwardWorkspacePtrs ws;
+  int num_key_blocks;
+};
+
+template <class T>
+struct BackwardSmem {
+  uint8_t* base;  // 1024-aligned
+  uint32_t addr;  // its .shared window address
+  uint64_t* bars;
+
+  __device__ uint8_t* k_ptr() const { return base + T::kKOffset; }
+  __device__ uint8_t* v_ptr() const { return base + T::kVOffset; }
+  __device__ uint8_t* q_ptr(int s) const { return base + T::kQOffset + s * T::kQBytes; }
+  __device__ uint8_t* do_ptr(int s) const { return base + T::kDoOffset + s * T::kQBytes; }
+  __device__ uint8_t* ds_ptr(int b) const { return base + T::kDsOffset + b * T::kDsBytes; }
+  /** Consumer c's statistics buffer b: lse_log2 at [0, kBlockM), D at [kBlockM, 2 kBlockM). */
+  __device__ float* stats(int c, int b) const {
+    return reinterpret_cast<float*>(base + T::kStatsOffset + c * T::kStatsBytesPerConsumer + b * 2 * T::kStatBytes);
+  }
+  __device__ uint32_t k_addr() const { return addr + T::kKOffset; }
+  __device__ uint32_t v_addr() const { return addr + T::kVOffset; }
+  __device__ uint32_t q_addr(int s) const { return addr + T::kQOffset + s * T::kQBytes; }
+  __device__ uint32_t do_addr(int s) const { return addr + T::kDoOffset + s * T::kQBytes; }
+  __device__ uint32_t ds_addr(int b) const { return addr + T::kDsOffset + b * T::kDsBytes; }
+  __device__ uint64_t* kv_full() const { return bars; }
+  __device__ uint64_t* q_full(int s) const { return bars + 1 + s; }
+  __device__ uint64_t* q_empty(int s) const { return bars + 1 + T::kStages + s; }
+};
+
+/** The CTA's key block and the query steps it walks, resolved identically by both roles. Row
+ *  indices are 32-bit (backward_api.cu admits only calls whose rows, query steps and key blocks
+ *  fit), which keeps the consumers' bookkeeping registers few next to dK, dV, S^T and dP^T. */
+struct KeyBlockWork {
+  int batch, kv_head, n0;
+  int seqlen_q, seqlen_k, q_start, k_start;  // SeqInfo; starts are packed rows (varlen) or 0
+  int m_block_begin;                         // first query block that sees a key of the block
+  int blocks_per_head;                       // query blocks per head
+  int steps;                                 // blocks_per_head * GQA group
+  int group;
+  int64_t q_row0;  // packed row of the sequence's first query (workspace statistics)
+
+  __device__ int head_of(int step) const { return kv_head * group + step / blocks_per_head; }
+  __device__ int m0_of(int step, int block_m) const { return (m_block_begin + step % blocks_per_head) * block_m; }
+  __device__ MaskInfo mask(const BackwardParams& p) const {
+    return {seqlen_q, seqlen_k, p.window_left, p.window_right};
+  }
+};
+
+template <class T>
+__device__ KeyBlockWork resolve_key_block(const BackwardParams& p, int num_key_blocks) {
+  KeyBlockWork w;
+  const int n_block = static_cast<int>(blockIdx.x % num_key_blocks);  // fastest: CTAs running
+  const int head_batch = static_cast<int>(blockIdx.x / num_key_blocks);  // together share Q / dO in L2
+  w.kv_head = head_batch % static_cast<int>(p.heads_kv);
+  w.batch = head_batch / static_cast<int>(p.heads_kv);
+  w.n0 = n_block * T::kBlockN;
+  const SeqInfo seq = seq_info(p, w.batch);
+  w.seqlen_q = static_cast<int>(seq.seqlen_q);
+  w.seqlen_k = static_cast<int>(seq.seqlen_k);
+  w.q_start = static_cast<int>(seq.q_start);
+  w.k_start = static_cast<int>(seq.k_start);
+  w.q_row0 = sm80::bwd::first_packed_q_row(p, w.batch, seq);
+  w.group = static_cast<int>(p.heads_q / p.heads_kv);
+  w.m_block_begin = 0;
+  w.blocks_per_head = 0;
+  if (w.n0 < w.seqlen_k && w.seqlen_q > 0) {
+    const int n_end = w.n0 + T::kBlockN < w.seqlen_k ? w.n0 + T::kBlockN : w.seqlen_k;
+    const sm80::bwd::QueryBlockRange r = sm80::bwd::query_blocks_for_keys(w.mask(p), w.n0, n_end, T::kBlockM);
+    w.m_block_begin = static_cast<int>(r.begin);
+    w.blocks_per_head = static_cast<int>(r.end - r.begin);
+  }
+  w.steps = w.blocks_per_head * w.group;
+  return w;
+}
+
+/** The producer thread: K and V once, then Q and dO of every query step. */
+template <class T>
+__device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w) {
+  const BackwardParams& p = args.params;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int32_t bc = varlen ? 0 : static_cast<int32_t>(w.batch);
+  const int32_t hk = static_cast<int32_t>(w.kv_head);
+  if (w.steps == 0) return;  // no query sees these keys: dK = dV = 0, nothing to load
+  ptx::tma_prefetch_tensor_map(&args.map_q);
+  ptx::tma_prefetch_tensor_map(&args.map_do);
+  const int32_t k_row = w.k_start + w.n0;
+  ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
+#pragma unroll
+  for (int c = 0; c < T::kChunks; ++c) {
+    ptx::tma_load_4d(sm.k_ptr() + c * T::kKvChunkBytes, &args.map_k, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
+    ptx::tma_load_4d(sm.v_ptr() + c * T::kKvChunkBytes, &args.map_v, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
+  }
+  for (int step = 0; step < w.steps; ++step) {
+    const int stage = step % T::kStages;
+    const uint32_t parity = static_cast<uint32_t>(step / T::kStages) & 1;
+    // A fresh barrier counts as having completed the phase before phase 0: the first waits pass.
+    ptx::mbarrier_wait_parity(sm.q_empty(stage), parity ^ 1);
+    const int32_t q_row = w.q_start + w.m0_of(step, T::kBlockM);
+    const int32_t hq = w.head_of(step);
+    ptx::mbarrier_arrive_expect_tx(sm.q_full(stage), 2 * T::kQBytes);
+#pragma unroll
+    for (int c = 0; c < T::kChunks; ++c) {
+      ptx::tma_load_4d(sm.q_ptr(stage) + c * T::kQChunkBytes, &args.map_q, sm.q_full(stage), c * T::kChunkCols,
+                       q_row, hq, bc);
+      ptx::tma_load_4d(sm.do_ptr(stage) + c * T::kQChunkBytes, &args.map_do, sm.q_full(stage), c * T::kChunkCols,
+                       q_row, hq, bc);
+    }
+  }
+}
+
+/** The row statistics (lse_log2, D) of one query step, one row per consumer thread below kBlockM:
+ *  loaded into registers a step ahead, stored to the consumer's own step-parity buffer at the
+ *  start of the step and published by a warpgroup barrier. Rows past seqlen_q get lse = +inf and
+ *  D = 0, so their P and dS are exactly 0. (Loading them in the consumers keeps every shared
+ *  buffer written by one proxy and ordered by barriers compute-sanitizer understands.) */
+template <class T>
+struct StatsPrefetch {
+  float lse_log2 = INFINITY, dsum = 0.f;
+
+  __device__ void load(const BackwardKernelArgs& args, const KeyBlockWork& w, int step, int t) {
+    if (t >= T::kBlockM) return;
+    const int m0 = w.m0_of(step, T::kBlockM);
+    const bool valid = m0 + t < w.seqlen_q;
+    const int64_t idx = int64_t(w.head_of(step)) * args.params.total_q + w.q_row0 + m0 + t;
+    lse_log2 = valid ? args.ws.lse_log2[idx] : INFINITY;
+    dsum = valid ? args.ws.dsum[idx] : 0.f;
+  }
+  __device__ void store(float* buffer, int t) const {
+    if (t >= T::kBlockM) return;
+    buffer[t] = lse_log2;
+    buffer[T::kBlockM + t] = dsum;
+  }
+};
+
+/** S^T (or dP^T) = A_c B^T over the head dim, A = K or V rows of this consumer, B = Q or dO. */
+template <class T>
+__device__ __forceinline__ void issue_scores_t(float (&acc)[T::kBlockM / 2], uint32_t a_tile, uint32_t b_tile,
+                                               int consumer) {
+  constexpr ptx::KMajorTile kKeyTile{ptx::SmemSwizzle::k128B, T::kBlockN, T::kHeadDim};
+  constexpr ptx::KMajorTile kQueryTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kHeadDim};
+#pragma unroll
+  for (int k = 0; k < T::kHeadDim / 16; ++k) {
+    ptx::wgmma_ss<T::kBlockM, typename T::Element>(acc, kKeyTile.desc(a_tile, consumer * T::kKeysPerConsumer, 16 * k),
+                                                   kQueryTile.desc(b_tile, 0, 16 * k), k > 0);
+  }
+}
+
+/** dV (64 keys x d) += P^T (A fragments in registers, 64 keys x kBlockM queries) dO. */
+template <class T>
+__device__ __forceinline__ void issue_dv(float (&acc)[T::kHeadDim / 2], const uint32_t (&a)[T::kBlockM / 16][4],
+                                         uint32_t do_tile) {
+  constexpr ptx::MnMajorTile kQueryTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockM};
+#pragma unroll
+  for (int k = 0; k < T::kBlockM / 16; ++k) {
+    ptx::wgmma_rs<T::kHeadDim, typename T::Element, /*kTransB=*/1>(acc, a[k], kQueryTileMn.desc(do_tile, 0, 16 * k),
+                                                                    true);
+  }
+}
+
+/** dK (64 keys x d) += dS^T Q with dS^T read back from the dS tile: stored queries-contiguous per
+ *  key, it is the K-major A operand (keys x queries) as it stands, so dS^T needs no registers
+ *  once stored. */
+template <class T>
+__device__ __forceinline__ void issue_dk(float (&acc)[T::kHeadDim / 2], uint32_t ds_tile, uint32_t q_tile,
+                                         int consumer) {
+  constexpr ptx::KMajorTile kDsTileT{ptx::SmemSwizzle::k128B, T::kBlockN, T::kBlockM};
+  constexpr ptx::MnMajorTile kQueryTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockM};
+#pragma unroll
+  for (int k = 0; k < T::kBlockM / 16; ++k) {
+    ptx::wgmma_ss<T::kHeadDim, typename T::Element, /*kTransA=*/0, /*kTransB=*/1>(
+        acc, kDsTileT.desc(ds_tile, consumer * T::kKeysPerConsumer, 16 * k), kQueryTileMn.desc(q_tile, 0, 16 * k),
+        true);
+  }
+}
+
+/** This consumer's 64 x 64 piece of dQ = dS K (contraction over the block's keys). */
+template <class T>
+__device__ __forceinline__ void issue_dq(float (&acc)[T::kDqPiece / 2], uint32_t ds_tile, uint32_t k_tile,
+                                         int consumer) {
+  constexpr ptx::MnMajorTile kDsTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kBlockN};
+  constexpr ptx::MnMajorTile kKeyTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockN};
+  const uint32_t a_mn0 = T::kDqSplitRows ? consumer * T::kDqPiece : 0;
+  const uint32_t b_mn0 = T::kDqSplitRows ? 0 : consumer * T::kDqPiece;
+#pragma unroll
+  for (int k = 0; k < T::kBlockN / 16; ++k) {
+    ptx::wgmma_ss<T::kDqPiece, typename T::Element, /*kTransA=*/1, /*kTransB=*/1>(
+        acc, kDsTile.desc(ds_tile, a_mn0, 16 * k), kKeyTileMn.desc(k_tile, b_mn0, 16 * k), k > 0);
+  }
+}
+
+/** The mask of a tile as bounds on (key - query): mask.hpp's keys_for_row(i) is
+ *  [diag(i) - left, diag(i) + right] with diag(i) = i + seqlen_k - seqlen_q, so a visible key j of
+ *  query i has lo <= j - i <= hi; plus j < seqlen_k and i < seqlen_q. A few 32-bit registers
+ *  instead of a key range per query column (which the unrolled loop would keep live at once). */
+struct TileMask {
+  int lo, hi;  // bounds on key - query (INT_MIN / INT_MAX: unbounded)
+  int seqlen_q, seqlen_k;
+
+  __device__ static int clamp_to_int(int64_t x) {
+    return x < INT_MIN ? INT_MIN : (x > INT_MAX ? INT_MAX : static_cast<int>(x));
+  }
+  __device__ static TileMask make(const MaskInfo& m) {
+    const int64_t diag = m.seqlen_k - m.seqlen_q;
+    TileMask t;
+    t.lo = m.window_left >= 0 ? clamp_to_int(diag - m.window_left) : INT_MIN;
+    t.hi = m.window_right >= 0 ? clamp_to_int(diag + m.window_right) : INT_MAX;
+    t.seqlen_q = static_cast<int>(m.seqlen_q);
+    t.seqlen_k = static_cast<int>(m.seqlen_k);
+    return t;
+  }
+  __device__ bool visible(int key, int query) const {
+    const int offset = key - query;  // |offset| < 2^31: rows fit int32 (backward_api.cu)
+    return offset >= lo && offset <= hi && key < seqlen_k && query < seqlen_q;
+  }
+};
+
+/** P^T and dS^T from S^T and dP^T in place (element-wise, accumulator layout: register i of this
+ *  thread is key `key_row0 + 8 * ((i % 4) / 2)` and query `m0 + 8 * (i / 4) + 2 * quad + i % 2`). */
+template <class T, bool kSoftcap, bool kMasked>
+__device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 2], float (&dp)[T::kBlockM / 2],
+                                                        const float* lse, const float* dsum,
+                                                        const sm80::bwd::ScoreTransform& tf, const TileMask& mask,
+                                                        int m0, int key_row0, int quad) {
+#pragma unroll
+  for (int j = 0; j < T::kBlockM / 8; ++j) {
+    const int col = 8 * j + 2 * quad;
+    const float2 l = *reinterpret_cast<const float2*>(lse + col);
+    const float2 d = *reinterpret_cast<const float2*>(dsum + col);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 4 * j + r;
+      const int e = r % 2;
+      const float lse_log2 = e == 0 ? l.x : l.y;
+      const float dsum_row = e == 0 ? d.x : d.y;
+      float prob, dscore;
+      if constexpr (kSoftcap) {
+        const float t = tanhf(s[i] * tf.tanh_arg_scale);
+        prob = sm80::bwd::fast_exp2(t * tf.softcap_log2 - lse_log2);
+        dscore = prob * (dp[i] - dsum_row) * (1.f - t * t);
+      } else {
+        prob = sm80::bwd::fast_exp2(s[i] * tf.scale_log2 - lse_log2);
+        dscore = prob * (dp[i] - dsum_row);
+      }
+      if constexpr (kMasked) {
+        // Select (not multiply) so an inf/NaN computed for a masked entry cannot leak.
+        const bool visible = mask.visible(key_row0 + 8 * (r / 2), m0 + col + e);
+        prob = visible ? prob : 0.f;
+        dscore = visible ? dscore : 0.f;
+      }
+      s[i] = prob;
+      dp[i] = dscore;
+    }
+  }
+}
+
+/** Accumulator tile (64 x kBlockM) rounded to 16 bits as RS A fragments. */
+template <class T>
+__device__ __forceinline__ void pack_a_fragments(const float (&x)[T::kBlockM / 2], uint32_t (&a)[T::kBlockM / 16][4]) {
+#pragma unroll
+  for (int k = 0; k < T::kBlockM / 16; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[k][r] = sm80::bwd::pack_pair<typename T::Element>(x[8 * k + 2 * r], x[8 * k + 2 * r + 1]);
+  }
+}
+
+/** This consumer's rows of dS^T into the dS tile (queries contiguous): each A-fragment register
+ *  is a pair of adjacent queries of one key, one 4-byte store. */
+template <class T>
+__device__ __forceinline__ void store_ds(const uint32_t (&dsa)[T::kBlockM / 16][4], uint8_t* ds_tile, int key_row,
+                                         int quad) {
+  constexpr ptx::MnMajorTile kDsTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kBlockN};
+#pragma unroll
+  for (int k = 0; k < T::kBlockM / 16; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      // a[r] holds (row + 8 * (r % 2), col .. col + 1), col = 16k + 2 * quad + 8 * (r / 2).
+      const uint32_t query = 16 * k + 2 * quad + 8 * (r / 2);
+      const uint32_t key = static_cast<uint32_t>(key_row + 8 * (r % 2));
+      *reinterpret_cast<uint32_t*>(ds_tile + kDsTile.byte_offset(query, key)) = dsa[k][r];
+    }
+  }
+}
+
+/** One warp's arrival on an "empty" barrier once its wgmmas reading the buffer completed. */
+__device__ __forceinline__ void release_stage(uint64_t* bar) {
+  if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive(bar);
+}
+
+/** One consumer warpgroup: its 64 keys through every query step, then dK and dV to memory.
+ *  kWithDq is a template parameter, not a run-time flag: a wgmma under a run-time branch made
+ *  ptxas serialize every wgmma of the loop and spill ~680 bytes (d128). */
+template <class T, bool kWithDq>
+__device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
+                        int consumer) {
+  using Element = typename T::Element;
+  const BackwardParams& p = args.params;
+  const int t = static_cast<int>(ptx::thread_in_warpgroup());
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int key_row = consumer * T::kKeysPerConsumer + warp * 16 + group;  // in the block; and + 8
+  const int key_row0 = w.n0 + key_row;
+  const int wg_key0 = w.n0 + consumer * T::kKeysPerConsumer;
+  const sm80::bwd::ScoreTransform tf = sm80::bwd::ScoreTransform::make(p);
+  const bool softcap = tf.softcap > 0.f;
+
+  float dv[T::kHeadDim / 2], dk[T::kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < T::kHeadDim / 2; ++i) dv[i] = dk[i] = 0.f;
+
+  StatsPrefetch<T> stats;
+  if (w.steps > 0) {
+    stats.load(args, w, 0, t);
+    ptx::mbarrier_wait_parity(sm.kv_full(), 0);
+  }
+  for (int step = 0; step < w.steps; ++step) {
+    const int stage = step % T::kStages;
+    const int ds_buf = step & 1;
+    const int m0 = w.m0_of(step, T::kBlockM);
+    // This step's statistics into buffer step & 1 (last read two steps ago: this warpgroup's
+    // barrier of the previous step ordered those reads before these writes), then the next
+    // step's loads, in flight during this one.
+    float* stat_buf = sm.stats(consumer, step & 1);
+    stats.store(stat_buf, t);
+    ptx::named_barrier_sync(2 + consumer, T::kWarpgroupThreads);
+    if (step + 1 < w.steps) stats.load(args, w, step + 1, t);
+    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(step / T::kStages) & 1);
+
+    float s[T::kBlockM / 2], dp[T::kBlockM / 2];
+    ptx::wgmma_fence();
+    issue_scores_t<T>(s, sm.k_addr(), sm.q_addr(stage), consumer);
+    issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(s);
+    ptx::wgmma_fence_operands(dp);
+
+    const float* lse = stat_buf;
+    const float* dsum = stat_buf + T::kBlockM;
+    const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, wg_key0, wg_key0 + T::kKeysPerConsumer);
+    const TileMask mask = TileMask::make(w.mask(p));
+    if (softcap) {
+      if (masked) {
+        probabilities_and_grads<T, true, true>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+      } else {
+        probabilities_and_grads<T, true, false>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+      }
+    } else if (masked) {
+      probabilities_and_grads<T, false, true>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+    } else {
+      probabilities_and_grads<T, false, false>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+    }
+    uint32_t pa[T::kBlockM / 16][4];
+    {
+      uint32_t dsa[T::kBlockM / 16][4];
+      pack_a_fragments<T>(dp, dsa);
+      store_ds<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
+    }
+    pack_a_fragments<T>(s, pa);
+    ptx::fence_proxy_async_shared_cta();  // dS stores -> visible to the wgmmas (async proxy)
+
+    ptx::wgmma_fence();
+    issue_dv<T>(dv, pa, sm.do_addr(stage));
+    ptx::wgmma_commit_group();
+    // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
+    ptx::named_barrier_sync(1, T::kConsumerThreads);
+    issue_dk<T>(dk, sm.ds_addr(ds_buf), sm.q_addr(stage), consumer);
+    float dq[T::kDqPiece / 2];
+    if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(ds_buf), sm.k_addr(), consumer);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(dv);
+    ptx::wgmma_fence_operands(dk);
+    release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
+
+    if constexpr (kWithDq) {
+      ptx::wgmma_fence_operands(dq);
+      // Piece element i: row 16 * warp + group + 8 * ((i % 4) / 2), column 8 * (i / 4) + 2 * quad
+      // + i % 2, offset by this consumer's rows (d = 64) or columns (d = 128).
+      const int row_off = T::kDqSplitRows ? consumer * T::kDqPiece : 0;
+      const int col_off = T::kDqSplitRows ? 0 : consumer * T::kDqPiece;
+      const int64_t h = w.head_of(step);
+      float* dq_rows = args.ws.dq_accum + (h * p.total_q + w.q_row0 + m0) * T::kHeadDim;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row_off + warp * 16 + group + 8 * half;
+        if (m0 + row >= w.seqlen_q) continue;  // no such query (or the next sequence's)
+        float* dst_row = dq_rows + static_cast<int64_t>(row) * T::kHeadDim + col_off + 2 * quad;
+#pragma unroll
+        for (int j = 0; j < T::kDqPiece / 8; ++j) {
+          atomicAdd(reinterpret_cast<float2*>(dst_row + 8 * j), make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+        }
+      }
+    }
+  }
+
+  // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO, column pairs as 4-byte stores.
+  using sm80::bwd::pack_pair;
+  auto* dk_out = static_cast<Element*>(p.dk.data);
+  auto* dv_out = static_cast<Element*>(p.dv.data);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_row0 + 8 * half;
+    if (key >= w.seqlen_k) continue;
+    const int64_t packed_key = int64_t(w.k_start) + key;
+    Element* dk_row = dk_out + offset_of(p.dk, w.batch, packed_key, w.kv_head);
+    Element* dv_row = dv_out + offset_of(p.dv, w.batch, packed_key, w.kv_head);
+#pragma unroll
+    for (int j = 0; j < T::kHeadDim / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (col >= p.head_dim) continue;
+      const int i = 4 * j + 2 * half;
+      *reinterpret_cast<uint32_t*>(dk_row + col) = pack_pair<Element>(dk[i] * p.softmax_scale, dk[i + 1] * p.softmax_scale);
+      *reinterpret_cast<uint32_t*>(dv_row + col) = pack_pair<Element>(dv[i], dv[i + 1]);
+    }
+  }
+}
+
+/** kWithDq: false in deterministic mode, where dq is recomputed by the sm80 dq kernel instead of
+ *  accumulated here with atomics. */
+template <class T, bool kWithDq>
+__global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_constant__ BackwardKernelArgs args) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = ptx::smem_addr(smem_raw);
+  const uint32_t pad = (T::kAlign - raw_addr % T::kAlign) % T::kAlign;
+  BackwardSmem<T> sm;
+  sm.base = smem_raw + pad;
+  sm.addr = raw_addr + pad;
+  sm.bars = reinterpret_cast<uint64_t*>(sm.base + T::kBarrierOffset);
+
+  const KeyBlockWork w = resolve_key_block<T>(args.params, args.num_key_blocks);
+  if (w.n0 >= w.seqlen_k) return;  // past this sequence's keys (varlen): nothing to own
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(sm.kv_full(), 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      ptx::mbarrier_init(sm.q_full(s), 1);
+      ptx::mbarrier_init(sm.q_empty(s), T::kConsumerWarps);
+    }
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  const uint32_t warpgroup = ptx::warpgroup_index();
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<T::kProducerRegisters>();
+    if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) produce<T>(args, sm, w);
+  } else {
+    ptx::setmaxnreg_inc<T::kConsumerRegisters>();
+    consume<T, kWithDq>(args, sm, w, static_cast<int>(warpgroup) - 1);
+  }
+}
+
+// ---- host -----------------------------------------------------------------------------------------
+
+template <class T>
+Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspacePtrs& ws, cudaStream_t stream) {
+  const int64_t num_key_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  const int64_t ctas = num_key_blocks * p.heads_kv * p.batch;
+  if (ctas == 0) return Status::ok();
+  if (ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the cuda_sm90 backward grid");
+
+  BackwardKernelArgs args{};
+  args.params = p;
+  args.ws = ws;
+  args.num_key_blocks = static_cast<int>(num_key_blocks);
+  const bool varlen = p.is_varlen();
+  const TmaElement element =
+      std::is_same_v<typename T::Element, __nv_bfloat16> ? TmaElement::kBf16 : TmaElement::kFp16;
+  const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
+  const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
+  // No step reads an empty tensor (no query rows, or no key block).
+  const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
+                                  {"dout", &p.dout, q_rows, p.heads_q, T::kBlockM, &args.map_do},
+                                  {"k", &p.k, k_rows, p.heads_kv, T::kBlockN, &args.map_k},
+                                  {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
+  const Status s = encode_attention_maps(jobs, 4, element, p.batch, p.head_dim, varlen, "cuda_sm90 backward");
+  if (!s.is_ok()) return s;
+  auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (err != cudaSuccess) {
+    return Status::cuda(std::string("cuda_sm90 backward: cannot reserve shared memory: ") + cudaGetErrorString(err));
+  }
+  kernel<<<static_cast<unsigned>(ctas), T::kThreads, T::kSmemBytes, stream>>>(args);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return Status::cuda(std::string("cuda_sm90 backward launch failed: ") + cudaGetErrorString(err));
+  return Status::ok();
+}
+
+/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
+template <typename Element, int kHeadDim>
+Status backward_run(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
+  using T = typename DefaultBackwardTraits<Element, kHeadDim>::type;  // d64 / d128 only (backward_api.cu)
+  const sm80::BackwardWorkspaceLayout layout = sm80::BackwardWorkspaceLayout::make(p, kHeadDim);
+  if (workspace_bytes < layout.total_bytes || (layout.total_bytes > 0 && workspace == nullptr)) {
+    return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
+                           std::to_string(layout.total_bytes) + " needed by the cuda_sm90 backward");
+  }
+  ScopedDevice device(p.device_id);
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const sm80::bwd::BackwardWorkspacePtrs ws = sm80::bwd::workspace_ptrs(layout, workspace);
+  Status s = sm80::bwd::launch_preprocess<Element, kHeadDim>(p, ws, stream);
+  if (!s.is_ok()) return s;
+  if (!(s = launch_main<T>(p, ws, stream)).is_ok()) return s;
+  return sm80::bwd::launch_dq_stage<Element, kHeadDim>(p, ws, stream);
+}
+
+}  // namespace flashcore::cuda::sm90

@@ -1,0 +1,92 @@
+// Backend functions of the Hopper backward (see api/backends.hpp): which calls it can serve, its
+// workspace (the sm80 backward's layout: the two backends share stages 1 and 3), and the dispatch
+// from (dtype, head_dim) to the kernel units that cmake/cuda.cmake generated for sm_90a.
+//
+// Relies on: backward_run<Element, kHeadDim> explicitly instantiated in the generated sm90 units,
+// sm90_supports (forward_api.cu) for the checks the two directions share.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "api/backends.hpp"
+#include "cuda/build_config.hpp"
+#include "cuda/compiled_dispatch.cuh"
+#include "cuda/sm80/backward_workspace.hpp"
+#include "cuda/sm90/attention_views.hpp"
+
+namespace flashcore::cuda {
+
+namespace sm90 {
+using backward_params_t = BackwardParams;
+template <typename Element, int kHeadDim>
+Status backward_run(const backward_params_t& p, void* workspace, size_t workspace_bytes);
+}  // namespace sm90
+
+namespace {
+
+// The head-dim buckets with a Hopper backward kernel (sm90/backward.cuh, DefaultBackwardTraits);
+// d256 runs on sm80 (its dK and dV accumulators alone would fill the consumer's registers).
+constexpr bool bucket_has_backward(int bucket) { return bucket == 64 || bucket == 128; }
+
+template <typename Element, int kHeadDim>
+struct BackwardEntry {
+  static Status run(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
+    if constexpr (bucket_has_backward(kHeadDim)) {
+      return sm90::backward_run<Element, kHeadDim>(p, workspace, workspace_bytes);
+    } else {
+      return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) + " has no cuda_sm90 backward");
+    }
+  }
+};
+
+}  // namespace
+
+bool sm90_backward_supports(const BackwardParams& p, Status* why) {
+  if (!sm90_supports(p, why)) return false;  // dtype, device, q/k/v addressing
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
+  if (!bucket_has_backward(bucket)) {
+    if (why != nullptr) {
+      *why = Status::unsupported("cuda_sm90: the backward serves head dims up to 128 (head_dim " +
+                                 std::to_string(p.head_dim) + " runs on cuda_sm80)");
+    }
+    return false;
+  }
+  // A workspace query validates q/k/v only (dout, dk, dv are not given): the rules below apply
+  // when the tensors are known. The workspace is the same either way (sm80's layout), so a run
+  // that falls back to sm80 for its dout / dk / dv still finds the size it was told.
+  if (p.dout.data == nullptr) return true;
+  const bool varlen = p.is_varlen();
+  if (!sm90::tma_addressable(p.dout, varlen, p.batch)) {
+    if (why != nullptr) {
+      *why = Status::unsupported("cuda_sm90: dout needs 16-byte aligned data and strides that are multiples of 8 "
+                                 "elements (TMA)");
+    }
+    return false;
+  }
+  // dK / dV are stored as 4-byte column pairs straight from registers.
+  for (const TensorRef* t : {&p.dk, &p.dv}) {
+    if (reinterpret_cast<uintptr_t>(t->data) % 4 != 0 || t->row_stride % 2 != 0 || t->head_stride % 2 != 0 ||
+        (!varlen && t->batch_stride % 2 != 0)) {
+      if (why != nullptr) {
+        *why = Status::unsupported(std::string("cuda_sm90: ") + (t == &p.dk ? "dk" : "dv") +
+                                   " needs 4-byte aligned data and even strides (column-pair stores)");
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
+size_t sm90_backward_workspace(const BackwardParams& p) {
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
+  if (bucket == 0) return 0;
+  return sm80::BackwardWorkspaceLayout::make(p, bucket).total_bytes;
+}
+
+Status sm90_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
+  return run_compiled<BackwardEntry>(p, workspace, workspace_bytes, "sm90 backward");
+}
+
+}  // namespace flashcore::cuda
