@@ -17,15 +17,20 @@
 // ---- Small-grid path (SmallGridForwardTraits, chosen per call in forward_run) ------------------
 // With few heads and short sequences the default grid (128-row blocks) leaves most SMs idle and
 // each CTA walks all keys serially, one warp per scheduler: latency-bound (B=1 H=8 S=512 d64: 32
-// CTAs on 132 SMs, 13.2 us vs SDPA FA2 10.1 / cuDNN 9.2). When the default grid has fewer CTAs
-// than the device has SMs, a second configuration runs instead: 32-row blocks (4x the CTAs) and
-// kKeyGroups = 4 warp groups per CTA that split the block's key tiles into contiguous even shares
-// (split-KV inside the CTA). Each group has its own smem region {Q, K stages, V stages} and its
+// CTAs on 132 SMs, 13.2 us vs SDPA FA2 10.1 / cuDNN 9.2). When a grid of 32-row blocks (4x the CTAs
+// of the default one, one CTA per SM) fits in at most two waves, a second configuration runs
+// instead: those 32-row blocks and kKeyGroups = 4 warp groups per CTA that split the block's
+// key tiles into contiguous shares differing by at most one tile, the larger ones to the lowest
+// groups (split-KV inside the CTA). Each group has its own smem region {Q, K stages, V stages} and its
 // own named barrier, so it runs exactly the loop below on its share; afterwards the groups' O,
 // reference max and partial sums meet in smem and group 0 merges them in group order (exact,
 // deterministic; merge_key_groups) and runs the epilogue. Compared with a split-KV over CTAs this
 // needs no workspace, no second (combine) kernel launch and no fp32 round trip through L2. Only
 // d64 and d128 compile it; devices whose opt-in smem cannot hold it (sm_86/89) keep the default.
+// H100, CUDA-graph replay, small-grid vs default configuration: one wave, the seed shape B=1 H=8
+// S=512 d64 fp16, 7.0 vs 13.5 us; two waves (B=1, 64 default blocks) ahead in all ten shapes
+// measured, from d64 S=512 H=16 12.3 vs 13.3 to d128 S=4096 H=2 74.5 vs 127.2; three and four
+// waves behind in all nine (d64 S=512 H=24 17.8 vs 13.5, d128 S=1024 H=16 49.4 vs 35.9).
 //
 // ---- Fragment layouts (mma.sync.m16n8k16, see cuda/ptx/mma.cuh) ----------------------------------
 // lane = 4 * group + quad. A C fragment of a 16x8 tile holds (row group, cols 2quad, 2quad+1) in
@@ -436,7 +441,21 @@ __device__ __forceinline__ void key_group_sync(int key_group) {
  *  after the group barrier). Group 0 rescales every state to the largest reference max, in group
  *  order (deterministic). A state with max -inf (no allowed key) gets weight exp2(-inf) = 0; when
  *  all are -inf the subtrahend is 0 (no -inf - -inf = NaN), leaving O = 0, sum 0, max -inf, which
- *  the epilogue turns into out = 0, lse = -inf. */
+ *  the epilogue turns into out = 0, lse = -inf.
+ *
+ *  The stores of groups >= 1 and group 0's loads are ordered by the __syncthreads between them:
+ *  every one of the kThreads threads reaches that single bar.sync 0 (no thread has returned, the
+ *  barrier is outside any group-dependent branch), each after its own stores, and every load comes
+ *  after it. Each group's region is written only by that group (its cp.async copies were waited for
+ *  before the group barrier above), so nothing else touches the scratch. Still, compute-sanitizer
+ *  racecheck (2025.3, H100) reported RAW hazards between these stores and group 0's loads, and
+ *  only in CTAs where group 0's key share was empty while a writer's was not (the 1-3 tile blocks
+ *  of 77 x 131 keys at d64, or of causal S=256, when the shares were floor(tiles * g / 4) splits
+ *  that left the remainder to the highest groups). The hazards vanish when group 0 takes a share
+ *  whenever any group does (the larger shares go to the lowest groups, see forward_kernel) and
+ *  also when every group passes the same number of pipeline barriers; racecheck's tracking of the
+ *  per-group named barriers evidently does not order a group that ran no loop. The shares now go
+ *  largest-first, which costs nothing and keeps the checker usable on this path. */
 template <class Traits>
 __device__ __forceinline__ void merge_key_groups(
     float (&o)[Traits::kMTiles][Traits::kNTilesO][4], float (&row_max)[Traits::kMTiles][2],
@@ -559,15 +578,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int lane = thread % kWarpSize;
   const int lane_group = lane / 4;  // accumulator row within a 16-row tile (and +8)
   const int lane_quad = lane % 4;   // accumulator column pair
-  // Key groups: group g takes its even share of the block's key tiles, in order.
+  // Key groups: group g takes a contiguous share of the block's key tiles, in order; the shares
+  // differ by at most one tile and the larger ones go to the lowest groups, so group 0 (which
+  // merges) never runs fewer loop iterations, hence pipeline barriers, than a group it reads from
+  // (see merge_key_groups for why that matters).
   const int key_group = Traits::kKeyGroups == 1 ? 0 : warp / Traits::kGroupWarps;
   const int group_warp = Traits::kKeyGroups == 1 ? warp : warp % Traits::kGroupWarps;
   const int group_thread = Traits::kKeyGroups == 1 ? thread : thread % Traits::kGroupThreads;
   const int warp_row0 = group_warp * kWarpRows;
   if constexpr (Traits::kKeyGroups > 1) {
     const int tiles = n_block_end - n_block_begin;
-    const int group_begin = n_block_begin + tiles * key_group / Traits::kKeyGroups;
-    n_block_end = n_block_begin + tiles * (key_group + 1) / Traits::kKeyGroups;
+    const int share = tiles / Traits::kKeyGroups;
+    const int larger_shares = tiles % Traits::kKeyGroups;  // groups 0 .. larger_shares-1 get +1
+    const int group_begin =
+        n_block_begin + key_group * share + (key_group < larger_shares ? key_group : larger_shares);
+    n_block_end = group_begin + share + (key_group < larger_shares ? 1 : 0);
     n_block_begin = group_begin;
   }
 
@@ -830,33 +855,33 @@ Status launch_forward(const forward_params_t& p,
   return Status::ok();
 }
 
-/** True when the default grid has fewer CTAs than the device has SMs (most of a GPU idle: short
- *  sequences, few heads) and the small-grid kernel's shared memory fits the device (it does not
- *  on the ~100 KiB parts such as sm_86 / sm_89, which keep the default path). */
-template <class DefaultTraits, class SmallTraits>
+/** True when the small-grid kernel's grid fits in at most two waves (it runs one CTA per SM), i.e.
+ *  when the default grid leaves at least half of the GPU idle (short sequences, few heads; the
+ *  measurements are in the top comment), and its shared memory fits the device (it does not on
+ *  the ~100 KiB parts such as sm_86 / sm_89, which keep the default path). src/api/dispatch.cpp
+ *  sends the one-wave part of this range to this backend on Hopper too: keep the two in step. */
+template <class SmallTraits>
 bool prefer_small_grid(const forward_params_t& p) {
-  const int64_t default_blocks =
-      ceil_div<int64_t>(p.seqlen_q, DefaultTraits::kBlockM) * p.heads_q * p.batch;
+  constexpr int64_t kMaxWaves = 2;
+  const int64_t small_grid_blocks =
+      ceil_div<int64_t>(p.seqlen_q, SmallTraits::kBlockM) * p.heads_q * p.batch;
   const DeviceLimits limits = device_limits(p.device_id);
-  return default_blocks < limits.sm_count && SmallTraits::kSmemBytes <= limits.max_smem_per_block;
+  return small_grid_blocks <= kMaxWaves * limits.sm_count &&
+         SmallTraits::kSmemBytes <= limits.max_smem_per_block;
 }
 
 /** Entry point instantiated once per (dtype, head-dim bucket) by the generated units: the default
  *  configuration, or the small-grid one where it is compiled and the grid would be small. Both give
  *  the same results up to fp32 rounding and are deterministic. The forward needs no workspace. */
-// Switch for the small-grid path. On the H100 it passes every CudaForward test (SmallGrids
-// included, bit-identical over 50 repeats) and serves the seed shape in 7.0 us (the default path
-// 13.2, cuDNN 9.2), but compute-sanitizer racecheck reports shared-memory hazards between the
-// stats stores (merge_key_groups, group g >= 1) and group 0's reads after the __syncthreads that
-// separates them. Until that report is understood the path stays off.
-inline constexpr bool kSmallGridPathEnabled = false;
+// Switch for the small-grid path (kept for A/B measurements against the default configuration).
+inline constexpr bool kSmallGridPathEnabled = true;
 
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
   using DefaultTraits = typename DefaultForwardTraits<Element, kHeadDim>::type;
   using SmallTraits = typename SmallGridForwardTraits<Element, kHeadDim>::type;
   if constexpr (kSmallGridPathEnabled && !std::is_void_v<SmallTraits>) {
-    if (prefer_small_grid<DefaultTraits, SmallTraits>(p)) return launch_forward<SmallTraits>(p);
+    if (prefer_small_grid<SmallTraits>(p)) return launch_forward<SmallTraits>(p);
   }
   return launch_forward<DefaultTraits>(p);
 }
