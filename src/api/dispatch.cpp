@@ -6,6 +6,9 @@
 #include <type_traits>
 
 #include "api/backends.hpp"
+#if defined(FLASHCORE_HAS_SM90)
+#include "cuda/build_config.hpp"
+#endif
 
 namespace flashcore {
 namespace {
@@ -20,6 +23,29 @@ constexpr bool kSm90Built = false;
 #endif
 
 bool is_cuda_backend(fc_backend b) { return b == FC_BACKEND_CUDA_SM80 || b == FC_BACKEND_CUDA_SM90; }
+
+/** AUTO's one exception to "a Hopper forward runs on cuda_sm90": a forward so small that the sm80
+ *  backend's small-grid configuration (32-row query blocks, each block's keys split over 4 warp
+ *  groups of one CTA; d64 / d128 buckets; its smem fits every CC 9.0 part) runs in one wave of
+ *  CTAs. prefer_small_grid in src/cuda/sm80/forward.cuh takes that configuration up to two waves,
+ *  so every call this rule sends there runs it. The sm90 kernel's 128-row tiles leave most SMs
+ *  idle on such grids. H100, CUDA-graph replay, B=1 S=512, sm80 vs sm90: d64 fp16 H=8 (the seed
+ *  shape) 7.0 vs 10.3 us, H=4 6.7 vs 10.0, causal H=8 6.7 vs 10.9; d128 bf16 H=8 9.6 vs 11.5. At
+ *  two waves sm90 leads at d128 (H=16: 11.9 vs 17.9 us, and in all five shapes measured) and at
+ *  d64 S=512 (H=16: 10.3 vs 12.3), sm80 only at d64 with long keys (S=4096 H=2: 42.0 vs 53.7), so
+ *  the rule stops at one wave. */
+bool sm80_small_grid_preferred(const AttentionParams& p) {
+#if defined(FLASHCORE_HAS_SM90)
+  constexpr int64_t kSmallGridBlockM = 32;  // SmallGridForwardTraits' query rows per CTA
+  const int bucket = cuda::compiled_head_dim_bucket(p.head_dim);
+  if (bucket != 64 && bucket != 128) return false;
+  const int64_t blocks = (p.seqlen_q + kSmallGridBlockM - 1) / kSmallGridBlockM * p.heads_q * p.batch;
+  return blocks <= cuda::multiprocessor_count(p.device_id, 0) && cuda::sm80_supports(p, nullptr);
+#else
+  (void)p;
+  return false;
+#endif
+}
 
 Status check_workspace(size_t needed, void* workspace, size_t workspace_bytes) {
   if (needed == 0) return Status::ok();
@@ -88,7 +114,8 @@ Status choose_backend_for(const Params& p, fc_backend requested, fc_backend* cho
   if (b == FC_BACKEND_AUTO) {
     if (p.device_type != FC_DEVICE_CUDA) {
       b = FC_BACKEND_CPU_FLASH;
-    } else if (backend_available(FC_BACKEND_CUDA_SM90, p.device_id) && sm90_serves(p).is_ok()) {
+    } else if (backend_available(FC_BACKEND_CUDA_SM90, p.device_id) && sm90_serves(p).is_ok() &&
+               !(std::is_same_v<Params, AttentionParams> && sm80_small_grid_preferred(p))) {
       b = FC_BACKEND_CUDA_SM90;  // Hopper kernels; anything they cannot serve goes to sm80
     } else {
       b = FC_BACKEND_CUDA_SM80;
