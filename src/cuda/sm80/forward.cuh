@@ -21,8 +21,8 @@
 // of the default one, one CTA per SM) fits in at most two waves, a second configuration runs
 // instead: those 32-row blocks and kKeyGroups = 4 warp groups per CTA that split the block's
 // key tiles into contiguous shares differing by at most one tile, the larger ones to the lowest
-// groups (split-KV inside the CTA). Each group has its own smem region {Q, K stages, V stages} and its
-// own named barrier, so it runs exactly the loop below on its share; afterwards the groups' O,
+// groups (split-KV inside the CTA). Each group has its own smem region {Q, K stages, V stages} and
+// its own named barrier, so it runs exactly the loop below on its share; afterwards the groups' O,
 // reference max and partial sums meet in smem and group 0 merges them in group order (exact,
 // deterministic; merge_key_groups) and runs the epilogue. Compared with a split-KV over CTAs this
 // needs no workspace, no second (combine) kernel launch and no fp32 round trip through L2. Only
