@@ -34,12 +34,12 @@
 //
 // ---- Pipeline -------------------------------------------------------------------------------------
 //  kv_full:             K and V (TMA, one phase, armed once).
-//  q_full[s]/q_empty[s]: Q and dO (TMA, one producer thread) of query step i in stage
-//                       s = i % kStages; every consumer warp arrives on q_empty once the wgmmas
-//                       that read the stage have completed.
-//  named barriers 2, 3: consumer 0's / 1's own barrier: its copy of the step's row statistics
-//                       (lse_log2, D), loaded a step ahead into registers by its threads
-//                       (StatsPrefetch) and stored at the top of the step, is visible.
+//  q_full[s]/q_empty[s]: Q, dO and the rows' lse_log2 and D (TMA, one producer thread; the
+//                       statistics through 1-row fp32 maps of the workspace) of query step i in
+//                       stage s = i % kStages; every consumer warp arrives on q_empty once the
+//                       wgmmas that read the stage have completed. (Ordinary stores of the
+//                       statistics by the producer, published by the mbarrier arrive, are just as
+//                       correct, but compute-sanitizer's racecheck does not follow that ordering.)
 //  named barrier 1:     the 256 consumer threads, after both halves of dS^T are stored (and
 //                       fenced to the async proxy) and before either reads them in the dQ wgmma.
 //                       dS is double-buffered by step parity: a consumer can only write step
@@ -55,9 +55,9 @@
 //
 // ---- Masks and bounds -----------------------------------------------------------------------------
 // Elements are masked (P = dS = 0, by select) only in tiles that are not fully visible: outside
-// MaskInfo::keys_for_row, keys past seqlen_k, queries past seqlen_q. Rows past seqlen_q also get
-// lse = +inf and D = 0 from the producer, so even their unmasked P is exactly 0, and their dQ is
-// never added. Varlen rows past a sequence's end are the next sequence's rows in TMA's view (as
+// MaskInfo::keys_for_row, keys past seqlen_k, queries past seqlen_q (whose statistics are the
+// next rows' values, or zeros past the workspace: selecting 0 keeps any inf they produce out),
+// and their dQ is never added. Every tile holding such a row is a masked one. Varlen rows past a sequence's end are the next sequence's rows in TMA's view (as
 // in the forward); the end of a tensor reads as zeros.
 #pragma once
 
@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "api/params.hpp"
 #include "api/status.hpp"
@@ -120,7 +121,13 @@ struct BackwardTraits {
   static constexpr uint32_t kQChunkBytes = kBlockM * kSwizzleBytes;
   static constexpr uint32_t kKvChunkBytes = kBlockN * kSwizzleBytes;
   static constexpr uint32_t kDsBytes = kBlockM * kBlockN * 2;
-  static constexpr uint32_t kStatBytes = kBlockM * sizeof(float);
+  // A statistics box starts on a 16-byte boundary of the workspace (TMA faults on a row start that
+  // is not: an illegal instruction), so it is kStatAlign values longer and the step's rows start
+  // (index % kStatAlign) values into it.
+  static constexpr int kStatAlign = 4;
+  static constexpr int kStatBox = kBlockM + kStatAlign;
+  static constexpr uint32_t kStatBoxBytes = kStatBox * sizeof(float);
+  static constexpr uint32_t kStatBytes = (kStatBoxBytes + 127) / 128 * 128;  // buffers 128-aligned
 
   static constexpr uint32_t kAlign = 1024;
   static constexpr uint32_t kKOffset = 0;
@@ -128,10 +135,9 @@ struct BackwardTraits {
   static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
   static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
-  // Row statistics: per consumer, two step-parity buffers of (lse_log2, D) for kBlockM rows.
-  static constexpr uint32_t kStatsOffset = kDsOffset + 2 * kDsBytes;
-  static constexpr uint32_t kStatsBytesPerConsumer = 2 * 2 * kStatBytes;
-  static constexpr uint32_t kBarrierOffset = kStatsOffset + kConsumers * kStatsBytesPerConsumer;
+  static constexpr uint32_t kLseOffset = kDsOffset + 2 * kDsBytes;  // per stage: kBlockM rows
+  static constexpr uint32_t kDsumOffset = kLseOffset + kStages * kStatBytes;
+  static constexpr uint32_t kBarrierOffset = kDsumOffset + kStages * kStatBytes;
   static constexpr int kBarriers = 1 + 2 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
@@ -157,6 +163,7 @@ struct DefaultBackwardTraits<Element, 128> {
 
 struct BackwardKernelArgs {
   CUtensorMap map_q, map_k, map_v, map_do;  // first: 64-byte aligned members
+  CUtensorMap map_lse, map_dsum;            // the workspace statistics, one row of heads * total_q
   BackwardParams params;
   sm80::bwd::BackwardWorkspacePtrs ws;
   int num_key_blocks;
@@ -173,10 +180,8 @@ struct BackwardSmem {
   __device__ uint8_t* q_ptr(int s) const { return base + T::kQOffset + s * T::kQBytes; }
   __device__ uint8_t* do_ptr(int s) const { return base + T::kDoOffset + s * T::kQBytes; }
   __device__ uint8_t* ds_ptr(int b) const { return base + T::kDsOffset + b * T::kDsBytes; }
-  /** Consumer c's statistics buffer b: lse_log2 at [0, kBlockM), D at [kBlockM, 2 kBlockM). */
-  __device__ float* stats(int c, int b) const {
-    return reinterpret_cast<float*>(base + T::kStatsOffset + c * T::kStatsBytesPerConsumer + b * 2 * T::kStatBytes);
-  }
+  __device__ float* lse(int s) const { return reinterpret_cast<float*>(base + T::kLseOffset + s * T::kStatBytes); }
+  __device__ float* dsum(int s) const { return reinterpret_cast<float*>(base + T::kDsumOffset + s * T::kStatBytes); }
   __device__ uint32_t k_addr() const { return addr + T::kKOffset; }
   __device__ uint32_t v_addr() const { return addr + T::kVOffset; }
   __device__ uint32_t q_addr(int s) const { return addr + T::kQOffset + s * T::kQBytes; }
@@ -201,6 +206,11 @@ struct KeyBlockWork {
 
   __device__ int head_of(int step) const { return kv_head * group + step / blocks_per_head; }
   __device__ int m0_of(int step, int block_m) const { return (m_block_begin + step % blocks_per_head) * block_m; }
+  /** Index of the step's first row in the workspace statistics (heads_q x total_q values; below
+   *  2^31 - 128 by backward_api.cu). */
+  __device__ int32_t stat_index(const BackwardParams& p, int step, int block_m) const {
+    return static_cast<int32_t>(int64_t(head_of(step)) * p.total_q + q_row0 + m0_of(step, block_m));
+  }
   __device__ MaskInfo mask(const BackwardParams& p) const {
     return {seqlen_q, seqlen_k, p.window_left, p.window_right};
   }
@@ -233,7 +243,7 @@ __device__ KeyBlockWork resolve_key_block(const BackwardParams& p, int num_key_b
   return w;
 }
 
-/** The producer thread: K and V once, then Q and dO of every query step. */
+/** The producer thread: K and V once, then Q, dO and the row statistics of every query step. */
 template <class T>
 __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w) {
   const BackwardParams& p = args.params;
@@ -243,6 +253,8 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   if (w.steps == 0) return;  // no query sees these keys: dK = dV = 0, nothing to load
   ptx::tma_prefetch_tensor_map(&args.map_q);
   ptx::tma_prefetch_tensor_map(&args.map_do);
+  ptx::tma_prefetch_tensor_map(&args.map_lse);
+  ptx::tma_prefetch_tensor_map(&args.map_dsum);
   const int32_t k_row = w.k_start + w.n0;
   ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
 #pragma unroll
@@ -257,7 +269,13 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::mbarrier_wait_parity(sm.q_empty(stage), parity ^ 1);
     const int32_t q_row = w.q_start + w.m0_of(step, T::kBlockM);
     const int32_t hq = w.head_of(step);
-    ptx::mbarrier_arrive_expect_tx(sm.q_full(stage), 2 * T::kQBytes);
+    // Statistics of rows h * total_q + q_row0 + m0 + [0, kBlockM) (backward_api.cu keeps the index
+    // below 2^31 - 128).
+    const int32_t stat_row = w.stat_index(p, step, T::kBlockM);
+    const int32_t stat_box0 = stat_row - stat_row % T::kStatAlign;
+    ptx::mbarrier_arrive_expect_tx(sm.q_full(stage), 2 * T::kQBytes + 2 * T::kStatBoxBytes);
+    ptx::tma_load_2d(sm.lse(stage), &args.map_lse, sm.q_full(stage), stat_box0, 0);
+    ptx::tma_load_2d(sm.dsum(stage), &args.map_dsum, sm.q_full(stage), stat_box0, 0);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
       ptx::tma_load_4d(sm.q_ptr(stage) + c * T::kQChunkBytes, &args.map_q, sm.q_full(stage), c * T::kChunkCols,
@@ -267,30 +285,6 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     }
   }
 }
-
-/** The row statistics (lse_log2, D) of one query step, one row per consumer thread below kBlockM:
- *  loaded into registers a step ahead, stored to the consumer's own step-parity buffer at the
- *  start of the step and published by a warpgroup barrier. Rows past seqlen_q get lse = +inf and
- *  D = 0, so their P and dS are exactly 0. (Loading them in the consumers keeps every shared
- *  buffer written by one proxy and ordered by barriers compute-sanitizer understands.) */
-template <class T>
-struct StatsPrefetch {
-  float lse_log2 = INFINITY, dsum = 0.f;
-
-  __device__ void load(const BackwardKernelArgs& args, const KeyBlockWork& w, int step, int t) {
-    if (t >= T::kBlockM) return;
-    const int m0 = w.m0_of(step, T::kBlockM);
-    const bool valid = m0 + t < w.seqlen_q;
-    const int64_t idx = int64_t(w.head_of(step)) * args.params.total_q + w.q_row0 + m0 + t;
-    lse_log2 = valid ? args.ws.lse_log2[idx] : INFINITY;
-    dsum = valid ? args.ws.dsum[idx] : 0.f;
-  }
-  __device__ void store(float* buffer, int t) const {
-    if (t >= T::kBlockM) return;
-    buffer[t] = lse_log2;
-    buffer[T::kBlockM + t] = dsum;
-  }
-};
 
 /** S^T (or dP^T) = A_c B^T over the head dim, A = K or V rows of this consumer, B = Q or dO. */
 template <class T>
@@ -384,8 +378,8 @@ __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 
 #pragma unroll
   for (int j = 0; j < T::kBlockM / 8; ++j) {
     const int col = 8 * j + 2 * quad;
-    const float2 l = *reinterpret_cast<const float2*>(lse + col);
-    const float2 d = *reinterpret_cast<const float2*>(dsum + col);
+    const float2 l = make_float2(lse[col], lse[col + 1]);  // scalar loads: lse is only 4-byte aligned
+    const float2 d = make_float2(dsum[col], dsum[col + 1]);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = 4 * j + r;
@@ -466,22 +460,11 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 #pragma unroll
   for (int i = 0; i < T::kHeadDim / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  StatsPrefetch<T> stats;
-  if (w.steps > 0) {
-    stats.load(args, w, 0, t);
-    ptx::mbarrier_wait_parity(sm.kv_full(), 0);
-  }
+  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), 0);
   for (int step = 0; step < w.steps; ++step) {
     const int stage = step % T::kStages;
     const int ds_buf = step & 1;
     const int m0 = w.m0_of(step, T::kBlockM);
-    // This step's statistics into buffer step & 1 (last read two steps ago: this warpgroup's
-    // barrier of the previous step ordered those reads before these writes), then the next
-    // step's loads, in flight during this one.
-    float* stat_buf = sm.stats(consumer, step & 1);
-    stats.store(stat_buf, t);
-    ptx::named_barrier_sync(2 + consumer, T::kWarpgroupThreads);
-    if (step + 1 < w.steps) stats.load(args, w, step + 1, t);
     ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(step / T::kStages) & 1);
 
     float s[T::kBlockM / 2], dp[T::kBlockM / 2];
@@ -493,8 +476,9 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::wgmma_fence_operands(s);
     ptx::wgmma_fence_operands(dp);
 
-    const float* lse = stat_buf;
-    const float* dsum = stat_buf + T::kBlockM;
+    const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
+    const float* lse = sm.lse(stage) + stat_shift;
+    const float* dsum = sm.dsum(stage) + stat_shift;
     const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, wg_key0, wg_key0 + T::kKeysPerConsumer);
     const TileMask mask = TileMask::make(w.mask(p));
     if (softcap) {
@@ -632,8 +616,32 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
                                   {"dout", &p.dout, q_rows, p.heads_q, T::kBlockM, &args.map_do},
                                   {"k", &p.k, k_rows, p.heads_kv, T::kBlockN, &args.map_k},
                                   {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
-  const Status s = encode_attention_maps(jobs, 4, element, p.batch, p.head_dim, varlen, "cuda_sm90 backward");
+  Status s = encode_attention_maps(jobs, 4, element, p.batch, p.head_dim, varlen, "cuda_sm90 backward");
   if (!s.is_ok()) return s;
+  // lse_log2 and D as one fp32 row each (heads_q * total_q values): a box is kBlockM consecutive
+  // rows' values. Past the array's end TMA reads zeros; rows past seqlen_q are masked anyway.
+  const uint64_t stat_count = static_cast<uint64_t>(p.heads_q) * static_cast<uint64_t>(p.total_q);
+  if (stat_count > 0) {
+    for (auto [values, map] : {std::pair<const float*, CUtensorMap*>{ws.lse_log2, &args.map_lse},
+                               std::pair<const float*, CUtensorMap*>{ws.dsum, &args.map_dsum}}) {
+      TiledViewNd v;
+      v.base = values;
+      v.element = TmaElement::kFp32;
+      v.rank = 2;  // the encoder's smallest rank; the outer dimension has extent 1
+      v.dims[0] = stat_count;
+      v.dims[1] = 1;
+      v.strides[0] = 1;
+      // Never stepped, but TMA still wants a legal stride: a multiple of 16 bytes no smaller than
+      // the row (a shorter one made the copy fault with an illegal instruction).
+      v.strides[1] = (stat_count + 3) / 4 * 4;
+      v.box[0] = T::kStatBox;
+      v.box[1] = 1;
+      v.swizzle = TmaSwizzle::kNone;
+      if (!(s = encode_tensor_map_nd(v, map)).is_ok()) {
+        return Status{s.code, std::string("workspace: cuda_sm90 backward: ") + s.message};
+      }
+    }
+  }
   auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) {

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -51,6 +52,14 @@ bool sm90_backward_supports(const BackwardParams& p, Status* why) {
       *why = Status::unsupported("cuda_sm90: the backward serves head dims up to 128 (head_dim " +
                                  std::to_string(p.head_dim) + " runs on cuda_sm80)");
     }
+    return false;
+  }
+  // The kernel indexes rows, query steps (query blocks x GQA group) and the statistics
+  // (heads_q x total_q, a TMA coordinate) in 32 bits.
+  constexpr int64_t kMaxBlockM = 128;
+  const int64_t steps = (p.seqlen_q / 64 + 1) * (p.heads_kv > 0 ? p.heads_q / p.heads_kv : 0);
+  if (p.heads_q * p.total_q > INT_MAX - kMaxBlockM || steps > INT_MAX) {
+    if (why != nullptr) *why = Status::unsupported("cuda_sm90: the backward indexes heads_q * total_q rows in 32 bits");
     return false;
   }
   // A workspace query validates q/k/v only (dout, dk, dv are not given): the rules below apply

@@ -78,7 +78,7 @@ Status validate(const TiledView2d& v) {
   if (v.row_stride < v.cols)
     return Status::invalid(where + "row_stride (" + std::to_string(v.row_stride) +
                            ") is smaller than cols (" + std::to_string(v.cols) + ")");
-  const uint64_t stride_bytes = v.row_stride * L::kElemBytes;
+  const uint64_t stride_bytes = v.row_stride * tma_element_bytes(v.element);
   if (stride_bytes % L::kAlignBytes != 0 || stride_bytes >= L::kMaxStrideBytes)
     return Status::invalid(where + "row stride must be a multiple of 16 bytes below 2^40, got " +
                            std::to_string(stride_bytes) + " bytes");
@@ -86,7 +86,7 @@ Status validate(const TiledView2d& v) {
       v.box_cols > L::kMaxBoxSide)
     return Status::invalid(where + "box sides must be in [1, 256], got " +
                            std::to_string(v.box_rows) + " x " + std::to_string(v.box_cols));
-  const uint32_t box_row_bytes = v.box_cols * L::kElemBytes;
+  const uint32_t box_row_bytes = v.box_cols * tma_element_bytes(v.element);
   if (box_row_bytes % L::kAlignBytes != 0)
     return Status::invalid(where + "box row must be a multiple of 16 bytes, got " +
                            std::to_string(box_row_bytes));
@@ -155,14 +155,14 @@ Status encode_tensor_map_nd(const TiledViewNd& view, CUtensorMap* map) {
     box_dim[d] = view.box[d];
     element_stride[d] = 1;  // dense box, no sub-sampling
     if (d > 0) {
-      const uint64_t bytes = view.strides[d] * L::kElemBytes;
+      const uint64_t bytes = view.strides[d] * tma_element_bytes(view.element);
       if (bytes == 0 || bytes % L::kAlignBytes != 0 || bytes >= L::kMaxStrideBytes)
         return Status::invalid(where + dim + " stride must be a nonzero multiple of 16 bytes below "
                                "2^40, got " + std::to_string(bytes) + " bytes");
       global_stride[d - 1] = bytes;
     }
   }
-  const uint32_t box_row_bytes = view.box[0] * L::kElemBytes;
+  const uint32_t box_row_bytes = view.box[0] * tma_element_bytes(view.element);
   if (box_row_bytes % L::kAlignBytes != 0)
     return Status::invalid(where + "box row must be a multiple of 16 bytes, got " +
                            std::to_string(box_row_bytes));
@@ -172,9 +172,9 @@ Status encode_tensor_map_nd(const TiledViewNd& view, CUtensorMap* map) {
                            " bytes exceeds the " + std::to_string(span) + "-byte swizzle span");
   const EntryPoint& entry = encode_tiled_entry_point();
   if (entry.fn == nullptr) return Status::cuda(where + entry.error);
-  const CUtensorMapDataType type = view.element == TmaElement::kBf16
-                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType type = view.element == TmaElement::kBf16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : view.element == TmaElement::kFp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult rc = entry.fn(map, type, static_cast<cuuint32_t>(view.rank),
                                const_cast<void*>(view.base), global_dim, global_stride, box_dim,
                                element_stride, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -23,13 +23,17 @@
 
 namespace flashcore::cuda::sm90 {
 
-enum class TmaElement { kFp16, kBf16 };
+/** Element type of a mapped tensor: the attention tensors' 16-bit types, or fp32 (the backward's
+ *  per-row statistics). */
+enum class TmaElement { kFp16, kBf16, kFp32 };
+
+/** Bytes of one element. */
+inline uint32_t tma_element_bytes(TmaElement e) { return e == TmaElement::kFp32 ? 4u : 2u; }
 
 /** Shared-memory swizzle the copy applies; must match the wgmma descriptor's SmemSwizzle. */
 enum class TmaSwizzle { kNone, k32B, k64B, k128B };
 
 struct TensorMapLimits {
-  static constexpr uint32_t kElemBytes = 2;
   static constexpr uint32_t kMaxBoxSide = 256;
   static constexpr uint32_t kAlignBytes = 16;  // base address, strides, box row
   static constexpr uint64_t kMaxStrideBytes = uint64_t(1) << 40;
@@ -53,7 +57,7 @@ uint32_t tma_swizzle_span_bytes(TmaSwizzle swizzle);
 
 /** Bytes one copy of the view's box moves (what mbarrier_arrive_expect_tx must announce). */
 inline uint32_t box_bytes(const TiledView2d& view) {
-  return view.box_rows * view.box_cols * TensorMapLimits::kElemBytes;
+  return view.box_rows * view.box_cols * tma_element_bytes(view.element);
 }
 
 /** A row-major view of rank 2..5 (dims[0] innermost and contiguous) and its box: the attention
