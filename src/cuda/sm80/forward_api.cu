@@ -33,8 +33,8 @@ constexpr int64_t kHeadDimAlignment = 8;   // one 16-byte chunk of fp16/bf16
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int kMinComputeCapability = 80;  // mma.sync bf16, cp.async, ldmatrix
 // Must not exceed the smallest kBlockM of DefaultForwardTraits (grid size bound below). The
-// small-grid configuration's 32-row blocks only run when the default grid is below the SM count,
-// so its grid (at most 4x that) stays far from the limit.
+// small-grid configuration's 32-row blocks only run when their grid fits two waves of CTAs,
+// so it stays far from the limit.
 constexpr int64_t kSmallestBlockM = 128;
 
 bool dtype_compiled(DType dtype) {
