@@ -3,8 +3,11 @@
 // strides can be described that way at all. Host-only; shared by the forward and the backward.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "api/status.hpp"
@@ -14,6 +17,12 @@ namespace flashcore::cuda::sm90 {
 
 constexpr int64_t kTmaAlignElems = 8;  // TMA: base and outer strides multiples of 16 bytes
 constexpr uint32_t kTmaChunkCols = 64;  // one box spans 64 columns: the 128-byte swizzle span
+
+/** The TMA element type of a kernel's 16-bit element type (__nv_bfloat16 or __half). */
+template <typename Element>
+constexpr TmaElement tma_element_of() {
+  return std::is_same_v<Element, __nv_bfloat16> ? TmaElement::kBf16 : TmaElement::kFp16;
+}
 
 /** validate_for_backend already demands 16-byte pointers and strides that are multiples of 8
  *  elements, but only for dimensions longer than 1. The 4-D tensor map encodes the head stride

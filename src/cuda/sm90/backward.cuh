@@ -607,8 +607,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   args.ws = ws;
   args.num_key_blocks = static_cast<int>(num_key_blocks);
   const bool varlen = p.is_varlen();
-  const TmaElement element =
-      std::is_same_v<typename T::Element, __nv_bfloat16> ? TmaElement::kBf16 : TmaElement::kFp16;
+  const TmaElement element = tma_element_of<typename T::Element>();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
   const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
   // No step reads an empty tensor (no query rows, or no key block).
@@ -618,8 +617,9 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
                                   {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
   Status s = encode_attention_maps(jobs, 4, element, p.batch, p.head_dim, varlen, "cuda_sm90 backward");
   if (!s.is_ok()) return s;
-  // lse_log2 and D as one fp32 row each (heads_q * total_q values): a box is kBlockM consecutive
-  // rows' values. Past the array's end TMA reads zeros; rows past seqlen_q are masked anyway.
+  // lse_log2 and D as one fp32 row each (heads_q * total_q values): a box is kStatBox values from
+  // a 16-byte boundary (kStatAlign). Past the array's end TMA reads zeros; rows past seqlen_q are
+  // masked anyway.
   const uint64_t stat_count = static_cast<uint64_t>(p.heads_q) * static_cast<uint64_t>(p.total_q);
   if (stat_count > 0) {
     for (auto [values, map] : {std::pair<const float*, CUtensorMap*>{ws.lse_log2, &args.map_lse},

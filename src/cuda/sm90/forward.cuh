@@ -646,8 +646,7 @@ Status launch_forward(const forward_params_t& p) {
   args.post_scale = scales.post_scale;
 
   const bool varlen = p.is_varlen();
-  const TmaElement element =
-      std::is_same_v<typename T::Element, __nv_bfloat16> ? TmaElement::kBf16 : TmaElement::kFp16;
+  const TmaElement element = tma_element_of<typename T::Element>();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
   const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
   // With no keys anywhere (k_rows == 0) the K/V maps stay zero: n_tiles is 0 in every CTA, no
