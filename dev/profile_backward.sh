@@ -1,15 +1,15 @@
 #!/bin/bash
-# Nsight Compute summary of one backward main kernel (flashcore's sm90 or sm80, or PyTorch's FA2 /
-# cuDNN) on the GPU machine: duration, pipe utilizations and the stall reasons (average warps
+# Nsight Compute summary of one backward main kernel (flashcore's sm90 or sm80, or PyTorch's FA2)
+# on the GPU machine: duration, pipe utilizations and the stall reasons (average warps
 # stalled per issued instruction). Needs the Python package on PYTHONPATH (gpu_check.sh puts it in
 # /tmp/fcpkg).
-# usage: dev/profile_backward.sh IMPL(flashcore|flashcore_sm80|sdpa_flash|sdpa_cudnn) HEAD_DIM SEQLEN CAUSAL(0|1) OUTFILE
+# usage: dev/profile_backward.sh IMPL(flashcore|flashcore_sm80|sdpa_flash) HEAD_DIM SEQLEN CAUSAL(0|1) OUTFILE
 IMPL=$1; D=$2; S=$3; C=$4; OUTFILE=$5
 case "$IMPL" in
   flashcore) NAME="regex:^backward_kernel" ;;
   flashcore_sm80) NAME="regex:backward_dkdv_kernel" ;;
   sdpa_flash) NAME="regex:flash_bwd" ;;
-  *) NAME="regex:.*" ;;
+  *) echo "unknown IMPL '$IMPL' (flashcore, flashcore_sm80 or sdpa_flash)"; exit 2 ;;
 esac
 METRICS="gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active"
 METRICS+=",sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
