@@ -40,6 +40,7 @@ ap.add_argument("--skip", default="", help="sections to leave out, comma-separat
 ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole script")
 ap.add_argument("--dtype", default="bf16", help="grid dtypes, comma-separated (bf16,fp16)")
 ap.add_argument("--cpu-only", action="store_true", help="only the CPU comparison (no GPU needed)")
+ap.add_argument("--hdims", default="64,128,256", help="training-grid head dims, comma-separated")
 ap.add_argument("--threads", default="2,16", help="CPU thread counts to compare, comma-separated")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
@@ -104,7 +105,7 @@ def ceilings():
 
 def grid_cells():
     cells = []
-    for d in (64, 128, 256):
+    for d in (int(x) for x in args.hdims.split(",") if x):
         for causal in (False, True):
             for s in (512, 1024, 2048, 4096, 8192, 16384):
                 cells.append((16384 // s, 2048 // d, s, d, causal))

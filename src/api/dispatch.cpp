@@ -98,7 +98,7 @@ bool backend_available(fc_backend backend, int device_id) {
 namespace {
 
 /** Whether the Hopper backend can serve the call, and if not why: the backward has rules of its
- *  own (head dims up to 128, dout / dk / dv addressing). */
+ *  own (32-bit row indexing, dout / dk / dv addressing). */
 Status sm90_serves(const AttentionParams& p) {
   Status why;
   return cuda::sm90_supports(p, &why) ? Status::ok() : why;

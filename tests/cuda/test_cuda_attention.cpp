@@ -49,17 +49,13 @@ void expect_forward(const std::vector<Case>& cases, fc_backend backend) {
   }
 }
 
-/** The CUDA backward backends, each running every backward test (sm90: the head dims it serves,
- *  up to 128; AUTO runs larger ones on sm80, and tests/python checks the forced refusal). */
+/** The CUDA backward backends, each running every backward test (both serve every head dim). */
 class CudaBackward : public ::testing::TestWithParam<fc_backend> {};
-
-constexpr int64_t kSm90BackwardMaxHeadDim = 128;
 
 void expect_backward(const std::vector<Case>& cases, fc_backend backend, bool deterministic = false) {
   CudaMemory mem;
   uint64_t seed = 500;
   for (Case c : cases) {
-    if (backend == FC_BACKEND_CUDA_SM90 && c.head_dim > kSm90BackwardMaxHeadDim) continue;
     c.deterministic = deterministic;
     const CheckResult r = check_backward(c, backend, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
@@ -162,7 +158,7 @@ BACKWARD_TEST(Deterministic, grid_varlen, true)
 TEST_P(CudaBackward, LongSequences) {
   REQUIRE_BACKEND(GetParam());
   std::vector<Case> cases;
-  for (int64_t d : {64, 128})
+  for (int64_t d : {64, 128, 256})
     for (bool causal : {false, true}) {
       Case c;
       c.batch = 2;
@@ -183,6 +179,9 @@ TEST_P(CudaBackward, LongSequences) {
   w.window_left = 100;
   w.window_right = 20;
   w.softcap = 30.f;
+  cases.push_back(w);
+  w.head_dim = 256;  // the role-split kernel's softcap path
+  w.heads_kv = 1;
   cases.push_back(w);
   expect_backward(cases, GetParam());
 }
@@ -245,6 +244,9 @@ TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
   EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM80, mem, 20, true, &why)) << why;
   if (fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) {
     EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM90, mem, 20, true, &why)) << "sm90: " << why;
+    c.head_dim = 256;  // the role-split kernel
+    c.dtype = FC_DTYPE_BF16;
+    EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM90, mem, 10, true, &why)) << "sm90 d256: " << why;
   }
 }
 
@@ -282,7 +284,7 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
     }
     r = check_backward(c, FC_BACKEND_CUDA_SM80, mem, seed++);
     EXPECT_TRUE(r.ok) << c.name() << "\n" << r.summary();
-    if (sm90 && c.head_dim <= kSm90BackwardMaxHeadDim) {
+    if (sm90) {
       r = check_backward(c, FC_BACKEND_CUDA_SM90, mem, seed++);
       EXPECT_TRUE(r.ok) << "sm90 " << c.name() << "\n" << r.summary();
     }

@@ -134,6 +134,16 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return bits;
 }
 
+/** The inverse of pack_pair: two 16-bit elements of one 32-bit word as floats (low first). */
+template <typename Element>
+__device__ __forceinline__ float2 unpack_pair(uint32_t bits) {
+  if constexpr (std::is_same_v<Element, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  }
+}
+
 template <typename Element>
 __device__ __forceinline__ float to_float(Element x) {
   if constexpr (std::is_same_v<Element, __half>) {

@@ -5,7 +5,8 @@
 // Stages, all on p.stream, no host synchronization (stages 1 and 3 are the sm80 backward's own
 // kernels, compiled here for sm_90a; only the main kernel differs):
 //   1. preprocess: D = rowsum(dO * O), lse * log2(e) into the workspace; zero the dQ accumulator.
-//   2. main (this file): one CTA per (key block of kBlockN = 128 keys, KV head, batch).
+//   2. main (this file): one CTA per (key block of kBlockN keys, KV head, batch); kBlockN = 128 at
+//      d64 / d128, 64 at d256.
 //   3. postprocess: dq = softmax_scale * dQ_accum in the element type; in deterministic mode the
 //      main kernel adds nothing to dQ and the sm80 dq kernel recomputes it in a fixed order.
 //
@@ -14,11 +15,11 @@
 // cuda/sm90/attention_views.hpp and tensor_map.hpp (host side of TMA).
 //
 // ---- Work of one CTA ------------------------------------------------------------------------------
-// K and V of its 128 keys are loaded once (TMA) and stay in shared memory. The CTA walks every query
+// K and V of its keys are loaded once (TMA) and stay in shared memory. The CTA walks every query
 // head of the KV head's GQA group and, per head, every query block of kBlockM rows that can see
 // one of its keys (QueryBlockRange); dK and dV stay in registers the whole time (no atomics, so
-// GQA needs no extra workspace). Consumer warpgroup c owns keys 64c .. 64c + 63 of the block and
-// computes, per query block, with the key dimension as the wgmma M:
+// GQA needs no extra workspace). At d64 / d128 consumer warpgroup c owns keys 64c .. 64c + 63 of
+// the block and computes, per query block, with the key dimension as the wgmma M:
 //   S^T  = K_c Q^T             wgmma SS: A = K (K-major), B = Q (K-major)          64 x kBlockM
 //   dP^T = V_c dO^T            wgmma SS: A = V, B = dO                              64 x kBlockM
 //   P^T  = exp2(S^T * scale * log2e - lse_log2[query]), dS^T = P^T (dP^T - D[query])   registers
@@ -31,6 +32,9 @@
 // to the RS A fragment with no data movement (as P does in the forward), so only dS is ever
 // stored. The dQ tile (kBlockM x d = 2 x 64 x 64 by choice of kBlockM) splits into one 64 x 64
 // piece per consumer: by rows at d = 64 (kBlockM = 128), by columns at d = 128 (kBlockM = 64).
+// At d256 the two consumers share 64 keys by roles instead (consume_split_roles): consumer 0
+// computes S^T and P^T, consumer 1 dP^T and dS^T, and each adds 128 head-dim columns of dV, dK
+// and dQ; P^T goes through shared memory too (named barriers 2 and 3 there).
 //
 // ---- Pipeline -------------------------------------------------------------------------------------
 //  kv_full:             K and V (TMA, one phase, armed once).
@@ -40,7 +44,7 @@
 //                       wgmmas that read the stage have completed. (Ordinary stores of the
 //                       statistics by the producer, published by the mbarrier arrive, are just as
 //                       correct, but compute-sanitizer's racecheck does not follow that ordering.)
-//  named barrier 1:     the 256 consumer threads, after both halves of dS^T are stored (and
+//  named barrier 1:     (d64 / d128) the 256 consumer threads, after both halves of dS^T are stored (and
 //                       fenced to the async proxy) and before either reads them in the dQ wgmma.
 //                       dS is double-buffered by step parity: a consumer can only write step
 //                       i + 2's dS after passing step i + 1's barrier, which the other consumer
@@ -86,15 +90,25 @@ namespace flashcore::cuda::sm90 {
 
 using backward_params_t = BackwardParams;
 
-/** Tile sizes, roles and the shared-memory plan of one backward instantiation. */
+/** Tile sizes, roles and the shared-memory plan of one backward instantiation.
+ *
+ *  Two ways to share a key block between the two consumer warpgroups:
+ *  - by keys (d64, d128): consumer c owns keys 64c .. 64c + 63 (kBlockN = 128) and every column of
+ *    their dK and dV; each computes its own S^T and dP^T.
+ *  - by roles (d256, kSplitRoles): dK and dV of 64 keys x 256 columns would take 256 registers per
+ *    thread, so both consumers share one block of 64 keys and own half of the head dim each:
+ *    consumer 0 computes S^T and P^T, consumer 1 dP^T and dS^T (from P^T, through shared
+ *    memory), and each adds its 128 columns of dV, dK and dQ. */
 template <typename Element_, int kHeadDim_, int kBlockM_, int kStages_ = 2>
 struct BackwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step (the N of S^T, the K of dV / dK)
   static constexpr int kConsumers = 2;
+  static constexpr bool kSplitRoles = kHeadDim == 256;
   static constexpr int kKeysPerConsumer = 64;  // one wgmma M
-  static constexpr int kBlockN = kConsumers * kKeysPerConsumer;
+  static constexpr int kBlockN = kSplitRoles ? kKeysPerConsumer : kConsumers * kKeysPerConsumer;
+  static constexpr int kColsPerConsumer = kSplitRoles ? kHeadDim / kConsumers : kHeadDim;  // of dK / dV
   static constexpr int kStages = kStages_;  // Q / dO buffers
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
@@ -108,10 +122,12 @@ struct BackwardTraits {
                     kThreads * kEntryRegisters,
                 "setmaxnreg split exceeds the registers the CTA is launched with");
 
-  // dQ (kBlockM x kHeadDim) in one 64 x 64 piece per consumer.
-  static constexpr int kDqPiece = 64;
-  static_assert(kBlockM * kHeadDim == kConsumers * kDqPiece * kDqPiece, "one dQ piece per consumer");
-  static constexpr bool kDqSplitRows = kBlockM > kDqPiece;  // else split by columns
+  // dQ (kBlockM x kHeadDim) in one 64-row piece per consumer: by rows at d = 64 (kBlockM = 128),
+  // by columns at d = 128 (64 each) and d = 256 (128 each).
+  static constexpr int kDqRows = 64;
+  static constexpr bool kDqSplitRows = kBlockM > kDqRows;
+  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumers;
+  static_assert(kBlockM * kHeadDim == kConsumers * kDqRows * kDqCols, "one dQ piece per consumer");
 
   static constexpr int kChunkCols = 64;  // 128-byte swizzle span of 16-bit elements
   static constexpr int kChunks = kHeadDim / kChunkCols;
@@ -121,6 +137,7 @@ struct BackwardTraits {
   static constexpr uint32_t kQChunkBytes = kBlockM * kSwizzleBytes;
   static constexpr uint32_t kKvChunkBytes = kBlockN * kSwizzleBytes;
   static constexpr uint32_t kDsBytes = kBlockM * kBlockN * 2;
+  static constexpr uint32_t kPBytes = kSplitRoles ? kDsBytes : 0;  // P^T for consumer 1's dV
   // A statistics box starts on a 16-byte boundary of the workspace (TMA faults on a row start that
   // is not: an illegal instruction), so it is kStatAlign values longer and the step's rows start
   // (index % kStatAlign) values into it.
@@ -134,22 +151,25 @@ struct BackwardTraits {
   static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
   static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
-  static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
-  static constexpr uint32_t kLseOffset = kDsOffset + 2 * kDsBytes;  // per stage: kBlockM rows
+  static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;  // dS, then P: by step parity
+  static constexpr uint32_t kPOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kLseOffset = kPOffset + 2 * kPBytes;  // per stage: kBlockM rows
   static constexpr uint32_t kDsumOffset = kLseOffset + kStages * kStatBytes;
   static constexpr uint32_t kBarrierOffset = kDsumOffset + kStages * kStatBytes;
   static constexpr int kBarriers = 1 + 2 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma N of dV / dK; d256 stays on sm80");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets");
+  static_assert(kColsPerConsumer <= 128, "dK and dV of a consumer: 64 x kColsPerConsumer floats each");
   static_assert(kBlockM == 64 || kBlockM == 128, "wgmma N of S^T");
   static_assert(kQBytes % kAlign == 0 && kKvBytes % kAlign == 0 && kDsBytes % kAlign == 0,
                 "tiles stay 1024-aligned");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
 
-/** Per-bucket configuration: 160 KiB of shared memory each. Registers per consumer thread: dK and
- *  dV d/2 floats each, S^T and dP^T kBlockM/2 each, the dQ piece 32. */
+/** Per-bucket configuration. d64 / d128: 160 KiB of shared memory; registers per consumer thread:
+ *  dK and dV d/2 floats each, S^T and dP^T kBlockM/2 each, the dQ piece 32. d256: 227 KiB (two
+ *  stages of 64-row Q and dO tiles, 64 keys of K and V); dK, dV and the dQ piece 64 floats each. */
 template <typename Element, int kHeadDim>
 struct DefaultBackwardTraits;
 template <typename Element>
@@ -159,6 +179,10 @@ struct DefaultBackwardTraits<Element, 64> {
 template <typename Element>
 struct DefaultBackwardTraits<Element, 128> {
   using type = BackwardTraits<Element, 128, 64>;
+};
+template <typename Element>
+struct DefaultBackwardTraits<Element, 256> {
+  using type = BackwardTraits<Element, 256, 64>;
 };
 
 struct BackwardKernelArgs {
@@ -180,6 +204,7 @@ struct BackwardSmem {
   __device__ uint8_t* q_ptr(int s) const { return base + T::kQOffset + s * T::kQBytes; }
   __device__ uint8_t* do_ptr(int s) const { return base + T::kDoOffset + s * T::kQBytes; }
   __device__ uint8_t* ds_ptr(int b) const { return base + T::kDsOffset + b * T::kDsBytes; }
+  __device__ uint8_t* p_ptr(int b) const { return base + T::kPOffset + b * T::kPBytes; }
   __device__ float* lse(int s) const { return reinterpret_cast<float*>(base + T::kLseOffset + s * T::kStatBytes); }
   __device__ float* dsum(int s) const { return reinterpret_cast<float*>(base + T::kDsumOffset + s * T::kStatBytes); }
   __device__ uint32_t k_addr() const { return addr + T::kKOffset; }
@@ -187,6 +212,7 @@ struct BackwardSmem {
   __device__ uint32_t q_addr(int s) const { return addr + T::kQOffset + s * T::kQBytes; }
   __device__ uint32_t do_addr(int s) const { return addr + T::kDoOffset + s * T::kQBytes; }
   __device__ uint32_t ds_addr(int b) const { return addr + T::kDsOffset + b * T::kDsBytes; }
+  __device__ uint32_t p_addr(int b) const { return addr + T::kPOffset + b * T::kPBytes; }
   __device__ uint64_t* kv_full() const { return bars; }
   __device__ uint64_t* q_full(int s) const { return bars + 1 + s; }
   __device__ uint64_t* q_empty(int s) const { return bars + 1 + T::kStages + s; }
@@ -286,58 +312,60 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   }
 }
 
-/** S^T (or dP^T) = A_c B^T over the head dim, A = K or V rows of this consumer, B = Q or dO. */
+/** S^T (or dP^T) = A B^T over the head dim: A = the 64 rows of K or V from block row a_row0,
+ *  B = the step's Q or dO. */
 template <class T>
 __device__ __forceinline__ void issue_scores_t(float (&acc)[T::kBlockM / 2], uint32_t a_tile, uint32_t b_tile,
-                                               int consumer) {
+                                               int a_row0) {
   constexpr ptx::KMajorTile kKeyTile{ptx::SmemSwizzle::k128B, T::kBlockN, T::kHeadDim};
   constexpr ptx::KMajorTile kQueryTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kHeadDim};
 #pragma unroll
   for (int k = 0; k < T::kHeadDim / 16; ++k) {
-    ptx::wgmma_ss<T::kBlockM, typename T::Element>(acc, kKeyTile.desc(a_tile, consumer * T::kKeysPerConsumer, 16 * k),
+    ptx::wgmma_ss<T::kBlockM, typename T::Element>(acc, kKeyTile.desc(a_tile, a_row0, 16 * k),
                                                    kQueryTile.desc(b_tile, 0, 16 * k), k > 0);
   }
 }
 
-/** dV (64 keys x d) += P^T (A fragments in registers, 64 keys x kBlockM queries) dO. */
+/** dV (64 keys x kColsPerConsumer, from head-dim column col0) += P^T dO, with P^T as A fragments
+ *  in registers (64 keys x kBlockM queries). */
 template <class T>
-__device__ __forceinline__ void issue_dv(float (&acc)[T::kHeadDim / 2], const uint32_t (&a)[T::kBlockM / 16][4],
-                                         uint32_t do_tile) {
+__device__ __forceinline__ void issue_dv(float (&acc)[T::kColsPerConsumer / 2],
+                                         const uint32_t (&a)[T::kBlockM / 16][4], uint32_t do_tile, int col0) {
   constexpr ptx::MnMajorTile kQueryTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockM};
 #pragma unroll
   for (int k = 0; k < T::kBlockM / 16; ++k) {
-    ptx::wgmma_rs<T::kHeadDim, typename T::Element, /*kTransB=*/1>(acc, a[k], kQueryTileMn.desc(do_tile, 0, 16 * k),
-                                                                    true);
+    ptx::wgmma_rs<T::kColsPerConsumer, typename T::Element, /*kTransB=*/1>(
+        acc, a[k], kQueryTileMn.desc(do_tile, col0, 16 * k), true);
   }
 }
 
-/** dK (64 keys x d) += dS^T Q with dS^T read back from the dS tile: stored queries-contiguous per
- *  key, it is the K-major A operand (keys x queries) as it stands, so dS^T needs no registers
- *  once stored. */
+/** acc (64 keys x kColsPerConsumer) += X^T R[:, col0 ..] with X^T read back from a tile of the
+ *  step (dS or P) stored queries-contiguous per key: that is the K-major A operand (keys x
+ *  queries) as it stands, so it needs no registers once stored. R is the step's Q (dK += dS^T Q)
+ *  or, for consumer 1 of the role split, dO (dV += P^T dO). */
 template <class T>
-__device__ __forceinline__ void issue_dk(float (&acc)[T::kHeadDim / 2], uint32_t ds_tile, uint32_t q_tile,
-                                         int consumer) {
-  constexpr ptx::KMajorTile kDsTileT{ptx::SmemSwizzle::k128B, T::kBlockN, T::kBlockM};
+__device__ __forceinline__ void issue_from_key_tile(float (&acc)[T::kColsPerConsumer / 2], uint32_t x_tile,
+                                                    uint32_t rows_tile, int key0, int col0) {
+  constexpr ptx::KMajorTile kKeyQueryTile{ptx::SmemSwizzle::k128B, T::kBlockN, T::kBlockM};
   constexpr ptx::MnMajorTile kQueryTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockM};
 #pragma unroll
   for (int k = 0; k < T::kBlockM / 16; ++k) {
-    ptx::wgmma_ss<T::kHeadDim, typename T::Element, /*kTransA=*/0, /*kTransB=*/1>(
-        acc, kDsTileT.desc(ds_tile, consumer * T::kKeysPerConsumer, 16 * k), kQueryTileMn.desc(q_tile, 0, 16 * k),
-        true);
+    ptx::wgmma_ss<T::kColsPerConsumer, typename T::Element, /*kTransA=*/0, /*kTransB=*/1>(
+        acc, kKeyQueryTile.desc(x_tile, key0, 16 * k), kQueryTileMn.desc(rows_tile, col0, 16 * k), true);
   }
 }
 
-/** This consumer's 64 x 64 piece of dQ = dS K (contraction over the block's keys). */
+/** This consumer's kDqRows x kDqCols piece of dQ = dS K (contraction over the block's keys). */
 template <class T>
-__device__ __forceinline__ void issue_dq(float (&acc)[T::kDqPiece / 2], uint32_t ds_tile, uint32_t k_tile,
-                                         int consumer) {
+__device__ __forceinline__ void issue_dq(float (&acc)[T::kDqRows * T::kDqCols / 128], uint32_t ds_tile,
+                                         uint32_t k_tile, int consumer) {
   constexpr ptx::MnMajorTile kDsTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kBlockN};
   constexpr ptx::MnMajorTile kKeyTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockN};
-  const uint32_t a_mn0 = T::kDqSplitRows ? consumer * T::kDqPiece : 0;
-  const uint32_t b_mn0 = T::kDqSplitRows ? 0 : consumer * T::kDqPiece;
+  const uint32_t a_mn0 = T::kDqSplitRows ? consumer * T::kDqRows : 0;
+  const uint32_t b_mn0 = T::kDqSplitRows ? 0 : consumer * T::kDqCols;
 #pragma unroll
   for (int k = 0; k < T::kBlockN / 16; ++k) {
-    ptx::wgmma_ss<T::kDqPiece, typename T::Element, /*kTransA=*/1, /*kTransB=*/1>(
+    ptx::wgmma_ss<T::kDqCols, typename T::Element, /*kTransA=*/1, /*kTransB=*/1>(
         acc, kDsTile.desc(ds_tile, a_mn0, 16 * k), kKeyTileMn.desc(k_tile, b_mn0, 16 * k), k > 0);
   }
 }
@@ -407,6 +435,36 @@ __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 
   }
 }
 
+/** The role split's consumer 0: P^T from S^T in place and, under softcap, the factor (1 - t^2)
+ *  that dS^T = P^T (dP^T - D) (1 - t^2) needs, which consumer 1 cannot compute without S^T.
+ *  Same layout and masking as probabilities_and_grads. */
+template <class T, bool kSoftcap, bool kMasked>
+__device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], float (&softcap_grad)[T::kBlockM / 2],
+                                              const float* lse, const sm80::bwd::ScoreTransform& tf,
+                                              const TileMask& mask, int m0, int key_row0, int quad) {
+#pragma unroll
+  for (int j = 0; j < T::kBlockM / 8; ++j) {
+    const int col = 8 * j + 2 * quad;
+    const float2 l = make_float2(lse[col], lse[col + 1]);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 4 * j + r;
+      const int e = r % 2;
+      const float lse_log2 = e == 0 ? l.x : l.y;
+      float prob;
+      if constexpr (kSoftcap) {
+        const float t = tanhf(s[i] * tf.tanh_arg_scale);
+        prob = sm80::bwd::fast_exp2(t * tf.softcap_log2 - lse_log2);
+        softcap_grad[i] = 1.f - t * t;
+      } else {
+        prob = sm80::bwd::fast_exp2(s[i] * tf.scale_log2 - lse_log2);
+      }
+      if constexpr (kMasked) prob = mask.visible(key_row0 + 8 * (r / 2), m0 + col + e) ? prob : 0.f;
+      s[i] = prob;
+    }
+  }
+}
+
 /** Accumulator tile (64 x kBlockM) rounded to 16 bits as RS A fragments. */
 template <class T>
 __device__ __forceinline__ void pack_a_fragments(const float (&x)[T::kBlockM / 2], uint32_t (&a)[T::kBlockM / 16][4]) {
@@ -417,20 +475,49 @@ __device__ __forceinline__ void pack_a_fragments(const float (&x)[T::kBlockM / 2
   }
 }
 
-/** This consumer's rows of dS^T into the dS tile (queries contiguous): each A-fragment register
- *  is a pair of adjacent queries of one key, one 4-byte store. */
+/** Byte offset in a keys x queries tile (dS or P; queries contiguous per key) of A-fragment
+ *  register r of k-slice k: a[k][r] holds (key_row + 8 * (r % 2), queries q .. q + 1) with
+ *  q = 16k + 2 * quad + 8 * (r / 2). So each register is one 4-byte word, conflict-free under the
+ *  swizzle, and the thread that reads a word back (role split) is the one whose accumulator holds
+ *  the same elements. */
 template <class T>
-__device__ __forceinline__ void store_ds(const uint32_t (&dsa)[T::kBlockM / 16][4], uint8_t* ds_tile, int key_row,
-                                         int quad) {
-  constexpr ptx::MnMajorTile kDsTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kBlockN};
+__device__ __forceinline__ uint32_t key_tile_offset(int k, int r, int key_row, int quad) {
+  constexpr ptx::MnMajorTile kKeyTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kBlockN};
+  const uint32_t query = 16 * k + 2 * quad + 8 * (r / 2);
+  const uint32_t key = static_cast<uint32_t>(key_row + 8 * (r % 2));
+  return kKeyTile.byte_offset(query, key);
+}
+
+/** This consumer's rows of a keys x queries tile from A fragments (dS^T, or P^T in the split). */
+template <class T>
+__device__ __forceinline__ void store_key_tile(const uint32_t (&a)[T::kBlockM / 16][4], uint8_t* tile, int key_row,
+                                               int quad) {
 #pragma unroll
   for (int k = 0; k < T::kBlockM / 16; ++k) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      // a[r] holds (row + 8 * (r % 2), col .. col + 1), col = 16k + 2 * quad + 8 * (r / 2).
-      const uint32_t query = 16 * k + 2 * quad + 8 * (r / 2);
-      const uint32_t key = static_cast<uint32_t>(key_row + 8 * (r % 2));
-      *reinterpret_cast<uint32_t*>(ds_tile + kDsTile.byte_offset(query, key)) = dsa[k][r];
+      *reinterpret_cast<uint32_t*>(tile + key_tile_offset<T>(k, r, key_row, quad)) = a[k][r];
+    }
+  }
+}
+
+/** The role split's consumer 1: dS^T = X^T (dP^T - D) in place, X^T read back from the tile
+ *  consumer 0 stored (P^T, times (1 - t^2) under softcap; 16-bit, as the dtype-precision backward
+ *  rounds P). Masked entries have X = 0 there, so dS^T = 0 with no mask here (dP^T and D are
+ *  finite: the rows past a tensor's end read as zeros). */
+template <class T>
+__device__ __forceinline__ void grads_from_tile(float (&dp)[T::kBlockM / 2], const uint8_t* x_tile, const float* dsum,
+                                                int key_row, int quad) {
+#pragma unroll
+  for (int k = 0; k < T::kBlockM / 16; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t bits = *reinterpret_cast<const uint32_t*>(x_tile + key_tile_offset<T>(k, r, key_row, quad));
+      const float2 x = sm80::bwd::unpack_pair<typename T::Element>(bits);
+      const int i = 8 * k + 2 * r;  // accumulator index of the pair's first element
+      const int col = 8 * (i / 4) + 2 * quad;
+      dp[i] = x.x * (dp[i] - dsum[col]);
+      dp[i + 1] = x.y * (dp[i + 1] - dsum[col + 1]);
     }
   }
 }
@@ -440,13 +527,92 @@ __device__ __forceinline__ void release_stage(uint64_t* bar) {
   if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive(bar);
 }
 
-/** One consumer warpgroup: its 64 keys through every query step, then dK and dV to memory.
- *  kWithDq is a template parameter, not a run-time flag: a wgmma under a run-time branch made
- *  ptxas serialize every wgmma of the loop and spill ~680 bytes (d128). */
+/** This consumer's dQ piece of one step into the fp32 accumulator (vector atomics). Piece element
+ *  i: row 16 * warp + group + 8 * ((i % 4) / 2), column 8 * (i / 4) + 2 * quad + i % 2, offset by
+ *  the consumer's rows (kDqSplitRows) or columns. */
+template <class T>
+__device__ __forceinline__ void add_dq_piece(const BackwardKernelArgs& args, const KeyBlockWork& w, int step,
+                                             const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
+                                             int warp, int group, int quad) {
+  const BackwardParams& p = args.params;
+  const int m0 = w.m0_of(step, T::kBlockM);
+  const int row_off = T::kDqSplitRows ? consumer * T::kDqRows : 0;
+  const int col_off = T::kDqSplitRows ? 0 : consumer * T::kDqCols;
+  const int64_t h = w.head_of(step);
+  float* dq_rows = args.ws.dq_accum + (h * p.total_q + w.q_row0 + m0) * T::kHeadDim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_off + warp * 16 + group + 8 * half;
+    if (m0 + row >= w.seqlen_q) continue;  // no such query (or the next sequence's)
+    float* dst_row = dq_rows + static_cast<int64_t>(row) * T::kHeadDim + col_off + 2 * quad;
+#pragma unroll
+    for (int j = 0; j < T::kDqCols / 8; ++j) {
+      atomicAdd(reinterpret_cast<float2*>(dst_row + 8 * j), make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+    }
+  }
+}
+
+/** Epilogue: this consumer's dK = softmax_scale * sum dS^T Q and dV = sum P^T dO (64 keys from
+ *  key_row0, head-dim columns from col0), column pairs as 4-byte stores. */
+template <class T>
+__device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBlockWork& w,
+                                            const float (&dk)[T::kColsPerConsumer / 2],
+                                            const float (&dv)[T::kColsPerConsumer / 2], int key_row0, int col0,
+                                            int quad) {
+  using Element = typename T::Element;
+  using sm80::bwd::pack_pair;
+  auto* dk_out = static_cast<Element*>(p.dk.data);
+  auto* dv_out = static_cast<Element*>(p.dv.data);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_row0 + 8 * half;
+    if (key >= w.seqlen_k) continue;
+    const int64_t packed_key = int64_t(w.k_start) + key;
+    Element* dk_row = dk_out + offset_of(p.dk, w.batch, packed_key, w.kv_head);
+    Element* dv_row = dv_out + offset_of(p.dv, w.batch, packed_key, w.kv_head);
+#pragma unroll
+    for (int j = 0; j < T::kColsPerConsumer / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * quad;
+      if (col >= p.head_dim) continue;
+      const int i = 4 * j + 2 * half;
+      *reinterpret_cast<uint32_t*>(dk_row + col) = pack_pair<Element>(dk[i] * p.softmax_scale, dk[i + 1] * p.softmax_scale);
+      *reinterpret_cast<uint32_t*>(dv_row + col) = pack_pair<Element>(dv[i], dv[i + 1]);
+    }
+  }
+}
+
+/** The end of a step, the same for both ways of sharing the block (the dS tile of the step is
+ *  complete): dK[keys from key0, columns from col0] += dS^T Q and this consumer's dQ piece, then,
+ *  once every wgmma of the step (the dV one included) has completed, the stage goes back to the
+ *  producer and the dQ piece to the accumulator. */
+template <class T, bool kWithDq>
+__device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+                                            const KeyBlockWork& w, int step, int ds_buf, int key0, int col0,
+                                            int consumer, float (&dv)[T::kColsPerConsumer / 2],
+                                            float (&dk)[T::kColsPerConsumer / 2]) {
+  const int stage = step % T::kStages;
+  issue_from_key_tile<T>(dk, sm.ds_addr(ds_buf), sm.q_addr(stage), key0, col0);
+  float dq[T::kDqRows * T::kDqCols / 128];
+  if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(ds_buf), sm.k_addr(), consumer);
+  ptx::wgmma_commit_group();
+  ptx::wgmma_wait_group<0>();
+  ptx::wgmma_fence_operands(dv);
+  ptx::wgmma_fence_operands(dk);
+  release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
+  if constexpr (kWithDq) {
+    ptx::wgmma_fence_operands(dq);
+    const int t = static_cast<int>(ptx::thread_in_warpgroup());
+    add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
+  }
+}
+
+/** One consumer warpgroup when the block is shared by keys: its 64 keys through every query
+ *  step, then dK and dV to memory. kWithDq is a template parameter, not a run-time flag: a wgmma
+ *  under a run-time branch made ptxas serialize every wgmma of the loop and spill ~680 bytes
+ *  (d128). */
 template <class T, bool kWithDq>
 __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                         int consumer) {
-  using Element = typename T::Element;
   const BackwardParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
@@ -456,9 +622,9 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   const sm80::bwd::ScoreTransform tf = sm80::bwd::ScoreTransform::make(p);
   const bool softcap = tf.softcap > 0.f;
 
-  float dv[T::kHeadDim / 2], dk[T::kHeadDim / 2];
+  float dv[T::kColsPerConsumer / 2], dk[T::kColsPerConsumer / 2];
 #pragma unroll
-  for (int i = 0; i < T::kHeadDim / 2; ++i) dv[i] = dk[i] = 0.f;
+  for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
   if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), 0);
   for (int step = 0; step < w.steps; ++step) {
@@ -469,8 +635,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 
     float s[T::kBlockM / 2], dp[T::kBlockM / 2];
     ptx::wgmma_fence();
-    issue_scores_t<T>(s, sm.k_addr(), sm.q_addr(stage), consumer);
-    issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer);
+    issue_scores_t<T>(s, sm.k_addr(), sm.q_addr(stage), consumer * T::kKeysPerConsumer);
+    issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer * T::kKeysPerConsumer);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(s);
@@ -496,66 +662,127 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     {
       uint32_t dsa[T::kBlockM / 16][4];
       pack_a_fragments<T>(dp, dsa);
-      store_ds<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
+      store_key_tile<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
     }
     pack_a_fragments<T>(s, pa);
     ptx::fence_proxy_async_shared_cta();  // dS stores -> visible to the wgmmas (async proxy)
 
     ptx::wgmma_fence();
-    issue_dv<T>(dv, pa, sm.do_addr(stage));
+    issue_dv<T>(dv, pa, sm.do_addr(stage), 0);
     ptx::wgmma_commit_group();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
-    issue_dk<T>(dk, sm.ds_addr(ds_buf), sm.q_addr(stage), consumer);
-    float dq[T::kDqPiece / 2];
-    if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(ds_buf), sm.k_addr(), consumer);
+    finish_step<T, kWithDq>(args, sm, w, step, ds_buf, consumer * T::kKeysPerConsumer, 0, consumer, dv, dk);
+  }
+  store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
+}
+
+/** The two consumers when the block is shared by roles (d256; see BackwardTraits). Per step:
+ *    consumer 0: S^T = K Q^T; P^T; stores P^T (for consumer 1's dV) and P^T, or P^T (1 - t^2)
+ *                under softcap, into the dS tile; arrives on barrier 2; dV[:, 0:128] += P^T dO
+ *                from registers (RS) while consumer 1 computes dS; syncs on barrier 3.
+ *    consumer 1: dP^T = V dO^T; syncs on barrier 2; dS^T from the dS tile in place; syncs on
+ *                barrier 3 (its own dS stores are then visible to its wgmmas too);
+ *                dV[:, 128:256] += P^T dO from the P tile.
+ *    both:       dK[:, own half] += dS^T Q, dQ[:, own half] = dS K (+ atomics).
+ *  Barrier 2 (consumer 0 arrives, consumer 1 syncs) and barrier 3 (both sync) each complete once
+ *  per step; neither side can arrive twice ahead, because each waits on the other's barrier of
+ *  the step before. The P and dS tiles are double-buffered by step parity: a consumer writes a
+ *  buffer at step i + 2 only after a barrier the other consumer reaches once its step-i wgmmas
+ *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2). */
+template <class T, bool kWithDq, int kConsumer>
+__device__ void consume_split_roles(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w) {
+  constexpr uint32_t kPReady = 2, kDsReady = 3;
+  constexpr int consumer = kConsumer;  // a template parameter: no wgmma under a run-time branch
+  const BackwardParams& p = args.params;
+  const int t = static_cast<int>(ptx::thread_in_warpgroup());
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int key_row = warp * 16 + group;  // in the block (both consumers see all 64 keys); and + 8
+  const int key_row0 = w.n0 + key_row;
+  const int col0 = consumer * T::kColsPerConsumer;
+  const sm80::bwd::ScoreTransform tf = sm80::bwd::ScoreTransform::make(p);
+  const bool softcap = tf.softcap > 0.f;
+
+  float dv[T::kColsPerConsumer / 2], dk[T::kColsPerConsumer / 2];
+#pragma unroll
+  for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
+
+  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), 0);
+  for (int step = 0; step < w.steps; ++step) {
+    const int stage = step % T::kStages;
+    const int buf = step & 1;
+    const int m0 = w.m0_of(step, T::kBlockM);
+    const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
+    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(step / T::kStages) & 1);
+
+    float x[T::kBlockM / 2];  // S^T (consumer 0) or dP^T (consumer 1)
+    ptx::wgmma_fence();
+    if constexpr (consumer == 0) {
+      issue_scores_t<T>(x, sm.k_addr(), sm.q_addr(stage), 0);
+    } else {
+      issue_scores_t<T>(x, sm.v_addr(), sm.do_addr(stage), 0);
+    }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<0>();
-    ptx::wgmma_fence_operands(dv);
-    ptx::wgmma_fence_operands(dk);
-    release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
+    ptx::wgmma_fence_operands(x);
 
-    if constexpr (kWithDq) {
-      ptx::wgmma_fence_operands(dq);
-      // Piece element i: row 16 * warp + group + 8 * ((i % 4) / 2), column 8 * (i / 4) + 2 * quad
-      // + i % 2, offset by this consumer's rows (d = 64) or columns (d = 128).
-      const int row_off = T::kDqSplitRows ? consumer * T::kDqPiece : 0;
-      const int col_off = T::kDqSplitRows ? 0 : consumer * T::kDqPiece;
-      const int64_t h = w.head_of(step);
-      float* dq_rows = args.ws.dq_accum + (h * p.total_q + w.q_row0 + m0) * T::kHeadDim;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row_off + warp * 16 + group + 8 * half;
-        if (m0 + row >= w.seqlen_q) continue;  // no such query (or the next sequence's)
-        float* dst_row = dq_rows + static_cast<int64_t>(row) * T::kHeadDim + col_off + 2 * quad;
-#pragma unroll
-        for (int j = 0; j < T::kDqPiece / 8; ++j) {
-          atomicAdd(reinterpret_cast<float2*>(dst_row + 8 * j), make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+    uint32_t pa[T::kBlockM / 16][4];  // P^T as RS fragments (consumer 0)
+    if constexpr (consumer == 0) {
+      const float* lse = sm.lse(stage) + stat_shift;
+      const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, w.n0, w.n0 + T::kBlockN);
+      const TileMask mask = TileMask::make(w.mask(p));
+      float softcap_grad[T::kBlockM / 2];
+      if (softcap) {
+        if (masked) {
+          probabilities<T, true, true>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
+        } else {
+          probabilities<T, true, false>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
         }
+      } else if (masked) {
+        probabilities<T, false, true>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
+      } else {
+        probabilities<T, false, false>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
       }
-    }
-  }
-
-  // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO, column pairs as 4-byte stores.
-  using sm80::bwd::pack_pair;
-  auto* dk_out = static_cast<Element*>(p.dk.data);
-  auto* dv_out = static_cast<Element*>(p.dv.data);
+      pack_a_fragments<T>(x, pa);
+      store_key_tile<T>(pa, sm.p_ptr(buf), key_row, quad);
+      if (softcap) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = key_row0 + 8 * half;
-    if (key >= w.seqlen_k) continue;
-    const int64_t packed_key = int64_t(w.k_start) + key;
-    Element* dk_row = dk_out + offset_of(p.dk, w.batch, packed_key, w.kv_head);
-    Element* dv_row = dv_out + offset_of(p.dv, w.batch, packed_key, w.kv_head);
-#pragma unroll
-    for (int j = 0; j < T::kHeadDim / 8; ++j) {
-      const int col = 8 * j + 2 * quad;
-      if (col >= p.head_dim) continue;
-      const int i = 4 * j + 2 * half;
-      *reinterpret_cast<uint32_t*>(dk_row + col) = pack_pair<Element>(dk[i] * p.softmax_scale, dk[i + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(dv_row + col) = pack_pair<Element>(dv[i], dv[i + 1]);
+        for (int i = 0; i < T::kBlockM / 2; ++i) x[i] *= softcap_grad[i];
+        uint32_t pc[T::kBlockM / 16][4];
+        pack_a_fragments<T>(x, pc);
+        store_key_tile<T>(pc, sm.ds_ptr(buf), key_row, quad);
+      } else {
+        store_key_tile<T>(pa, sm.ds_ptr(buf), key_row, quad);
+      }
+      ptx::fence_proxy_async_shared_cta();  // P -> consumer 1's wgmma (async proxy)
+      __syncwarp();  // bar.arrive / bar.sync are .aligned: whole warps (the lanes may have left the
+                     // q_full spin loop or the dQ row bounds apart)
+      ptx::named_barrier_arrive(kPReady, T::kConsumerThreads);
+      ptx::wgmma_fence();
+      issue_dv<T>(dv, pa, sm.do_addr(stage), col0);
+      ptx::wgmma_commit_group();
+      __syncwarp();
+      ptx::named_barrier_sync(kDsReady, T::kConsumerThreads);
+      // dV ran during consumer 1's dS: retire it, so its A fragments are free before the dQ
+      // accumulator is allocated (pa, dK, dV and dQ together spilled ~140 bytes).
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(dv);
+    } else {
+      __syncwarp();
+      ptx::named_barrier_sync(kPReady, T::kConsumerThreads);
+      grads_from_tile<T>(x, sm.ds_ptr(buf), sm.dsum(stage) + stat_shift, key_row, quad);
+      uint32_t dsa[T::kBlockM / 16][4];
+      pack_a_fragments<T>(x, dsa);
+      store_key_tile<T>(dsa, sm.ds_ptr(buf), key_row, quad);
+      ptx::fence_proxy_async_shared_cta();  // dS -> both consumers' wgmmas
+      __syncwarp();
+      ptx::named_barrier_sync(kDsReady, T::kConsumerThreads);
+      ptx::wgmma_fence();
+      issue_from_key_tile<T>(dv, sm.p_addr(buf), sm.do_addr(stage), 0, col0);
     }
+    finish_step<T, kWithDq>(args, sm, w, step, buf, 0, col0, consumer, dv, dk);
   }
+  store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
 }
 
 /** kWithDq: false in deterministic mode, where dq is recomputed by the sm80 dq kernel instead of
@@ -589,7 +816,15 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
     if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) produce<T>(args, sm, w);
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
-    consume<T, kWithDq>(args, sm, w, static_cast<int>(warpgroup) - 1);
+    if constexpr (T::kSplitRoles) {
+      if (warpgroup == 1) {
+        consume_split_roles<T, kWithDq, 0>(args, sm, w);
+      } else {
+        consume_split_roles<T, kWithDq, 1>(args, sm, w);
+      }
+    } else {
+      consume<T, kWithDq>(args, sm, w, static_cast<int>(warpgroup) - 1);
+    }
   }
 }
 

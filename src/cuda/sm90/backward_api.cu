@@ -27,18 +27,10 @@ Status backward_run(const backward_params_t& p, void* workspace, size_t workspac
 
 namespace {
 
-// The head-dim buckets with a Hopper backward kernel (sm90/backward.cuh, DefaultBackwardTraits);
-// d256 runs on sm80 (its dK and dV accumulators alone would fill the consumer's registers).
-constexpr bool bucket_has_backward(int bucket) { return bucket == 64 || bucket == 128; }
-
 template <typename Element, int kHeadDim>
 struct BackwardEntry {
   static Status run(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
-    if constexpr (bucket_has_backward(kHeadDim)) {
-      return sm90::backward_run<Element, kHeadDim>(p, workspace, workspace_bytes);
-    } else {
-      return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) + " has no cuda_sm90 backward");
-    }
+    return sm90::backward_run<Element, kHeadDim>(p, workspace, workspace_bytes);
   }
 };
 
@@ -46,14 +38,6 @@ struct BackwardEntry {
 
 bool sm90_backward_supports(const BackwardParams& p, Status* why) {
   if (!sm90_supports(p, why)) return false;  // dtype, device, q/k/v addressing
-  const int bucket = compiled_head_dim_bucket(p.head_dim);
-  if (!bucket_has_backward(bucket)) {
-    if (why != nullptr) {
-      *why = Status::unsupported("cuda_sm90: the backward serves head dims up to 128 (head_dim " +
-                                 std::to_string(p.head_dim) + " runs on cuda_sm80)");
-    }
-    return false;
-  }
   // The kernel indexes rows, query steps (query blocks x GQA group) and the statistics
   // (heads_q x total_q, a TMA coordinate) in 32 bits.
   constexpr int64_t kMaxBlockM = 128;
