@@ -14,6 +14,11 @@
 // - Named barriers (bar.sync / bar.arrive with an id and a thread count, both multiples of a warp):
 //   id 0 is the one __syncthreads() uses, so kernels use ids 1..15 for their own handshakes.
 //   bar.arrive does not wait: a producer arrives, a consumer syncs on the same id and count.
+//   bar.sync / bar.arrive are the .aligned forms: every participating thread must execute the
+//   same barrier instruction. Warpgroups that meet at a barrier from different code (role
+//   branches, one template instance per role) use the barrier.sync / barrier.arrive forms
+//   (barrier_sync_any / barrier_arrive_any); compute-sanitizer's synccheck reports the aligned
+//   ones there as divergent.
 //
 // Relies on: PTX ISA 8.0; sm_90a for setmaxnreg, sm_90 for elect.sync; sm_70+ for named barriers.
 #pragma once
@@ -64,6 +69,17 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t thread_
  *  of a producer/consumer handshake whose other side calls named_barrier_sync(id, thread_count). */
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t thread_count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
+}
+
+/** named_barrier_sync for participants that reach the barrier from different instructions (the
+ *  non-.aligned barrier.sync; see the header comment). */
+__device__ __forceinline__ void barrier_sync_any(uint32_t id, uint32_t thread_count) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
+}
+
+/** named_barrier_arrive for participants that reach the barrier from different instructions. */
+__device__ __forceinline__ void barrier_arrive_any(uint32_t id, uint32_t thread_count) {
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
 }
 
 /** Index of the calling thread's warpgroup in a 1D block, made warp-uniform with a shuffle so the

@@ -85,23 +85,16 @@ inline BackwardWorkspacePtrs workspace_ptrs(const BackwardWorkspaceLayout& layou
   return ws;
 }
 
-/** Stage 1: D, lse_log2; zero dQ_accum. Shared with the sm90 backward, which runs the same
- *  stages 1 and 3 around its own main kernel. */
+/** Stage 1: D, lse_log2; zero dQ_accum (one kernel: the zeroing rides on the same row walk).
+ *  Shared with the sm90 backward, which runs the same stages 1 and 3 around its own main kernel. */
 template <typename Element, int kHeadDim>
 Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs& ws, cudaStream_t stream) {
   const int64_t stat_rows = p.total_q * p.heads_q;
   if (stat_rows == 0) return Status::ok();
-  const int64_t blocks = ceil_div(stat_rows, kPrepostWarps);
+  const int64_t blocks = ceil_div(stat_rows, PreprocessShape<kHeadDim>::kRowsPerBlock);
   if (blocks > INT_MAX) return Status::unsupported("q: total_q * heads_q is too large for the backward grid");
   backward_preprocess_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), kPrepostThreads, 0, stream>>>(p, ws);
-  Status s = launch_status("preprocess");
-  if (!s.is_ok()) return s;
-  if (ws.dq_accum != nullptr) {
-    const size_t bytes = static_cast<size_t>(stat_rows) * kHeadDim * sizeof(float);
-    const cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, bytes, stream);
-    if (err != cudaSuccess) return Status::cuda(std::string("backward memset: ") + cudaGetErrorString(err));
-  }
-  return Status::ok();
+  return launch_status("preprocess");
 }
 
 /** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel. */

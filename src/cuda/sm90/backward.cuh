@@ -686,8 +686,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
  *                dV[:, 128:256] += P^T dO from the P tile.
  *    both:       dK[:, own half] += dS^T Q, dQ[:, own half] = dS K (+ atomics).
  *  Barrier 2 (consumer 0 arrives, consumer 1 syncs) and barrier 3 (both sync) each complete once
- *  per step; neither side can arrive twice ahead, because each waits on the other's barrier of
- *  the step before. The P and dS tiles are double-buffered by step parity: a consumer writes a
+ *  per step (the non-.aligned barrier forms: each role meets them from its own code); neither
+ *  side can arrive twice ahead, because each waits on the other's barrier of the step before. The P and dS tiles are double-buffered by step parity: a consumer writes a
  *  buffer at step i + 2 only after a barrier the other consumer reaches once its step-i wgmmas
  *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2). */
 template <class T, bool kWithDq, int kConsumer>
@@ -755,28 +755,23 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
         store_key_tile<T>(pa, sm.ds_ptr(buf), key_row, quad);
       }
       ptx::fence_proxy_async_shared_cta();  // P -> consumer 1's wgmma (async proxy)
-      __syncwarp();  // bar.arrive / bar.sync are .aligned: whole warps (the lanes may have left the
-                     // q_full spin loop or the dQ row bounds apart)
-      ptx::named_barrier_arrive(kPReady, T::kConsumerThreads);
+      ptx::barrier_arrive_any(kPReady, T::kConsumerThreads);
       ptx::wgmma_fence();
       issue_dv<T>(dv, pa, sm.do_addr(stage), col0);
       ptx::wgmma_commit_group();
-      __syncwarp();
-      ptx::named_barrier_sync(kDsReady, T::kConsumerThreads);
+      ptx::barrier_sync_any(kDsReady, T::kConsumerThreads);
       // dV ran during consumer 1's dS: retire it, so its A fragments are free before the dQ
       // accumulator is allocated (pa, dK, dV and dQ together spilled ~140 bytes).
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(dv);
     } else {
-      __syncwarp();
-      ptx::named_barrier_sync(kPReady, T::kConsumerThreads);
+      ptx::barrier_sync_any(kPReady, T::kConsumerThreads);
       grads_from_tile<T>(x, sm.ds_ptr(buf), sm.dsum(stage) + stat_shift, key_row, quad);
       uint32_t dsa[T::kBlockM / 16][4];
       pack_a_fragments<T>(x, dsa);
       store_key_tile<T>(dsa, sm.ds_ptr(buf), key_row, quad);
       ptx::fence_proxy_async_shared_cta();  // dS -> both consumers' wgmmas
-      __syncwarp();
-      ptx::named_barrier_sync(kDsReady, T::kConsumerThreads);
+      ptx::barrier_sync_any(kDsReady, T::kConsumerThreads);
       ptx::wgmma_fence();
       issue_from_key_tile<T>(dv, sm.p_addr(buf), sm.do_addr(stage), 0, col0);
     }

@@ -789,4 +789,47 @@ TEST(Sm90Warpgroup, SetmaxnregAndNamedBarrierHandoff) {
   for (uint32_t t = 0; t < kWg; ++t) EXPECT_EQ(out[t], expected[t]) << "thread " << t;
 }
 
+// Two roles meeting at barriers from different code, as the d256 backward's consumers do: role 0
+// publishes `a` (barrier 1, arrive) and waits for `b` (barrier 2); role 1 waits for `a`, then
+// publishes `b`. Role 0's lanes leave a data-dependent loop apart before they arrive.
+__global__ void __launch_bounds__(2 * ptx::WarpgroupTraits::kThreads, 1)
+    role_exchange_kernel(const float* in, float* out) {
+  constexpr uint32_t kWg = ptx::WarpgroupTraits::kThreads;
+  constexpr uint32_t kPublished = 1, kAnswered = 2;
+  __shared__ float a[kWg], b[kWg];
+  const uint32_t t = ptx::thread_in_warpgroup();
+  if (ptx::warpgroup_index() == 0) {
+    float x = in[t];
+    for (uint32_t i = 0; i < t % 7; ++i) x += 1.0f;  // lanes diverge here
+    a[t] = x - float(t % 7) + 1.0f;
+    ptx::barrier_arrive_any(kPublished, 2 * kWg);
+    ptx::barrier_sync_any(kAnswered, 2 * kWg);
+    out[t] = b[(t + 5) % kWg];
+  } else {
+    ptx::barrier_sync_any(kPublished, 2 * kWg);
+    b[t] = a[(t + 3) % kWg] * 2.0f;
+    ptx::barrier_sync_any(kAnswered, 2 * kWg);
+    out[kWg + t] = a[t];
+  }
+}
+
+TEST(Sm90Warpgroup, BarrierAnyBetweenRoleBranches) {
+  SKIP_UNLESS_SM90();
+  constexpr uint32_t kWg = ptx::WarpgroupTraits::kThreads;
+  const std::vector<float> in = exact_values(kWg, 29);
+  DeviceBuffer<float> d_in(kWg), d_out(2 * kWg);
+  ASSERT_TRUE(d_in.get() && d_out.get());
+  CUDA_ASSERT(cudaMemcpy(d_in.get(), in.data(), d_in.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemset(d_out.get(), 0xFF, d_out.bytes()));
+  role_exchange_kernel<<<1, 2 * kWg>>>(d_in.get(), d_out.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<float> out(2 * kWg);
+  CUDA_ASSERT(cudaMemcpy(out.data(), d_out.get(), d_out.bytes(), cudaMemcpyDeviceToHost));
+  for (uint32_t t = 0; t < kWg; ++t) {
+    EXPECT_EQ(out[t], (in[(t + 8) % kWg] + 1.0f) * 2.0f) << "role 0, thread " << t;
+    EXPECT_EQ(out[kWg + t], in[t] + 1.0f) << "role 1, thread " << t;
+  }
+}
+
 }  // namespace
