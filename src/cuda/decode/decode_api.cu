@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "api/kvcache_backends.hpp"
 #include "cuda/build_config.hpp"
@@ -76,30 +77,38 @@ Status launch_error(const char* what) {
   return Status::cuda(std::string(what) + " launch failed: " + cudaGetErrorString(err));
 }
 
-/** programmatic_dependent: launch as a programmatic dependent of the previous kernel on the
- *  stream (sm_90+: its launch overlaps that kernel's tail; the kernel waits for its results). */
+/** kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the previous kernel
+ *  on the stream when `programmatic_dependent` (sm_90+: its launch overlaps that kernel's tail; the
+ *  kernel waits for that kernel's results: wait_previous_grid). */
+template <typename... Params, typename... Args>
+Status launch(const char* what, void (*kernel)(Params...), dim3 grid, int block, int smem, cudaStream_t stream,
+              bool programmatic_dependent, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(block));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic_dependent ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::cuda(std::string(what) + " launch failed: " + cudaGetErrorString(err));
+  }
+  return launch_error(what);
+}
+
 template <typename OutT>
 Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
   const int64_t rows = m.batch * m.seqlen_q * m.heads;
   if (rows == 0) return Status::ok();
   constexpr int kRowsPerBlock = DecodeTraits::kMergeThreads / DecodeTraits::kWarp;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(DecodeTraits::kMergeThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = static_cast<cudaStream_t>(m.stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = programmatic_dependent ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, decode::merge_kernel<OutT>, m);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return Status::cuda(std::string("merge_partials launch failed: ") + cudaGetErrorString(err));
-  }
-  return launch_error("merge_partials");
+  return launch("merge_partials", decode::merge_kernel<OutT>, dim3(static_cast<unsigned>(blocks)),
+                DecodeTraits::kMergeThreads, 0, static_cast<cudaStream_t>(m.stream), programmatic_dependent, m);
 }
 
 bool supports_programmatic_launch(int device_id) {
@@ -114,10 +123,11 @@ bool supports_programmatic_launch(int device_id) {
 template <typename T, int HD>
 Status run_typed(const KvCacheParams& p, void* workspace) {
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const bool programmatic = supports_programmatic_launch(p.device_id);
   if (p.appends() && p.batch > 0 && p.seqlen_new > 0) {
-    decode::append_kernel<T><<<dim3(static_cast<unsigned>(p.seqlen_new), static_cast<unsigned>(p.batch)),
-                               DecodeTraits::kThreads, 0, stream>>>(p);
-    Status s = launch_error("kvcache append");
+    const dim3 grid(static_cast<unsigned>(p.seqlen_new), static_cast<unsigned>(p.batch));
+    Status s =
+        launch("kvcache append", decode::append_kernel<T>, grid, DecodeTraits::kThreads, 0, stream, programmatic, p);
     if (!s.is_ok()) return s;
   }
   if (p.batch == 0 || p.seqlen_q == 0) return Status::ok();
@@ -135,8 +145,8 @@ Status run_typed(const KvCacheParams& p, void* workspace) {
   if (cudaFuncSetAttribute(decode::attention_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
       cudaSuccess)
     return launch_error("kvcache attention (shared memory size)");
-  decode::attention_kernel<T, HD><<<grid, DecodeTraits::kThreads, kSmem, stream>>>(p, so);
-  Status s = launch_error("kvcache attention");
+  Status s = launch("kvcache attention", decode::attention_kernel<T, HD>, grid, DecodeTraits::kThreads, kSmem, stream,
+                    programmatic, p, so);
   if (!s.is_ok() || so.num_splits == 1) return s;
   MergeParams m;
   m.out_dtype = p.dtype;
@@ -160,7 +170,7 @@ Status run_typed(const KvCacheParams& p, void* workspace) {
   m.heads = p.heads_q;
   m.head_dim = p.head_dim;
   m.stream = p.stream;
-  return launch_merge<T>(m, supports_programmatic_launch(p.device_id));
+  return launch_merge<T>(m, programmatic);
 }
 
 template <typename T>

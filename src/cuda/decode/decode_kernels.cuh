@@ -12,7 +12,8 @@
 // warp keeps its own online-softmax state; the warps are combined through shared memory at the
 // end. Cache indices that live on the device (cache_seqlens, cache_batch_idx, block_table) are
 // checked before use: nothing out of bounds is read or written; a bad sequence gets NaN rows and
-// *error_flag = 1.
+// *error_flag = 1. On sm_90 every kernel here is launched as a programmatic dependent of the
+// kernel before it on the stream (wait_previous_grid / allow_next_grid below).
 // Relies on: api/kvcache_params.hpp (addressing and checks shared with the CPU backend).
 #pragma once
 
@@ -65,11 +66,30 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// Programmatic dependent launch (sm_90+). The append, attention and combine kernels are launched
+// as programmatic dependents of the kernel before them on the stream (the previous call's too), so
+// a launch and its CTAs' placement overlap that kernel's tail: each kernel first waits for the
+// previous grid to complete with its writes visible, touching no global memory before, then lets
+// its own dependent be scheduled (which waits in turn). Both are no-ops for an ordinary launch and
+// below sm_90.
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Append: block (token t, sequence b) copies k_new/v_new rows of every KV head into the cache.
 // ---------------------------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(DecodeTraits::kThreads) append_kernel(KvCacheParams p) {
+  wait_previous_grid();
+  allow_next_grid();
   const int64_t b = blockIdx.y, t = blockIdx.x;
   bool ok = sequence_in_bounds(p, b);
   const int64_t pos = ok ? cached_len(p, b) + t : 0;
@@ -198,11 +218,11 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   __shared__ float s_w[kWarps][kRows];
   __shared__ float s_lse[kRows];  // log2 domain
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The combine kernel (launched as a programmatic dependent) may be scheduled once every CTA of
-  // this grid has started; it waits for this grid's completion before reading the partials.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  // The previous kernel (this call's append, or the last call's attention or combine) must be
+  // complete before anything is read; the combine kernel (or the next call's first kernel) may then
+  // be scheduled once every CTA has started: it waits for this grid's completion.
+  wait_previous_grid();
+  allow_next_grid();
   const int split = blockIdx.x;
   const int64_t hk = blockIdx.y / so.row_chunks, chunk = blockIdx.y % so.row_chunks;
   const int64_t b = blockIdx.z;
@@ -520,11 +540,10 @@ template <typename OutT>
 __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(MergeParams p) {
   constexpr int kWarp = DecodeTraits::kWarp;
   const float kNegInf = -__int_as_float(0x7f800000);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the attention kernel (split-KV combine): wait until
   // its partials are complete and visible. A no-op for an ordinary launch.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  wait_previous_grid();
+  allow_next_grid();
   const int lane = threadIdx.x % kWarp;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (row >= p.batch * p.seqlen_q * p.heads) return;
