@@ -9,10 +9,11 @@ Metric: K+V bytes / time (TB/s), timed with CUDA events around many calls issued
 The read ceiling (sum of a 4 GiB bf16 tensor) is measured in the same run; the target is every
 flashcore cell >= cuDNN and >= 95% of that ceiling. --sweep also times explicit split counts
 (num_splits) per cell, to tune the split heuristic; --profile splits each flashcore cell's time
-into its kernels (torch.profiler: attention vs combine, and the launch gaps).
+into its kernels (torch.profiler: attention vs combine, and the launch gaps); --base-lib times
+another build of the library (e.g. the last commit's) on every flashcore cell in the same process.
 
 Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5] [--sweep]
-                                    [--profile]
+                                    [--profile] [--base-lib OTHER/libflashcore.so]
 """
 import argparse
 import ctypes
@@ -176,9 +177,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time explicit num_splits values")
     ap.add_argument("--profile", action="store_true", help="also print each flashcore cell's kernel times")
+    ap.add_argument("--base-lib", default="",
+                    help="another build of libflashcore.so (e.g. the last commit's) timed on every flashcore cell too")
     a = ap.parse_args()
     lib = ctypes.CDLL(a.lib)
     lib.fc_last_error.restype = ctypes.c_char_p
+    base_lib = None
+    if a.base_lib:
+        base_lib = ctypes.CDLL(a.base_lib)
+        base_lib.fc_last_error.restype = ctypes.c_char_p
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     ceiling = read_ceiling(a.iters, a.repeats)
@@ -186,6 +193,7 @@ def main():
     rows = []
     sweep_lines = []
     profile_lines = []
+    base_lines = []
     for batch, kv_len in CELLS:
         q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -207,6 +215,11 @@ def main():
                 profile_lines.append(f"profile {batch}x{kv_len} {name} (splits {info.get('splits')}): "
                                      + kernel_breakdown(call))
                 print(profile_lines[-1], flush=True)
+            if base_lib:
+                base_call = flashcore_call(base_lib, batch, kv_len, page, q, k, v, out, keep)
+                base_lines.append(f"base-lib {batch}x{kv_len} {name}: "
+                                  f"{time_tbps(base_call, nbytes, a.iters, a.repeats):.2f}")
+                print(base_lines[-1], flush=True)
             if a.sweep:
                 rates = []
                 for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 66):
@@ -226,7 +239,7 @@ def main():
     print("-|-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    for line in profile_lines + sweep_lines:
+    for line in profile_lines + sweep_lines + base_lines:
         print(line)
     print(f"read ceiling (sum of 4 GiB bf16, same run): {ceiling:.2f} TB/s; 95% = {0.95 * ceiling:.2f} TB/s")
     print("TB/s = K+V bytes / time; target: every flashcore cell >= cuDNN and >= 95% of the read bandwidth")
