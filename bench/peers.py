@@ -60,9 +60,18 @@ def left():
     return args.budget - (time.time() - T0)
 
 
-def bench_ms(fn, warmup=3, rep=10):
-    for _ in range(warmup):
+def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
+    # Warm up for a while, not just a few calls. With 3 calls, the first implementation timed in
+    # a cell after the host-side pause between cells (flashcore) came out low in the first
+    # (S=512) cell of each head dim: d128 fwd+bwd 0.80x FA2 here, where the back-to-back event
+    # timing of dev/backward_breakdown.py had it 1.17x ahead.
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup or time.perf_counter() - t0 < warm_s:
         fn()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()

@@ -15,5 +15,7 @@ int compiled_head_dim_bucket(int64_t head_dim);
 
 /** Multiprocessors of a device, or `fallback` when the query fails (the error is cleared). */
 int multiprocessor_count(int device_id, int fallback);
+/** What the Hopper launchers assume when the SM-count query fails (H100 SXM). */
+inline constexpr int kFallbackSmCount = 132;
 
 }  // namespace flashcore::cuda

@@ -68,6 +68,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -77,6 +78,7 @@
 #include "api/params.hpp"
 #include "api/status.hpp"
 #include "common/mask.hpp"
+#include "cuda/build_config.hpp"  // multiprocessor_count
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
@@ -156,7 +158,7 @@ struct BackwardTraits {
   static constexpr uint32_t kLseOffset = kPOffset + 2 * kPBytes;  // per stage: kBlockM rows
   static constexpr uint32_t kDsumOffset = kLseOffset + kStages * kStatBytes;
   static constexpr uint32_t kBarrierOffset = kDsumOffset + kStages * kStatBytes;
-  static constexpr int kBarriers = 1 + 2 * kStages;
+  static constexpr int kBarriers = 2 + 2 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets");
@@ -191,6 +193,7 @@ struct BackwardKernelArgs {
   BackwardParams params;
   sm80::bwd::BackwardWorkspacePtrs ws;
   int num_key_blocks;
+  int num_tiles;  // key blocks x KV heads x batch; the persistent grid strides over them
 };
 
 template <class T>
@@ -216,6 +219,7 @@ struct BackwardSmem {
   __device__ uint64_t* kv_full() const { return bars; }
   __device__ uint64_t* q_full(int s) const { return bars + 1 + s; }
   __device__ uint64_t* q_empty(int s) const { return bars + 1 + T::kStages + s; }
+  __device__ uint64_t* kv_empty() const { return bars + 1 + 2 * T::kStages; }
 };
 
 /** The CTA's key block and the query steps it walks, resolved identically by both roles. Row
@@ -242,11 +246,21 @@ struct KeyBlockWork {
   }
 };
 
+/** Whether the grid is persistent (see launch_main). Without a window every key block costs the
+ *  same and a persistent CTA per SM striding over the tiles loads each next tile under the last
+ *  one; under a causal or local mask the costs differ per key block, and a static stride left
+ *  some CTAs the heavy halves of the heads (causal fwd+bwd d256 S = 8192: 302 -> 179 TFLOP/s;
+ *  heaviest-first bands taken in snake order still gave 267), so those calls launch one CTA per
+ *  tile and let the hardware balance them. */
+__host__ __device__ __forceinline__ bool persistent_grid(const BackwardParams& p) {
+  return p.window_left < 0 && p.window_right < 0;
+}
+
 template <class T>
-__device__ KeyBlockWork resolve_key_block(const BackwardParams& p, int num_key_blocks) {
+__device__ KeyBlockWork resolve_key_block(const BackwardParams& p, int num_key_blocks, int tile) {
   KeyBlockWork w;
-  const int n_block = static_cast<int>(blockIdx.x % num_key_blocks);  // fastest: CTAs running
-  const int head_batch = static_cast<int>(blockIdx.x / num_key_blocks);  // together share Q / dO in L2
+  const int n_block = tile % num_key_blocks;     // fastest: tiles running together share one
+  const int head_batch = tile / num_key_blocks;  // head's Q and dO in L2
   w.kv_head = head_batch % static_cast<int>(p.heads_kv);
   w.batch = head_batch / static_cast<int>(p.heads_kv);
   w.n0 = n_block * T::kBlockN;
@@ -269,28 +283,45 @@ __device__ KeyBlockWork resolve_key_block(const BackwardParams& p, int num_key_b
   return w;
 }
 
-/** The producer thread: K and V once, then Q, dO and the row statistics of every query step. */
+/** Where a tile's pipeline state starts, the same in every role: the CTA-wide index of its first
+ *  query step (stages, their parities and the dS / P buffers run on across tiles) and how many
+ *  earlier tiles loaded K and V (the phase of kv_full / kv_empty). */
+struct TileCursor {
+  int first_step = 0;
+  int kv_loads = 0;
+  __device__ void advance(const KeyBlockWork& w) {
+    first_step += w.steps;
+    kv_loads += w.steps > 0 ? 1 : 0;
+  }
+};
+
+/** The producer thread, one tile: Q, dO and the row statistics of every query step, and K and V
+ *  once. The first step's Q and dO go out before K and V, whose buffers the consumers may still
+ *  be reading for the previous tile (kv_empty), so they load under that tile's last step. */
 template <class T>
-__device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w) {
+__device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
+                        const TileCursor& at) {
   const BackwardParams& p = args.params;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int32_t bc = varlen ? 0 : static_cast<int32_t>(w.batch);
   const int32_t hk = static_cast<int32_t>(w.kv_head);
   if (w.steps == 0) return;  // no query sees these keys: dK = dV = 0, nothing to load
-  ptx::tma_prefetch_tensor_map(&args.map_q);
-  ptx::tma_prefetch_tensor_map(&args.map_do);
-  ptx::tma_prefetch_tensor_map(&args.map_lse);
-  ptx::tma_prefetch_tensor_map(&args.map_dsum);
-  const int32_t k_row = w.k_start + w.n0;
-  ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
+  const auto load_kv = [&]() {
+    // A fresh barrier counts as having completed the phase before phase 0: the first wait passes.
+    ptx::mbarrier_wait_parity(sm.kv_empty(), static_cast<uint32_t>(at.kv_loads & 1) ^ 1);
+    const int32_t k_row = w.k_start + w.n0;
+    ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
 #pragma unroll
-  for (int c = 0; c < T::kChunks; ++c) {
-    ptx::tma_load_4d(sm.k_ptr() + c * T::kKvChunkBytes, &args.map_k, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
-    ptx::tma_load_4d(sm.v_ptr() + c * T::kKvChunkBytes, &args.map_v, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
-  }
+    for (int c = 0; c < T::kChunks; ++c) {
+      ptx::tma_load_4d(sm.k_ptr() + c * T::kKvChunkBytes, &args.map_k, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
+      ptx::tma_load_4d(sm.v_ptr() + c * T::kKvChunkBytes, &args.map_v, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
+    }
+  };
   for (int step = 0; step < w.steps; ++step) {
-    const int stage = step % T::kStages;
-    const uint32_t parity = static_cast<uint32_t>(step / T::kStages) & 1;
+    if (step == 1) load_kv();
+    const int g = at.first_step + step;
+    const int stage = g % T::kStages;
+    const uint32_t parity = static_cast<uint32_t>(g / T::kStages) & 1;
     // A fresh barrier counts as having completed the phase before phase 0: the first waits pass.
     ptx::mbarrier_wait_parity(sm.q_empty(stage), parity ^ 1);
     const int32_t q_row = w.q_start + w.m0_of(step, T::kBlockM);
@@ -310,6 +341,7 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
                        q_row, hq, bc);
     }
   }
+  if (w.steps == 1) load_kv();
 }
 
 /** S^T (or dP^T) = A B^T over the head dim: A = the 64 rows of K or V from block row a_row0,
@@ -529,25 +561,35 @@ __device__ __forceinline__ void release_stage(uint64_t* bar) {
 
 /** This consumer's dQ piece of one step into the fp32 accumulator (vector atomics). Piece element
  *  i: row 16 * warp + group + 8 * ((i % 4) / 2), column 8 * (i / 4) + 2 * quad + i % 2, offset by
- *  the consumer's rows (kDqSplitRows) or columns. */
+ *  the consumer's rows (kDqSplitRows) or columns. Lanes quad and quad ^ 1 swap one column pair per
+ *  two 8-column groups, so that each holds 4 consecutive columns: one 16-byte red per 4 values
+ *  instead of two 8-byte ones (same L2 sectors, half the instructions). */
 template <class T>
 __device__ __forceinline__ void add_dq_piece(const BackwardKernelArgs& args, const KeyBlockWork& w, int step,
                                              const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
                                              int warp, int group, int quad) {
+  static_assert(T::kDqCols % 16 == 0, "pairs of 8-column groups");
   const BackwardParams& p = args.params;
   const int m0 = w.m0_of(step, T::kBlockM);
   const int row_off = T::kDqSplitRows ? consumer * T::kDqRows : 0;
   const int col_off = T::kDqSplitRows ? 0 : consumer * T::kDqCols;
   const int64_t h = w.head_of(step);
+  const bool odd = quad & 1;
   float* dq_rows = args.ws.dq_accum + (h * p.total_q + w.q_row0 + m0) * T::kHeadDim;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row_off + warp * 16 + group + 8 * half;
-    if (m0 + row >= w.seqlen_q) continue;  // no such query (or the next sequence's)
-    float* dst_row = dq_rows + static_cast<int64_t>(row) * T::kHeadDim + col_off + 2 * quad;
+    const bool present = m0 + row < w.seqlen_q;  // else no such query (or the next sequence's)
+    // Even lanes keep group j's pair and take the partner's; odd lanes keep group j + 1's.
+    float* dst_row = dq_rows + static_cast<int64_t>(row) * T::kHeadDim + col_off + 2 * (quad & ~1);
 #pragma unroll
-    for (int j = 0; j < T::kDqCols / 8; ++j) {
-      atomicAdd(reinterpret_cast<float2*>(dst_row + 8 * j), make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+    for (int j = 0; j < T::kDqCols / 8; j += 2) {
+      const float2 a = make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+      const float2 b = make_float2(dq[4 * (j + 1) + 2 * half], dq[4 * (j + 1) + 2 * half + 1]);
+      const float2 give = odd ? a : b;
+      const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, give.x, 1), __shfl_xor_sync(0xffffffffu, give.y, 1));
+      const float4 v = odd ? make_float4(got.x, got.y, b.x, b.y) : make_float4(a.x, a.y, got.x, got.y);
+      if (present) atomicAdd(reinterpret_cast<float4*>(dst_row + 8 * (j + (odd ? 1 : 0))), v);
     }
   }
 }
@@ -587,10 +629,12 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
  *  producer and the dQ piece to the accumulator. */
 template <class T, bool kWithDq>
 __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
-                                            const KeyBlockWork& w, int step, int ds_buf, int key0, int col0,
-                                            int consumer, float (&dv)[T::kColsPerConsumer / 2],
+                                            const KeyBlockWork& w, const TileCursor& at, int step, int key0,
+                                            int col0, int consumer, float (&dv)[T::kColsPerConsumer / 2],
                                             float (&dk)[T::kColsPerConsumer / 2]) {
-  const int stage = step % T::kStages;
+  const int g = at.first_step + step;
+  const int stage = g % T::kStages;
+  const int ds_buf = g & 1;
   issue_from_key_tile<T>(dk, sm.ds_addr(ds_buf), sm.q_addr(stage), key0, col0);
   float dq[T::kDqRows * T::kDqCols / 128];
   if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(ds_buf), sm.k_addr(), consumer);
@@ -599,6 +643,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
   ptx::wgmma_fence_operands(dv);
   ptx::wgmma_fence_operands(dk);
   release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
+  if (step == w.steps - 1) release_stage(sm.kv_empty());  // and, at the tile's last step, K and V
   if constexpr (kWithDq) {
     ptx::wgmma_fence_operands(dq);
     const int t = static_cast<int>(ptx::thread_in_warpgroup());
@@ -612,7 +657,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
  *  (d128). */
 template <class T, bool kWithDq>
 __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
-                        int consumer) {
+                        const TileCursor& at, int consumer) {
   const BackwardParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
@@ -626,12 +671,13 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), 0);
+  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), static_cast<uint32_t>(at.kv_loads & 1));
   for (int step = 0; step < w.steps; ++step) {
-    const int stage = step % T::kStages;
-    const int ds_buf = step & 1;
+    const int g = at.first_step + step;  // CTA-wide: stages and dS buffers run on across tiles
+    const int stage = g % T::kStages;
+    const int ds_buf = g & 1;
     const int m0 = w.m0_of(step, T::kBlockM);
-    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(step / T::kStages) & 1);
+    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(g / T::kStages) & 1);
 
     float s[T::kBlockM / 2], dp[T::kBlockM / 2];
     ptx::wgmma_fence();
@@ -672,7 +718,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::wgmma_commit_group();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
-    finish_step<T, kWithDq>(args, sm, w, step, ds_buf, consumer * T::kKeysPerConsumer, 0, consumer, dv, dk);
+    finish_step<T, kWithDq>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dv, dk);
   }
   store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
 }
@@ -691,7 +737,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
  *  buffer at step i + 2 only after a barrier the other consumer reaches once its step-i wgmmas
  *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2). */
 template <class T, bool kWithDq, int kConsumer>
-__device__ void consume_split_roles(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w) {
+__device__ void consume_split_roles(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
+                                    const TileCursor& at) {
   constexpr uint32_t kPReady = 2, kDsReady = 3;
   constexpr int consumer = kConsumer;  // a template parameter: no wgmma under a run-time branch
   const BackwardParams& p = args.params;
@@ -707,13 +754,14 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), 0);
+  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), static_cast<uint32_t>(at.kv_loads & 1));
   for (int step = 0; step < w.steps; ++step) {
-    const int stage = step % T::kStages;
-    const int buf = step & 1;
+    const int g = at.first_step + step;  // CTA-wide: stages and P / dS buffers run on across tiles
+    const int stage = g % T::kStages;
+    const int buf = g & 1;
     const int m0 = w.m0_of(step, T::kBlockM);
     const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
-    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(step / T::kStages) & 1);
+    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(g / T::kStages) & 1);
 
     float x[T::kBlockM / 2];  // S^T (consumer 0) or dP^T (consumer 1)
     ptx::wgmma_fence();
@@ -775,7 +823,7 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       ptx::wgmma_fence();
       issue_from_key_tile<T>(dv, sm.p_addr(buf), sm.do_addr(stage), 0, col0);
     }
-    finish_step<T, kWithDq>(args, sm, w, step, buf, 0, col0, consumer, dv, dk);
+    finish_step<T, kWithDq>(args, sm, w, at, step, 0, col0, consumer, dv, dk);
   }
   store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
 }
@@ -792,11 +840,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
   sm.addr = raw_addr + pad;
   sm.bars = reinterpret_cast<uint64_t*>(sm.base + T::kBarrierOffset);
 
-  const KeyBlockWork w = resolve_key_block<T>(args.params, args.num_key_blocks);
-  if (w.n0 >= w.seqlen_k) return;  // past this sequence's keys (varlen): nothing to own
-
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(sm.kv_full(), 1);
+    ptx::mbarrier_init(sm.kv_empty(), T::kConsumerWarps);
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(sm.q_full(s), 1);
       ptx::mbarrier_init(sm.q_empty(s), T::kConsumerWarps);
@@ -805,20 +851,37 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
   }
   __syncthreads();
 
+  // Every role walks the same tiles in the same order (the grid is persistent and strides over
+  // them) and advances the same cursor, so stages, buffers and barrier phases agree.
+  const auto for_each_tile = [&](auto&& body) {
+    TileCursor at;
+    for (int tile = static_cast<int>(blockIdx.x); tile < args.num_tiles; tile += static_cast<int>(gridDim.x)) {
+      const KeyBlockWork w = resolve_key_block<T>(args.params, args.num_key_blocks, tile);
+      if (w.n0 >= w.seqlen_k) continue;  // past this sequence's keys (varlen): nothing to own
+      body(w, at);
+      at.advance(w);
+    }
+  };
   const uint32_t warpgroup = ptx::warpgroup_index();
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<T::kProducerRegisters>();
-    if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) produce<T>(args, sm, w);
+    if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) {
+      for (const CUtensorMap* map : {&args.map_q, &args.map_do, &args.map_lse, &args.map_dsum, &args.map_k, &args.map_v}) {
+        ptx::tma_prefetch_tensor_map(map);
+      }
+      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { produce<T>(args, sm, w, at); });
+    }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
     if constexpr (T::kSplitRoles) {
       if (warpgroup == 1) {
-        consume_split_roles<T, kWithDq, 0>(args, sm, w);
+        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume_split_roles<T, kWithDq, 0>(args, sm, w, at); });
       } else {
-        consume_split_roles<T, kWithDq, 1>(args, sm, w);
+        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume_split_roles<T, kWithDq, 1>(args, sm, w, at); });
       }
     } else {
-      consume<T, kWithDq>(args, sm, w, static_cast<int>(warpgroup) - 1);
+      const int consumer = static_cast<int>(warpgroup) - 1;
+      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume<T, kWithDq>(args, sm, w, at, consumer); });
     }
   }
 }
@@ -836,6 +899,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   args.params = p;
   args.ws = ws;
   args.num_key_blocks = static_cast<int>(num_key_blocks);
+  args.num_tiles = static_cast<int>(ctas);
   const bool varlen = p.is_varlen();
   const TmaElement element = tma_element_of<typename T::Element>();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
@@ -877,7 +941,13 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   if (err != cudaSuccess) {
     return Status::cuda(std::string("cuda_sm90 backward: cannot reserve shared memory: ") + cudaGetErrorString(err));
   }
-  kernel<<<static_cast<unsigned>(ctas), T::kThreads, T::kSmemBytes, stream>>>(args);
+  // Persistent (persistent_grid): one CTA per SM (the shared memory allows no second), each
+  // walking tiles blockIdx.x, + gridDim.x, ...: the next tile's Q, dO, K and V load under the
+  // current one's last step and epilogue instead of after a fresh CTA starts (fwd+bwd d256
+  // S = 512: 139 -> 179 TFLOP/s). Otherwise one CTA per tile.
+  const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
+  const int64_t grid = persistent_grid(p) ? std::min<int64_t>(ctas, sm_count) : ctas;
+  kernel<<<static_cast<unsigned>(grid), T::kThreads, T::kSmemBytes, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess) return Status::cuda(std::string("cuda_sm90 backward launch failed: ") + cudaGetErrorString(err));
   return Status::ok();

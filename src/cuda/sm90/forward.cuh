@@ -99,7 +99,6 @@
 namespace flashcore::cuda::sm90 {
 
 using forward_params_t = AttentionParams;
-constexpr int kFallbackSmCount = 132;  // H100 SXM, when the attribute query fails
 using sm80::ElementOps;
 using sm80::fast_exp2;
 using sm80::kLn2;
