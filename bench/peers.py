@@ -246,21 +246,31 @@ def cpu_path():
             q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
 
-            def t(fn, n=3):
-                fn()
-                ts = []
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
-                return sorted(ts)[n // 2] * 1e3
-
             f = flops(b, h, s, d, causal, "fwd")
-            ms_fc = t(lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads))
             with torch.no_grad():
-                ms_pt = t(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                ms_fc, ms_pt = _interleaved_ms(
+                    [lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads),
+                     lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)])
             emit(kind="cpu", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
                  flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+
+
+def _interleaved_ms(fns, seconds=2.0, max_pairs=25):
+    """Median ms per call of each function, timed in alternation (a, b, a, b, ...) so that a
+    slow spell of a shared machine hits both alike; back-to-back blocks of 3 calls each moved one
+    side's median by 10% from run to run on the 2-core development VM."""
+    for fn in fns:
+        fn()
+    t0 = time.perf_counter()
+    fns[0]()
+    pairs = max(5, min(max_pairs, int(seconds / max(time.perf_counter() - t0, 1e-4) / len(fns))))
+    times = [[] for _ in fns]
+    for _ in range(pairs):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [sorted(ts)[len(ts) // 2] * 1e3 for ts in times]
 
 
 def plot():

@@ -36,19 +36,30 @@
 // computes S^T and P^T, consumer 1 dP^T and dS^T, and each adds 128 head-dim columns of dV, dK
 // and dQ; P^T goes through shared memory too (named barriers 2 and 3 there).
 //
+// ---- Grid ----------------------------------------------------------------------------------------
+// A tile is (key block, KV head, batch entry), key block fastest. Without a window the grid is
+// persistent: min(tiles, SMs) CTAs, CTA c taking tiles c, c + gridDim.x, ...; every role walks the
+// same tiles and keeps the same TileCursor, so query steps are numbered CTA-wide (stages, their
+// parities and the dS / P buffers run on from tile to tile) and K / V loads are counted. Under a
+// causal or local mask the tiles' costs differ and the grid is one CTA per tile (see
+// persistent_grid).
+//
 // ---- Pipeline -------------------------------------------------------------------------------------
-//  kv_full:             K and V (TMA, one phase, armed once).
+//  kv_full/kv_empty:    K and V of a tile (TMA; phase = the count of earlier tiles that loaded
+//                       them). Every consumer warp arrives on kv_empty once the wgmmas of the
+//                       tile's last step completed; the producer issues the next tile's first Q
+//                       and dO, then waits on kv_empty before loading its K and V.
 //  q_full[s]/q_empty[s]: Q, dO and the rows' lse_log2 and D (TMA, one producer thread; the
 //                       statistics through 1-row fp32 maps of the workspace) of query step i in
 //                       stage s = i % kStages; every consumer warp arrives on q_empty once the
 //                       wgmmas that read the stage have completed. (Ordinary stores of the
 //                       statistics by the producer, published by the mbarrier arrive, are just as
 //                       correct, but compute-sanitizer's racecheck does not follow that ordering.)
-//  named barrier 1:     (d64 / d128) the 256 consumer threads, after both halves of dS^T are stored (and
-//                       fenced to the async proxy) and before either reads them in the dQ wgmma.
-//                       dS is double-buffered by step parity: a consumer can only write step
-//                       i + 2's dS after passing step i + 1's barrier, which the other consumer
-//                       reaches only after its dQ wgmma of step i completed.
+//  named barrier 1:     (d64 / d128) the 256 consumer threads, after both halves of dS^T are
+//                       stored (and fenced to the async proxy) and before either reads them in
+//                       the dQ wgmma. dS is double-buffered by step parity: a consumer can only
+//                       write step i + 2's dS after passing step i + 1's barrier, which the other
+//                       consumer reaches only after its dQ wgmma of step i completed.
 //
 // ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) -------------------------------
 // Q, dO, K, V are stored as TMA writes them: d/64 column chunks of [rows][128 bytes]. That one
