@@ -304,6 +304,19 @@ struct TileCursor {
     first_step += w.steps;
     kv_loads += w.steps > 0 ? 1 : 0;
   }
+  /** Where step `step` of the tile lives: its Q / dO stage, that stage's mbarrier parity, and
+   *  its dS (and P) buffer. */
+  struct Slot {
+    int stage;
+    uint32_t parity;
+    int buf;
+  };
+  template <class T>
+  __device__ Slot slot(int step) const {
+    const int g = first_step + step;
+    return {g % T::kStages, static_cast<uint32_t>(g / T::kStages) & 1, g & 1};
+  }
+  __device__ uint32_t kv_parity() const { return static_cast<uint32_t>(kv_loads & 1); }
 };
 
 /** The producer thread, one tile: Q, dO and the row statistics of every query step, and K and V
@@ -319,7 +332,7 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   if (w.steps == 0) return;  // no query sees these keys: dK = dV = 0, nothing to load
   const auto load_kv = [&]() {
     // A fresh barrier counts as having completed the phase before phase 0: the first wait passes.
-    ptx::mbarrier_wait_parity(sm.kv_empty(), static_cast<uint32_t>(at.kv_loads & 1) ^ 1);
+    ptx::mbarrier_wait_parity(sm.kv_empty(), at.kv_parity() ^ 1);
     const int32_t k_row = w.k_start + w.n0;
     ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
 #pragma unroll
@@ -330,11 +343,10 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   };
   for (int step = 0; step < w.steps; ++step) {
     if (step == 1) load_kv();
-    const int g = at.first_step + step;
-    const int stage = g % T::kStages;
-    const uint32_t parity = static_cast<uint32_t>(g / T::kStages) & 1;
+    const TileCursor::Slot slot = at.slot<T>(step);
+    const int stage = slot.stage;
     // A fresh barrier counts as having completed the phase before phase 0: the first waits pass.
-    ptx::mbarrier_wait_parity(sm.q_empty(stage), parity ^ 1);
+    ptx::mbarrier_wait_parity(sm.q_empty(stage), slot.parity ^ 1);
     const int32_t q_row = w.q_start + w.m0_of(step, T::kBlockM);
     const int32_t hq = w.head_of(step);
     // Statistics of rows h * total_q + q_row0 + m0 + [0, kBlockM) (backward_api.cu keeps the index
@@ -643,12 +655,11 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
                                             int col0, int consumer, float (&dv)[T::kColsPerConsumer / 2],
                                             float (&dk)[T::kColsPerConsumer / 2]) {
-  const int g = at.first_step + step;
-  const int stage = g % T::kStages;
-  const int ds_buf = g & 1;
-  issue_from_key_tile<T>(dk, sm.ds_addr(ds_buf), sm.q_addr(stage), key0, col0);
+  const TileCursor::Slot slot = at.slot<T>(step);
+  const int stage = slot.stage;
+  issue_from_key_tile<T>(dk, sm.ds_addr(slot.buf), sm.q_addr(stage), key0, col0);
   float dq[T::kDqRows * T::kDqCols / 128];
-  if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(ds_buf), sm.k_addr(), consumer);
+  if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
   ptx::wgmma_commit_group();
   ptx::wgmma_wait_group<0>();
   ptx::wgmma_fence_operands(dv);
@@ -682,13 +693,11 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), static_cast<uint32_t>(at.kv_loads & 1));
+  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), at.kv_parity());
   for (int step = 0; step < w.steps; ++step) {
-    const int g = at.first_step + step;  // CTA-wide: stages and dS buffers run on across tiles
-    const int stage = g % T::kStages;
-    const int ds_buf = g & 1;
+    const auto [stage, parity, ds_buf] = at.slot<T>(step);  // run on across tiles
     const int m0 = w.m0_of(step, T::kBlockM);
-    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(g / T::kStages) & 1);
+    ptx::mbarrier_wait_parity(sm.q_full(stage), parity);
 
     float s[T::kBlockM / 2], dp[T::kBlockM / 2];
     ptx::wgmma_fence();
@@ -765,14 +774,12 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), static_cast<uint32_t>(at.kv_loads & 1));
+  if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), at.kv_parity());
   for (int step = 0; step < w.steps; ++step) {
-    const int g = at.first_step + step;  // CTA-wide: stages and P / dS buffers run on across tiles
-    const int stage = g % T::kStages;
-    const int buf = g & 1;
+    const auto [stage, parity, buf] = at.slot<T>(step);  // run on across tiles
     const int m0 = w.m0_of(step, T::kBlockM);
     const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
-    ptx::mbarrier_wait_parity(sm.q_full(stage), static_cast<uint32_t>(g / T::kStages) & 1);
+    ptx::mbarrier_wait_parity(sm.q_full(stage), parity);
 
     float x[T::kBlockM / 2];  // S^T (consumer 0) or dP^T (consumer 1)
     ptx::wgmma_fence();
