@@ -6,12 +6,18 @@
 #
 # usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none] [--budget S]
 #                               [--filter GTEST_FILTER] [--bench-args "ARGS for bench/peers.py"]
-#                               [--pytest yes|no] [--decode yes|no]
+#                               [--pytest yes|no] [--decode yes|no] [--test-timeout S]
+#
+# One call must finish inside the device tool's 10 minutes. The whole CUDA suite no longer does
+# with a benchmark beside it (the backward grids alone took ~330 s on an H100 in session 4, both
+# backends): split it over calls with --filter, e.g. '*sm80*',
+# '*sm90*:*Sm90*:CudaRaces*:CudaSanitizer*:*SmallGrids*' and 'CudaKvCache*:CudaMergePartials*',
+# and raise --test-timeout (default 420 s) when one filter needs more.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none]}
 shift
-BENCH=quick TESTS=all BUDGET=300 FILTER='*' BENCH_ARGS= PYTEST=yes DECODE=yes
+BENCH=quick TESTS=all BUDGET=300 FILTER='*' BENCH_ARGS= PYTEST=yes DECODE=yes TEST_TIMEOUT=420
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) BENCH=$2; shift 2 ;;
@@ -21,6 +27,7 @@ while [ $# -gt 0 ]; do
     --bench-args) BENCH_ARGS=$2; shift 2 ;;
     --pytest) PYTEST=$2; shift 2 ;;
     --decode) DECODE=$2; shift 2 ;;
+    --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -64,7 +71,7 @@ if [ "$TESTS" = all ]; then
   fi
   note "smoke (small cases): rc=$rc ($(el))"
   # timeouts: a hung kernel (e.g. a pipeline barrier never completing) must not eat the whole call
-  timeout 420 build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >>"$OUTDIR/tests.log" 2>&1
+  timeout "$TEST_TIMEOUT" build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >>"$OUTDIR/tests.log" 2>&1
   note "cuda tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED  \]' "$OUTDIR/tests.log" | head -20 | tee -a "$SUM"
   if [ -x build-gpu/tests/cuda/sm90/flashcore_sm90_primitive_tests ]; then
