@@ -41,6 +41,8 @@ ap.add_argument("--budget", type=float, default=420.0, help="seconds for the who
 ap.add_argument("--dtype", default="bf16", help="grid dtypes, comma-separated (bf16,fp16)")
 ap.add_argument("--cpu-only", action="store_true", help="only the CPU comparison (no GPU needed)")
 ap.add_argument("--hdims", default="64,128,256", help="training-grid head dims, comma-separated")
+ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384",
+                help="training-grid sequence lengths, comma-separated")
 ap.add_argument("--threads", default="2,16", help="CPU thread counts to compare, comma-separated")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
@@ -116,7 +118,7 @@ def grid_cells():
     cells = []
     for d in (int(x) for x in args.hdims.split(",") if x):
         for causal in (False, True):
-            for s in (512, 1024, 2048, 4096, 8192, 16384):
+            for s in [int(x) for x in args.seqlens.split(",")]:
                 cells.append((16384 // s, 2048 // d, s, d, causal))
     if args.quick:
         cells = [c for c in cells if c[2] in (1024, 8192) and c[3] in (64, 128)]

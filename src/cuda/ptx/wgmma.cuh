@@ -135,9 +135,14 @@ __host__ __device__ constexpr uint64_t make_smem_desc(uint32_t smem_byte_addr, S
          (uint64_t(static_cast<uint32_t>(s)) << T::kDescSwizzleBit);
 }
 
-/** Moves a descriptor's start address by `byte_delta` (multiple of 16), as a k-loop does. */
+/** Moves a descriptor's start address by `byte_delta` (multiple of 16), as a k-loop does. The add
+ *  touches the low 32 bits only: the start-address field cannot carry into the LBO field as long
+ *  as the operand ends below 256 KiB, which every shared-memory address does. A kernel that builds
+ *  the descriptor of a tile's base once and advances it per wgmma pays one uniform add per wgmma
+ *  instead of the shift / mask / or of a full make_smem_desc (about 10 uniform instructions). */
 __host__ __device__ constexpr uint64_t advance_smem_desc(uint64_t desc, uint32_t byte_delta) {
-  return desc + (uint64_t(byte_delta) >> WgmmaTraits::kDescEncodeShift);
+  const uint32_t lo = static_cast<uint32_t>(desc) + (byte_delta >> WgmmaTraits::kDescEncodeShift);
+  return (desc & 0xffffffff00000000ull) | lo;
 }
 
 /** An operand tile stored K-major (K contiguous): mn_extent x k_extent elements. */
@@ -179,9 +184,12 @@ struct KMajorTile {
     return k0 / WgmmaTraits::kCoreRowElems * k_block_bytes() +
            mn0 / WgmmaTraits::kCoreRows * WgmmaTraits::kCoreBytes;
   }
-  /** Descriptor of the wgmma operand starting at (mn0, k0) of a tile placed at smem_base. */
+  /** Descriptor of the wgmma operand starting at (mn0, k0) of a tile placed at smem_base: the
+   *  base's descriptor advanced by the slice offset, so that the base part is common to every
+   *  wgmma of an unrolled k-loop and each one costs a single add. */
   __host__ __device__ constexpr uint64_t desc(uint32_t smem_base, uint32_t mn0, uint32_t k0) const {
-    return make_smem_desc(smem_base + slice_offset(mn0, k0), swizzle, lbo_bytes(), sbo_bytes());
+    return advance_smem_desc(make_smem_desc(smem_base, swizzle, lbo_bytes(), sbo_bytes()),
+                             slice_offset(mn0, k0));
   }
 };
 
@@ -225,8 +233,10 @@ struct MnMajorTile {
     return k0 / WgmmaTraits::kCoreRows * k_group_bytes() +
            mn0 / WgmmaTraits::kCoreRowElems * WgmmaTraits::kCoreBytes;
   }
+  /** As KMajorTile::desc: the base's descriptor advanced by the slice offset. */
   __host__ __device__ constexpr uint64_t desc(uint32_t smem_base, uint32_t mn0, uint32_t k0) const {
-    return make_smem_desc(smem_base + slice_offset(mn0, k0), swizzle, lbo_bytes(), sbo_bytes());
+    return advance_smem_desc(make_smem_desc(smem_base, swizzle, lbo_bytes(), sbo_bytes()),
+                             slice_offset(mn0, k0));
   }
 };
 

@@ -145,12 +145,20 @@ struct ForwardTraits {
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
+  // The epilogue stages O in shared memory and stores it with TMA where there is room for it
+  // (d64, d128); d256 stores from registers.
+  static constexpr bool kStageO = kHeadDim <= 128;
+  static constexpr uint32_t kOChunkBytes = kRowsPerConsumer * kSwizzleBytes;  // one consumer's box
+  static constexpr uint32_t kOBytesPerConsumer = kChunks * kOChunkBytes;
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
-  static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kTileBytes;
+  static constexpr uint32_t kOOffset = kVOffset + kStages * kTileBytes;
+  static constexpr uint32_t kBarrierOffset =
+      kOOffset + (kStageO ? kConsumers * kOBytesPerConsumer : 0);
   static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block on sm_90");
 
   static_assert(kHeadDim % kChunkCols == 0, "head dim buckets are multiples of 64");
   static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "wgmma N");
@@ -184,8 +192,9 @@ using cuda::ScoreTransform;
 using cuda::ScopedDevice;
 
 struct ForwardKernelArgs {
-  CUtensorMap map_q, map_k, map_v;  // first: 64-byte aligned members
+  CUtensorMap map_q, map_k, map_v, map_o;  // first: 64-byte aligned members
   AttentionParams params;
+  bool store_o_with_tma;  // the traits stage O and `out` is TMA-addressable (map_o is valid)
   int num_m_blocks;
   int tiles_per_item;  // 2: pairs of query blocks (see for_each_tile); 1: single blocks
   int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
@@ -206,6 +215,9 @@ struct SmemPlan {
   __device__ uint8_t* q_ptr(int q) const { return base + T::kQOffset + q * T::kQBytes; }
   __device__ uint8_t* k_ptr(int s) const { return base + T::kKOffset + s * T::kTileBytes; }
   __device__ uint8_t* v_ptr(int s) const { return base + T::kVOffset + s * T::kTileBytes; }
+  __device__ uint8_t* o_ptr(int consumer) const {
+    return base + T::kOOffset + consumer * T::kOBytesPerConsumer;
+  }
   __device__ uint32_t q_addr(int q) const { return addr + T::kQOffset + q * T::kQBytes; }
   __device__ uint32_t k_addr(int s) const { return addr + T::kKOffset + s * T::kTileBytes; }
   __device__ uint32_t v_addr(int s) const { return addr + T::kVOffset + s * T::kTileBytes; }
@@ -429,6 +441,52 @@ struct IssueTurn {
   }
 };
 
+/** Named barrier of one consumer warpgroup's epilogue (ids 1..kConsumers are the issue turns). */
+template <class T>
+__device__ __forceinline__ void epilogue_barrier(int consumer) {
+  ptx::named_barrier_sync(1 + T::kConsumers + consumer, T::kWarpgroupThreads);
+}
+
+/** The staged epilogue of one consumer: O / l as 16-bit pairs into its shared-memory box
+ *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: the 16-byte unit u of row r sits
+ *  at unit u ^ (r % 8), so the 32 lanes of a store hit 32 distinct banks), then one TMA store per
+ *  chunk by thread 0. The buffer is reused by the next tile only after that thread has seen the
+ *  previous stores finish reading it (bulk async-group), which the first barrier publishes. */
+template <class T>
+__device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
+                                               const BlockWork& w, int consumer,
+                                               const float (&o)[T::kHeadDim / 2],
+                                               const float (&sums)[2], int t) {
+  using Ops = ElementOps<typename T::Element>;
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  if (t == 0) ptx::tma_store_wait_group_read<0>();
+  epilogue_barrier<T>(consumer);
+  uint8_t* buf = sm.o_ptr(consumer);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+    const int row = warp * 16 + group + 8 * r;  // row % 8 == group
+#pragma unroll
+    for (int j = 0; j < T::kHeadDim / 8; ++j) {
+      const uint32_t offset = (j / 8) * T::kOChunkBytes + row * T::kSwizzleBytes +
+                              (((j % 8) ^ group) * 16) + 4 * quad;
+      *reinterpret_cast<uint32_t*>(buf + offset) =
+          Ops::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+  }
+  ptx::fence_proxy_async_shared_cta();  // make the generic-proxy writes visible to TMA
+  epilogue_barrier<T>(consumer);
+  if (t == 0) {
+    const int32_t row0 = static_cast<int32_t>(w.q_row0 + consumer * T::kRowsPerConsumer);
+#pragma unroll
+    for (int c = 0; c < T::kChunks; ++c) {
+      ptx::tma_store_4d(&args.map_o, buf + c * T::kOChunkBytes, c * T::kChunkCols, row0,
+                        static_cast<int32_t>(w.head), static_cast<int32_t>(w.batch_coord));
+    }
+    ptx::tma_store_commit_group();
+  }
+}
+
 /** One consumer warpgroup, for one tile: its 64 rows through every key block, then the epilogue. */
 template <class T>
 __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
@@ -516,39 +574,60 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
     release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
   }
 
-  // Epilogue: O / l rounded to the dtype, 4-byte stores of column pairs; lse from lane quad 0.
+  // Epilogue: O / l rounded to the dtype; lse from lane quad 0.
   using Ops = ElementOps<typename T::Element>;
-  auto* out = static_cast<typename T::Element*>(p.out.data);
+  float sums[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = quad_allreduce_sum(st.sum[r]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t row = row_base + 8 * r;
-    if (row >= w.seq.seqlen_q) continue;
-    const int64_t packed_row = w.seq.q_start + row;
-    typename T::Element* dst = out + offset_of(p.out, w.batch, packed_row, w.head);
+  for (int r = 0; r < 2; ++r) sums[r] = quad_allreduce_sum(st.sum[r]);
+  // Staged: this consumer's 64 rows go to shared memory (the swizzled layout of a TMA box) and one
+  // thread stores them with TMA, which clips rows past the tensor's end (dense) and columns past
+  // head_dim. A varlen block that reaches past its sequence would overwrite the next sequence's
+  // rows, so it takes the direct path.
+  bool staged = false;
+  if constexpr (T::kStageO) {
+    staged = args.store_o_with_tma &&
+             (p.cu_seqlens_q == nullptr || wg_row0 + T::kRowsPerConsumer <= w.seq.seqlen_q);
+  }
+  if (staged) {
+    store_o_staged<T>(args, sm, w, consumer, o, sums, t);
+  } else {
+    // Direct: 4-byte stores of column pairs, row by row.
+    auto* out = static_cast<typename T::Element*>(p.out.data);
 #pragma unroll
-    for (int j = 0; j < T::kHeadDim / 8; ++j) {
-      const int col = 8 * j + 2 * quad;
-      if (col < p.head_dim) {
-        const uint32_t packed = Ops::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        *reinterpret_cast<uint32_t*>(dst + col) = packed;
+    for (int r = 0; r < 2; ++r) {
+      const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+      const int64_t row = row_base + 8 * r;
+      if (row >= w.seq.seqlen_q) continue;
+      typename T::Element* dst = out + offset_of(p.out, w.batch, w.seq.q_start + row, w.head);
+#pragma unroll
+      for (int j = 0; j < T::kHeadDim / 8; ++j) {
+        const int col = 8 * j + 2 * quad;
+        if (col < p.head_dim) {
+          const uint32_t packed = Ops::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+          *reinterpret_cast<uint32_t*>(dst + col) = packed;
+        }
       }
     }
-    if (p.lse.data != nullptr && quad == 0) {
-      const float lse = sum > 0.f ? (st.max[r] * args.exp2_scale + log2f(sum)) * kLn2 : -INFINITY;
+  }
+  if (p.lse.data != nullptr && quad == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row_base + 8 * r;
+      if (row >= w.seq.seqlen_q) continue;
+      const float lse =
+          sums[r] > 0.f ? (st.max[r] * args.exp2_scale + log2f(sums[r])) * kLn2 : -INFINITY;
       p.lse.data[w.batch * p.lse.batch_stride + w.head * p.lse.head_stride +
-                 packed_row * p.lse.row_stride] = lse;
+                 (w.seq.q_start + row) * p.lse.row_stride] = lse;
     }
   }
 }
 
 /** The tiles of this persistent CTA, in order, as both roles must see them. Work item i (CTAs
  *  take items blockIdx.x, blockIdx.x + gridDim.x, ...) is a pair of query blocks of one head:
- *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1,
- *  for problems too small to fill the GPU with pairs). Under a causal mask block m costs m + 1 key
- *  blocks, so every pair costs about the same (M + 1) and a static round-robin keeps the SMs
- *  evenly busy; without a mask the pairing is just an order. Items run head after head, so the
+ *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1:
+ *  masks whose cost does not vary along the query blocks, and problems too small to fill the GPU
+ *  with pairs). Under a causal mask block m costs m + 1 key blocks, so every pair costs about the
+ *  same (M + 1) and a static round-robin keeps the SMs evenly busy. Items run head after head, so the
  *  CTAs working at one time share K/V through L2. Tiles without query rows (varlen) are skipped
  *  by both roles alike. */
 template <class T, class Fn>
@@ -616,6 +695,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const IssueTurn<T> turn{consumer};
     turn.start();
     for_each_tile<T>(args, [&](const BlockWork& w) { consume<T>(args, sm, w, consumer, pc, turn); });
+    // The shared memory a TMA store reads must outlive it.
+    if (T::kStageO && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
   }
 }
 
@@ -632,11 +713,16 @@ Status launch_forward(const forward_params_t& p) {
   ForwardKernelArgs args{};
   args.params = p;
   args.num_m_blocks = static_cast<int>(num_m_blocks);
-  // Pairs only when they still give every SM work: a small problem keeps one block per item
-  // (twice the CTAs), since an idle SM costs more than an uneven one.
+  // Pairs only where the cost of a query block grows (causal) or shrinks with its index (a window
+  // bounded on one side only), and only when they still give every SM work: a small problem keeps
+  // one block per item (twice the CTAs), since an idle SM costs more than an uneven one. Without
+  // such a mask single blocks go in order, so the CTAs working at one time cover every query block
+  // of a head together and read its K/V from DRAM once (pairs read it a second time for the second
+  // block: 1.6x the DRAM bytes at d256 S=512).
   const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
   const int64_t pairs = (num_m_blocks + 1) / 2 * p.heads_q * p.batch;
-  args.tiles_per_item = pairs >= sm_count ? 2 : 1;
+  const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
+  args.tiles_per_item = uneven_cost && pairs >= sm_count ? 2 : 1;
   args.num_items = static_cast<int>(args.tiles_per_item == 2 ? pairs : num_m_blocks * p.heads_q * p.batch);
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
@@ -655,6 +741,13 @@ Status launch_forward(const forward_params_t& p) {
                                   {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
   const Status s = encode_attention_maps(jobs, 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
   if (!s.is_ok()) return s;
+  // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise, and
+  // for d256 (no room to stage), the epilogue stores from registers.
+  if (T::kStageO && tma_addressable(p.out, varlen, p.batch)) {
+    const AttentionMapJob out_job{"out", &p.out, q_rows, p.heads_q, T::kRowsPerConsumer, &args.map_o};
+    args.store_o_with_tma =
+        encode_attention_maps(&out_job, 1, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward").is_ok();
+  }
 
   ScopedDevice device(p.device_id);
   auto* kernel = forward_kernel<T>;

@@ -1,0 +1,42 @@
+"""Summarizes Nsight Compute's SASS source page (CSV, from dev/ncu_sass_hotspots.sh): the
+instructions with the most warp-stall samples, each with the two instructions before it, and the
+share of all samples per opcode.
+usage: python3 dev/ncu_sass_hotspots.py SASS.csv [TOP]"""
+import collections
+import csv
+import sys
+
+path = sys.argv[1]
+top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+with open(path, newline="") as f:
+    rows = list(csv.reader(f))
+head = next(i for i, r in enumerate(rows) if any("Source" == c.strip() for c in r))
+cols = [c.strip() for c in rows[head]]
+body = [r for r in rows[head + 1:] if len(r) == len(cols)]
+src = cols.index("Source")
+addr = next((i for i, c in enumerate(cols) if c.startswith("Address")), None)
+samp = next(i for i, c in enumerate(cols) if c.startswith("Warp Stall Sampling (All"))
+nis = next((i for i, c in enumerate(cols) if c.startswith("Warp Stall Sampling (Not")), samp)
+
+
+def num(x):
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+total = sum(num(r[samp]) for r in body) or 1.0
+print("columns:", "; ".join(cols))
+print("instructions %d, samples %d" % (len(body), total))
+by_op = collections.Counter()
+for r in body:
+    by_op[r[src].split()[0] if r[src].split() else "?"] += num(r[samp])
+print("samples by opcode:", ", ".join("%s %.1f%%" % (k, 100 * v / total) for k, v in by_op.most_common(14)))
+order = sorted(range(len(body)), key=lambda i: -num(body[i][samp]))[:top]
+for i in sorted(order):
+    r = body[i]
+    ctx = " | ".join(body[j][src].strip()[:50] for j in range(max(0, i - 2), i))
+    print("%5.1f%% (not issued %5.1f%%) %s %-60s  after: %s" % (
+        100 * num(r[samp]) / total, 100 * num(r[nis]) / total, r[addr] if addr is not None else i,
+        r[src].strip()[:60], ctx))
