@@ -18,9 +18,10 @@
 //      registers, O += P V (wgmma with P from registers, the "RS" form). The consumers share
 //      each K/V tile and interleave naturally: while one does its softmax (FMA / MUFU pipes) the
 //      other's wgmmas occupy the tensor cores.
-// The grid is persistent (one CTA per SM): the producer loads the next tile's Q and first K/V
-// blocks while the consumers finish the current one. Tiles come in pairs of equal total cost
-// under a causal mask (for_each_tile). Key blocks run from the last to the first, so
+// The grid is persistent (one CTA per SM): the producer loads the next tile's first K/V blocks
+// while the consumers finish the current one, and (d64, d128: two Q slots) the next tile's Q right
+// after the current tile's first key block (produce_all). Tiles come in pairs of equal total cost
+// under a causal mask, in order otherwise (TileWalker). Key blocks run from the last to the first, so
 // the tiles that need per-element masks (the causal diagonal, the partial last block) come first
 // and the rest take the branch-free body.
 //
@@ -47,6 +48,9 @@
 // box of {64, R} with CU_TENSOR_MAP_SWIZZLE_128B writes, and the canonical wgmma layout:
 // KMajorTile{k128B, R, D} for Q (A operand) and K (B operand of Q K^T, K-major), and
 // MnMajorTile{k128B, D, R} for V (B operand of P V, head dim contiguous = MN-major).
+// d64/d128 also stage O there for the epilogue: per consumer, one [64 rows][128 bytes] swizzled box
+// per 64-column chunk, which a TMA store writes out (store_o_staged; the async stores free the
+// consumers and the load/store unit for the next tile, where 4-byte register stores queued up).
 //
 // ---- Fragments (see cuda/ptx/wgmma.cuh) ---------------------------------------------------------
 // Accumulator register i of warpgroup thread t (warp w, g = lane / 4, quad = lane % 4) holds row
@@ -196,7 +200,7 @@ struct ForwardKernelArgs {
   AttentionParams params;
   bool store_o_with_tma;  // the traits stage O and `out` is TMA-addressable (map_o is valid)
   int num_m_blocks;
-  int tiles_per_item;  // 2: pairs of query blocks (see for_each_tile); 1: single blocks
+  int tiles_per_item;  // 2: pairs of query blocks (see TileWalker); 1: single blocks
   int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
   ScoreTransform transform;
   float exp2_scale;  // factor of the (transformed) score in the exponent
@@ -277,14 +281,12 @@ struct PipelineCounters {
   int kv_fills = 0;
 };
 
-/** The producer thread, for one tile: Q, then K and V of every key block into the ring. */
+/** The producer thread: Q of a tile into its slot. Q of the previous tile in that slot must be dead
+ *  (every consumer warp past its last Q K^T). A fresh barrier counts as having completed the phase
+ *  before phase 0, so the first wait passes. */
 template <class T>
-__device__ void produce(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
-                        PipelineCounters& pc) {
-  const int32_t bc = static_cast<int32_t>(w.batch_coord);
-  const int32_t hq = static_cast<int32_t>(w.head), hk = static_cast<int32_t>(w.kv_head);
-  // Q of the previous tile must be dead (every consumer warp past its last Q K^T). A fresh
-  // barrier counts as having completed the phase before phase 0, so the first wait passes.
+__device__ void produce_q(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
+                          PipelineCounters& pc) {
   const int q_slot = pc.q_fills % T::kQStages;
   ptx::mbarrier_wait_parity(sm.q_empty(q_slot), ((pc.q_fills / T::kQStages) & 1) ^ 1);
   ++pc.q_fills;
@@ -292,8 +294,20 @@ __device__ void produce(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
 #pragma unroll
   for (int c = 0; c < T::kChunks; ++c) {
     ptx::tma_load_4d(sm.q_ptr(q_slot) + c * T::kQChunkBytes, &args.map_q, sm.q_full(q_slot),
-                     c * T::kChunkCols, static_cast<int32_t>(w.q_row0), hq, bc);
+                     c * T::kChunkCols, static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.head),
+                     static_cast<int32_t>(w.batch_coord));
   }
+}
+
+/** The producer thread, for one tile: K and V of every key block into the ring. With two Q slots
+ *  the next tile's Q (`next`, may be null) is issued right after this tile's first key block, so it
+ *  lands long before this tile ends; its slot was freed by the tile before this one, whose key
+ *  blocks are all issued already, so the wait cannot hold up this tile. */
+template <class T>
+__device__ void produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
+                           const BlockWork* next, PipelineCounters& pc) {
+  const int32_t bc = static_cast<int32_t>(w.batch_coord);
+  const int32_t hk = static_cast<int32_t>(w.kv_head);
   for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
@@ -312,7 +326,9 @@ __device__ void produce(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
       ptx::tma_load_4d(sm.v_ptr(stage) + c * T::kTileChunkBytes, &args.map_v, sm.v_full(stage),
                        c * T::kChunkCols, row, hk, bc);
     }
+    if (it == 0 && next != nullptr) produce_q<T>(args, sm, *next, pc);
   }
+  if (w.n_tiles == 0 && next != nullptr) produce_q<T>(args, sm, *next, pc);
 }
 
 /** Online-softmax state of the two rows a consumer thread owns. */
@@ -630,22 +646,64 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
  *  same (M + 1) and a static round-robin keeps the SMs evenly busy. Items run head after head, so the
  *  CTAs working at one time share K/V through L2. Tiles without query rows (varlen) are skipped
  *  by both roles alike. */
+template <class T>
+struct TileWalker {
+  const ForwardKernelArgs& args;
+  int item = static_cast<int>(blockIdx.x);
+  int k = 0;  // next tile of the item
+
+  /** The next tile with query rows, or false when this CTA has none left. */
+  __device__ bool next(BlockWork& w) {
+    const int m_blocks = args.num_m_blocks;
+    const int items_per_head = (m_blocks + args.tiles_per_item - 1) / args.tiles_per_item;
+    while (item < args.num_items) {
+      const int j = item % items_per_head;
+      const int m_block = k == 0 ? m_blocks - 1 - j : j;
+      // k == 1 of an odd M's middle item repeats block k == 0: the item is done.
+      const bool valid = k < args.tiles_per_item && !(k == 1 && m_block == m_blocks - 1 - j);
+      if (valid) {
+        ++k;
+        const int rest = item / items_per_head;
+        const int head = rest % static_cast<int>(args.params.heads_q);
+        const int batch = rest / static_cast<int>(args.params.heads_q);
+        w = resolve_block<T>(args, m_block, head, batch);
+        if (w.has_rows) return true;
+        continue;
+      }
+      k = 0;
+      item += static_cast<int>(gridDim.x);
+    }
+    return false;
+  }
+};
+
 template <class T, class Fn>
 __device__ __forceinline__ void for_each_tile(const ForwardKernelArgs& args, Fn&& fn) {
-  const int m_blocks = args.num_m_blocks;
-  const int items_per_head = (m_blocks + args.tiles_per_item - 1) / args.tiles_per_item;
-  for (int item = blockIdx.x; item < args.num_items; item += gridDim.x) {
-    const int j = item % items_per_head;
-    const int rest = item / items_per_head;
-    const int head = rest % static_cast<int>(args.params.heads_q);
-    const int batch = rest / static_cast<int>(args.params.heads_q);
-#pragma unroll 1
-    for (int k = 0; k < args.tiles_per_item; ++k) {
-      const int m_block = k == 0 ? m_blocks - 1 - j : j;
-      if (k == 1 && m_block == m_blocks - 1 - j) break;  // odd M: the middle block is alone
-      const BlockWork w = resolve_block<T>(args, m_block, head, batch);
-      if (w.has_rows) fn(w);
+  TileWalker<T> tiles{args};
+  BlockWork w;
+  while (tiles.next(w)) fn(w);
+}
+
+/** The producer's walk: each tile's K/V, and Q one tile ahead where there are two Q slots (d256,
+ *  with one, loads each tile's Q before its K/V: the slot frees only at the previous tile's last
+ *  Q K^T, and waiting for it inside the previous tile's K/V would deadlock). */
+template <class T>
+__device__ void produce_all(const ForwardKernelArgs& args, const SmemPlan<T>& sm) {
+  PipelineCounters pc;
+  TileWalker<T> tiles{args};
+  BlockWork cur, next;
+  bool has_cur = tiles.next(cur);
+  if (T::kQStages > 1 && has_cur) produce_q<T>(args, sm, cur, pc);
+  while (has_cur) {
+    const bool has_next = tiles.next(next);
+    if (T::kQStages > 1) {
+      produce_kv<T>(args, sm, cur, has_next ? &next : nullptr, pc);
+    } else {
+      produce_q<T>(args, sm, cur, pc);
+      produce_kv<T>(args, sm, cur, nullptr, pc);
     }
+    cur = next;
+    has_cur = has_next;
   }
 }
 
@@ -687,7 +745,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ptx::tma_prefetch_tensor_map(&args.map_q);
       ptx::tma_prefetch_tensor_map(&args.map_k);
       ptx::tma_prefetch_tensor_map(&args.map_v);
-      for_each_tile<T>(args, [&](const BlockWork& w) { produce<T>(args, sm, w, pc); });
+      produce_all<T>(args, sm);
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
