@@ -1,4 +1,5 @@
-# Shared by the Nsight Compute scripts in dev/ (sourced, not run): which kernel an IMPL names, the
+# Shared by the Nsight Compute scripts in dev/ (sourced, not run; profile_forward.sh, for the sm80
+# harness one, picks its kernels itself): which kernel an IMPL names, the
 # metrics every summary reports, and the summary itself.
 
 # ncu_kernel_regex PASS IMPL: the --kernel-name filter of IMPL's main kernel of PASS (fwd or bwd);
