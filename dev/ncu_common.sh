@@ -1,6 +1,6 @@
-# Shared by the Nsight Compute scripts in dev/ (sourced, not run; profile_forward.sh, for the sm80
-# harness one, picks its kernels itself): which kernel an IMPL names, the
-# metrics every summary reports, and the summary itself.
+# Shared by the Nsight Compute scripts in dev/ (sourced, not run): which kernel an IMPL names
+# (profile_forward.sh, for the sm80 harness, picks its own), the metrics every summary reports,
+# and the summary itself.
 
 # ncu_kernel_regex PASS IMPL: the --kernel-name filter of IMPL's main kernel of PASS (fwd or bwd);
 # prints nothing for an unknown pair.
