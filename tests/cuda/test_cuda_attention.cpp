@@ -245,6 +245,38 @@ TEST_P(CudaForward, ManyTiles) {
   expect_forward(cases, GetParam());
 }
 
+// The sm90 forward serves long masked calls with its wide tiles (d64: 192 query rows, d256: 80
+// keys), which the grids above reach only without a mask: causal and window masks from
+// seqlen_k = 4096 on, a partial last query block, GQA and varlen among them.
+TEST_P(CudaForward, LongMaskedCalls) {
+  REQUIRE_BACKEND(GetParam());
+  std::vector<Case> cases;
+  for (int64_t d : {64, 256}) {
+    Case c;
+    c.seqlen_q = 700;  // 192-row blocks: a partial last one; bottom-right causal alignment
+    c.seqlen_k = 4100;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = d;
+    c.dtype = d == 64 ? FC_DTYPE_BF16 : FC_DTYPE_F16;
+    c.causal = true;
+    cases.push_back(c);
+    Case w = c;  // a window bounded on both sides
+    w.causal = false;
+    w.seqlen_q = w.seqlen_k = 4097;
+    w.heads_q = w.heads_kv = 2;
+    w.window_left = 300;
+    w.window_right = 77;
+    cases.push_back(w);
+    Case v = c;  // varlen: max_seqlen_k >= 4096 with a short sequence beside it
+    v.varlen_q = {333, 1000};
+    v.varlen_k = {4200, 90};
+    v.batch = 2;
+    cases.push_back(v);
+  }
+  expect_forward(cases, GetParam());
+}
+
 TEST_P(CudaForward, RepeatsAreBitIdentical) {
   REQUIRE_BACKEND(GetParam());
   CudaMemory mem;

@@ -333,6 +333,50 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_f16(float (&d)[32], uint64_t 
 }
 
 template <int kScaleA, int kScaleB, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n80k16_ss_bf16(float (&d)[40], uint64_t desc_a,
+                                                        uint64_t desc_b, uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39"
+      "}, "
+      "%40, %41, accumulate, %43, %44, %45, %46;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kScaleA), "n"(kScaleB), "n"(kTransA),
+        "n"(kTransB));
+}
+
+template <int kScaleA, int kScaleB, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n80k16_ss_f16(float (&d)[40], uint64_t desc_a,
+                                                        uint64_t desc_b, uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39"
+      "}, "
+      "%40, %41, accumulate, %43, %44, %45, %46;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kScaleA), "n"(kScaleB), "n"(kTransA),
+        "n"(kTransB));
+}
+
+template <int kScaleA, int kScaleB, int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n128k16_ss_bf16(float (&d)[64], uint64_t desc_a,
                                                          uint64_t desc_b, uint32_t scale_d) {
   asm volatile(
@@ -633,6 +677,11 @@ inline constexpr bool kIsWgmma16BitType =
 template <int kN>
 inline constexpr bool kIsWgmmaN = kN == 64 || kN == 128 || kN == 256;
 
+/** N of the S = Q K^T products (shared-memory operands only): also 80, whose K/V tiles let the
+ *  d256 forward keep two stages in shared memory. */
+template <int kN>
+inline constexpr bool kIsWgmmaSsN = kIsWgmmaN<kN> || kN == 80;
+
 template <int kScale>
 inline constexpr bool kIsWgmmaScale = kScale == 1 || kScale == -1;
 
@@ -642,7 +691,7 @@ template <int kN, typename Elem, int kTransA = 0, int kTransB = 0, int kScaleA =
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                          bool accumulate) {
   static_assert(kIsWgmma16BitType<Elem>, "wgmma_ss: bf16 or fp16 inputs");
-  static_assert(kIsWgmmaN<kN>, "wgmma_ss: N in {64, 128, 256}");
+  static_assert(kIsWgmmaSsN<kN>, "wgmma_ss: N in {64, 80, 128, 256}");
   static_assert(kIsWgmmaScale<kScaleA> && kIsWgmmaScale<kScaleB>, "scale is 1 or -1");
   static_assert((kTransA == 0 || kTransA == 1) && (kTransB == 0 || kTransB == 1), "trans is 0/1");
   const uint32_t scale_d = accumulate ? 1u : 0u;
@@ -653,6 +702,13 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
                                                                           scale_d);
     else
       detail::wgmma_m64n64k16_ss_f16<kScaleA, kScaleB, kTransA, kTransB>(d, desc_a, desc_b,
+                                                                         scale_d);
+  } else if constexpr (kN == 80) {
+    if constexpr (kBf16)
+      detail::wgmma_m64n80k16_ss_bf16<kScaleA, kScaleB, kTransA, kTransB>(d, desc_a, desc_b,
+                                                                          scale_d);
+    else
+      detail::wgmma_m64n80k16_ss_f16<kScaleA, kScaleB, kTransA, kTransB>(d, desc_a, desc_b,
                                                                          scale_d);
   } else if constexpr (kN == 128) {
     if constexpr (kBf16)

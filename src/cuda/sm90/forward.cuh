@@ -165,30 +165,52 @@ struct ForwardTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block on sm_90");
 
   static_assert(kHeadDim % kChunkCols == 0, "head dim buckets are multiples of 64");
-  static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 256, "wgmma N");
+  static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 256, "wgmma N");
+  static_assert(kBlockN % 16 == 0, "P V takes keys in slices of 16");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma N of P V");
   static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "tiles stay 1024-aligned");
 };
 
-/** Per-bucket configuration (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
- *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). */
+/** Per-bucket configurations (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
+ *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket has a wide and a
+ *  narrow tile; `wide_tiles_pay` picks per call. Wide tiles (more query rows at d64, more keys at
+ *  d256) cost more at the diagonal of a causal or window mask, where a tile is partly masked and
+ *  its masked part still runs, so masked calls take them only from a sequence length on.
+ *  Measured on the H100 (docs/PERF.md, session 6), bf16 fwd against the narrow tile, same process:
+ *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
+ *    (S = 512..16k); causal -35% at S = 512, -4% at 2k, +6% at 4k, +19% at 16k. Ping-pong turns
+ *    cost ~2% at d64 (the softmax is as long as the GEMMs it would hide behind).
+ *  - d256, 80-key tiles (two stages of 40 KiB K and V), three runs: without a mask -5%..0% at
+ *    S = 512, -3%..+5% at 1k, +1%..+7% at 2k-4k, +3%..+11% at 16k; causal -10%..+1% at 1k-2k,
+ *    0..+5% at 4k-16k. The wgmma of Q K^T at N = 64 reads about as many shared-memory bytes per
+ *    FLOP as the tensor cores consume; N = 80 relieves it. */
+inline bool masked_attention(const forward_params_t& p) {
+  return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
+}
+
 template <typename Element, int kHeadDim>
-struct DefaultForwardTraits;
-// Measured on the H100 (docs/PERF.md): d64 with three consumers (192-row tiles, 160 registers
-// each) was slower than two in most cells of the training grid, and the ping-pong turns gain at
-// d128/d256 (geomean +2.4% over the grid) but cost ~2% at d64, where the softmax is as long as
-// the GEMMs it would hide behind.
+struct ForwardConfigs;
 template <typename Element>
-struct DefaultForwardTraits<Element, 64> {
-  using type = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;  // 16 + 4*32 KiB
+struct ForwardConfigs<Element, 64> {
+  using Wide = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/false>;    // 2*24 + 4*32 + 24 KiB
+  using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;  // 2*16 + 4*32 + 16 KiB
+  static bool wide_tiles_pay(const forward_params_t& p) {
+    return !masked_attention(p) || p.seqlen_k >= 4096;
+  }
 };
 template <typename Element>
-struct DefaultForwardTraits<Element, 128> {
-  using type = ForwardTraits<Element, 128, 128, 2>;  // 32 + 2*64 KiB
+struct ForwardConfigs<Element, 128> {
+  using Wide = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
+  using Narrow = Wide;
+  static bool wide_tiles_pay(const forward_params_t&) { return true; }
 };
 template <typename Element>
-struct DefaultForwardTraits<Element, 256> {
-  using type = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 KiB
+struct ForwardConfigs<Element, 256> {
+  using Wide = ForwardTraits<Element, 256, 80, 2>;    // 64 + 2*80 KiB
+  using Narrow = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 KiB
+  static bool wide_tiles_pay(const forward_params_t& p) {
+    return p.seqlen_k >= (masked_attention(p) ? 4096 : 1024);
+  }
 };
 
 using cuda::ScoreScales;  // how raw scores become the log2-domain exponent (as in sm80)
@@ -528,10 +550,16 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
     float s[T::kBlockN / 2];
     uint32_t pa[T::kBlockN / 16][4];
     float correction[2];
+    // Only the rows that will be stored decide whether a tile needs per-element masks: rows past
+    // seqlen_q (the last query block's tail, or a whole consumer's 64 rows) compute on finite
+    // inputs and are discarded, so they take the branch-free body. Counting them made every key
+    // block of a partial query block masked, and a CTA that always drew the partial block of its
+    // heads (132 SMs, 22 blocks of 192 rows per head at S = 4096) ran the whole kernel at 0.6x.
+    const int64_t stored_rows_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.seq.seqlen_q);
     auto masked = [&](int n_block) {
       const int64_t key0 = int64_t(n_block) * T::kBlockN;
-      return !w.mask.tile_fully_visible(wg_row0, wg_row0 + T::kRowsPerConsumer, key0,
-                                        key0 + T::kBlockN);
+      return wg_row0 < stored_rows_end &&
+             !w.mask.tile_fully_visible(wg_row0, stored_rows_end, key0, key0 + T::kBlockN);
     };
     auto softmax = [&](int n_block) {
       const int64_t key0 = int64_t(n_block) * T::kBlockN;
@@ -826,9 +854,12 @@ Status launch_forward(const forward_params_t& p) {
 }
 
 /** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
+/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
-  return launch_forward<typename DefaultForwardTraits<Element, kHeadDim>::type>(p);
+  using Configs = ForwardConfigs<Element, kHeadDim>;
+  if (Configs::wide_tiles_pay(p)) return launch_forward<typename Configs::Wide>(p);
+  return launch_forward<typename Configs::Narrow>(p);
 }
 
 }  // namespace flashcore::cuda::sm90

@@ -537,6 +537,9 @@ SINGLE_WGMMA_TEST(SsFp16N128KMajor128B, 128, fp16, k128B, kKMajorB, kSmemA)
 SINGLE_WGMMA_TEST(SsFp16N128MnMajor128B, 128, fp16, k128B, kMnMajorB, kSmemA)
 SINGLE_WGMMA_TEST(SsBf16N256KMajor128B, 256, bf16, k128B, kKMajorB, kSmemA)
 SINGLE_WGMMA_TEST(SsFp16N256MnMajor64B, 256, fp16, k64B, kMnMajorB, kSmemA)
+// N = 80: the d256 forward's Q K^T over 80-key tiles (K-major B, 10 core-matrix groups of rows).
+SINGLE_WGMMA_TEST(SsBf16N80KMajor128B, 80, bf16, k128B, kKMajorB, kSmemA)
+SINGLE_WGMMA_TEST(SsFp16N80KMajor128B, 80, fp16, k128B, kKMajorB, kSmemA)
 
 // =================================================================================================
 // (3) A K loop: C(64 x N) = A(64 x 256) * B(256 x N) in k = 64 tiles, TMA (128B swizzle) into a
