@@ -65,8 +65,9 @@
 // FFMA in log2 units (a softcap or a negative scale transforms the scores first); a row whose max is still
 // -inf subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
-// are not MaskInfo::tile_fully_visible. Rows past seqlen_q compute on whatever TMA loaded and are
-// never stored. Rows with no keys give out = 0, lse = -inf.
+// are not MaskInfo::tile_fully_visible for the rows that are stored. Rows past seqlen_q compute on
+// whatever TMA loaded (finite), take the unmasked body and are never stored. Rows with no keys give
+// out = 0, lse = -inf.
 //
 // ---- Addressing -----------------------------------------------------------------------------------
 // Dense calls: 4-D tensor maps (head_dim, seqlen, heads, batch) with the caller's strides, so
