@@ -167,7 +167,6 @@ struct ForwardTraits {
 
   static_assert(kHeadDim % kChunkCols == 0, "head dim buckets are multiples of 64");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 256, "wgmma N");
-  static_assert(kBlockN % 16 == 0, "P V takes keys in slices of 16");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma N of P V");
   static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "tiles stay 1024-aligned");
 };
@@ -854,7 +853,6 @@ Status launch_forward(const forward_params_t& p) {
   return Status::ok();
 }
 
-/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
 /** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {

@@ -32,7 +32,7 @@ namespace {
 constexpr int kHopperCapability = 90;      // wgmma / setmaxnreg: sm_90a SASS runs on CC 9.0 only
 constexpr int64_t kHeadDimAlignment = 8;
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kSmallestBlockM = 128;  // of the DefaultForwardTraits (most tiles)
+constexpr int64_t kSmallestBlockM = 128;  // of the ForwardConfigs tiles (most tiles)
 constexpr int64_t kLargestBlockM = 192;   // (furthest TMA row coordinate)
 constexpr int64_t kMaxTmaCoord = INT_MAX;  // TMA coordinates are int32
 
