@@ -9,7 +9,7 @@
 //
 // Build (from the repository root):
 //   g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_flash_check.cpp
-//       src/cpu/flash_forward.cpp src/cpu/flash_backward.cpp -o /tmp/cpu_flash_check
+//       src/cpu/flash_forward.cpp src/cpu/flash_backward.cpp src/cpu/worker_pool.cpp -o /tmp/cpu_flash_check
 // Run: /tmp/cpu_flash_check check | bench [threads] | bench-bwd [threads] | all [threads]
 //      (QUICK=1: small check cases only, for sanitizer builds; VERBOSE=1: print passing cases too)
 #include <array>

@@ -12,8 +12,8 @@
 //   C[i][j..j+W) (+)= sum_k A(i, k) * B[k][j..j+W), A read by scalar broadcast through two
 //   strides (so the same code serves A and A^T), B and C read as vectors along j; optional
 //   epilogues fold in the online-softmax rescale and the row max.
-// - AlignedFloats (64-byte aligned scratch) and run_workers (std::thread pool for one call with a
-//   shared atomic task counter; results never depend on which thread ran a task).
+// - AlignedFloats (64-byte aligned scratch) and run_workers (a shared atomic task counter drained
+//   by the worker pool of worker_pool.hpp; results never depend on which thread ran a task).
 // Compiled with -O3 -march=native (CMakeLists sets it for the two .cpp files that include this).
 #pragma once
 
@@ -45,6 +45,7 @@
 
 #include "api/params.hpp"
 #include "api/status.hpp"
+#include "cpu/worker_pool.hpp"
 
 namespace flashcore {
 namespace cpu {
@@ -574,6 +575,19 @@ inline void gemm_micro(const float* a, int64_t a_row, int64_t a_k, const float* 
   }
 }
 
+/** The last `rest` (< R) rows of a gemm_rows call: one tile of exactly `rest` rows. */
+template <int R, int V, Accumulate kMode>
+inline void gemm_row_remainder(int rest, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
+                               float* c, int64_t ldc, int64_t depth, float* column) {
+  if constexpr (R > 1) {
+    if (rest == R - 1) {
+      gemm_micro<R - 1, V, kMode>(a, a_row, a_k, b, ldb, c, ldc, depth, column);
+    } else {
+      gemm_row_remainder<R - 1, V, kMode>(rest, a, a_row, a_k, b, ldb, c, ldc, depth, column);
+    }
+  }
+}
+
 template <int V, Accumulate kMode, int kR = GemmTraits::kRows>
 inline void gemm_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
                       float* c, int64_t ldc, int64_t depth, float* column) {
@@ -581,19 +595,22 @@ inline void gemm_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_k, 
   for (; i + kR <= rows; i += kR) {
     gemm_micro<kR, V, kMode>(a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc, depth, column);
   }
-  const int rest = static_cast<int>(rows - i);
-  const float* a_i = a + i * a_row;
-  float* c_i = c + i * ldc;
-  static_assert(kR <= 8, "extend the remainder switch");
-  switch (rest) {
-    case 1: gemm_micro<1, V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    case 2: gemm_micro<(kR > 2 ? 2 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    case 3: gemm_micro<(kR > 3 ? 3 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    case 4: gemm_micro<(kR > 4 ? 4 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    case 5: gemm_micro<(kR > 5 ? 5 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    case 6: gemm_micro<(kR > 6 ? 6 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    case 7: gemm_micro<(kR > 7 ? 7 : 1), V, kMode>(a_i, a_row, a_k, b, ldb, c_i, ldc, depth, column); break;
-    default: break;
+  if (i < rows) {
+    gemm_row_remainder<kR, V, kMode>(static_cast<int>(rows - i), a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc,
+                                     depth, column);
+  }
+}
+
+/** The last `rest` (< V) vectors of columns of a gemm_bcast call. */
+template <int V, int kR, Accumulate kMode>
+inline void gemm_column_remainder(int rest, int64_t rows, const float* a, int64_t a_row, int64_t a_k, const float* b,
+                                  int64_t ldb, float* c, int64_t ldc, int64_t depth, float* column) {
+  if constexpr (V > 1) {
+    if (rest == V - 1) {
+      gemm_rows<V - 1, kMode, kR>(rows, a, a_row, a_k, b, ldb, c, ldc, depth, column);
+    } else {
+      gemm_column_remainder<V - 1, kR, kMode>(rest, rows, a, a_row, a_k, b, ldb, c, ldc, depth, column);
+    }
   }
 }
 
@@ -611,14 +628,10 @@ inline void gemm_bcast(int64_t rows, int64_t cols, int64_t depth, const float* a
     const int64_t j = v * kSimdWidth;
     gemm_rows<kV, kMode, kR>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column ? column + j : nullptr);
   }
-  const int64_t j = v * kSimdWidth;
-  float* column_j = column ? column + j : nullptr;
-  static_assert(kV <= 4, "extend the remainder switch");
-  switch (vectors - v) {
-    case 1: gemm_rows<1, kMode, kR>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column_j); break;
-    case 2: gemm_rows<(kV > 2 ? 2 : 1), kMode, kR>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column_j); break;
-    case 3: gemm_rows<(kV > 3 ? 3 : 1), kMode, kR>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column_j); break;
-    default: break;
+  if (v < vectors) {
+    const int64_t j = v * kSimdWidth;
+    gemm_column_remainder<kV, kR, kMode>(static_cast<int>(vectors - v), rows, a, a_row, a_k, b + j, ldb, c + j, ldc,
+                                         depth, column ? column + j : nullptr);
   }
 }
 
@@ -651,13 +664,14 @@ inline int resolve_thread_count(int requested) {
   return hw > 0 ? static_cast<int>(hw) : 1;
 }
 
-/** Runs worker(queue) on up to `requested_threads` threads (the caller's thread is one of them)
- *  until the queue is drained. Each worker owns its scratch; outputs must depend only on the task,
- *  so results are identical whatever the thread count or timing. Exceptions become a Status. */
+/** Runs worker(queue) on up to `requested_threads` threads (the caller's thread is one of them,
+ *  the others come from the process-wide pool in worker_pool.hpp) until the queue is drained.
+ *  Each worker owns its scratch; outputs must depend only on the task, so results are identical
+ *  whatever the thread count or timing. Exceptions become a Status. */
 template <class Worker>
 Status run_workers(int64_t num_tasks, int requested_threads, Worker&& worker) {
   if (num_tasks <= 0) return Status::ok();
-  const int64_t threads = std::min<int64_t>(resolve_thread_count(requested_threads), num_tasks);
+  const int threads = static_cast<int>(std::min<int64_t>(resolve_thread_count(requested_threads), num_tasks));
   TaskQueue queue(num_tasks, threads);
   std::atomic<bool> failed{false};
   std::string failure;
@@ -666,24 +680,19 @@ Status run_workers(int64_t num_tasks, int requested_threads, Worker&& worker) {
     if (!failure_lock.test_and_set()) failure = what;
     failed.store(true);
   };
-  auto guarded = [&]() {
+  auto guarded = [&](int /*worker index*/) {
     try {
       worker(queue);
     } catch (const std::bad_alloc&) {
       record("cpu_flash: out of host memory for scratch buffers");
     } catch (const std::exception& e) {
       record(e.what());
+    } catch (...) {
+      record("cpu_flash: unknown exception in a worker");
     }
   };
-  std::vector<std::thread> pool;
-  try {
-    pool.reserve(static_cast<size_t>(threads - 1));
-    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(guarded);
-  } catch (const std::exception&) {
-    // Could not start every thread: the ones running (and this one) drain the queue anyway.
-  }
-  guarded();
-  for (std::thread& t : pool) t.join();
+  // If the system refused some threads, the workers that ran drained the queue anyway.
+  run_on_workers(threads, WorkerBody::of(guarded));
   if (failed.load()) return Status::internal(failure);
   return Status::ok();
 }

@@ -522,14 +522,18 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
   return res;
 }
 
-bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int repeats, bool backward,
-                             std::string* why) {
+namespace {
+/** Runs forward (and backward) once per entry of `threads_per_run` (that run's num_threads) on
+ *  the same inputs; true when every run is bit-identical to the first. */
+bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, const std::vector<int32_t>& threads_per_run,
+                            bool backward, std::string* why) {
   std::mt19937_64 rng(1234);
   Problem pr = make_problem(c, rng);
   HostTensor dout = make_tensor(c.dtype, pr.out.shape, c.padded);
   fill_random(dout, rng, 1.f);
   std::vector<uint8_t> first;
-  for (int r = 0; r < repeats; ++r) {
+  for (size_t r = 0; r < threads_per_run.size(); ++r) {
+    pr.c.num_threads = threads_per_run[r];
     fill_nan(pr.out);
     fill_nan(pr.lse);
     std::vector<uint8_t> now;
@@ -553,11 +557,24 @@ bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int
     if (r == 0) {
       first = now;
     } else if (now != first) {
-      *why = "run " + std::to_string(r) + " differs from run 0";
+      *why = "run " + std::to_string(r) + " (num_threads " + std::to_string(threads_per_run[r]) +
+             ") differs from run 0 (num_threads " + std::to_string(threads_per_run[0]) + ")";
       return false;
     }
   }
   return true;
+}
+}  // namespace
+
+bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int repeats, bool backward,
+                             std::string* why) {
+  return runs_are_bit_identical(c, backend, mem, std::vector<int32_t>(static_cast<size_t>(repeats), c.num_threads),
+                                backward, why);
+}
+
+bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& mem,
+                                     const std::vector<int32_t>& thread_counts, bool backward, std::string* why) {
+  return runs_are_bit_identical(c, backend, mem, thread_counts, backward, why);
 }
 
 std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large) {

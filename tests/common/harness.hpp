@@ -84,6 +84,11 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
 bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int repeats, bool backward,
                              std::string* why);
 
+/** Runs forward (and backward when `backward`) once with each num_threads of `thread_counts`;
+ *  true when every run is bit-identical to the first. */
+bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& mem,
+                                     const std::vector<int32_t>& thread_counts, bool backward, std::string* why);
+
 /** The TESTING.md grids. */
 std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large);
 

@@ -105,6 +105,33 @@ TEST(CpuFlashThreads, AnyThreadCountIsCorrect) {
   }
 }
 
+// Tasks take more or fewer query blocks with the thread count (flash_forward.cpp), and the pool
+// runs them in any order: the bits must not move. A sliding window puts each block's first key
+// off the tile grid; GQA stacks query heads into blocks; varlen adds sequences of their own.
+TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
+  auto mem = host_memory();
+  Case dense;
+  dense.batch = 2;
+  dense.seqlen_q = 1000;
+  dense.seqlen_k = 1100;
+  dense.heads_q = 4;
+  dense.heads_kv = 2;
+  dense.head_dim = 64;
+  dense.dtype = FC_DTYPE_BF16;
+  dense.window_left = 100;
+  dense.window_right = 30;
+  Case varlen = dense;
+  varlen.window_left = varlen.window_right = -1;
+  varlen.causal = true;
+  varlen.varlen_q = {700, 5, 300};
+  varlen.varlen_k = {900, 77, 300};
+  for (const Case& c : {dense, varlen}) {
+    std::string why;
+    EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 16, 40, 3}, false, &why)) << why;
+    EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 16, 3}, true, &why)) << why;
+  }
+}
+
 // The oracle itself: the public reference backend agrees with its own row function and the
 // default (auto) backend on CPU tensors is cpu_flash, which must match the reference too.
 TEST(CpuReference, AutoBackendOnCpuTensors) {

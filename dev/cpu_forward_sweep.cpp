@@ -1,0 +1,188 @@
+// Times the cpu_flash forward in several tile configurations on this machine, side by side in
+// one process: the tool for tuning the CPU path on a CPU it was not tuned on.
+//
+// Why: the shipped configuration (64 rows x 64 keys, 8 x 2 micro-tiles) was tuned on the
+// development EPYC (one 512-bit FMA per cycle), where it runs at ~87% of the FMA peak; on the
+// GPU machine's Xeon (two 512-bit FMA ports) it ran at 46-63% (docs/PERF.md, session 6).
+// Each variant here is the same kernel (src/cpu/flash_forward_kernel.hpp) with other block
+// sizes or micro-tiles, so results differ only in rounding; every variant is checked against the
+// shipped one before it is timed (max |difference| printed), and timed in rounds that run every
+// variant once (so a slow spell of a shared machine hits all alike), median per variant.
+//
+// Build (from the repository root; the shapes are those of bench/peers.py's CPU section):
+//   g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_forward_sweep.cpp
+//       src/cpu/worker_pool.cpp -o /tmp/cpu_forward_sweep
+// Run: /tmp/cpu_forward_sweep [threads ...]        (default: 2)
+//      ROUNDS=n (default 7), SHAPES=all (adds S=4096 d=128 and S=1024 d=128 causal)
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/flash_forward_kernel.hpp"
+
+using namespace flashcore;
+using namespace flashcore::cpu;
+using namespace flashcore::cpu::forward_detail;
+
+namespace {
+
+template <int R, int V>
+struct MicroTile {
+  static constexpr int kRows = R;
+  static constexpr int kVecs = V;
+};
+
+/** ForwardConfig with other block sizes and micro-tiles. */
+template <int64_t Rows, int64_t Keys, class Score, class Output, int64_t MaxBlocks = ForwardConfig::kMaxBlocksPerTask>
+struct Variant : ForwardConfig {
+  using ScoreGemm = Score;
+  using OutputGemm = Output;
+  static constexpr int64_t kBlockRows = Rows;
+  static constexpr int64_t kBlockKeys = Keys;
+  static constexpr int64_t kMaxBlocksPerTask = MaxBlocks;
+};
+
+struct Entry {
+  std::string name;
+  Status (*run)(const AttentionParams&);
+};
+
+template <class Config>
+Entry entry(const char* name) {
+  return {name, &flash_forward_with<Config>};
+}
+
+std::vector<Entry> variants() {
+  using T8x2 = MicroTile<8, 2>;
+  using T6x4 = MicroTile<6, 4>;
+  using T12x2 = MicroTile<12, 2>;
+  using T14x2 = MicroTile<14, 2>;
+  using T4x4 = MicroTile<4, 4>;
+  using T8x3 = MicroTile<8, 3>;
+  return {
+      entry<ForwardConfig>("shipped: 64 rows, 64 keys, 8x2 / 8x2"),
+      entry<Variant<64, 64, T6x4, T6x4>>("64 rows, 64 keys, 6x4 / 6x4"),
+      entry<Variant<64, 64, T12x2, T12x2>>("64 rows, 64 keys, 12x2 / 12x2"),
+      entry<Variant<64, 64, T14x2, T14x2>>("64 rows, 64 keys, 14x2 / 14x2"),
+      entry<Variant<64, 64, T4x4, T4x4>>("64 rows, 64 keys, 4x4 / 4x4"),
+      entry<Variant<64, 64, T6x4, T8x2>>("64 rows, 64 keys, 6x4 / 8x2"),
+      entry<Variant<64, 64, T8x2, T6x4>>("64 rows, 64 keys, 8x2 / 6x4"),
+      entry<Variant<64, 32, T8x2, T8x2>>("64 rows, 32 keys, 8x2 / 8x2"),
+      entry<Variant<64, 128, T8x2, T8x2>>("64 rows, 128 keys, 8x2 / 8x2"),
+      entry<Variant<32, 64, T8x2, T8x2, 16>>("32 rows, 64 keys, 8x2 / 8x2, 16 blocks"),
+      entry<Variant<48, 64, T8x3, T8x3>>("48 rows, 64 keys, 8x3 / 8x3"),
+      entry<Variant<128, 64, T6x4, T6x4, 4>>("128 rows, 64 keys, 6x4 / 6x4, 4 blocks"),
+      entry<Variant<64, 64, T8x2, T8x2, 16>>("64 rows, 64 keys, 8x2 / 8x2, 16 blocks"),
+  };
+}
+
+struct Shape {
+  int64_t seqlen, head_dim;
+  bool causal;
+};
+
+struct Problem {
+  std::vector<float> q, k, v, out;
+  AttentionParams p;
+};
+
+void build(Problem& pr, const Shape& s, int threads) {
+  constexpr int64_t kHeads = 16;
+  const int64_t n = s.seqlen * kHeads * s.head_dim;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  for (auto* t : {&pr.q, &pr.k, &pr.v}) {
+    t->resize(static_cast<size_t>(n));
+    for (float& x : *t) x = normal(rng);
+  }
+  pr.out.assign(static_cast<size_t>(n), 0.f);
+  AttentionParams& p = pr.p;
+  auto view = [&](TensorRef& t, float* data) {  // (batch 1, seqlen, heads, head_dim), as peers.py passes it
+    t.data = data;
+    t.batch_stride = n;
+    t.row_stride = kHeads * s.head_dim;
+    t.head_stride = s.head_dim;
+  };
+  view(p.q, pr.q.data());
+  view(p.k, pr.k.data());
+  view(p.v, pr.v.data());
+  view(p.out, pr.out.data());
+  p.dtype = DType::F32;
+  p.batch = 1;
+  p.seqlen_q = p.seqlen_k = s.seqlen;
+  p.total_q = p.total_k = s.seqlen;
+  p.heads_q = p.heads_kv = kHeads;
+  p.head_dim = s.head_dim;
+  p.softmax_scale = 1.f / std::sqrt(static_cast<float>(s.head_dim));
+  p.causal = s.causal;
+  p.window_right = s.causal ? 0 : -1;
+  p.num_threads = threads;
+}
+
+double seconds_of(const Entry& e, const AttentionParams& p) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status st = e.run(p);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!st.is_ok()) {
+    std::fprintf(stderr, "%s failed: %s\n", e.name.c_str(), st.message.c_str());
+    std::exit(1);
+  }
+  return dt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::vector<int> thread_counts;
+  for (int i = 1; i < argc; ++i) thread_counts.push_back(std::atoi(argv[i]));
+  if (thread_counts.empty()) thread_counts.push_back(2);
+  const int rounds = std::getenv("ROUNDS") ? std::max(1, std::atoi(std::getenv("ROUNDS"))) : 7;
+  std::vector<Shape> shapes = {{1024, 64, false}, {2048, 64, true}, {2048, 128, false}};
+  if (std::getenv("SHAPES") && std::string(std::getenv("SHAPES")) == "all") {
+    shapes.push_back({4096, 128, false});
+    shapes.push_back({1024, 128, true});
+  }
+  const std::vector<Entry> all = variants();
+  std::printf("cpu_flash forward variants (%s), fp32, B=1 H=16, median of %d rounds, GFLOP/s\n", Simd::kName, rounds);
+  for (int threads : thread_counts) {
+    for (const Shape& s : shapes) {
+      Problem pr;
+      build(pr, s, threads);
+      const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
+      // Reference output of the shipped configuration, then each variant checked against it.
+      seconds_of(all[0], pr.p);
+      const std::vector<float> shipped = pr.out;
+      std::vector<double> max_diff(all.size(), 0.0);
+      for (size_t i = 0; i < all.size(); ++i) {
+        std::fill(pr.out.begin(), pr.out.end(), std::nanf(""));
+        seconds_of(all[i], pr.p);
+        for (size_t j = 0; j < shipped.size(); ++j) {
+          const double d = std::fabs(static_cast<double>(pr.out[j]) - shipped[j]);
+          max_diff[i] = std::max(max_diff[i], std::isnan(d) ? INFINITY : d);
+        }
+      }
+      std::vector<std::vector<double>> times(all.size());
+      for (int r = 0; r < rounds; ++r) {
+        for (size_t i = 0; i < all.size(); ++i) times[i].push_back(seconds_of(all[i], pr.p));
+      }
+      std::printf("\n%d threads, S=%lld d=%lld%s\n", threads, static_cast<long long>(s.seqlen),
+                  static_cast<long long>(s.head_dim), s.causal ? " causal" : "");
+      double base = 0.0;
+      for (size_t i = 0; i < all.size(); ++i) {
+        std::vector<double>& t = times[i];
+        std::sort(t.begin(), t.end());
+        const double gflops = flops / t[t.size() / 2] * 1e-9;
+        if (i == 0) base = gflops;
+        std::printf("  %-44s %8.1f  %5.2fx  max|diff| %.1e%s\n", all[i].name.c_str(), gflops, gflops / base,
+                    max_diff[i], max_diff[i] > 1e-4 ? "  WRONG" : "");
+      }
+    }
+  }
+  return 0;
+}
