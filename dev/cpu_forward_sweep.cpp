@@ -1,19 +1,21 @@
 // Times the cpu_flash forward in several tile configurations on this machine, side by side in
 // one process: the tool for tuning the CPU path on a CPU it was not tuned on.
 //
-// Why: the shipped configuration (64 rows x 64 keys, 8 x 2 micro-tiles) was tuned on the
-// development EPYC (one 512-bit FMA per cycle), where it runs at ~87% of the FMA peak; on the
-// GPU machine's Xeon (two 512-bit FMA ports) it ran at 46-63% (docs/PERF.md, session 6).
-// Each variant here is the same kernel (src/cpu/flash_forward_kernel.hpp) with other block
-// sizes or micro-tiles, so results differ only in rounding; every variant is checked against the
-// shipped one before it is timed (max |difference| printed), and timed in rounds that run every
-// variant once (so a slow spell of a shared machine hits all alike), median per variant.
+// Why: the shipped configurations (ForwardConfig below d = 128, LargeHeadForwardConfig from it)
+// were tuned on the development EPYC (one 512-bit FMA per cycle), where d = 128 runs at ~87% of
+// the FMA peak; on the GPU machine's Xeon (two 512-bit FMA ports) it ran at 46-63% (docs/PERF.md,
+// session 6). Each variant here is the same kernel (src/cpu/flash_forward_kernel.hpp) with other
+// block sizes or micro-tiles, so results differ only in rounding; every variant is checked
+// against the first (ForwardConfig) before it is timed (max |difference| printed; ratios are to
+// the first too), and timed in rounds that run every variant once (so a slow spell of a shared
+// machine hits all alike), median per variant.
 //
 // Build (from the repository root; the shapes are those of bench/peers.py's CPU section):
 //   g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_forward_sweep.cpp
 //       src/cpu/worker_pool.cpp -o /tmp/cpu_forward_sweep
 // Run: /tmp/cpu_forward_sweep [threads ...]        (default: 2)
-//      ROUNDS=n (default 7), SHAPES=all (adds S=4096 d=128 and S=1024 d=128 causal)
+//      ROUNDS=n (default 7), SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
+//      ONLY=1,8 (time only those variants beside the first, by their index in the list)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -38,8 +40,10 @@ struct MicroTile {
 };
 
 /** ForwardConfig with other block sizes and micro-tiles. */
-template <int64_t Rows, int64_t Keys, class Score, class Output, int64_t MaxBlocks = ForwardConfig::kMaxBlocksPerTask>
+template <int64_t Rows, int64_t Keys, class Score, class Output, int64_t MaxBlocks = ForwardConfig::kMaxBlocksPerTask,
+          bool Paced = true>
 struct Variant : ForwardConfig {
+  static constexpr bool kPacedPrefetch = Paced;
   using ScoreGemm = Score;
   using OutputGemm = Output;
   static constexpr int64_t kBlockRows = Rows;
@@ -65,7 +69,7 @@ std::vector<Entry> variants() {
   using T4x4 = MicroTile<4, 4>;
   using T8x3 = MicroTile<8, 3>;
   return {
-      entry<ForwardConfig>("shipped: 64 rows, 64 keys, 8x2 / 8x2"),
+      entry<ForwardConfig>("shipped d<128: 64 rows, 64 keys, 8x2 / 8x2"),
       entry<Variant<64, 64, T6x4, T6x4>>("64 rows, 64 keys, 6x4 / 6x4"),
       entry<Variant<64, 64, T12x2, T12x2>>("64 rows, 64 keys, 12x2 / 12x2"),
       entry<Variant<64, 64, T14x2, T14x2>>("64 rows, 64 keys, 14x2 / 14x2"),
@@ -78,6 +82,10 @@ std::vector<Entry> variants() {
       entry<Variant<48, 64, T8x3, T8x3>>("48 rows, 64 keys, 8x3 / 8x3"),
       entry<Variant<128, 64, T6x4, T6x4, 4>>("128 rows, 64 keys, 6x4 / 6x4, 4 blocks"),
       entry<Variant<64, 64, T8x2, T8x2, 16>>("64 rows, 64 keys, 8x2 / 8x2, 16 blocks"),
+      entry<LargeHeadForwardConfig>("shipped d>=128: 64 rows, 128 keys, 8x2 / 8x2, 16 blocks"),
+      entry<Variant<64, 64, T8x2, T8x2, 4>>("64 rows, 64 keys, 8x2 / 8x2, 4 blocks"),
+      entry<Variant<64, 64, T8x2, T8x2, 8, false>>("64 rows, 64 keys, 8x2 / 8x2, burst prefetch"),
+      entry<Variant<64, 128, T8x2, T8x2, 16, false>>("64 rows, 128 keys, 8x2 / 8x2, 16 blocks, burst prefetch"),
   };
 }
 
@@ -147,15 +155,27 @@ int main(int argc, char** argv) {
   if (std::getenv("SHAPES") && std::string(std::getenv("SHAPES")) == "all") {
     shapes.push_back({4096, 128, false});
     shapes.push_back({1024, 128, true});
+    shapes.push_back({2048, 256, false});
   }
-  const std::vector<Entry> all = variants();
+  std::vector<Entry> all = variants();
+  if (const char* only = std::getenv("ONLY")) {  // the first variant stays first
+    std::vector<Entry> picked = {all[0]};
+    for (const char* c = only; *c;) {
+      char* end = nullptr;
+      const long i = std::strtol(c, &end, 10);
+      if (end == c) break;
+      if (i > 0 && i < static_cast<long>(all.size())) picked.push_back(all[static_cast<size_t>(i)]);
+      c = *end ? end + 1 : end;
+    }
+    all = picked;
+  }
   std::printf("cpu_flash forward variants (%s), fp32, B=1 H=16, median of %d rounds, GFLOP/s\n", Simd::kName, rounds);
   for (int threads : thread_counts) {
     for (const Shape& s : shapes) {
       Problem pr;
       build(pr, s, threads);
       const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
-      // Reference output of the shipped configuration, then each variant checked against it.
+      // Reference output of the first configuration, then each variant checked against it.
       seconds_of(all[0], pr.p);
       const std::vector<float> shipped = pr.out;
       std::vector<double> max_diff(all.size(), 0.0);

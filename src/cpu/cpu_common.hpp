@@ -153,6 +153,7 @@ using Vec = Simd::F;
 constexpr int kSimdWidth = Simd::kWidth;
 
 inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 // ---------------------------------------------------------------------------------------------
 // Vectorized exp and tanh.
@@ -455,6 +456,68 @@ inline void prefetch_rows(const void* first, int64_t rows, int64_t stride_bytes,
   }
 }
 
+/** Prefetches handed out a few cache lines at a time, between the micro-tiles of the GEMMs,
+ *  instead of in one burst. A burst of hundreds of prefetches (a whole K/V tile, a task's query
+ *  rows) mostly did not arrive in time: copying 64 rows of 512 B, 8 KiB apart, from DRAM took
+ *  10.0k cycles unprefetched, 6.5k after one burst of 512 prefetches 60 us earlier, and 1.7-2.3k
+ *  when the same prefetches went out 8 lines at a time over those 60 us; bursts of 16 to 256
+ *  lines gave 4.2k-6.8k (dev EPYC; the line fill buffers take a dozen or two misses at once). */
+class PrefetchQueue {
+ public:
+  static constexpr int64_t kLine = 64;
+  PrefetchQueue() { ranges_.reserve(64); }
+
+  /** Queues `rows` rows of `row_bytes` bytes, `stride_bytes` apart. */
+  void add(const void* first, int64_t rows, int64_t stride_bytes, int64_t row_bytes, bool for_write = false) {
+    if (rows <= 0 || row_bytes <= 0) return;
+    ranges_.push_back({static_cast<const char*>(first), rows, stride_bytes, row_bytes, for_write});
+    pending_ += rows * ((row_bytes + kLine - 1) / kLine);
+  }
+  /** Spreads what is queued over about `slots` calls of issue(). */
+  void pace(int64_t slots) { per_issue_ = std::max<int64_t>(1, (pending_ + slots - 1) / std::max<int64_t>(slots, 1)); }
+  /** The next few lines (see pace); cheap when the queue is empty. */
+  void issue() {
+    if (pending_ > 0) issue_lines(per_issue_);
+  }
+  /** Everything still queued, now. */
+  void drain() { issue_lines(pending_); }
+
+ private:
+  struct Range {
+    const char* first;
+    int64_t rows, stride_bytes, row_bytes;
+    bool for_write;
+  };
+  void issue_lines(int64_t lines) {
+    for (; lines > 0 && next_range_ < ranges_.size(); --lines, --pending_) {
+      const Range& r = ranges_[next_range_];
+      const char* at = r.first + row_ * r.stride_bytes + offset_;
+      if (r.for_write) {
+        __builtin_prefetch(at, 1, 3);
+      } else {
+        __builtin_prefetch(at, 0, 3);
+      }
+      if ((offset_ += kLine) >= r.row_bytes) {
+        offset_ = 0;
+        if (++row_ == r.rows) {
+          row_ = 0;
+          ++next_range_;
+        }
+      }
+    }
+    if (next_range_ == ranges_.size()) {
+      ranges_.clear();
+      next_range_ = 0;
+      pending_ = 0;
+    }
+  }
+  std::vector<Range> ranges_;
+  size_t next_range_ = 0;
+  int64_t row_ = 0, offset_ = 0;  // position inside ranges_[next_range_]
+  int64_t pending_ = 0;           // lines queued and not issued
+  int64_t per_issue_ = 1;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Scratch memory.
 // ---------------------------------------------------------------------------------------------
@@ -588,12 +651,14 @@ inline void gemm_row_remainder(int rest, const float* a, int64_t a_row, int64_t 
   }
 }
 
+/** Rows of C in tiles of kR rows; `prefetch` (optional) gets a turn after every tile. */
 template <int V, Accumulate kMode, int kR = GemmTraits::kRows>
 inline void gemm_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_k, const float* b, int64_t ldb,
-                      float* c, int64_t ldc, int64_t depth, float* column) {
+                      float* c, int64_t ldc, int64_t depth, float* column, PrefetchQueue* prefetch = nullptr) {
   int64_t i = 0;
   for (; i + kR <= rows; i += kR) {
     gemm_micro<kR, V, kMode>(a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc, depth, column);
+    if (prefetch) prefetch->issue();
   }
   if (i < rows) {
     gemm_row_remainder<kR, V, kMode>(static_cast<int>(rows - i), a + i * a_row, a_row, a_k, b, ldb, c + i * ldc, ldc,
@@ -604,34 +669,38 @@ inline void gemm_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_k, 
 /** The last `rest` (< V) vectors of columns of a gemm_bcast call. */
 template <int V, int kR, Accumulate kMode>
 inline void gemm_column_remainder(int rest, int64_t rows, const float* a, int64_t a_row, int64_t a_k, const float* b,
-                                  int64_t ldb, float* c, int64_t ldc, int64_t depth, float* column) {
+                                  int64_t ldb, float* c, int64_t ldc, int64_t depth, float* column,
+                                  PrefetchQueue* prefetch) {
   if constexpr (V > 1) {
     if (rest == V - 1) {
-      gemm_rows<V - 1, kMode, kR>(rows, a, a_row, a_k, b, ldb, c, ldc, depth, column);
+      gemm_rows<V - 1, kMode, kR>(rows, a, a_row, a_k, b, ldb, c, ldc, depth, column, prefetch);
     } else {
-      gemm_column_remainder<V - 1, kR, kMode>(rest, rows, a, a_row, a_k, b, ldb, c, ldc, depth, column);
+      gemm_column_remainder<V - 1, kR, kMode>(rest, rows, a, a_row, a_k, b, ldb, c, ldc, depth, column, prefetch);
     }
   }
 }
 
 /** C[rows x cols] (+)= A[rows x depth] * B[depth x cols]; cols must be a multiple of kSimdWidth.
  *  A(i, k) = a[i * a_row + k * a_k]: (a_row = lda, a_k = 1) reads A, (1, lda) reads A^T.
- *  column has cols entries: the scale read by kScaleAdd or the running max kOverwriteMax updates. */
+ *  column has cols entries: the scale read by kScaleAdd or the running max kOverwriteMax updates.
+ *  prefetch (optional) issues a few queued prefetches after every micro-tile. */
 template <Accumulate kMode, class Traits = GemmTraits>
 inline void gemm_bcast(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t a_row, int64_t a_k,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, float* column = nullptr) {
+                       const float* b, int64_t ldb, float* c, int64_t ldc, float* column = nullptr,
+                       PrefetchQueue* prefetch = nullptr) {
   constexpr int kV = Traits::kVecs;
   constexpr int kR = Traits::kRows;
   const int64_t vectors = cols / kSimdWidth;
   int64_t v = 0;
   for (; v + kV <= vectors; v += kV) {
     const int64_t j = v * kSimdWidth;
-    gemm_rows<kV, kMode, kR>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column ? column + j : nullptr);
+    gemm_rows<kV, kMode, kR>(rows, a, a_row, a_k, b + j, ldb, c + j, ldc, depth, column ? column + j : nullptr,
+                             prefetch);
   }
   if (v < vectors) {
     const int64_t j = v * kSimdWidth;
     gemm_column_remainder<kV, kR, kMode>(static_cast<int>(vectors - v), rows, a, a_row, a_k, b + j, ldb, c + j, ldc,
-                                         depth, column ? column + j : nullptr);
+                                         depth, column ? column + j : nullptr, prefetch);
   }
 }
 

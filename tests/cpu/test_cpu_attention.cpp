@@ -120,7 +120,8 @@ TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
   dense.dtype = FC_DTYPE_BF16;
   dense.window_left = 100;
   dense.window_right = 30;
-  Case varlen = dense;
+  Case varlen = dense;  // at d = 128: the configuration with 128-key tiles and 16-block tasks
+  varlen.head_dim = 128;
   varlen.window_left = varlen.window_right = -1;
   varlen.causal = true;
   varlen.varlen_q = {700, 5, 300};
