@@ -55,6 +55,7 @@ struct BackwardScratch {
   AlignedFloats dk_t, dv_t;         // [D x N]
   AlignedFloats probs, dscores, tanh_grad;  // [M x N]
   AlignedFloats row_a;              // [D_pad] one row in flight
+  PrefetchQueue prefetch;           // the next key block's K and V rows
 
   void reserve(int64_t max_seqlen_q, int64_t head_dim) {
     const int64_t n = BackwardTraits::kBlockKeys, m = BackwardTraits::kBlockRows;
@@ -104,14 +105,20 @@ class BackwardTaskRunner {
     for (int64_t n0 = 0; n0 < seq_.seqlen_k; n0 += kN) {
       const int64_t n_valid = std::min(kN, seq_.seqlen_k - n0);
       pack_keys(n0, n_valid);
+      auto sees_keys = [&](int64_t m0) {
+        const KeyRange keys = mask.keys_for_rows(m0, std::min(m0 + kM, seq_.seqlen_q));
+        return !keys.empty() && keys.end > n0 && keys.begin < n0 + n_valid;
+      };
+      int64_t query_blocks = 0;
+      for (int64_t m0 = 0; m0 < seq_.seqlen_q; m0 += kM) query_blocks += sees_keys(m0);
+      w_.prefetch.pace(query_blocks * micro_tiles_per_block());
       bool have_grads = false;
       for (int64_t m0 = 0; m0 < seq_.seqlen_q; m0 += kM) {
-        const int64_t m_valid = std::min(kM, seq_.seqlen_q - m0);
-        const KeyRange keys = mask.keys_for_rows(m0, m0 + m_valid);
-        if (keys.empty() || keys.end <= n0 || keys.begin >= n0 + n_valid) continue;
-        process_block(mask, m0, m_valid, n0, n_valid, /*first=*/!have_grads);
+        if (!sees_keys(m0)) continue;
+        process_block(mask, m0, std::min(kM, seq_.seqlen_q - m0), n0, n_valid, /*first=*/!have_grads);
         have_grads = true;
       }
+      w_.prefetch.drain();  // whatever the micro-tiles left, before the next key block is packed
       write_key_grads(n0, n_valid, have_grads);
     }
     write_dq();
@@ -156,13 +163,14 @@ class BackwardTaskRunner {
   void pack_keys(int64_t n0, int64_t n_valid) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    // The next block's rows stream in while this block's query loop computes.
+    // The next block's rows stream in while this block's query loop computes, a few cache lines
+    // per GEMM micro-tile (PrefetchQueue: one burst of them mostly did not arrive).
     const int64_t next_rows = std::min(kN, seq_.seqlen_k - n0 - kN);
     if (next_rows > 0) {
       const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
       for (const TensorRef* t : {&p_.k, &p_.v}) {
-        prefetch_rows(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kN, kv_head_), next_rows, t->row_stride * elem,
-                      head_dim * elem);
+        w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kN, kv_head_), next_rows,
+                        t->row_stride * elem, head_dim * elem);
       }
     }
     float* k_rows = w_.k_rows.data();
@@ -187,26 +195,41 @@ class BackwardTaskRunner {
     float* probs = w_.probs.data();
     float* dscores = w_.dscores.data();
     // S = (scale Q) K^T, then P in place.
-    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, q, head_dim, 1, w_.k_t.data(), kN, probs, kN);
+    PrefetchQueue* pf = &w_.prefetch;
+    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, q, head_dim, 1, w_.k_t.data(), kN, probs, kN, nullptr,
+                                       pf);
     probabilities(mask, m0, m_valid, n0, n_valid);
     // dV^T += dO^T P
     if (first) {
-      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, dout, 1, head_dim, probs, kN, w_.dv_t.data(), kN);
+      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, dout, 1, head_dim, probs, kN, w_.dv_t.data(), kN,
+                                         nullptr, pf);
     } else {
-      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, dout, 1, head_dim, probs, kN, w_.dv_t.data(), kN);
+      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, dout, 1, head_dim, probs, kN, w_.dv_t.data(), kN, nullptr,
+                                   pf);
     }
     // dP = dO V^T, then dS in place.
-    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, dout, head_dim, 1, w_.v_t.data(), kN, dscores, kN);
+    gemm_bcast<Accumulate::kOverwrite>(m_valid, kN, head_dim, dout, head_dim, 1, w_.v_t.data(), kN, dscores, kN,
+                                       nullptr, pf);
     score_gradients(m0, m_valid);
     // dK^T += (scale Q)^T dS
     if (first) {
-      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, q, 1, head_dim, dscores, kN, w_.dk_t.data(), kN);
+      gemm_bcast<Accumulate::kOverwrite>(head_dim, kN, m_valid, q, 1, head_dim, dscores, kN, w_.dk_t.data(), kN,
+                                         nullptr, pf);
     } else {
-      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, q, 1, head_dim, dscores, kN, w_.dk_t.data(), kN);
+      gemm_bcast<Accumulate::kAdd>(head_dim, kN, m_valid, q, 1, head_dim, dscores, kN, w_.dk_t.data(), kN, nullptr,
+                                   pf);
     }
     // dQ += dS K
     gemm_bcast<Accumulate::kAdd>(m_valid, d_pad_, n_valid, dscores, kN, 1, w_.k_rows.data(), d_pad_,
-                                 w_.dq_acc.data() + m0 * d_pad_, d_pad_);
+                                 w_.dq_acc.data() + m0 * d_pad_, d_pad_, nullptr, pf);
+  }
+
+  /** GEMM micro-tiles of process_block on a full block (the turns PrefetchQueue gets). */
+  int64_t micro_tiles_per_block() const {
+    constexpr int64_t kN = BackwardTraits::kBlockKeys, kM = BackwardTraits::kBlockRows;
+    constexpr int64_t kR = GemmTraits::kRows, kColumns = kSimdWidth * GemmTraits::kVecs;
+    const int64_t key_passes = ceil_div(kN, kColumns), dq_passes = ceil_div(d_pad_, kColumns);
+    return key_passes * (2 * ceil_div(kM, kR) + 2 * ceil_div(p_.head_dim, kR)) + dq_passes * ceil_div(kM, kR);
   }
 
   /** probs[r][j] = exp(s - lse) for allowed keys, else 0; under softcap also tanh' = 1 - t^2. */
