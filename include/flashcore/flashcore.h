@@ -91,7 +91,7 @@ typedef struct fc_attention_options {
   int32_t backend;       /**< fc_backend */
   int32_t deterministic; /**< backward: bit-identical results run to run */
   void* stream;          /**< cudaStream_t for CUDA backends; NULL = the legacy default stream */
-  int32_t num_threads;   /**< CPU backends: 0 = all hardware threads */
+  int32_t num_threads;   /**< CPU backends: 0 = every core the process may run on (its affinity mask) */
   int32_t reserved[7];
 } fc_attention_options;
 

@@ -61,7 +61,7 @@ struct AttentionParams {
   int64_t window_right = -1;  // -1 = unbounded
 
   bool deterministic = false;
-  int num_threads = 0;        // CPU: 0 = hardware concurrency
+  int num_threads = 0;        // CPU: 0 = every core of the affinity mask (cpu::available_cores)
   void* stream = nullptr;     // cudaStream_t
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }

@@ -727,11 +727,7 @@ class TaskQueue {
   int64_t workers_;
 };
 
-inline int resolve_thread_count(int requested) {
-  if (requested > 0) return requested;
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw > 0 ? static_cast<int>(hw) : 1;
-}
+inline int resolve_thread_count(int requested) { return requested > 0 ? requested : available_cores(); }
 
 /** Runs worker(queue) on up to `requested_threads` threads (the caller's thread is one of them,
  *  the others come from the process-wide pool in worker_pool.hpp) until the queue is drained.

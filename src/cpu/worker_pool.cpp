@@ -26,6 +26,9 @@
 #include <unistd.h>
 #define FC_HAVE_GETPID 1
 #endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define FC_SPIN_PAUSE() _mm_pause()
@@ -105,8 +108,8 @@ class Pool {
   /** Polling pays only while the thread `rank` (0 = the caller, i = helper i) would not take
    *  the core of another worker: ranks beyond the core count block at once. */
   static bool spins(int rank) {
-    static const unsigned cores = std::thread::hardware_concurrency();
-    return cores == 0 || static_cast<unsigned>(rank) < cores;
+    static const int cores = available_cores();
+    return rank < cores;
   }
 
   /** Polls `ready` for kSpin (if `spin`), then sleeps on `cv` until it holds. */
@@ -196,6 +199,18 @@ int run_on_workers(int workers, WorkerBody body) {
 }
 
 int worker_pool_size() { return process_pool().size(); }
+
+int available_cores() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+#endif
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
 
 }  // namespace cpu
 }  // namespace flashcore

@@ -41,5 +41,10 @@ int run_on_workers(int workers, WorkerBody body);
 /** Helper threads the pool has started so far (for tests and `flashcore info`). */
 int worker_pool_size();
 
+/** Cores this process may run on: the CPU affinity mask where the system has one (taskset,
+ *  cgroup cpusets, container limits on cores), else the hardware thread count; at least 1.
+ *  What num_threads = 0 means. */
+int available_cores();
+
 }  // namespace cpu
 }  // namespace flashcore

@@ -14,6 +14,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "common/harness.hpp"
 #include "cpu/worker_pool.hpp"
@@ -80,6 +83,23 @@ TEST(CpuWorkerPool, ForkedChildGetsItsOwnPool) {
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
   EXPECT_TRUE(every_worker_ran_once(4));  // and the parent's pool still works
+}
+#endif
+
+#if defined(__linux__)
+// num_threads = 0 means the cores the process may run on, not every core of the machine.
+TEST(CpuWorkerPool, AvailableCoresFollowsTheAffinityMask) {
+  cpu_set_t saved;
+  ASSERT_EQ(sched_getaffinity(0, sizeof saved, &saved), 0);
+  EXPECT_EQ(cpu::available_cores(), CPU_COUNT(&saved));
+  int first = 0;
+  while (!CPU_ISSET(first, &saved)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+  EXPECT_EQ(cpu::available_cores(), 1);
+  ASSERT_EQ(sched_setaffinity(0, sizeof saved, &saved), 0);
 }
 #endif
 
