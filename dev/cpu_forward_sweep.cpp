@@ -86,6 +86,11 @@ std::vector<Entry> variants() {
       entry<Variant<64, 64, T8x2, T8x2, 4>>("64 rows, 64 keys, 8x2 / 8x2, 4 blocks"),
       entry<Variant<64, 64, T8x2, T8x2, 8, false>>("64 rows, 64 keys, 8x2 / 8x2, burst prefetch"),
       entry<Variant<64, 128, T8x2, T8x2, 16, false>>("64 rows, 128 keys, 8x2 / 8x2, 16 blocks, burst prefetch"),
+      // Larger micro-tiles with the d >= 128 blocking: fewer loads per FMA, for CPUs with two
+      // 512-bit FMA ports.
+      entry<Variant<64, 128, T6x4, T6x4, 16>>("64 rows, 128 keys, 6x4 / 6x4, 16 blocks"),
+      entry<Variant<64, 128, T14x2, T14x2, 16>>("64 rows, 128 keys, 14x2 / 14x2, 16 blocks"),
+      entry<Variant<64, 128, T8x2, T6x4, 16>>("64 rows, 128 keys, 8x2 / 6x4, 16 blocks"),
   };
 }
 
