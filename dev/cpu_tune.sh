@@ -4,6 +4,8 @@
 # forward in every tile configuration of dev/cpu_forward_sweep.cpp, and, where torch is
 # installed, bench/peers.py's CPU section against torch's CPU SDPA with a CPU-only build of the
 # Python package. Needs no GPU and no network. Output in OUTDIR; a summary prints last.
+# Also the forward's two GEMMs alone per micro-tile (dev/cpu_gemm_rate.cpp) at 1 and the given
+# thread counts. The sweep takes ROUNDS, SHAPES and ONLY from the environment.
 #
 # usage: dev/cpu_tune.sh OUTDIR [THREADS ...]     (default threads: 2 16)
 set -uo pipefail
@@ -21,8 +23,10 @@ BIN=$(mktemp -d)
 g++ -std=c++17 -O2 -march=native -fopenmp dev/fma_peak.cpp -o "$BIN/fma_peak" &
 g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_forward_sweep.cpp src/cpu/worker_pool.cpp \
   -o "$BIN/cpu_forward_sweep" &
+g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_gemm_rate.cpp -o "$BIN/cpu_gemm_rate" &
 wait
 "$BIN/fma_peak" 1 "${THREADS[@]}" >"$OUT/fma_peak.txt" 2>&1
+"$BIN/cpu_gemm_rate" 1 "${THREADS[@]}" >"$OUT/gemm_rate.txt" 2>&1
 "$BIN/cpu_forward_sweep" "${THREADS[@]}" >"$OUT/sweep.txt" 2>&1
 
 PY=${PYTHON:-python3}  # the interpreter with torch (the build itself uses python3 for nanobind)
@@ -37,7 +41,7 @@ fi
 
 {
   echo "== $(grep 'Model name' "$OUT/cpu.txt" | sed 's/ \+/ /g')"
-  cat "$OUT/fma_peak.txt"
+  cat "$OUT/fma_peak.txt" "$OUT/gemm_rate.txt"
   grep -E "threads,|shipped|x$|WRONG|[0-9]x  max" "$OUT/sweep.txt" | sed -n '1,200p'
   [ -f "$OUT/peers.txt" ] && grep -E "^cpu " "$OUT/peers.txt"
 } | tee "$OUT/summary.txt"

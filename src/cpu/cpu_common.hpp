@@ -568,20 +568,31 @@ struct GemmTraits {
 #endif
 };
 
-/** A tile of 8 rows x 2 vectors on AVX-512 (16 accumulators, 2 vector loads + 8 broadcasts per
- *  step), for the forward, whose A operands are contiguous fp32 K / V tiles. Its GEMMs have 64
- *  rows (keys) or head_dim rows (64, 128, ...): 8 divides both, while 6 x 4 left a 4- or 2-row
- *  remainder tile measured ~40% slower per FMA. Isolated, with operands in L1, 8 x 2 ran at
- *  110-116 GFLOP/s per core on the EPYC build machine and 6 x 4 at 105-112. */
-struct NarrowGemmTraits {
+/** An R x V tile on AVX-512 (32 registers); GemmTraits' tile on narrower ISAs (16 registers). */
+template <int R, int V>
+struct Avx512Tile {
 #if defined(__AVX512F__)
-  static constexpr int kRows = 8;
-  static constexpr int kVecs = 2;
+  static constexpr int kRows = R;
+  static constexpr int kVecs = V;
 #else
   static constexpr int kRows = GemmTraits::kRows;
   static constexpr int kVecs = GemmTraits::kVecs;
 #endif
 };
+
+/** 8 rows x 2 vectors (16 accumulators, 2 vector loads + 8 broadcasts per step). Its GEMMs have
+ *  64 rows (keys) or head_dim rows (64, 128, ...): 8 divides both, while 6 x 4 left a 4- or 2-row
+ *  remainder tile measured ~40% slower per FMA. Isolated, with operands in L1, 8 x 2 ran at
+ *  110-116 GFLOP/s per core on the EPYC build machine and 6 x 4 at 105-112. The forward shipped it
+ *  until session 7; kept for dev/cpu_forward_sweep.cpp. */
+struct NarrowGemmTraits : Avx512Tile<8, 2> {};
+
+/** 8 rows x 3 vectors (24 accumulators, 3 vector loads + 8 broadcasts per 24 FMAs), the
+ *  forward's: 8 still divides the key and head_dim rows, and the wider tile issues fewer loads per
+ *  FMA, which a CPU with two 512-bit FMA ports needs. On the GPU machine's Xeon (two ports) the
+ *  forward ran 3-25% faster with it than with 8 x 2, at 2 and 16 threads; on the single-port EPYC
+ *  within -3% / +4% (dev/cpu_forward_sweep.cpp, docs/PERF.md session 8). */
+struct WideGemmTraits : Avx512Tile<8, 3> {};
 
 // Full unrolling of the R x V loops lets GCC keep the accumulators in registers from start to end
 // (without it they round-trip through the stack around the k loop).

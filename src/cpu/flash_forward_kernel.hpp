@@ -1,6 +1,6 @@
 // cpu_flash forward: tiled online softmax (FlashAttention-2) on the CPU, fp32 accumulation.
 //
-// Work split: one task per (batch, kv head, up to 8 blocks of 64 "stacked" rows). A stacked row
+// Work split: one task per (batch, kv head, up to 8 blocks of 48 "stacked" rows). A stacked row
 // is a (query row, query head) pair of one GQA group, ordered query-row-major, so the query heads
 // that share a KV head share every K/V tile (for MHA the group has one head and this is the usual
 // (batch, head, query block) split). Inside a task the loop runs over K/V tiles and, per tile,
@@ -38,21 +38,27 @@ using namespace flash_detail;
 
 constexpr float kLog2e = ExpConstants::kLog2e;
 
-/** The configuration shipped for head_dim < 128; a configuration is any struct with these
- *  members. */
+/** The configuration the library ships (every head_dim); a configuration is any struct with these
+ *  members. Chosen with dev/cpu_forward_sweep.cpp on two CPUs (docs/PERF.md, session 8): against
+ *  the earlier 64-row blocks with 8 x 2 micro-tiles (and 128-key tiles, 16 blocks per task from
+ *  d = 128), the GPU machine's Xeon ran 3-17% faster at 2 and 16 threads, the development EPYC
+ *  -3% to +4%. */
 struct ForwardConfig {
-  static constexpr const char* kName = "64 rows x 64 keys, 8 blocks per task, GEMMs 8x2";
-  // Micro-tiles of S^T = K Q^T and O^T += V^T P^T (cpu_common.hpp).
-  using ScoreGemm = NarrowGemmTraits;
-  using OutputGemm = NarrowGemmTraits;
-  static constexpr int64_t kBlockRows = 64;  // stacked rows per block (a multiple of kSimdWidth)
+  static constexpr const char* kName = "48 rows x 64 keys, 8 blocks per task, GEMMs 8x3";
+  // Micro-tiles of S^T = K Q^T and O^T += V^T P^T (cpu_common.hpp). A block's rows are the
+  // micro-tile's columns: 48 = 3 vectors of 16, one micro-tile wide.
+  using ScoreGemm = WideGemmTraits;
+  using OutputGemm = WideGemmTraits;
+  static constexpr int64_t kBlockRows = 48;  // stacked rows per block (a multiple of kSimdWidth)
   static constexpr int64_t kBlockKeys = 64;  // keys per K/V tile
   // Blocks per task: each K/V tile is copied (fp32) or converted (fp16/bf16) into contiguous
   // rows once per task and then used by every block of the task, so K/V are streamed from L3
-  // once per 512 stacked rows instead of once per 64. Read in place, rows of one head are
+  // once per 384 stacked rows instead of once per 48. Read in place, rows of one head are
   // H * D * 4 bytes apart (4-8 KiB at H = 16), a stride the hardware prefetcher does not follow
-  // and that maps a micro-tile's broadcast rows onto one L1 set; copying them per block of 64
-  // rows cost more than it saved. Scratch per thread: 8 x (Q^T + O^T) = D x 4 KiB.
+  // and that maps a micro-tile's broadcast rows onto one L1 set; copying them per block cost
+  // more than it saved. Scratch per thread: 8 x (Q^T + O^T) = D x 3 KiB. Larger tasks (128-key
+  // tiles, 16 blocks) gained 0-6% at d >= 128 on the EPYC but lost 6-8% at 16 threads on the
+  // Xeon, where 16 blocks per task leave too few tasks to balance the threads.
   static constexpr int64_t kMaxBlocksPerTask = 8;
   // Tasks take fewer blocks where the call would otherwise have fewer than
   // max(kMinTasks, kTasksPerThread x threads) tasks, so that every thread gets work. Not more
@@ -65,17 +71,6 @@ struct ForwardConfig {
   // Prefetches of the next K/V tile (and of the next task's rows) go out a few lines per GEMM
   // micro-tile (PrefetchQueue); false sends each tile's in one burst, the old way, for the sweep.
   static constexpr bool kPacedPrefetch = true;
-};
-
-/** The configuration shipped for head_dim >= 128: 128-key tiles halve the per-tile work that
- *  grows with D (the O^T rescale pass, the K/V tile copies per block), and 16 blocks per task
- *  halve the K/V copies again. dev/cpu_forward_sweep.cpp on the development EPYC, against
- *  ForwardConfig: +3% to +8% at d = 128 and 256 (S = 1024..4096, 1 and 2 threads), and no
- *  gain at d = 64 (-2% to +2%). Scratch per thread: 16 x (Q^T + O^T) = D x 8 KiB. */
-struct LargeHeadForwardConfig : ForwardConfig {
-  static constexpr const char* kName = "64 rows x 128 keys, 16 blocks per task, GEMMs 8x2";
-  static constexpr int64_t kBlockKeys = 128;
-  static constexpr int64_t kMaxBlocksPerTask = 16;
 };
 
 struct ForwardTask {

@@ -1,9 +1,9 @@
 // CUDA tests of the inference path against the fp64 oracle of tests/common/kvcache_check.hpp:
 // the CPU suite's grid (contiguous / paged 1-16-64-256, cache_batch_idx, append, causal, window,
-// softcap, GQA/MQA) on device memory with 1, 5 and heuristic splits, head dims 64/128/256 and a
-// padded one, long paged sequences (block-table batches), fc_merge_partials on the GPU, the
-// device-side checks of cache indices (error_flag, NaN rows, no out-of-bounds access - run under
-// compute-sanitizer memcheck), and CUDA-graph capture.
+// softcap, GQA/MQA) on device memory with 1, 5 and heuristic splits (and up to 24 at the decode
+// target's shape), head dims 64/128/256 and a padded one, long paged sequences (block-table
+// batches), fc_merge_partials on the GPU, the device-side checks of cache indices (error_flag, NaN
+// rows, no out-of-bounds access - run under compute-sanitizer memcheck), and CUDA-graph capture.
 // Every test skips when no GPU is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -71,7 +71,7 @@ TEST(CudaKvCache, TargetShapesSmall) {
     c.seqlen_new = 1;
     cases.push_back(c);
   }
-  expect_cases(cases, {0, 1, 16}, 200);
+  expect_cases(cases, {0, 1, 8, 16, 17, 24}, 200);
 }
 
 TEST(CudaKvCache, LongPagedTables) {
@@ -111,7 +111,7 @@ TEST(CudaKvCache, DeviceSideIndexChecks) {
   c.page_size = 16;
   c.seqlen_new = 1;
   c.num_splits = 3;
-  for (int32_t splits : {1, 3}) {
+  for (int32_t splits : {1, 3, 20}) {
     c.num_splits = splits;
     KvProblem pr(c, mem, 9);
     // Sequence 1: the page its new token goes to is out of range. Sequence 2: length beyond capacity.
