@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "cpu/worker_pool.hpp"  // available_cores: what num_threads = 0 means to the library
 
 namespace flashcore::cli {
 namespace {
@@ -136,7 +137,8 @@ int command_bench(int argc, char** argv) {
   const bool plain = base.window_left == -1 && base.window_right == -1 && base.softcap == 0;
   const bool naive = !base.on_gpu && !a.has("no-naive") && plain;
   const int repeats = static_cast<int>(std::max<int64_t>(1, a.num("repeats", 5)));
-  const int threads = base.threads > 0 ? base.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The naive peer gets as many threads as flashcore's default (the process's affinity mask).
+  const int threads = base.threads > 0 ? base.threads : flashcore::cpu::available_cores();
 
   std::vector<Row> rows;
   for (size_t i = 0; i < cells.size(); ++i) {
