@@ -15,8 +15,11 @@
 //       src/cpu/worker_pool.cpp -o /tmp/cpu_forward_sweep
 // Run: /tmp/cpu_forward_sweep [threads ...]        (default: 2)
 //      ROUNDS=n (default 7), SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
-//      ONLY=1,8 (time only those variants beside the first, by their index in the list)
+//      ONLY=1,8 (time only those variants beside the first, by their index in the list),
+//      PHASES=1 (instead: where the shipped configuration's thread time goes, per phase of a task)
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -49,6 +52,35 @@ struct Variant : ForwardConfig {
   static constexpr int64_t kBlockRows = Rows;
   static constexpr int64_t kBlockKeys = Keys;
   static constexpr int64_t kMaxBlocksPerTask = MaxBlocks;
+};
+
+/** ForwardConfig's PhaseTimer for PHASES=1: each lap charges the steady_clock time since this
+ *  thread's previous lap (in this call) to the phase. new_call() before every call: a thread's
+ *  first lap in a call only starts its clock, so the time between calls is not charged. */
+struct TimedPhases {
+  static constexpr int kCount = static_cast<int>(ForwardPhase::kCount);
+  static inline std::array<std::atomic<int64_t>, kCount> ns{};
+  static inline std::atomic<int> epoch{0};
+  static void reset() {
+    for (auto& x : ns) x.store(0);
+  }
+  static void new_call() { epoch.fetch_add(1); }
+  static void lap(ForwardPhase phase) {
+    thread_local int seen = -1;
+    thread_local std::chrono::steady_clock::time_point last;
+    const auto now = std::chrono::steady_clock::now();
+    const int e = epoch.load(std::memory_order_relaxed);
+    if (seen == e) {
+      ns[static_cast<size_t>(phase)].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
+                                                std::memory_order_relaxed);
+    }
+    seen = e;
+    last = now;
+  }
+};
+
+struct TimedConfig : ForwardConfig {
+  using PhaseTimer = TimedPhases;
 };
 
 struct Entry {
@@ -179,6 +211,37 @@ int main(int argc, char** argv) {
       c = *end ? end + 1 : end;
     }
     all = picked;
+  }
+  if (std::getenv("PHASES")) {
+    std::printf("cpu_flash forward, shipped configuration, %% of thread time (wall x threads) per phase, "
+                "summed over %d calls\n", rounds);
+    const char* names[] = {"between tasks", "q pack + out", "k/v copy", "S gemm", "softmax", "O gemm"};
+    for (int threads : thread_counts) {
+      for (const Shape& s : shapes) {
+        Problem pr;
+        build(pr, s, threads);
+        const Entry timed = entry<TimedConfig>("timed");
+        seconds_of(timed, pr.p);
+        TimedPhases::reset();
+        double wall = 0;
+        for (int r = 0; r < rounds; ++r) {
+          TimedPhases::new_call();
+          wall += seconds_of(timed, pr.p);
+        }
+        const double thread_ns = wall * 1e9 * threads;
+        const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
+        std::printf("%2d threads, S=%lld d=%lld%s: %.1f GFLOP/s |", threads, static_cast<long long>(s.seqlen),
+                    static_cast<long long>(s.head_dim), s.causal ? " causal" : "", flops * rounds / wall * 1e-9);
+        double charged = 0;
+        for (int i = 0; i < TimedPhases::kCount; ++i) {
+          const double x = static_cast<double>(TimedPhases::ns[static_cast<size_t>(i)].load());
+          charged += x;
+          std::printf(" %s %.1f%%", names[i], 100.0 * x / thread_ns);
+        }
+        std::printf(" | untimed (a thread's start and end of a call, idle) %.1f%%\n", 100.0 * (1.0 - charged / thread_ns));
+      }
+    }
+    return 0;
   }
   std::printf("cpu_flash forward variants (%s), fp32, B=1 H=16, median of %d rounds, GFLOP/s\n", Simd::kName, rounds);
   for (int threads : thread_counts) {

@@ -38,6 +38,16 @@ using namespace flash_detail;
 
 constexpr float kLog2e = ExpConstants::kLog2e;
 
+/** Phases of a forward task, for dev/cpu_forward_sweep.cpp's split of the time (PHASES=1). */
+enum class ForwardPhase { kBetweenTasks, kRows, kCopy, kScores, kSoftmax, kOutput, kCount };
+
+/** What the shipped configuration times: nothing (every lap compiles away). A configuration's
+ *  PhaseTimer::lap(phase) is called at the end of each phase of a task; a timing one charges the
+ *  time since its previous lap on this thread to `phase`. */
+struct NoPhaseTimer {
+  static void lap(ForwardPhase) {}
+};
+
 /** The configuration the library ships (every head_dim); a configuration is any struct with these
  *  members. Chosen with dev/cpu_forward_sweep.cpp on two CPUs (docs/PERF.md, session 8): against
  *  the earlier 64-row blocks with 8 x 2 micro-tiles (and 128-key tiles, 16 blocks per task from
@@ -71,6 +81,7 @@ struct ForwardConfig {
   // Prefetches of the next K/V tile (and of the next task's rows) go out a few lines per GEMM
   // micro-tile (PrefetchQueue); false sends each tile's in one burst, the old way, for the sweep.
   static constexpr bool kPacedPrefetch = true;
+  using PhaseTimer = NoPhaseTimer;
 };
 
 struct ForwardTask {
@@ -181,6 +192,8 @@ class ForwardTaskRunner {
   /** Runs `task`; `next` (may be null) is the task this worker will likely run next, whose
    *  query rows are prefetched during this task's last key tile. */
   void run(const ForwardTask& task, const ForwardTask* next) {
+    using Phases = typename Config::PhaseTimer;
+    Phases::lap(ForwardPhase::kBetweenTasks);
     const SeqInfo seq = seq_info(p_, task.batch);
     const MaskInfo mask = mask_info(p_, seq);
     const int64_t group = p_.group_size();
@@ -217,6 +230,7 @@ class ForwardTaskRunner {
         keys = keys.empty() ? bl.keys : KeyRange{std::min(keys.begin, bl.keys.begin), std::max(keys.end, bl.keys.end)};
       }
     }
+    Phases::lap(ForwardPhase::kRows);
 
     constexpr int64_t kN = Config::kBlockKeys;
     // Tiles sit on a fixed grid (multiples of kN), so a block's tiles, and with them its
@@ -241,6 +255,7 @@ class ForwardTaskRunner {
         if (next) queue_task_rows(*next, p_.q, /*for_write=*/false);
       }
       prefetch.pace(Config::kPacedPrefetch ? active_blocks * micro_tiles_per_block(n_valid) : 1);
+      Phases::lap(ForwardPhase::kCopy);
       for (int64_t bi = 0; bi < num_blocks; ++bi) {
         Block& bl = blocks[bi];
         if (!bl.overlaps(n0, n0 + n_valid)) continue;
@@ -258,8 +273,10 @@ class ForwardTaskRunner {
           gemm_bcast<Accumulate::kOverwrite, ScoreGemm>(n_block, m_pad, head_dim, k_rows, head_dim, 1, bl.q_t, m_pad,
                                                         w_.s_t.data(), m_pad, nullptr, &prefetch);
         }
+        Phases::lap(ForwardPhase::kScores);
         if (!full) set_relative_key_bounds(bl, n0);
         softmax_tile(bl, n_block, full, plain);
+        Phases::lap(ForwardPhase::kSoftmax);
         // O^T[d][m] = O^T[d][m] * rescale[m] + sum_n V[n][d] * P^T[n][m]
         if (!bl.started) {
           gemm_bcast<Accumulate::kOverwrite, OutputGemm>(head_dim, m_pad, n_block, v_rows, 1, head_dim,
@@ -270,10 +287,13 @@ class ForwardTaskRunner {
                                                         &prefetch);
         }
         bl.started = true;
+        Phases::lap(ForwardPhase::kOutput);
       }
       prefetch.drain();  // whatever the micro-tiles left, before the next tile is loaded
+      Phases::lap(ForwardPhase::kCopy);
     }
     for (int64_t bi = 0; bi < num_blocks; ++bi) write_outputs(task, seq, blocks[bi]);
+    Phases::lap(ForwardPhase::kRows);
   }
 
  private:
