@@ -590,8 +590,8 @@ struct NarrowGemmTraits : Avx512Tile<8, 2> {};
 /** 8 rows x 3 vectors (24 accumulators, 3 vector loads + 8 broadcasts per 24 FMAs), the
  *  forward's: 8 still divides the key and head_dim rows, and the wider tile issues fewer loads per
  *  FMA, which a CPU with two 512-bit FMA ports needs. On the GPU machine's Xeon (two ports) the
- *  forward ran 3-25% faster with it than with 8 x 2, at 2 and 16 threads; on the single-port EPYC
- *  within -3% / +4% (dev/cpu_forward_sweep.cpp, docs/PERF.md session 8). */
+ *  forward ran 3-23% faster with it than with 8 x 2, at 2 and 16 threads; on the single-port EPYC
+ *  within -6% / +4% (dev/cpu_forward_sweep.cpp, docs/PERF.md session 8). */
 struct WideGemmTraits : Avx512Tile<8, 3> {};
 
 // Full unrolling of the R x V loops lets GCC keep the accumulators in registers from start to end

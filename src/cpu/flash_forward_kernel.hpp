@@ -51,8 +51,8 @@ struct NoPhaseTimer {
 /** The configuration the library ships (every head_dim); a configuration is any struct with these
  *  members. Chosen with dev/cpu_forward_sweep.cpp on two CPUs (docs/PERF.md, session 8): against
  *  the earlier 64-row blocks with 8 x 2 micro-tiles (and 128-key tiles, 16 blocks per task from
- *  d = 128), the GPU machine's Xeon ran 3-17% faster at 2 and 16 threads, the development EPYC
- *  -3% to +4%. */
+ *  d = 128), the GPU machine's Xeon ran 3-23% faster at 2 and 16 threads, the development EPYC
+ *  -6% to +4%. */
 struct ForwardConfig {
   static constexpr const char* kName = "48 rows x 64 keys, 8 blocks per task, GEMMs 8x3";
   // Micro-tiles of S^T = K Q^T and O^T += V^T P^T (cpu_common.hpp). A block's rows are the
