@@ -29,7 +29,7 @@ using namespace flashcore::cpu::flash_detail;
 namespace {
 
 constexpr int kR = 8, kV = 3;
-constexpr int64_t kD = 128, kKeys = 64, kCols = kR * 0 + kV * kSimdWidth;  // 48 columns: one pass
+constexpr int64_t kD = 128, kKeys = 64, kCols = kV * kSimdWidth;  // 48 columns: one pass
 
 /** gemm_micro with the k loop unrolled kUnroll times and an optional prefetch of B kPrefetch
  *  k-steps ahead; modes kOverwriteMax and kScaleAdd only. */

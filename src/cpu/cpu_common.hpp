@@ -580,16 +580,10 @@ struct Avx512Tile {
 #endif
 };
 
-/** 8 rows x 2 vectors (16 accumulators, 2 vector loads + 8 broadcasts per step). Its GEMMs have
- *  64 rows (keys) or head_dim rows (64, 128, ...): 8 divides both, while 6 x 4 left a 4- or 2-row
- *  remainder tile measured ~40% slower per FMA. Isolated, with operands in L1, 8 x 2 ran at
- *  110-116 GFLOP/s per core on the EPYC build machine and 6 x 4 at 105-112. The forward shipped it
- *  until session 7; kept for dev/cpu_forward_sweep.cpp. */
-struct NarrowGemmTraits : Avx512Tile<8, 2> {};
-
 /** 8 rows x 3 vectors (24 accumulators, 3 vector loads + 8 broadcasts per 24 FMAs), the
- *  forward's: 8 still divides the key and head_dim rows, and the wider tile issues fewer loads per
- *  FMA, which a CPU with two 512-bit FMA ports needs. On the GPU machine's Xeon (two ports) the
+ *  forward's: 8 divides the key and head_dim rows (6 x 4 left a 4- or 2-row remainder tile,
+ *  measured ~40% slower per FMA), and the tile issues fewer loads per FMA than the 8 x 2 shipped
+ *  until session 7, which a CPU with two 512-bit FMA ports needs. On the GPU machine's Xeon (two ports) the
  *  forward ran 3-23% faster with it than with 8 x 2, at 2 and 16 threads; on the single-port EPYC
  *  within -6% / +4% (dev/cpu_forward_sweep.cpp, docs/PERF.md session 8). */
 struct WideGemmTraits : Avx512Tile<8, 3> {};

@@ -105,9 +105,10 @@ TEST(CpuFlashThreads, AnyThreadCountIsCorrect) {
   }
 }
 
-// Tasks take more or fewer query blocks with the thread count (flash_forward.cpp), and the pool
-// runs them in any order: the bits must not move. A sliding window puts each block's first key
-// off the tile grid; GQA stacks query heads into blocks; varlen adds sequences of their own.
+// Tasks take more or fewer query blocks with the thread count (flash_forward_kernel.hpp), and
+// the pool runs them in any order: the bits must not move. A sliding window puts each block's
+// first key off the tile grid; GQA stacks query heads into blocks; varlen adds sequences of
+// their own.
 TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
   auto mem = host_memory();
   Case dense;
@@ -120,7 +121,7 @@ TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
   dense.dtype = FC_DTYPE_BF16;
   dense.window_left = 100;
   dense.window_right = 30;
-  Case varlen = dense;  // at d = 128: the configuration with 128-key tiles and 16-block tasks
+  Case varlen = dense;  // d = 128, causal, sequences of their own
   varlen.head_dim = 128;
   varlen.window_left = varlen.window_right = -1;
   varlen.causal = true;
