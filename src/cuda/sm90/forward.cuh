@@ -60,10 +60,14 @@
 // {S[8s+6],S[8s+7]} with no data movement.
 //
 // ---- Softmax and masks ---------------------------------------------------------------------------
-// The sm80 rules, except that O is rescaled eagerly on every tile (no lazy threshold: the
-// multiply hides behind the P V wgmma). The max runs on raw scores with the scale folded into one
-// FFMA in log2 units (a softcap or a negative scale transforms the scores first); a row whose max is still
-// -inf subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
+// The sm80 rules, lazy rescaling included: a row's reference max moves only when its max grew by
+// more than kRescaleThresholdLog2 (8) log2 units, so P <= 2^8 and O (64 or 128 registers per thread
+// at d128 / d256) is multiplied only when some row of the warp moved, which after a row's first
+// tiles is rare. Eager rescaling cost 2-7% at d128 and d256 (docs/PERF.md, session 9): the multiply
+// sits between the P V wgmma's completion and the next issue. The max runs on raw scores with
+// the scale folded into one FFMA in log2 units (a softcap or a negative scale transforms the
+// scores first, in kernels compiled with kScoreTransforms); a row whose max is still -inf
+// subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
 // are not MaskInfo::tile_fully_visible for the rows that are stored. Rows past seqlen_q compute on
 // whatever TMA loaded (finite), take the unmasked body and are never stored. Rows with no keys give
@@ -113,7 +117,7 @@ using sm80::quad_allreduce_sum;
 
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
-          bool kPingPong_ = true>
+          bool kPingPong_ = true, bool kScoreTransforms_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -126,6 +130,13 @@ struct ForwardTraits {
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kConsumerWarps = kConsumers * 4;
   static constexpr bool kPingPong = kPingPong_;  // consumers take turns issuing wgmmas
+  // The reference max of a row moves only when the row's max grew by more than this many log2
+  // units (lazy rescaling, see "Softmax and masks" above); 0 would rescale on every tile.
+  static constexpr int kRescaleThresholdLog2 = 8;
+  // Whether the kernel carries the softcap / linear score transforms. Calls with the plain folded
+  // scale (nearly all) run a kernel without them: the transform code, inlined per score, was
+  // over half of the kernel's instructions, and the smaller kernel runs 0-4% faster.
+  static constexpr bool kScoreTransforms = kScoreTransforms_;
   // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
   // per-thread count at entry (65536 / kThreads rounded down to the allocation granule of 8,
   // which __launch_bounds__(kThreads, 1) makes ptxas use). The split must fit in it, or the
@@ -366,7 +377,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowStat
                                              float (&correction)[2], const ForwardKernelArgs& args,
                                              const KeyRange (&rows)[2], int64_t key0, int quad) {
   constexpr int kRegs = T::kBlockN / 2;
-  if (args.transform != ScoreTransform::kFoldedScale) {
+  if (T::kScoreTransforms && args.transform != ScoreTransform::kFoldedScale) {
     const bool softcap = args.transform == ScoreTransform::kSoftcap;
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
@@ -391,9 +402,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowStat
       if ((i % 4) / 2 == r) mx = fmaxf(mx, s[i]);
     }
     mx = quad_allreduce_max(mx);
+    // Keep the reference max while the row's max grew by at most the threshold: then P <= 2^thr
+    // and O needs no rescale (correction exactly 1). -inf - -inf is NaN, which compares false, so
+    // the first keys a row sees always move its max.
+    if ((mx - st.max[r]) * scale <= float(T::kRescaleThresholdLog2)) mx = st.max[r];
     // A row that has seen only masked keys keeps max -inf and subtracts 0 (no -inf - -inf).
     const float base = mx == -INFINITY ? 0.f : mx * scale;
-    correction[r] = fast_exp2(st.max[r] * scale - base);  // exp2(-inf) = 0 on the first tile
+    // exp2(-inf) = 0 on the first tile
+    correction[r] = mx == st.max[r] ? 1.f : fast_exp2(st.max[r] * scale - base);
     st.max[r] = mx;
     float sum = 0.f;
 #pragma unroll
@@ -602,8 +618,11 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(o);
       release(sm.v_empty(prev));
+      // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
+      if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] *= correction[(i % 4) / 2];
+        for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] *= correction[(i % 4) / 2];
+      }
       pack_probabilities<T>(s, pa);
     }
     ptx::mbarrier_wait_parity(sm.v_full(stage), (pc.kv_fills / T::kStages) & 1);
@@ -854,11 +873,22 @@ Status launch_forward(const forward_params_t& p) {
 }
 
 /** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
+/** The same tile configuration with the score transforms compiled in (softcap, linear scale). */
+template <class T>
+using WithScoreTransforms = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages,
+                                          T::kConsumers, T::kPingPong, /*kScoreTransforms=*/true>;
+
+template <class T>
+Status launch_for_transform(const forward_params_t& p) {
+  if (resolve_score_scales(p).transform == ScoreTransform::kFoldedScale) return launch_forward<T>(p);
+  return launch_forward<WithScoreTransforms<T>>(p);
+}
+
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
   using Configs = ForwardConfigs<Element, kHeadDim>;
-  if (Configs::wide_tiles_pay(p)) return launch_forward<typename Configs::Wide>(p);
-  return launch_forward<typename Configs::Narrow>(p);
+  if (Configs::wide_tiles_pay(p)) return launch_for_transform<typename Configs::Wide>(p);
+  return launch_for_transform<typename Configs::Narrow>(p);
 }
 
 }  // namespace flashcore::cuda::sm90

@@ -1,0 +1,100 @@
+"""A/B of sm90 forward variants next to SDPA cuDNN, in one process, interleaved rounds.
+
+The library under test reads FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an
+experiment adds to src/cuda/sm90/forward.cuh and removes before its commit); this script sets it
+before each timed call. Every variant's output is first compared with cuDNN's (max abs difference,
+a sanity check only: the GPU test grids are what decide correctness).
+
+usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R]
+       e.g. python3 dev/fwd_variants.py 0,1,2,3 --cells 128:512:0,128:512:1 --rounds 3
+Cells default to hdim 64/128/256 x S 512/1024/2048 x causal or not, plus d128 S=16384 full.
+Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16.
+"""
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashcore
+
+ap = argparse.ArgumentParser()
+ap.add_argument("variants", help="comma-separated variant numbers, 0 = the shipped kernel")
+ap.add_argument("--cells", default="", help="d:S:causal,... (default: the short-sequence grid)")
+ap.add_argument("--rounds", type=int, default=3)
+args = ap.parse_args()
+variants = [int(v) for v in args.variants.split(",")]
+if args.cells:
+    cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
+else:
+    cells = [(d, s, c) for d in (64, 128, 256) for c in (0, 1) for s in (512, 1024, 2048)]
+    cells.append((128, 16384, 0))
+
+
+def time_ms(fn, warm_s=0.15, rep=7):
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    inner = max(3, min(50, int(10.0 / max(s.elapsed_time(e), 1e-3))))
+    ts = []
+    for _ in range(rep):
+        s.record()
+        for _ in range(inner):
+            fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / inner)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def set_variant(v):
+    os.environ["FLASHCORE_DEV_FWD_VARIANT"] = str(v)
+
+
+print("variants", variants, "rounds", args.rounds, torch.cuda.get_device_name())
+header = f"{'d':>4} {'S':>6} {'mask':>6} {'cuDNN':>7} " + " ".join(f"{'v%d' % v:>13}" for v in variants)
+rows = []
+for d, s, causal in cells:
+    b, h = 16384 // s, 2048 // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    flop = 4.0 * b * h * s * s * d / (2 if causal else 1)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+
+    with torch.no_grad():
+        ref = cudnn().transpose(1, 2).float()
+        errs = {}
+        for var in variants:
+            set_variant(var)
+            out = flashcore.flash_attn_func(q, k, v, causal=bool(causal))
+            errs[var] = (out.float() - ref).abs().max().item()
+        best = {"cudnn": 1e9, **{var: 1e9 for var in variants}}
+        for _ in range(args.rounds):
+            best["cudnn"] = min(best["cudnn"], time_ms(cudnn))
+            for var in variants:
+                set_variant(var)
+                best[var] = min(best[var], time_ms(lambda: flashcore.flash_attn_func(q, k, v, causal=bool(causal))))
+    set_variant(0)
+    tf = {key: flop / ms / 1e9 for key, ms in best.items()}
+    line = f"{d:>4} {s:>6} {'causal' if causal else 'full':>6} {tf['cudnn']:7.1f} " + " ".join(
+        f"{tf[var]:6.1f} {tf[var] / tf['cudnn']:5.2f}x" for var in variants)
+    print(line + "   max|diff| vs cuDNN " + " ".join(f"v{var} {errs[var]:.1e}" for var in variants), flush=True)
+    rows.append(line)
+    del q, k, v, qt, kt, vt, ref
+    torch.cuda.empty_cache()
+print("\n==== fwd bf16 TFLOP/s, best of", args.rounds, "rounds; ratio vs cuDNN ====")
+print(header)
+for r in rows:
+    print(r)

@@ -1,0 +1,72 @@
+#!/bin/bash
+# One device call for an sm90 forward experiment: a bf16-only build of the Python package (no
+# tests, no CLI: ~2 min on 16 cores), dev/fwd_variants.py (variants next to cuDNN, same process),
+# then optionally Nsight Compute on one cell per listed variant (metrics and the SASS stall
+# hotspots). Logs go to OUTDIR (at most 8 files); the summary prints last.
+# usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--ncu D:S:CAUSAL]
+#        [--ncu-variants 0,1] [--filter GTEST_FILTER --test-variants 1,2 (builds the CUDA tests,
+#        both dtypes, and runs them with each of these variants)]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:?usage}; VARIANTS=${2:?usage}; shift 2
+CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cells) CELLS=$2; shift 2 ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
+    --ncu) NCU=$2; shift 2 ;;
+    --ncu-variants) NCU_VARIANTS=$2; shift 2 ;;
+    --filter) FILTER=$2; shift 2 ;;
+    --test-variants) TEST_VARIANTS=$2; shift 2 ;;
+    *) echo "unknown option $1"; exit 2 ;;
+  esac
+done
+mkdir -p "$OUTDIR"
+SUM="$OUTDIR/summary.txt"; : >"$SUM"
+note() { echo "$*" | tee -a "$SUM"; }
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 ))s; }
+note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+
+TESTS=OFF DTYPES=bf16; [ -n "$FILTER" ] && TESTS=ON DTYPES="fp16;bf16"
+cmake -S . -B build-exp -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
+  "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS -DFLASHCORE_BUILD_CLI=OFF -DFLASHCORE_BUILD_PYTHON=ON \
+  -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >"$OUTDIR/build.log" 2>&1
+if ! cmake --build build-exp -j 16 >>"$OUTDIR/build.log" 2>&1; then
+  note "BUILD FAILED ($(el))"; grep -E "error" "$OUTDIR/build.log" | head -20 | tee -a "$SUM"; exit 1
+fi
+note "build ok ($(el)); kernels with spills: $(grep -E '[1-9][0-9]* bytes spill stores' "$OUTDIR/build.log" | wc -l)"
+rm -rf /tmp/fcexp && mkdir -p /tmp/fcexp/flashcore && cp python/flashcore/*.py /tmp/fcexp/flashcore/ \
+  && cp build-exp/python/_C*.so /tmp/fcexp/flashcore/
+export PYTHONPATH=/tmp/fcexp
+
+if [ -n "$FILTER" ]; then
+  IFS=',' read -ra TV <<<"${TEST_VARIANTS:-$VARIANTS}"
+  for v in "${TV[@]}"; do
+    FLASHCORE_DEV_FWD_VARIANT=$v timeout 200 build-exp/tests/flashcore_cuda_tests --gtest_filter="$FILTER" \
+      >"$OUTDIR/tests_v$v.log" 2>&1
+    note "tests variant $v: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests_v$v.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$OUTDIR/tests_v$v.log" | head -5 | tee -a "$SUM"
+  done
+fi
+
+ARGS=(--rounds "$ROUNDS"); [ -n "$CELLS" ] && ARGS+=(--cells "$CELLS")
+PYTHONUNBUFFERED=1 timeout 300 python3 dev/fwd_variants.py "$VARIANTS" "${ARGS[@]}" >"$OUTDIR/variants.log" 2>&1
+note "variants: rc=$? ($(el))"
+sed -n '/^====/,$p' "$OUTDIR/variants.log" >>"$SUM"
+grep "max|diff|" "$OUTDIR/variants.log" | sed 's/.*max|diff|/max|diff|/' | sort | uniq -c | head -3 >>"$SUM"
+
+if [ -n "$NCU" ]; then
+  IFS=':' read -r D S C <<<"$NCU"
+  IFS=',' read -ra NV <<<"$NCU_VARIANTS"
+  for v in "${NV[@]}"; do
+    { echo "== flashcore variant $v, d$D S$S causal $C"
+      FLASHCORE_DEV_FWD_VARIANT=$v bash dev/profile_forward_sm90.sh flashcore "$D" "$S" "$C" /tmp/ncu_m_$v.txt
+      FLASHCORE_DEV_FWD_VARIANT=$v bash dev/ncu_sass_hotspots.sh flashcore "$D" "$S" "$C" /tmp/ncu_h_$v
+    } >"$OUTDIR/ncu_v$v.log" 2>&1
+    note "ncu variant $v: rc=$? ($(el))"
+  done
+  { echo "== cuDNN d$D S$S causal $C"; bash dev/profile_forward_sm90.sh sdpa_cudnn "$D" "$S" "$C" /tmp/ncu_m_cudnn.txt
+    grep -m3 -E "fprop|fort_native" /tmp/ncu_m_cudnn.txt; } >"$OUTDIR/ncu_cudnn.log" 2>&1
+  note "ncu cuDNN: rc=$? ($(el))"
+fi
+echo; echo "==================== SUMMARY ===================="; cat "$SUM"
