@@ -63,8 +63,8 @@
 // The sm80 rules, lazy rescaling included: a row's reference max moves only when its max grew by
 // more than kRescaleThresholdLog2 (8) log2 units, so P <= 2^8 and O (64 or 128 registers per thread
 // at d128 / d256) is multiplied only when some row of the warp moved, which after a row's first
-// tiles is rare. Eager rescaling cost 2-7% at d128 and d256 (docs/PERF.md, session 9): the multiply
-// sits between the P V wgmma's completion and the next issue. The max runs on raw scores with
+// tiles is rare. Against eager rescaling: d128 -1% to +7%, d256 +1% to +4% (docs/PERF.md, session
+// 9); the multiply sat between the P V wgmma's completion and the next issue. The max runs on raw scores with
 // the scale folded into one FFMA in log2 units (a softcap or a negative scale transforms the
 // scores first, in kernels compiled with kScoreTransforms); a row whose max is still -inf
 // subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
@@ -135,7 +135,8 @@ struct ForwardTraits {
   static constexpr int kRescaleThresholdLog2 = 8;
   // Whether the kernel carries the softcap / linear score transforms. Calls with the plain folded
   // scale (nearly all) run a kernel without them: the transform code, inlined per score, was
-  // over half of the kernel's instructions, and the smaller kernel runs 0-4% faster.
+  // over half of the kernel's PTX. With lazy rescaling: d64 -2% to +5%, d128 +1% to +7%, d256
+  // +2% to +4% against neither (session 9); without it d64 lost up to 8% to lazy rescaling.
   static constexpr bool kScoreTransforms = kScoreTransforms_;
   // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
   // per-thread count at entry (65536 / kThreads rounded down to the allocation granule of 8,
