@@ -165,6 +165,20 @@ std::vector<Case> grid_edges(const GridOptions& g) {
     c.seqlen_k = 33;
     v.push_back(c);
   }
+  // Scores spread over many log2 units across many key tiles: a row's running max moves by less
+  // than a kernel's lazy-rescale threshold (kept, probabilities above 1) and by more (O rescaled),
+  // both many times along the row, in every dtype.
+  for (int32_t dt : g.dtypes)
+    for (float mag : {3.f, 12.f}) {
+      Case c = base;
+      c.seqlen_q = 70;
+      c.seqlen_k = 1100;
+      c.head_dim = g.head_dims.back();
+      c.dtype = dt;
+      c.q_magnitude = mag;
+      c.causal = mag > 10.f;
+      v.push_back(c);
+    }
   for (float mag : {100.f, 1500.f}) {  // scores near +-1e4: overflow in exp if unguarded
     Case c = base;
     c.seqlen_q = 97;
