@@ -179,6 +179,15 @@ std::vector<Case> grid_edges(const GridOptions& g) {
       c.causal = mag > 10.f;
       v.push_back(c);
     }
+  {  // a negative softmax scale (allowed: any finite non-zero value): the lowest scores weigh most
+    Case c = base;
+    c.seqlen_q = 90;
+    c.seqlen_k = 300;
+    c.head_dim = g.head_dims.back();
+    c.dtype = g.dtypes.back();
+    c.softmax_scale = -0.2;
+    v.push_back(c);
+  }
   for (float mag : {100.f, 1500.f}) {  // scores near +-1e4: overflow in exp if unguarded
     Case c = base;
     c.seqlen_q = 97;

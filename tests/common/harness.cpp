@@ -360,6 +360,7 @@ std::string Case::name() const {
   if (causal) s << "_causal";
   if (window_left != -1 || window_right != -1) s << "_win" << window_left << "_" << window_right;
   if (softcap > 0) s << "_cap" << softcap;
+  if (softmax_scale != 0) s << "_scale" << softmax_scale;
   if (padded) s << "_padded";
   if (q_magnitude != 1.f) s << "_mag" << q_magnitude;
   if (deterministic) s << "_det";
