@@ -7,7 +7,8 @@ Measures, in this order and within a time budget:
      backends, forward and forward+backward, TFLOP/s and ratios;
   3. the seed shape (B=1 H=8 S=512 D=64 fp16): device time per call under CUDA-graph replay;
   4. extra device memory of a forward at seqlen 16k vs naive attention;
-  5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts.
+  5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts, forward
+     and (unless --no-backward) forward+backward.
 Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
 Timing follows TARGETS.md: calls back to back between CUDA events, median of repeats.
 
@@ -256,7 +257,21 @@ def cpu_path():
                 ms_fc, ms_pt = _interleaved_ms(
                     [lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads),
                      lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)])
-            emit(kind="cpu", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+            emit(kind="cpu", mode="fwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+                 flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+            if args.no_backward or left() < 30:
+                continue
+            # Training steps: flash_attn_func's autograd (its CPU path honours torch.set_num_threads)
+            # against SDPA's, each with the gradient of a fixed dout.
+            for x in (q, k, v, qt, kt, vt):
+                x.requires_grad_(True)
+            dout = torch.randn_like(q)
+            dout_t = dout.transpose(1, 2).contiguous()
+            ms_fc, ms_pt = _interleaved_ms(
+                [lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout),
+                 lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dout_t)])
+            f = flops(b, h, s, d, causal, "fwd+bwd")
+            emit(kind="cpu", mode="fwd+bwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
                  flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
 
 
@@ -345,8 +360,9 @@ def summary():
             print("memory fwd S=16k: flashcore extra %.1f MiB vs naive %.1f MiB" % (r["flashcore_extra_bytes"] / 2**20,
                                                                                     r["naive_bytes"] / 2**20))
         if r["kind"] == "cpu":
-            print("cpu %2d threads s=%d d=%d %s: flashcore %.1f GFLOP/s, torch SDPA %.1f GFLOP/s (%.2fx)" % (
-                r["threads"], r["seqlen"], r["hdim"], "causal" if r["causal"] else "full", r["flashcore_gflops"],
+            print("cpu %-7s %2d threads s=%d d=%d %s: flashcore %.1f GFLOP/s, torch SDPA %.1f GFLOP/s (%.2fx)" % (
+                r.get("mode", "fwd"), r["threads"], r["seqlen"], r["hdim"], "causal" if r["causal"] else "full",
+                r["flashcore_gflops"],
                 r["torch_sdpa_gflops"], r["flashcore_gflops"] / r["torch_sdpa_gflops"]))
         if r["kind"] == "skipped":
             print("skipped:", r["what"])
