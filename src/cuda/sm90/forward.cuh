@@ -64,10 +64,10 @@
 // more than kRescaleThresholdLog2 (8) log2 units, so P <= 2^8 and O (64 or 128 registers per thread
 // at d128 / d256) is multiplied only when some row of the warp moved, which after a row's first
 // tiles is rare. Against eager rescaling: d128 -1% to +7%, d256 +1% to +4% (docs/PERF.md, session
-// 9); the multiply sat between the P V wgmma's completion and the next issue. The max runs on raw scores with
-// the scale folded into one FFMA in log2 units (a softcap or a negative scale transforms the
-// scores first, in kernels compiled with kScoreTransforms); a row whose max is still -inf
-// subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
+// 9); the multiply sat between the P V wgmma's completion and the next issue. The max runs on raw
+// scores with the scale folded into one FFMA in log2 units (a softcap or a negative scale
+// transforms the scores first, in kernels compiled with kScoreTransforms); a row whose max is
+// still -inf subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
 // are not MaskInfo::tile_fully_visible for the rows that are stored. Rows past seqlen_q compute on
 // whatever TMA loaded (finite), take the unmasked body and are never stored. Rows with no keys give
@@ -409,7 +409,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowStat
     if ((mx - st.max[r]) * scale <= float(T::kRescaleThresholdLog2)) mx = st.max[r];
     // A row that has seen only masked keys keeps max -inf and subtracts 0 (no -inf - -inf).
     const float base = mx == -INFINITY ? 0.f : mx * scale;
-    // exp2(-inf) = 0 on the first tile
+    // exp2(-inf) = 0 when the row's first keys arrive (O and the sum are still zero then).
     correction[r] = mx == st.max[r] ? 1.f : fast_exp2(st.max[r] * scale - base);
     st.max[r] = mx;
     float sum = 0.f;
@@ -873,7 +873,6 @@ Status launch_forward(const forward_params_t& p) {
   return Status::ok();
 }
 
-/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
 /** The same tile configuration with the score transforms compiled in (softcap, linear scale). */
 template <class T>
 using WithScoreTransforms = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages,
@@ -885,6 +884,7 @@ Status launch_for_transform(const forward_params_t& p) {
   return launch_forward<WithScoreTransforms<T>>(p);
 }
 
+/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
   using Configs = ForwardConfigs<Element, kHeadDim>;
