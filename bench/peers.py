@@ -7,8 +7,8 @@ Measures, in this order and within a time budget:
      backends, forward and forward+backward, TFLOP/s and ratios;
   3. the seed shape (B=1 H=8 S=512 D=64 fp16): device time per call under CUDA-graph replay;
   4. extra device memory of a forward at seqlen 16k vs naive attention;
-  5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts, forward
-     and (unless --no-backward) forward+backward.
+  5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts, forward,
+     (unless --no-backward) forward+backward, and decode against a KV cache.
 Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
 Timing follows TARGETS.md: calls back to back between CUDA events, median of repeats.
 
@@ -273,6 +273,26 @@ def cpu_path():
             f = flops(b, h, s, d, causal, "fwd+bwd")
             emit(kind="cpu", mode="fwd+bwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
                  flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+        for (b, kv_len) in [] if args.quick else [(1, 8192), (4, 4096)]:
+            if left() < 20:
+                return
+            _cpu_decode_cell(threads, b, kv_len)
+
+
+def _cpu_decode_cell(threads, b, kv_len, hq=32, hk=8, d=128):
+    """One query token per sequence against a KV cache (GQA 32 / 8, d=128, fp32): flashcore's
+    flash_attn_with_kvcache against torch SDPA with enable_gqa on contiguous (b, h, s, d) copies
+    (its fastest layout here). K+V bytes read per second."""
+    q = torch.randn(b, 1, hq, d)
+    kc, vc = torch.randn(b, kv_len, hk, d), torch.randn(b, kv_len, hk, d)
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, kc, vc))
+    with torch.no_grad():
+        ms_fc, ms_pt = _interleaved_ms(
+            [lambda: flashcore.flash_attn_with_kvcache(q, kc, vc),
+             lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)])
+    nbytes = 2 * kc.numel() * kc.element_size()
+    emit(kind="cpu_decode", threads=threads, batch=b, kv_len=kv_len, heads_q=hq, heads_kv=hk, hdim=d,
+         flashcore_gbps=nbytes / ms_fc / 1e6, torch_sdpa_gbps=nbytes / ms_pt / 1e6)
 
 
 def _interleaved_ms(fns, seconds=2.0, max_pairs=25):
@@ -364,6 +384,10 @@ def summary():
                 r.get("mode", "fwd"), r["threads"], r["seqlen"], r["hdim"], "causal" if r["causal"] else "full",
                 r["flashcore_gflops"],
                 r["torch_sdpa_gflops"], r["flashcore_gflops"] / r["torch_sdpa_gflops"]))
+        if r["kind"] == "cpu_decode":
+            print("cpu decode %2d threads %dx%d (GQA %d/%d, d=%d, fp32): flashcore %.1f GB/s, torch SDPA %.1f GB/s "
+                  "(%.2fx)" % (r["threads"], r["batch"], r["kv_len"], r["heads_q"], r["heads_kv"], r["hdim"],
+                               r["flashcore_gbps"], r["torch_sdpa_gbps"], r["flashcore_gbps"] / r["torch_sdpa_gbps"]))
         if r["kind"] == "skipped":
             print("skipped:", r["what"])
 

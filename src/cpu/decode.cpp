@@ -2,15 +2,19 @@
 // attention of the few new query rows against the whole cache, optionally split over the keys
 // (flash-decoding) and merged; and fc_merge_partials.
 //
-// One task = one (sequence, KV head): all query heads of the GQA group and all query rows are
-// processed together so every cached K/V row is converted and read once per task. Keys go in
-// blocks: scores for the block, one rescale of the accumulators per block (online softmax), fp32
-// throughout. Relies on: kvcache_params.hpp (validated params, cache addressing, masks), the
-// host dtype conversions in dtype_host.hpp, the CPU backend's worker pool in cpu_common.hpp.
+// One task = one (sequence, split of its keys), every KV head: all query heads of a GQA group
+// and all query rows go through each key block together, so every cached K/V row is converted
+// and read once (DecodeAttention below). The splits come from the shapes and lengths alone
+// (decode_splits), so results do not depend on the thread count; a second pass merges them.
+// fp32 throughout. Relies on: kvcache_params.hpp (validated params, cache addressing, masks),
+// the host dtype conversions in dtype_host.hpp, cpu_common.hpp (Simd, gemm_bcast, transpose,
+// the worker pool).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "api/kvcache_backends.hpp"
@@ -20,25 +24,33 @@
 namespace flashcore::cpu {
 namespace {
 
+using flash_detail::AlignedFloats;
+using flash_detail::Simd;
+using flash_detail::Vec;
+using flash_detail::kSimdWidth;
+
 struct DecodeTraits {
-  static constexpr int64_t kKeyBlock = 64;  // keys scored per online-softmax step
+  static constexpr int64_t kKeyBlock = 64;       // keys per online-softmax step, at most
+  static constexpr int64_t kTargetTasks = 64;    // the split heuristic's aim: tasks for 16+ threads
+  static constexpr int64_t kMinSplitKeys = 128;  // ... with no split shorter than this
 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /** Runs task(i) for i in [0, count) on the CPU backend's shared worker pool (cpu_common.hpp):
- *  up to `threads` threads (0 = all cores); an exception in a task becomes the returned Status. */
-template <typename Task>
-Status parallel_for(int64_t count, int threads, Task&& task) {
+ *  up to `threads` threads (0 = all cores); an exception in a task becomes the returned Status.
+ *  make_scratch() runs once per worker thread; task(i, scratch) gets that worker's. */
+template <typename MakeScratch, typename Task>
+Status parallel_for(int64_t count, int threads, MakeScratch&& make_scratch, Task&& task) {
   return flash_detail::run_workers(count, threads, [&](flash_detail::TaskQueue& queue) {
-    for (int64_t i; (i = queue.next()) >= 0;) task(i);
+    auto scratch = make_scratch();
+    for (int64_t i; (i = queue.next()) >= 0;) task(i, scratch);
   });
 }
 
 void load_row(const void* base, int64_t off, DType dt, int64_t n, float* dst) {
   for (int64_t d = 0; d < n; ++d) dst[d] = load_as_float(base, off + d, dt);
 }
-
 /** Writes new tokens into the caches at positions cache_seqlens[b] ... (validated in bounds). */
 void append_new_tokens(const KvCacheParams& p) {
   const int64_t hd = p.head_dim;
@@ -61,59 +73,176 @@ void append_new_tokens(const KvCacheParams& p) {
   }
 }
 
-/** Online-softmax state of the query rows of one task; row r = (head in group g, query i). */
-struct RowState {
-  std::vector<float> q, acc, m, l;  // q/acc: rows x hd
-};
+/** One task: the query rows of one sequence against a range of its keys, for every KV head,
+ *  vectorized. A KV head's R = group x seqlen_q query rows (its GQA group) go through each key
+ *  block together, keys along the SIMD lanes:
+ *    S [R x n] = Q K^T       (Q pre-scaled by softmax_scale; K^T transposed from the staged rows)
+ *    online softmax per row  (max, exp and sum along the lanes)
+ *    acc [R x D] += P V      (V rows as staged)
+ *  Query rows along the lanes instead (S^T = K Q^T, no transpose) wasted 12 of 16 lanes at a
+ *  GQA group of 4 and 15 at MHA; the K^T transpose costs less than that.
+ *  A key block is staged token by token, every KV head of a token at once, converted to fp32 into
+ *  per-head contiguous rows: in a (batch, seqlen, heads_kv, head_dim) cache or a page that is
+ *  memory order, which the hardware prefetcher streams (one core read 10-13 GB/s that way on the
+ *  EPYC, 5-6 GB/s walking one head's 512-byte rows 4 KiB apart, which is what the first version
+ *  of this code did). docs/PERF.md, session 9, has the measurements. */
+class DecodeAttention {
+ public:
+  explicit DecodeAttention(const KvCacheParams& p)
+      : p_(p),
+        rows_(p.group_size() * p.seqlen_q),
+        d_pad_(flash_detail::round_up(p.head_dim, kSimdWidth)),
+        block_(block_keys(p)),
+        block_pad_(flash_detail::round_up(block_, kSimdWidth)) {
+    const int64_t heads = p.heads_kv, hd = p.head_dim;
+    q_rows_.reserve(heads * rows_ * hd);
+    k_rows_.reserve(heads * block_ * hd);
+    v_rows_.reserve(heads * block_ * d_pad_);
+    k_t_.reserve(hd * block_pad_);
+    s_.reserve(std::max<int64_t>(rows_, 1) * block_pad_);
+    acc_.reserve(heads * rows_ * d_pad_);
+    max_.resize(static_cast<size_t>(heads * rows_));
+    sum_.resize(static_cast<size_t>(heads * rows_));
+    row_.reserve(std::max<int64_t>(d_pad_, kSimdWidth));
+  }
 
-/** Attends rows of (b, hk) to keys [k0, k1) intersected with each row's mask; leaves unnormalized
- *  acc, running max m and sum l in `st`. */
-void attend_keys(const KvCacheParams& p, int64_t b, int64_t hk, const MaskInfo& mask, int64_t k0, int64_t k1,
-                 RowState& st) {
-  const int64_t hd = p.head_dim, group = p.group_size(), rows = group * p.seqlen_q;
-  constexpr int64_t kBlock = DecodeTraits::kKeyBlock;
-  std::vector<float> kb(kBlock * hd), vb(kBlock * hd), s(kBlock);
-  st.acc.assign(rows * hd, 0.f);
-  st.m.assign(rows, kNegInf);
-  st.l.assign(rows, 0.f);
-  for (int64_t j0 = k0; j0 < k1; j0 += kBlock) {
-    const int64_t n = std::min(kBlock, k1 - j0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = j0 + j;
-      const int64_t page = physical_page(p, b, p.paged ? pos / p.page_size : 0);
-      load_row(p.k_cache.data, cache_offset(p.k_cache, p, page, pos, hk), p.dtype, hd, &kb[j * hd]);
-      load_row(p.v_cache.data, cache_offset(p.v_cache, p, page, pos, hk), p.dtype, hd, &vb[j * hd]);
+  /** Keys [k0, k1) of sequence b under `mask`, every KV head: leaves normalized out rows
+   *  ([heads_kv][R][D]) and the natural-log lse of each row ([heads_kv][R]; -inf and out 0 where a
+   *  row saw no key). */
+  void attend(int64_t b, const MaskInfo& mask, int64_t k0, int64_t k1, float* out, float* lse) {
+    const int64_t hd = p_.head_dim, heads = p_.heads_kv;
+    load_queries(b);
+    std::fill(acc_.data(), acc_.data() + heads * rows_ * d_pad_, 0.f);
+    std::fill(max_.begin(), max_.end(), kNegInf);
+    std::fill(sum_.begin(), sum_.end(), 0.f);
+    for (int64_t j0 = k0; j0 < k1; j0 += block_) {
+      const int64_t n = std::min(block_, k1 - j0), n_pad = flash_detail::round_up(n, kSimdWidth);
+      stage_block(b, j0, n);
+      for (int64_t hk = 0; hk < heads; ++hk) {
+        // K^T [D x n_pad], zero columns past n; then S = Q K^T.
+        float* k_t = k_t_.data();
+        flash_detail::transpose(k_rows_.data() + hk * block_ * hd, hd, n, hd, k_t, n_pad);
+        if (n_pad > n) {
+          for (int64_t d = 0; d < hd; ++d) std::fill(k_t + d * n_pad + n, k_t + (d + 1) * n_pad, 0.f);
+        }
+        flash_detail::gemm_bcast<flash_detail::Accumulate::kOverwrite>(
+            rows_, n_pad, hd, q_rows_.data() + hk * rows_ * hd, hd, 1, k_t, n_pad, s_.data(), n_pad);
+        softmax_block(mask, hk, j0, n, n_pad);
+        // acc += P V over the n keys (P's padding columns are never read).
+        flash_detail::gemm_bcast<flash_detail::Accumulate::kAdd>(rows_, d_pad_, n, s_.data(), n_pad, 1,
+                                                                 v_rows_.data() + hk * block_ * d_pad_, d_pad_,
+                                                                 acc_.data() + hk * rows_ * d_pad_, d_pad_);
+      }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r % p.seqlen_q;
-      const KeyRange allowed = mask.keys_for_row(i);
-      const int64_t lo = std::max(allowed.begin, j0), hi = std::min(allowed.end, j0 + n);
-      if (lo >= hi) continue;
-      const float* qr = &st.q[r * hd];
-      float block_max = kNegInf;
-      for (int64_t j = lo - j0; j < hi - j0; ++j) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < hd; ++d) dot += qr[d] * kb[j * hd + d];
-        float sc = dot * p.softmax_scale;
-        if (p.softcap > 0) sc = p.softcap * std::tanh(sc / p.softcap);
-        s[j] = sc;
-        block_max = std::max(block_max, sc);
-      }
-      const float m_new = std::max(st.m[r], block_max);
-      const float rescale = std::exp(st.m[r] - m_new);  // exp(-inf) = 0 on the first block
-      float* acc = &st.acc[r * hd];
-      for (int64_t d = 0; d < hd; ++d) acc[d] *= rescale;
-      float sum = 0.f;
-      for (int64_t j = lo - j0; j < hi - j0; ++j) {
-        const float pj = std::exp(s[j] - m_new);
-        sum += pj;
-        for (int64_t d = 0; d < hd; ++d) acc[d] += pj * vb[j * hd + d];
-      }
-      st.l[r] = st.l[r] * rescale + sum;
-      st.m[r] = m_new;
+    for (int64_t row = 0; row < heads * rows_; ++row) {
+      const float l = sum_[row];
+      lse[row] = l > 0.f ? max_[row] + std::log(l) : kNegInf;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float* acc = acc_.data() + row * d_pad_;
+      for (int64_t d = 0; d < hd; ++d) out[row * hd + d] = acc[d] * inv;
     }
   }
-}
+
+ private:
+  /** Keys per block: up to 64, fewer when staging every KV head's K and V rows of 64 keys as fp32
+   *  would not stay in a core's L2 (256 KiB budget). */
+  static int64_t block_keys(const KvCacheParams& p) {
+    constexpr int64_t kStageBytes = 256 * 1024;
+    const int64_t per_key = 2 * p.heads_kv * flash_detail::round_up(p.head_dim, kSimdWidth) * int64_t(sizeof(float));
+    return std::clamp<int64_t>(kStageBytes / per_key / 8 * 8, 8, DecodeTraits::kKeyBlock);
+  }
+
+  /** The query rows of sequence b, scaled by softmax_scale, per KV head: [heads_kv][R][D]. */
+  void load_queries(int64_t b) {
+    const int64_t hd = p_.head_dim, group = p_.group_size();
+    for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
+      for (int64_t r = 0; r < rows_; ++r) {
+        const int64_t h = hk * group + r / p_.seqlen_q, i = r % p_.seqlen_q;
+        float* q = q_rows_.data() + (hk * rows_ + r) * hd;
+        load_row(p_.q.data, offset_of(p_.q, b, i, h), p_.dtype, hd, q);
+        for (int64_t d = 0; d < hd; ++d) q[d] *= p_.softmax_scale;
+      }
+    }
+  }
+
+  /** Pointer to K or V of (token pos, kv head hk) of sequence b. */
+  const void* cache_row(const TensorRef& cache, int64_t b, int64_t pos, int64_t hk) const {
+    const int64_t page = physical_page(p_, b, p_.paged ? pos / p_.page_size : 0);
+    return static_cast<const char*>(cache.data) +
+           cache_offset(cache, p_, page, pos, hk) * static_cast<int64_t>(dtype_size(p_.dtype));
+  }
+
+  /** K rows [heads][n x D] and V rows [heads][n x D_pad] (zero padding columns) of keys j0.. as
+   *  fp32, read token by token (see the class comment). */
+  void stage_block(int64_t b, int64_t j0, int64_t n) {
+    const int64_t hd = p_.head_dim;
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
+        flash_detail::load_row(p_.dtype, cache_row(p_.k_cache, b, j0 + j, hk), hd,
+                               k_rows_.data() + (hk * block_ + j) * hd);
+      }
+      for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
+        float* v = v_rows_.data() + (hk * block_ + j) * d_pad_;
+        flash_detail::load_row(p_.dtype, cache_row(p_.v_cache, b, j0 + j, hk), hd, v);
+        std::fill(v + hd, v + d_pad_, 0.f);
+      }
+    }
+  }
+
+  /** Scores of keys j0..j0+n of KV head hk in S to probabilities, each row's running max / sum,
+   *  and the rescale of its accumulator. Keys outside a row's keys_for_row (and the padding
+   *  columns past n) get p = 0. */
+  void softmax_block(const MaskInfo& mask, int64_t hk, int64_t j0, int64_t n, int64_t n_pad) {
+    const bool capped = p_.softcap > 0.f;
+    const Vec cap = Simd::set1(p_.softcap), inv_cap = Simd::set1(capped ? 1.f / p_.softcap : 0.f);
+    const Vec neg_inf = Simd::set1(kNegInf);
+    for (int64_t r = 0; r < rows_; ++r) {
+      float* s = s_.data() + r * n_pad;
+      // Visible keys of the row relative to the block, clamped to [0, n] (exact as floats).
+      const KeyRange keys = mask.keys_for_row(r % p_.seqlen_q);
+      const int64_t lo = std::clamp<int64_t>(keys.begin - j0, 0, n), hi = std::clamp<int64_t>(keys.end - j0, 0, n);
+      const bool masked = lo > 0 || hi < n_pad;
+      const Vec lo_v = Simd::set1(static_cast<float>(lo)), hi_v = Simd::set1(static_cast<float>(hi));
+      Vec row_max = neg_inf;
+      Vec key = Simd::iota();
+      const Vec step = Simd::set1(static_cast<float>(kSimdWidth));
+      for (int64_t j = 0; j < n_pad; j += kSimdWidth, key = Simd::add(key, step)) {
+        Vec x = Simd::load(s + j);
+        if (capped) x = Simd::mul(cap, flash_detail::vtanh(Simd::mul(x, inv_cap)));
+        if (masked) x = Simd::select(Simd::both(Simd::le(lo_v, key), Simd::lt(key, hi_v)), x, neg_inf);
+        Simd::store(s + j, x);
+        row_max = Simd::max(row_max, x);
+      }
+      Simd::store(row_.data(), row_max);
+      float block_max = kNegInf;
+      for (int l = 0; l < kSimdWidth; ++l) block_max = std::max(block_max, row_.data()[l]);
+      const int64_t at = hk * rows_ + r;
+      const float new_max = std::max(max_[at], block_max);
+      // A row that has seen no key yet keeps max -inf and subtracts 0 (never -inf - -inf).
+      const float base = new_max == kNegInf ? 0.f : new_max;
+      const float correction = std::exp(max_[at] - base);  // 0 while the max was -inf
+      const Vec base_v = Simd::set1(base);
+      Vec row_sum = Simd::zero();
+      for (int64_t j = 0; j < n_pad; j += kSimdWidth) {
+        const Vec prob = flash_detail::vexp_softmax(Simd::sub(Simd::load(s + j), base_v));
+        Simd::store(s + j, prob);
+        row_sum = Simd::add(row_sum, prob);
+      }
+      sum_[at] = sum_[at] * correction + Simd::reduce_add(row_sum);
+      max_[at] = new_max;
+      if (correction != 1.f) {
+        float* acc = acc_.data() + at * d_pad_;
+        const Vec c = Simd::set1(correction);
+        for (int64_t d = 0; d < d_pad_; d += kSimdWidth) Simd::store(acc + d, Simd::mul(Simd::load(acc + d), c));
+      }
+    }
+  }
+
+  const KvCacheParams& p_;
+  const int64_t rows_, d_pad_, block_, block_pad_;
+  AlignedFloats q_rows_, k_rows_, v_rows_, k_t_, s_, acc_, row_;
+  std::vector<float> max_, sum_;  // per (KV head, row)
+};
 
 /** Combines parts (o_s normalized, lse_s) into out/lse of one row. A NaN lse poisons the row;
  *  all parts at -inf give out 0 and lse -inf. */
@@ -132,50 +261,55 @@ void merge_row(int64_t parts, int64_t hd, PartO part_o, PartLse part_lse, Store 
   float total = 0.f;
   for (int64_t s = 0; s < parts; ++s) total += std::exp(part_lse(s) - m);
   const float lse = m + std::log(total);
+  std::vector<float> weight(static_cast<size_t>(parts));  // each part's share, computed once per row
+  for (int64_t s = 0; s < parts; ++s) weight[s] = std::exp(part_lse(s) - lse);
   for (int64_t d = 0; d < hd; ++d) {
     float x = 0.f;
     for (int64_t s = 0; s < parts; ++s) {
-      const float l = part_lse(s);
-      if (l == kNegInf) continue;  // its o may be anything (never read by callers that skip it)
-      x += std::exp(l - lse) * part_o(s, d);
+      if (part_lse(s) == kNegInf) continue;  // its o may be anything (never read by callers that skip it)
+      x += weight[s] * part_o(s, d);
     }
     store(d, x);
   }
   *lse_out = lse;
 }
 
-void attend_task(const KvCacheParams& p, int64_t b, int64_t hk, int num_splits) {
-  const int64_t hd = p.head_dim, group = p.group_size(), rows = group * p.seqlen_q;
-  const MaskInfo mask = kv_mask(p, total_len(p, b));
-  const KeyRange keys = mask.keys_for_rows(0, p.seqlen_q);
-  RowState st;
-  st.q.resize(rows * hd);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = hk * group + r / p.seqlen_q, i = r % p.seqlen_q;
-    load_row(p.q.data, offset_of(p.q, b, i, h), p.dtype, hd, &st.q[r * hd]);
-  }
-  // Per split: normalized partial out (rows x hd) and lse (rows).
+/** Splits of every sequence's keys: the caller's num_splits, or enough that batch x splits
+ *  reaches kTargetTasks with no split under kMinSplitKeys keys. It depends on the shapes and
+ *  lengths only, never on the thread count, so results do not either. */
+int decode_splits(const KvCacheParams& p) {
+  if (p.num_splits > 0) return p.num_splits;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < p.batch; ++b) longest = std::max(longest, total_len(p, b));
+  const int64_t wanted = flash_detail::ceil_div(DecodeTraits::kTargetTasks, std::max<int64_t>(1, p.batch));
+  const int64_t fit = std::max<int64_t>(1, longest / DecodeTraits::kMinSplitKeys);
+  return static_cast<int>(std::max<int64_t>(1, std::min(wanted, fit)));
+}
+
+/** The keys of split `sp` of a sequence (empty when the sequence has fewer chunks). */
+KeyRange split_keys(const KeyRange& keys, int splits, int sp) {
   const int64_t len = std::max<int64_t>(0, keys.end - keys.begin);
-  const int64_t chunk = (len + num_splits - 1) / num_splits;
-  std::vector<float> part_o(static_cast<size_t>(num_splits * rows * hd)), part_lse(num_splits * rows);
-  for (int sp = 0; sp < num_splits; ++sp) {
-    const int64_t k0 = keys.begin + sp * chunk, k1 = std::min(keys.end, k0 + chunk);
-    attend_keys(p, b, hk, mask, k0, std::max(k0, k1), st);
+  const int64_t chunk = flash_detail::ceil_div(std::max<int64_t>(len, 1), splits);
+  const int64_t k0 = std::min(keys.end, keys.begin + sp * chunk);
+  return {k0, std::min(keys.end, k0 + chunk)};
+}
+
+/** Out rows and lse of sequence b from parts [splits][heads_kv][R][D] / [splits][heads_kv][R],
+ *  merged in split order (one part: copied, since exp(lse - lse) = 1 exactly). */
+void store_sequence(const KvCacheParams& p, int64_t b, int splits, const float* part_o, const float* part_lse) {
+  const int64_t hd = p.head_dim, group = p.group_size(), rows = group * p.seqlen_q;
+  const int64_t per_part = p.heads_kv * rows;
+  for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
     for (int64_t r = 0; r < rows; ++r) {
-      const float l = st.l[r];
-      part_lse[sp * rows + r] = l > 0 ? st.m[r] + std::log(l) : kNegInf;
-      for (int64_t d = 0; d < hd; ++d) part_o[(sp * rows + r) * hd + d] = l > 0 ? st.acc[r * hd + d] / l : 0.f;
+      const int64_t h = hk * group + r / p.seqlen_q, i = r % p.seqlen_q;
+      const int64_t o_off = offset_of(p.out, b, i, h), row = hk * rows + r;
+      float lse = 0.f;
+      merge_row(
+          splits, hd, [&](int64_t s, int64_t d) { return part_o[(s * per_part + row) * hd + d]; },
+          [&](int64_t s) { return part_lse[s * per_part + row]; },
+          [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.dtype, x); }, &lse);
+      if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = hk * group + r / p.seqlen_q, i = r % p.seqlen_q;
-    const int64_t o_off = offset_of(p.out, b, i, h);
-    float lse = 0.f;
-    merge_row(
-        num_splits, hd, [&](int64_t s, int64_t d) { return part_o[(s * rows + r) * hd + d]; },
-        [&](int64_t s) { return part_lse[s * rows + r]; },
-        [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.dtype, x); }, &lse);
-    if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
   }
 }
 
@@ -183,13 +317,27 @@ void attend_task(const KvCacheParams& p, int64_t b, int64_t hk, int num_splits) 
 
 Status kvcache_forward(const KvCacheParams& p) {
   if (p.appends()) append_new_tokens(p);
-  const int num_splits = std::max(1, p.num_splits);  // the CPU heuristic: one pass per task
-  return parallel_for(p.batch * p.heads_kv, p.num_threads,
-                      [&](int64_t task) { attend_task(p, task / p.heads_kv, task % p.heads_kv, num_splits); });
+  const int splits = decode_splits(p);
+  const int64_t hd = p.head_dim, per_part = p.heads_kv * p.group_size() * p.seqlen_q;
+  // Every (sequence, split) is a task writing its normalized partial out and lse for all heads;
+  // a second pass merges each sequence's splits in split order and writes out / lse.
+  std::vector<float> part_o(static_cast<size_t>(p.batch * splits * per_part * hd));
+  std::vector<float> part_lse(static_cast<size_t>(p.batch * splits * per_part));
+  auto make_scratch = [&] { return std::make_unique<DecodeAttention>(p); };
+  Status st = parallel_for(p.batch * splits, p.num_threads, make_scratch, [&](int64_t t, auto& work) {
+    const int64_t b = t / splits;
+    const MaskInfo mask = kv_mask(p, total_len(p, b));
+    const KeyRange keys = split_keys(mask.keys_for_rows(0, p.seqlen_q), splits, static_cast<int>(t % splits));
+    work->attend(b, mask, keys.begin, keys.end, &part_o[t * per_part * hd], &part_lse[t * per_part]);
+  });
+  if (!st.is_ok()) return st;
+  return parallel_for(p.batch, p.num_threads, [] { return 0; }, [&](int64_t b, int) {
+    store_sequence(p, b, splits, &part_o[b * splits * per_part * hd], &part_lse[b * splits * per_part]);
+  });
 }
 
 Status merge_partials(const MergeParams& p) {
-  return parallel_for(p.batch * p.heads, p.num_threads, [&](int64_t task) {
+  return parallel_for(p.batch * p.heads, p.num_threads, [] { return 0; }, [&](int64_t task, int) {
     const int64_t b = task / p.heads, h = task % p.heads;
     for (int64_t i = 0; i < p.seqlen_q; ++i) {
       const float* o = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;

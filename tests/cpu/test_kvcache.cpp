@@ -1,8 +1,9 @@
 // CPU tests of the inference path (fc_attention_kvcache, fc_merge_partials) against the fp64
 // oracle of tests/common/kvcache_check.hpp: contiguous and paged caches (page sizes 1/16/64/256),
 // cache_batch_idx, in-place append, causal with seqlen_q > 1, windows, softcap, GQA/MQA, split-KV
-// (1..8 splits agree), merge of partials incl. all -inf parts, and every bad input (the message
-// names the argument; outputs and caches stay untouched).
+// (1..8 splits agree), many KV heads (short staged blocks), thread-count independence, merge of
+// partials incl. all -inf parts, and every bad input (the message names the argument; outputs and
+// caches stay untouched).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -75,6 +76,58 @@ TEST(KvCacheCpu, LongSequenceHeadDim128) {
   c.num_splits = 8;
   c.seqlen_new = 1;
   expect_cases({c}, 300);
+}
+
+// Many KV heads: the CPU path stages fewer keys per block (16 here: every head's K and V rows of a
+// block must stay in L2), so blocks end inside sequences and inside 16-lane vectors; the split
+// heuristic (num_splits 0) splits the keys.
+TEST(KvCacheCpu, ManyKvHeads) {
+  std::vector<KvCase> cases;
+  for (int32_t dt : {FC_DTYPE_F32, FC_DTYPE_BF16})
+    for (int64_t page : {0, 16}) {
+      KvCase c;
+      c.dtype = dt;
+      c.batch = 2;
+      c.cache_lens = {300, 77};
+      c.heads_q = 32;
+      c.heads_kv = 16;
+      c.head_dim = 128;
+      c.seqlen_q = 2;
+      c.seqlen_new = 1;
+      c.causal = true;
+      c.page_size = page;
+      c.num_splits = 0;
+      cases.push_back(c);
+    }
+  expect_cases(cases, 400);
+}
+
+// Results do not depend on the thread count (the split heuristic looks at shapes and lengths).
+TEST(KvCacheCpu, ThreadCountDoesNotChangeBits) {
+  KvCase c;
+  c.batch = 1;
+  c.cache_lens = {3000};
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 64;
+  c.dtype = FC_DTYPE_F32;
+  c.num_splits = 0;
+  auto mem = host_memory();
+  std::vector<uint8_t> first_out, first_lse;
+  for (int32_t threads : {1, 2, 3, 7}) {
+    KvProblem pr(c, *mem, 500);
+    pr.opt.num_threads = threads;
+    pr.upload_indices();
+    ASSERT_EQ(fc_attention_kvcache(&pr.args, &pr.opt, nullptr, 0), FC_OK) << fc_last_error();
+    pr.fetch();
+    if (first_out.empty()) {
+      first_out = pr.out.host;
+      first_lse = pr.lse.host;
+    } else {
+      EXPECT_TRUE(pr.out.host == first_out) << threads << " threads: out differs from 1 thread";
+      EXPECT_TRUE(pr.lse.host == first_lse) << threads << " threads: lse differs from 1 thread";
+    }
+  }
 }
 
 // ---- bad inputs -------------------------------------------------------------------------------

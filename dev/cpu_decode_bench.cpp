@@ -1,0 +1,115 @@
+// Times the CPU decode path (fc_attention_kvcache on the cpu_flash backend) through the C ABI,
+// against a contiguous cache of random data, and prints K+V bytes read per second next to the
+// GFLOP/s of the attention (4 x heads_q x length x head_dim per query token). The tool behind the
+// session 9 rewrite of src/cpu/decode.cpp; run it beside `bench/peers.py`'s torch numbers.
+//
+// Build (from the repository root, against a CPU build in BUILD):
+//   g++ -std=c++17 -O2 -I include dev/cpu_decode_bench.cpp -L BUILD -lflashcore -Wl,-rpath,BUILD
+//       -o /tmp/cpu_decode_bench
+// Run: /tmp/cpu_decode_bench [threads] [dtype f32|f16|bf16] [batch x length ...]
+//      default: 2 threads, f32, 1x512 1x2048 1x8192 1x32768 8x2048 (GQA 32 / 8 heads, d = 128)
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashcore/flashcore.h"
+
+namespace {
+
+fc_tensor view(void* data, int32_t dtype, std::vector<int64_t> shape) {
+  fc_tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.device_type = FC_DEVICE_CPU;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = stride;
+    stride *= shape[i];
+  }
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
+  const std::string dt = argc > 2 ? argv[2] : "f32";
+  const int32_t dtype = dt == "f16" ? FC_DTYPE_F16 : dt == "bf16" ? FC_DTYPE_BF16 : FC_DTYPE_F32;
+  const size_t elem = dtype == FC_DTYPE_F32 ? 4 : 2;
+  std::vector<std::pair<int64_t, int64_t>> cells;
+  for (int i = 3; i < argc; ++i) {
+    long long b = 0, l = 0;
+    if (std::sscanf(argv[i], "%lldx%lld", &b, &l) == 2) cells.push_back({b, l});
+  }
+  if (cells.empty()) cells = {{1, 512}, {1, 2048}, {1, 8192}, {1, 32768}, {8, 2048}};
+  const int64_t hq = 32, hk = 8, d = 128;
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int> bits(0, 0xffff);
+  for (auto [batch, len] : cells) {
+    std::vector<uint8_t> q(batch * hq * d * elem), k(batch * len * hk * d * elem), v(k.size()),
+        out(q.size());
+    for (auto* buf : {&q, &k, &v}) {
+      // Random values in [-1, 1): fp32 from 16-bit fractions, fp16 / bf16 by rounding those down.
+      for (size_t i = 0; i < buf->size() / elem; ++i) {
+        const float x = bits(rng) / 32768.f - 1.f;
+        if (elem == 4) {
+          std::memcpy(buf->data() + 4 * i, &x, 4);
+        } else {
+          uint32_t u;
+          std::memcpy(&u, &x, 4);
+          uint16_t h;
+          if (dtype == FC_DTYPE_BF16) {
+            h = static_cast<uint16_t>(u >> 16);
+          } else {  // fp16 of x in [-1, 1): sign, 5-bit exponent, 10-bit mantissa (truncated)
+            const int e = static_cast<int>((u >> 23) & 0xff) - 127 + 15;
+            h = static_cast<uint16_t>(((u >> 16) & 0x8000) | (e > 0 ? (e << 10) | ((u >> 13) & 0x3ff) : 0));
+          }
+          std::memcpy(buf->data() + 2 * i, &h, 2);
+        }
+      }
+    }
+    std::vector<int32_t> lens(batch, static_cast<int32_t>(len));
+    fc_tensor tq = view(q.data(), dtype, {batch, 1, hq, d});
+    fc_tensor tk = view(k.data(), dtype, {batch, len, hk, d});
+    fc_tensor tv = view(v.data(), dtype, {batch, len, hk, d});
+    fc_tensor to = view(out.data(), dtype, {batch, 1, hq, d});
+    fc_tensor tl = view(lens.data(), FC_DTYPE_I32, {batch});
+    fc_kvcache_args args{};
+    args.q = &tq;
+    args.k_cache = &tk;
+    args.v_cache = &tv;
+    args.cache_seqlens = &tl;
+    args.out = &to;
+    fc_attention_options opt{};
+    opt.backend = FC_BACKEND_CPU_FLASH;
+    opt.num_threads = threads;
+    auto call = [&] {
+      if (fc_attention_kvcache(&args, &opt, nullptr, 0) != FC_OK) {
+        std::fprintf(stderr, "fc_attention_kvcache: %s\n", fc_last_error());
+        std::exit(1);
+      }
+    };
+    call();
+    std::vector<double> ms;
+    for (int r = 0; r < 15; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      call();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    const double t = ms[ms.size() / 2];
+    const double bytes = 2.0 * batch * len * hk * d * elem;
+    std::printf("%s %d threads, batch %lld x %lld keys: %.3f ms, %.1f GB/s of K+V, %.1f GFLOP/s\n", dt.c_str(),
+                threads, static_cast<long long>(batch), static_cast<long long>(len), t, bytes / t / 1e6,
+                4.0 * batch * hq * len * d / t / 1e6);
+  }
+  return 0;
+}
