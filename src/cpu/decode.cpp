@@ -175,18 +175,34 @@ class DecodeAttention {
   /** K rows [heads][n x D] and V rows [heads][n x D_pad] (zero padding columns) of keys j0.. as
    *  fp32, read token by token (see the class comment). */
   void stage_block(int64_t b, int64_t j0, int64_t n) {
-    const int64_t hd = p_.head_dim;
+    const int64_t hd = p_.head_dim, elem = static_cast<int64_t>(dtype_size(p_.dtype));
+    const int64_t k_head = p_.k_cache.head_stride * elem, v_head = p_.v_cache.head_stride * elem;
     for (int64_t j = 0; j < n; ++j) {
+      const char* k = static_cast<const char*>(cache_row(p_.k_cache, b, j0 + j, 0));
+      const char* v = static_cast<const char*>(cache_row(p_.v_cache, b, j0 + j, 0));
       for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
-        flash_detail::load_row(p_.dtype, cache_row(p_.k_cache, b, j0 + j, hk), hd,
-                               k_rows_.data() + (hk * block_ + j) * hd);
+        stage_row(k + hk * k_head, k_rows_.data() + (hk * block_ + j) * hd);
       }
       for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
-        float* v = v_rows_.data() + (hk * block_ + j) * d_pad_;
-        flash_detail::load_row(p_.dtype, cache_row(p_.v_cache, b, j0 + j, hk), hd, v);
-        std::fill(v + hd, v + d_pad_, 0.f);
+        float* dst = v_rows_.data() + (hk * block_ + j) * d_pad_;
+        stage_row(v + hk * v_head, dst);
+        std::fill(dst + hd, dst + d_pad_, 0.f);
       }
     }
+  }
+
+  /** One head_dim row as fp32: fp32 copied with vector loads inline (a libc memcpy call per
+   *  512-byte row cost more), other dtypes through load_row's conversions. */
+  void stage_row(const void* src, float* dst) const {
+    const int64_t hd = p_.head_dim;
+    if (p_.dtype != DType::F32) {
+      flash_detail::load_row(p_.dtype, src, hd, dst);
+      return;
+    }
+    const float* s = static_cast<const float*>(src);
+    int64_t d = 0;
+    for (; d + kSimdWidth <= hd; d += kSimdWidth) Simd::store(dst + d, Simd::load(s + d));
+    for (; d < hd; ++d) dst[d] = s[d];
   }
 
   /** Scores of keys j0..j0+n of KV head hk in S to probabilities, each row's running max / sum,
