@@ -325,6 +325,25 @@ def test_readonly_caches_serve_attention_without_append(rng):
     run_and_check(case)
 
 
+def test_caches_as_strided_views(rng):
+    """Caches that are (batch, heads_kv, seqlen, head_dim) storage viewed as (batch, seqlen,
+    heads_kv, head_dim): a KV head's rows are contiguous and a token's heads lie far apart, the
+    opposite of the layout the CPU path stages fastest; any strides must give the same result."""
+    case = make_case(rng, seqlen_q=2, capacity=90, heads_q=8, heads_kv=2)
+    views = {}
+    for key in ("k_cache", "v_cache"):
+        storage = np.ascontiguousarray(case[key].transpose(0, 2, 1, 3))
+        views[key] = storage.transpose(0, 2, 1, 3)
+        assert not views[key].flags.c_contiguous
+    out, lse = flashcore.flash_attn_with_kvcache(case["q"], views["k_cache"], views["v_cache"],
+                                                 cache_seqlens=case["cache_seqlens"], causal=True,
+                                                 return_softmax_lse=True)
+    ref_out, ref_lse, _, _ = reference_kvcache(case["q"], case["k_cache"], case["v_cache"],
+                                               case["cache_seqlens"], causal=True)
+    assert_fp32_close(out, ref_out, "out")
+    assert_fp32_close(lse, ref_lse, "lse")
+
+
 def test_non_contiguous_q_and_new_keys(rng):
     case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=20)
     for key in ("q", "k", "v"):  # head_dim stride != 1: the flash_attn API copies these
