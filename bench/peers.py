@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
+from timing import bench_ms
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -61,41 +62,6 @@ def emit(**kw):
 
 def left():
     return args.budget - (time.time() - T0)
-
-
-def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
-    # Warm up for a while, not just a few calls. With 3 calls, the first implementation timed in
-    # a cell after the host-side pause between cells (flashcore) came out low in the first
-    # (S=512) cell of each head dim: d128 fwd+bwd 0.80x FA2 here, where the back-to-back event
-    # timing of dev/backward_breakdown.py had it 1.17x ahead.
-    t0 = time.perf_counter()
-    n = 0
-    while n < warmup or time.perf_counter() - t0 < warm_s:
-        fn()
-        n += 1
-        if n % 8 == 0:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    # Calls back to back (TARGETS.md): at least 3 per timed repeat, ~10 ms worth. One call between
-    # two events also times the host issuing it: a fwd+bwd step of ~1.2 ms at S=512 then read
-    # ~1.7 ms for flashcore (whose host side takes ~0.6 ms to issue a training step).
-    inner = max(3, min(50, int(10.0 / max(s.elapsed_time(e), 1e-3))))
-    ts = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / inner)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def flops(b, h, s, d, causal, mode):

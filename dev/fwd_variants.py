@@ -12,13 +12,15 @@ Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16.
 """
 import argparse
 import os
-import time
+import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
+from timing import bench_ms
 
 ap = argparse.ArgumentParser()
 ap.add_argument("variants", help="comma-separated variant numbers, 0 = the shipped kernel")
@@ -31,29 +33,6 @@ if args.cells:
 else:
     cells = [(d, s, c) for d in (64, 128, 256) for c in (0, 1) for s in (512, 1024, 2048)]
     cells.append((128, 16384, 0))
-
-
-def time_ms(fn, warm_s=0.15, rep=7):
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    inner = max(3, min(50, int(10.0 / max(s.elapsed_time(e), 1e-3))))
-    ts = []
-    for _ in range(rep):
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / inner)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def set_variant(v):
@@ -82,10 +61,10 @@ for d, s, causal in cells:
             errs[var] = (out.float() - ref).abs().max().item()
         best = {"cudnn": 1e9, **{var: 1e9 for var in variants}}
         for _ in range(args.rounds):
-            best["cudnn"] = min(best["cudnn"], time_ms(cudnn))
+            best["cudnn"] = min(best["cudnn"], bench_ms(cudnn, rep=7, warm_s=0.15))
             for var in variants:
                 set_variant(var)
-                best[var] = min(best[var], time_ms(lambda: flashcore.flash_attn_func(q, k, v, causal=bool(causal))))
+                best[var] = min(best[var], bench_ms(lambda: flashcore.flash_attn_func(q, k, v, causal=bool(causal)), rep=7, warm_s=0.15))
     set_variant(0)
     tf = {key: flop / ms / 1e9 for key, ms in best.items()}
     line = f"{d:>4} {s:>6} {'causal' if causal else 'full':>6} {tf['cudnn']:7.1f} " + " ".join(

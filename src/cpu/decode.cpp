@@ -48,8 +48,12 @@ Status parallel_for(int64_t count, int threads, MakeScratch&& make_scratch, Task
   });
 }
 
-void load_row(const void* base, int64_t off, DType dt, int64_t n, float* dst) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = load_as_float(base, off + d, dt);
+/** The same for tasks without scratch: task(i). */
+template <typename Task>
+Status parallel_for(int64_t count, int threads, Task&& task) {
+  return flash_detail::run_workers(count, threads, [&](flash_detail::TaskQueue& queue) {
+    for (int64_t i; (i = queue.next()) >= 0;) task(i);
+  });
 }
 /** Writes new tokens into the caches at positions cache_seqlens[b] ... (validated in bounds). */
 void append_new_tokens(const KvCacheParams& p) {
@@ -92,14 +96,13 @@ class DecodeAttention {
       : p_(p),
         rows_(p.group_size() * p.seqlen_q),
         d_pad_(flash_detail::round_up(p.head_dim, kSimdWidth)),
-        block_(block_keys(p)),
-        block_pad_(flash_detail::round_up(block_, kSimdWidth)) {
-    const int64_t heads = p.heads_kv, hd = p.head_dim;
+        block_(block_keys(p)) {
+    const int64_t heads = p.heads_kv, hd = p.head_dim, block_pad = flash_detail::round_up(block_, kSimdWidth);
     q_rows_.reserve(heads * rows_ * hd);
     k_rows_.reserve(heads * block_ * hd);
     v_rows_.reserve(heads * block_ * d_pad_);
-    k_t_.reserve(hd * block_pad_);
-    s_.reserve(std::max<int64_t>(rows_, 1) * block_pad_);
+    k_t_.reserve(hd * block_pad);
+    s_.reserve(std::max<int64_t>(rows_, 1) * block_pad);
     acc_.reserve(heads * rows_ * d_pad_);
     max_.resize(static_cast<size_t>(heads * rows_));
     sum_.resize(static_cast<size_t>(heads * rows_));
@@ -159,7 +162,7 @@ class DecodeAttention {
       for (int64_t r = 0; r < rows_; ++r) {
         const int64_t h = hk * group + r / p_.seqlen_q, i = r % p_.seqlen_q;
         float* q = q_rows_.data() + (hk * rows_ + r) * hd;
-        load_row(p_.q.data, offset_of(p_.q, b, i, h), p_.dtype, hd, q);
+        flash_detail::load_row(p_.dtype, flash_detail::element_ptr(p_.q, p_.dtype, b, i, h), hd, q);
         for (int64_t d = 0; d < hd; ++d) q[d] *= p_.softmax_scale;
       }
     }
@@ -255,7 +258,7 @@ class DecodeAttention {
   }
 
   const KvCacheParams& p_;
-  const int64_t rows_, d_pad_, block_, block_pad_;
+  const int64_t rows_, d_pad_, block_;
   AlignedFloats q_rows_, k_rows_, v_rows_, k_t_, s_, acc_, row_;
   std::vector<float> max_, sum_;  // per (KV head, row)
 };
@@ -347,13 +350,13 @@ Status kvcache_forward(const KvCacheParams& p) {
     work->attend(b, mask, keys.begin, keys.end, &part_o[t * per_part * hd], &part_lse[t * per_part]);
   });
   if (!st.is_ok()) return st;
-  return parallel_for(p.batch, p.num_threads, [] { return 0; }, [&](int64_t b, int) {
+  return parallel_for(p.batch, p.num_threads, [&](int64_t b) {
     store_sequence(p, b, splits, &part_o[b * splits * per_part * hd], &part_lse[b * splits * per_part]);
   });
 }
 
 Status merge_partials(const MergeParams& p) {
-  return parallel_for(p.batch * p.heads, p.num_threads, [] { return 0; }, [&](int64_t task, int) {
+  return parallel_for(p.batch * p.heads, p.num_threads, [&](int64_t task) {
     const int64_t b = task / p.heads, h = task % p.heads;
     for (int64_t i = 0; i < p.seqlen_q; ++i) {
       const float* o = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
