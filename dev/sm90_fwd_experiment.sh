@@ -6,11 +6,14 @@
 # to OUTDIR (at most 8 files); the summary prints last. Keep the whole under the device's 10 min.
 # usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--ncu D:S:CAUSAL]
 #        [--ncu-variants 0,1] [--filter GTEST_FILTER --test-variants 1,2 (builds the CUDA tests,
-#        both dtypes, and runs them with each of these variants)]
+#        both dtypes, and runs them with each of these variants)] [--trace D:S:CAUSAL,... (the
+#        event trace of dev/sm90_fwd_trace.cu: where a tile's time goes) [--trace-variants 0,1]]
+#        [--sanitize-variants 1,2 (with --filter: compute-sanitizer memcheck, racecheck and synccheck
+#        on the small cases, CudaSanitizerSmall.*, per variant)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage}; VARIANTS=${2:?usage}; shift 2
-CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS=
+CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 SANITIZE_VARIANTS=
 while [ $# -gt 0 ]; do
   case "$1" in
     --cells) CELLS=$2; shift 2 ;;
@@ -19,6 +22,9 @@ while [ $# -gt 0 ]; do
     --ncu-variants) NCU_VARIANTS=$2; shift 2 ;;
     --filter) FILTER=$2; shift 2 ;;
     --test-variants) TEST_VARIANTS=$2; shift 2 ;;
+    --trace) TRACE=$2; shift 2 ;;
+    --trace-variants) TRACE_VARIANTS=$2; shift 2 ;;
+    --sanitize-variants) SANITIZE_VARIANTS=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -54,6 +60,35 @@ if [ -n "$FILTER" ]; then
     note "tests variant $v: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests_v$v.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$OUTDIR/tests_v$v.log" | head -5 | tee -a "$SUM"
   done
+fi
+
+if [ -n "$FILTER" ] && [ -n "$SANITIZE_VARIANTS" ]; then
+  for v in ${SANITIZE_VARIANTS//,/ }; do
+    for tool in memcheck racecheck synccheck; do
+      FLASHCORE_DEV_FWD_VARIANT=$v timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
+        build-exp/tests/flashcore_cuda_tests --gtest_filter='CudaSanitizerSmall.*' >"$OUTDIR/sanitize.log" 2>&1
+      note "compute-sanitizer $tool variant $v: rc=$? ($(el)) $(grep -E 'ERROR SUMMARY|hazard' "$OUTDIR/sanitize.log" | sort | uniq -c | tr '\n' ' ')"
+    done
+  done
+fi
+
+if [ -n "$TRACE" ]; then
+  if nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFLASHCORE_SM90_FWD_TRACE \
+      -I include -I src dev/sm90_fwd_trace.cu src/cuda/sm90/tensor_map.cpp src/cuda/device.cu \
+      -o build-exp/sm90_fwd_trace >"$OUTDIR/trace.log" 2>&1; then
+    IFS=',' read -ra TC <<<"$TRACE"
+    for c in "${TC[@]}"; do
+      IFS=':' read -r D S C <<<"$c"
+      for v in ${TRACE_VARIANTS//,/ }; do
+        bin="$OUTDIR/trace_d${D}_s${S}_c${C}_v$v.bin"
+        FLASHCORE_DEV_FWD_VARIANT=$v timeout 60 build-exp/sm90_fwd_trace "$D" "$S" "$C" "$bin" >>"$OUTDIR/trace.log" 2>&1
+        python3 dev/sm90_fwd_trace.py "$bin" --ctas 4 >>"$OUTDIR/trace.log" 2>&1 && rm -f "$bin"
+      done
+    done
+    note "trace: ($(el))"; grep -E "traced kernel" "$OUTDIR/trace.log" | tee -a "$SUM"
+  else
+    note "trace build FAILED"; tail -5 "$OUTDIR/trace.log" | tee -a "$SUM"
+  fi
 fi
 
 if [ -n "$NCU" ]; then

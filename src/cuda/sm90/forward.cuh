@@ -19,7 +19,8 @@
 //      each K/V tile and interleave naturally: while one does its softmax (FMA / MUFU pipes) the
 //      other's wgmmas occupy the tensor cores.
 // The grid is persistent (one CTA per SM): the producer loads the next tile's first K/V blocks
-// while the consumers finish the current one, and (d64, d128: two Q slots) the next tile's Q right
+// while the consumers finish the current one (the walk's divisions are FastDivmod: each tile's
+// resolve runs on one thread with nothing to hide it), and (d64, d128: two Q slots) the next tile's Q right
 // after the current tile's first key block (produce_all). Tiles come in pairs of equal total cost
 // under a causal mask, in order otherwise (TileWalker). Key blocks run from the last to the first, so
 // the tiles that need per-element masks (the causal diagonal, the partial last block) come first
@@ -42,6 +43,10 @@
 // only after its wgmma completed, and P_{j-1}'s registers are not rewritten before that either.
 // At d128/d256 the consumers also take turns issuing (IssueTurn, named barriers), so one's GEMMs
 // run while the other does its softmax.
+// Across tiles the same step continues (consume): the last P V of a tile is issued together with
+// the next tile's first Q K^T, and the tile's epilogue runs after that first softmax, once the
+// P V completed. Against draining each tile before its epilogue (session 10, bf16, same process):
+// d256 +3% to +11%, d64/d128 within +-2%; it also removed the d256 kernels' spills.
 //
 // ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) ----------------------------
 // A tile of R rows x D columns is stored as D/64 column chunks of [R rows][128 bytes] - what a TMA
@@ -90,9 +95,11 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "api/status.hpp"
+#include "common/fast_divmod.hpp"
 #include "common/mask.hpp"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -103,6 +110,7 @@
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
 #include "cuda/sm90/attention_views.hpp"
+#include "cuda/sm90/forward_trace.cuh"
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace flashcore::cuda::sm90 {
@@ -236,6 +244,10 @@ struct ForwardKernelArgs {
   int num_m_blocks;
   int tiles_per_item;  // 2: pairs of query blocks (see TileWalker); 1: single blocks
   int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
+  // The tile walk's divisors (TileWalker, resolve_block), fixed per launch.
+  FastDivmod items_per_head;  // ceil(num_m_blocks / tiles_per_item)
+  FastDivmod heads_q;
+  FastDivmod group;  // heads_q / heads_kv
   ScoreTransform transform;
   float exp2_scale;  // factor of the (transformed) score in the exponent
   float pre_scale;   // kLinear / kSoftcap
@@ -285,7 +297,7 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   BlockWork w;
   w.head = head;
   w.batch = batch;
-  w.kv_head = w.head / (p.heads_q / p.heads_kv);
+  w.kv_head = args.group.div(static_cast<uint32_t>(head));
   w.m0 = int64_t(m_block) * T::kBlockM;
   w.seq = seq_info(p, w.batch);
   w.mask = mask_info(p, w.seq);
@@ -308,11 +320,26 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   return w;
 }
 
+/** Where a tile's output goes: what the epilogue needs of a BlockWork, compact enough to keep
+ *  while the next tile's first key block runs (consume_carried). */
+struct TileOutput {
+  int64_t m0, q_start, seqlen_q;
+  int32_t batch, head, q_row0, batch_coord;  // TMA coordinates are int32
+};
+
+__device__ __forceinline__ TileOutput tile_output(const BlockWork& w) {
+  return {w.m0, w.seq.q_start, w.seq.seqlen_q, static_cast<int32_t>(w.batch), static_cast<int32_t>(w.head),
+          static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.batch_coord)};
+}
+
 /** Pipeline position carried across the tiles of a persistent CTA: how many Q tiles and K/V
  *  tiles went through their barriers so far (stage = count % kStages, parity = count / kStages). */
 struct PipelineCounters {
   int q_fills = 0;
   int kv_fills = 0;
+#ifdef FLASHCORE_SM90_FWD_TRACE
+  int trace_events = 0;  // records this thread wrote (forward_trace.cuh)
+#endif
 };
 
 /** The producer thread: Q of a tile into its slot. Q of the previous tile in that slot must be dead
@@ -323,6 +350,7 @@ __device__ void produce_q(const ForwardKernelArgs& args, const SmemPlan<T>& sm, 
                           PipelineCounters& pc) {
   const int q_slot = pc.q_fills % T::kQStages;
   ptx::mbarrier_wait_parity(sm.q_empty(q_slot), ((pc.q_fills / T::kQStages) & 1) ^ 1);
+  FWD_TRACE(0, kQSlotFree, 0);
   ++pc.q_fills;
   ptx::mbarrier_arrive_expect_tx(sm.q_full(q_slot), T::kQBytes);
 #pragma unroll
@@ -334,19 +362,21 @@ __device__ void produce_q(const ForwardKernelArgs& args, const SmemPlan<T>& sm, 
 }
 
 /** The producer thread, for one tile: K and V of every key block into the ring. With two Q slots
- *  the next tile's Q (`next`, may be null) is issued right after this tile's first key block, so it
+ *  the next tile's Q (`next`, when `has_next`) is issued right after this tile's first key block, so it
  *  lands long before this tile ends; its slot was freed by the tile before this one, whose key
  *  blocks are all issued already, so the wait cannot hold up this tile. */
 template <class T>
 __device__ void produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
-                           const BlockWork* next, PipelineCounters& pc) {
+                           const BlockWork& next, bool has_next, PipelineCounters& pc) {
   const int32_t bc = static_cast<int32_t>(w.batch_coord);
   const int32_t hk = static_cast<int32_t>(w.kv_head);
+  FWD_TRACE(0, kTileBegin, 0);
   for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
     const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
     ptx::mbarrier_wait_parity(sm.k_empty(stage), parity ^ 1);
+    FWD_TRACE(0, kKSlotFree, it);
     ptx::mbarrier_arrive_expect_tx(sm.k_full(stage), T::kTileBytes);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
@@ -354,15 +384,16 @@ __device__ void produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
                        c * T::kChunkCols, row, hk, bc);
     }
     ptx::mbarrier_wait_parity(sm.v_empty(stage), parity ^ 1);
+    FWD_TRACE(0, kVSlotFree, it);
     ptx::mbarrier_arrive_expect_tx(sm.v_full(stage), T::kTileBytes);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
       ptx::tma_load_4d(sm.v_ptr(stage) + c * T::kTileChunkBytes, &args.map_v, sm.v_full(stage),
                        c * T::kChunkCols, row, hk, bc);
     }
-    if (it == 0 && next != nullptr) produce_q<T>(args, sm, *next, pc);
+    if (it == 0 && has_next) produce_q<T>(args, sm, next, pc);
   }
-  if (w.n_tiles == 0 && next != nullptr) produce_q<T>(args, sm, *next, pc);
+  if (w.n_tiles == 0 && has_next) produce_q<T>(args, sm, next, pc);
 }
 
 /** Online-softmax state of the two rows a consumer thread owns. */
@@ -509,7 +540,7 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
  *  previous stores finish reading it (bulk async-group), which the first barrier publishes. */
 template <class T>
 __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
-                                               const BlockWork& w, int consumer,
+                                               const TileOutput& out, int consumer,
                                                const float (&o)[T::kHeadDim / 2],
                                                const float (&sums)[2], int t) {
   using Ops = ElementOps<typename T::Element>;
@@ -532,113 +563,26 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
   ptx::fence_proxy_async_shared_cta();  // make the generic-proxy writes visible to TMA
   epilogue_barrier<T>(consumer);
   if (t == 0) {
-    const int32_t row0 = static_cast<int32_t>(w.q_row0 + consumer * T::kRowsPerConsumer);
+    const int32_t row0 = static_cast<int32_t>(out.q_row0 + consumer * T::kRowsPerConsumer);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_store_4d(&args.map_o, buf + c * T::kOChunkBytes, c * T::kChunkCols, row0,
-                        static_cast<int32_t>(w.head), static_cast<int32_t>(w.batch_coord));
+      ptx::tma_store_4d(&args.map_o, buf + c * T::kOChunkBytes, c * T::kChunkCols, row0, out.head,
+                        out.batch_coord);
     }
     ptx::tma_store_commit_group();
   }
 }
 
-/** One consumer warpgroup, for one tile: its 64 rows through every key block, then the epilogue. */
+/** The epilogue of one consumer's 64 rows: O / l rounded to the dtype; lse from lane quad 0. */
 template <class T>
-__device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
-                        int consumer, PipelineCounters& pc, const IssueTurn<T>& turn) {
+__device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
+                                           const TileOutput& out, int consumer,
+                                           const float (&o)[T::kHeadDim / 2], const RowState& st) {
   const AttentionParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
-  const int64_t row_base = w.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
-  KeyRange rows[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) rows[r] = w.mask.keys_for_row(row_base + 8 * r);
-  const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
-
-  float o[T::kHeadDim / 2];
-#pragma unroll
-  for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
-  RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
-
-  const int q_slot = pc.q_fills % T::kQStages;
-  ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
-  ++pc.q_fills;
-  if (w.n_tiles > 0) {
-    float s[T::kBlockN / 2];
-    uint32_t pa[T::kBlockN / 16][4];
-    float correction[2];
-    // Only the rows that will be stored decide whether a tile needs per-element masks: rows past
-    // seqlen_q (the last query block's tail, or a whole consumer's 64 rows) compute on finite
-    // inputs and are discarded, so they take the branch-free body. Counting them made every key
-    // block of a partial query block masked, and a CTA that always drew the partial block of its
-    // heads (132 SMs, 22 blocks of 192 rows per head at S = 4096) ran the whole kernel at 0.6x.
-    const int64_t stored_rows_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.seq.seqlen_q);
-    auto masked = [&](int n_block) {
-      const int64_t key0 = int64_t(n_block) * T::kBlockN;
-      return wg_row0 < stored_rows_end &&
-             !w.mask.tile_fully_visible(wg_row0, stored_rows_end, key0, key0 + T::kBlockN);
-    };
-    auto softmax = [&](int n_block) {
-      const int64_t key0 = int64_t(n_block) * T::kBlockN;
-      if (masked(n_block)) {
-        softmax_tile<T, true>(s, st, correction, args, rows, key0, quad);
-      } else {
-        softmax_tile<T, false>(s, st, correction, args, rows, key0, quad);
-      }
-    };
-
-    // Tile 0: S, softmax (O is still zero, so its correction is irrelevant).
-    int stage = pc.kv_fills % T::kStages;
-    ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
-    turn.take();
-    issue_qk<T>(s, sm, consumer, q_slot, stage);
-    turn.pass();
-    ptx::wgmma_wait_group<0>();
-    ptx::wgmma_fence_operands(s);
-    release(sm.k_empty(stage));
-    if (w.n_tiles == 1) release(sm.q_empty(q_slot));
-    softmax(w.n_block_end - 1);
-    pack_probabilities<T>(s, pa);
-
-    for (int it = 1; it < w.n_tiles; ++it) {
-      const int prev = stage;
-      const uint32_t prev_parity = (pc.kv_fills / T::kStages) & 1;
-      ++pc.kv_fills;
-      stage = pc.kv_fills % T::kStages;
-      ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
-      ptx::mbarrier_wait_parity(sm.v_full(prev), prev_parity);
-      turn.take();
-      issue_qk<T>(s, sm, consumer, q_slot, stage);
-      issue_pv<T>(o, pa, sm, prev);
-      turn.pass();
-      ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
-      ptx::wgmma_fence_operands(s);
-      release(sm.k_empty(stage));
-      if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
-      softmax(w.n_block_end - 1 - it);
-      ptx::wgmma_wait_group<0>();
-      ptx::wgmma_fence_operands(o);
-      release(sm.v_empty(prev));
-      // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
-      if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
-#pragma unroll
-        for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] *= correction[(i % 4) / 2];
-      }
-      pack_probabilities<T>(s, pa);
-    }
-    ptx::mbarrier_wait_parity(sm.v_full(stage), (pc.kv_fills / T::kStages) & 1);
-    turn.take();
-    issue_pv<T>(o, pa, sm, stage);
-    turn.pass();
-    ptx::wgmma_wait_group<0>();
-    ptx::wgmma_fence_operands(o);
-    release(sm.v_empty(stage));
-    ++pc.kv_fills;
-  } else {
-    release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
-  }
-
-  // Epilogue: O / l rounded to the dtype; lse from lane quad 0.
+  const int64_t wg_row0 = out.m0 + consumer * T::kRowsPerConsumer;
+  const int64_t row_base = wg_row0 + warp * 16 + group;
   using Ops = ElementOps<typename T::Element>;
   float sums[2];
 #pragma unroll
@@ -650,19 +594,19 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
   bool staged = false;
   if constexpr (T::kStageO) {
     staged = args.store_o_with_tma &&
-             (p.cu_seqlens_q == nullptr || wg_row0 + T::kRowsPerConsumer <= w.seq.seqlen_q);
+             (p.cu_seqlens_q == nullptr || wg_row0 + T::kRowsPerConsumer <= out.seqlen_q);
   }
   if (staged) {
-    store_o_staged<T>(args, sm, w, consumer, o, sums, t);
+    store_o_staged<T>(args, sm, out, consumer, o, sums, t);
   } else {
     // Direct: 4-byte stores of column pairs, row by row.
-    auto* out = static_cast<typename T::Element*>(p.out.data);
+    auto* dst_base = static_cast<typename T::Element*>(p.out.data);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
       const int64_t row = row_base + 8 * r;
-      if (row >= w.seq.seqlen_q) continue;
-      typename T::Element* dst = out + offset_of(p.out, w.batch, w.seq.q_start + row, w.head);
+      if (row >= out.seqlen_q) continue;
+      typename T::Element* dst = dst_base + offset_of(p.out, out.batch, out.q_start + row, out.head);
 #pragma unroll
       for (int j = 0; j < T::kHeadDim / 8; ++j) {
         const int col = 8 * j + 2 * quad;
@@ -677,11 +621,11 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, co
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row_base + 8 * r;
-      if (row >= w.seq.seqlen_q) continue;
+      if (row >= out.seqlen_q) continue;
       const float lse =
           sums[r] > 0.f ? (st.max[r] * args.exp2_scale + log2f(sums[r])) * kLn2 : -INFINITY;
-      p.lse.data[w.batch * p.lse.batch_stride + w.head * p.lse.head_stride +
-                 (w.seq.q_start + row) * p.lse.row_stride] = lse;
+      p.lse.data[out.batch * p.lse.batch_stride + out.head * p.lse.head_stride +
+                 (out.q_start + row) * p.lse.row_stride] = lse;
     }
   }
 }
@@ -703,17 +647,16 @@ struct TileWalker {
   /** The next tile with query rows, or false when this CTA has none left. */
   __device__ bool next(BlockWork& w) {
     const int m_blocks = args.num_m_blocks;
-    const int items_per_head = (m_blocks + args.tiles_per_item - 1) / args.tiles_per_item;
     while (item < args.num_items) {
-      const int j = item % items_per_head;
+      const int j = static_cast<int>(args.items_per_head.mod(static_cast<uint32_t>(item)));
       const int m_block = k == 0 ? m_blocks - 1 - j : j;
       // k == 1 of an odd M's middle item repeats block k == 0: the item is done.
       const bool valid = k < args.tiles_per_item && !(k == 1 && m_block == m_blocks - 1 - j);
       if (valid) {
         ++k;
-        const int rest = item / items_per_head;
-        const int head = rest % static_cast<int>(args.params.heads_q);
-        const int batch = rest / static_cast<int>(args.params.heads_q);
+        const uint32_t rest = args.items_per_head.div(static_cast<uint32_t>(item));
+        const int head = static_cast<int>(args.heads_q.mod(rest));
+        const int batch = static_cast<int>(args.heads_q.div(rest));
         w = resolve_block<T>(args, m_block, head, batch);
         if (w.has_rows) return true;
         continue;
@@ -725,11 +668,171 @@ struct TileWalker {
   }
 };
 
-template <class T, class Fn>
-__device__ __forceinline__ void for_each_tile(const ForwardKernelArgs& args, Fn&& fn) {
+/** One consumer warpgroup over all of its CTA's tiles, with the last P V of a tile carried into
+ *  the next: it is issued together with the next tile's first Q K^T, and the epilogue runs after
+ *  that tile's first softmax, so the tensor cores see Q K^T_0 queued behind P V_last instead of a
+ *  drain, epilogue and refill at every tile boundary. */
+template <class T>
+__device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, int consumer,
+                        PipelineCounters& pc, const IssueTurn<T>& turn) {
+  const int t = static_cast<int>(ptx::thread_in_warpgroup());
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  [[maybe_unused]] const int role = 1 + consumer;  // trace role
+  float o[T::kHeadDim / 2];
+  float s[T::kBlockN / 2];
+  uint32_t pa[T::kBlockN / 16][4];
+  float correction[2];
+  // The previous tile while its last P V is still to be issued: where its output goes, its row
+  // state, and the K/V fill whose V that P V reads.
+  bool pending = false;
+  TileOutput pending_out{};
+  RowState pending_st{};
+  int pending_fill = 0;
+
+  auto finish_pending = [&]() {
+    const int stage = pending_fill % T::kStages;
+    ptx::mbarrier_wait_parity(sm.v_full(stage), (pending_fill / T::kStages) & 1);
+    turn.take();
+    issue_pv<T>(o, pa, sm, stage);
+    turn.pass();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(o);
+    release(sm.v_empty(stage));
+    store_tile<T>(args, sm, pending_out, consumer, o, pending_st);
+    FWD_TRACE(role, kEpilogueDone, 0);
+    pending = false;
+  };
+
   TileWalker<T> tiles{args};
   BlockWork w;
-  while (tiles.next(w)) fn(w);
+  while (tiles.next(w)) {
+    FWD_TRACE(role, kTileBegin, 0);
+    const int64_t row_base = w.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
+    KeyRange rows[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) rows[r] = w.mask.keys_for_row(row_base + 8 * r);
+    const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
+    RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
+
+    const int q_slot = pc.q_fills % T::kQStages;
+    ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
+    FWD_TRACE(role, kQReady, 0);
+    ++pc.q_fills;
+    if (w.n_tiles == 0) {
+      release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
+      if (pending) finish_pending();
+#pragma unroll
+      for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
+      store_tile<T>(args, sm, tile_output(w), consumer, o, st);
+      continue;
+    }
+    // Only the rows that will be stored decide whether a key block needs per-element masks: rows
+    // past seqlen_q (the last query block's tail, or a whole consumer's 64 rows) compute on finite
+    // inputs and are discarded, so they take the branch-free body. Counting them made every key
+    // block of a partial query block masked, and a CTA that always drew the partial block of its
+    // heads (132 SMs, 22 blocks of 192 rows per head at S = 4096) ran the whole kernel at 0.6x.
+    const int64_t stored_rows_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.seq.seqlen_q);
+    auto masked = [&](int n_block) {
+      const int64_t key0 = int64_t(n_block) * T::kBlockN;
+      return wg_row0 < stored_rows_end &&
+             !w.mask.tile_fully_visible(wg_row0, stored_rows_end, key0, key0 + T::kBlockN);
+    };
+    auto softmax = [&](int n_block) {
+      const int64_t key0 = int64_t(n_block) * T::kBlockN;
+      if (masked(n_block)) {
+        softmax_tile<T, true>(s, st, correction, args, rows, key0, quad);
+      } else {
+        softmax_tile<T, false>(s, st, correction, args, rows, key0, quad);
+      }
+    };
+
+    // Key block 0 of this tile, with the previous tile's last P V (if any) issued behind its
+    // Q K^T. Two copies, so that every wgmma wait is unconditional within its copy: behind a
+    // run-time `pending` test, ptxas must assume the P V may still be writing O wherever the two
+    // paths merge, and serializes every wgmma of the kernel (C7514) - 20% at every length.
+    int stage = pc.kv_fills % T::kStages;
+    auto first_block = [&](auto carried) {
+      constexpr bool kCarried = decltype(carried)::value;
+      const int pending_stage = pending_fill % T::kStages;
+      ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
+      FWD_TRACE(role, kKReady, 0);
+      if constexpr (kCarried) {
+        ptx::mbarrier_wait_parity(sm.v_full(pending_stage), (pending_fill / T::kStages) & 1);
+      }
+      turn.take();
+      FWD_TRACE(role, kTurnTaken, 0);
+      issue_qk<T>(s, sm, consumer, q_slot, stage);
+      if constexpr (kCarried) issue_pv<T>(o, pa, sm, pending_stage);
+      turn.pass();
+      if constexpr (kCarried) {
+        ptx::wgmma_wait_group<1>();
+      } else {
+        ptx::wgmma_wait_group<0>();
+      }
+      ptx::wgmma_fence_operands(s);
+      FWD_TRACE(role, kSReady, 0);
+      release(sm.k_empty(stage));
+      if (w.n_tiles == 1) release(sm.q_empty(q_slot));
+      softmax(w.n_block_end - 1);  // O is still zero: its correction is irrelevant
+      FWD_TRACE(role, kSoftmaxDone, 0);
+      if constexpr (kCarried) {
+        ptx::wgmma_wait_group<0>();
+        ptx::wgmma_fence_operands(o);
+        FWD_TRACE(role, kPvDone, 0);  // the previous tile's last P V
+        release(sm.v_empty(pending_stage));
+      }
+      pack_probabilities<T>(s, pa);
+      if constexpr (kCarried) {
+        store_tile<T>(args, sm, pending_out, consumer, o, pending_st);
+        FWD_TRACE(role, kEpilogueDone, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
+    };
+    if (pending) {
+      first_block(std::true_type{});
+    } else {
+      first_block(std::false_type{});
+    }
+
+    for (int it = 1; it < w.n_tiles; ++it) {
+      const int prev = stage;
+      const uint32_t prev_parity = (pc.kv_fills / T::kStages) & 1;
+      ++pc.kv_fills;
+      stage = pc.kv_fills % T::kStages;
+      ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
+      FWD_TRACE(role, kKReady, it);
+      ptx::mbarrier_wait_parity(sm.v_full(prev), prev_parity);
+      FWD_TRACE(role, kVReady, it - 1);
+      turn.take();
+      FWD_TRACE(role, kTurnTaken, it);
+      issue_qk<T>(s, sm, consumer, q_slot, stage);
+      issue_pv<T>(o, pa, sm, prev);
+      turn.pass();
+      ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
+      ptx::wgmma_fence_operands(s);
+      FWD_TRACE(role, kSReady, it);
+      release(sm.k_empty(stage));
+      if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
+      softmax(w.n_block_end - 1 - it);
+      FWD_TRACE(role, kSoftmaxDone, it);
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(o);
+      FWD_TRACE(role, kPvDone, it - 1);
+      release(sm.v_empty(prev));
+      if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] *= correction[(i % 4) / 2];
+      }
+      pack_probabilities<T>(s, pa);
+    }
+    pending = true;
+    pending_out = tile_output(w);
+    pending_st = st;
+    pending_fill = pc.kv_fills;
+    ++pc.kv_fills;
+  }
+  if (pending) finish_pending();
 }
 
 /** The producer's walk: each tile's K/V, and Q one tile ahead where there are two Q slots (d256,
@@ -745,10 +848,10 @@ __device__ void produce_all(const ForwardKernelArgs& args, const SmemPlan<T>& sm
   while (has_cur) {
     const bool has_next = tiles.next(next);
     if (T::kQStages > 1) {
-      produce_kv<T>(args, sm, cur, has_next ? &next : nullptr, pc);
+      produce_kv<T>(args, sm, cur, next, has_next, pc);
     } else {
       produce_q<T>(args, sm, cur, pc);
-      produce_kv<T>(args, sm, cur, nullptr, pc);
+      produce_kv<T>(args, sm, cur, next, false, pc);
     }
     cur = next;
     has_cur = has_next;
@@ -800,7 +903,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int consumer = static_cast<int>(warpgroup) - 1;
     const IssueTurn<T> turn{consumer};
     turn.start();
-    for_each_tile<T>(args, [&](const BlockWork& w) { consume<T>(args, sm, w, consumer, pc, turn); });
+    consume<T>(args, sm, consumer, pc, turn);
     // The shared memory a TMA store reads must outlive it.
     if (T::kStageO && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
   }
@@ -830,6 +933,9 @@ Status launch_forward(const forward_params_t& p) {
   const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
   args.tiles_per_item = uneven_cost && pairs >= sm_count ? 2 : 1;
   args.num_items = static_cast<int>(args.tiles_per_item == 2 ? pairs : num_m_blocks * p.heads_q * p.batch);
+  args.items_per_head = FastDivmod(static_cast<uint32_t>((num_m_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
+  args.heads_q = FastDivmod(static_cast<uint32_t>(p.heads_q));
+  args.group = FastDivmod(static_cast<uint32_t>(p.heads_q / p.heads_kv));
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
   args.exp2_scale = scales.exp2_scale;
