@@ -418,11 +418,22 @@ __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowStat
     }
   }
   if constexpr (kMasked) {
+    // Each row's allowed keys as offsets from this thread's first column (key0 + 2 quad), clamped
+    // to [0, kBlockN]: the column offset of register i is a compile-time constant, so a score
+    // costs two 32-bit compares with immediates and a select instead of 64-bit key arithmetic
+    // (d64 causal +4% to +6% at S <= 2k, d128 causal +1% to +5%; session 10).
+    int lo[2], hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t first = key0 + 2 * quad;
+      lo[r] = static_cast<int>(std::min<int64_t>(std::max<int64_t>(rows[r].begin - first, 0), T::kBlockN));
+      hi[r] = static_cast<int>(std::min<int64_t>(std::max<int64_t>(rows[r].end - first, 0), T::kBlockN));
+    }
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
-      const int64_t key = key0 + 8 * (i / 4) + 2 * quad + (i % 2);
-      const KeyRange& r = rows[(i % 4) / 2];
-      if (key < r.begin || key >= r.end) s[i] = -INFINITY;
+      const int col = 8 * (i / 4) + (i % 2);
+      const int r = (i % 4) / 2;
+      if (col < lo[r] || col >= hi[r]) s[i] = -INFINITY;
     }
   }
   const float scale = args.exp2_scale;
