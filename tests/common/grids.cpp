@@ -188,6 +188,29 @@ std::vector<Case> grid_edges(const GridOptions& g) {
     c.softmax_scale = -0.2;
     v.push_back(c);
   }
+  // More query tiles than a GPU has SMs, many of them without keys, so that a persistent CTA walks
+  // empty and non-empty tiles in turn (the sm90 forward carries a tile's last P V into the next):
+  // dense, seqlen_q >> seqlen_k under a causal mask (the first 900 rows of each sequence see no
+  // key), and varlen with empty and short sequences among longer ones.
+  {
+    Case c = base;
+    c.batch = 12;
+    c.heads_q = 4;
+    c.seqlen_q = 1000;
+    c.seqlen_k = 100;
+    c.causal = true;
+    v.push_back(c);
+  }
+  {
+    Case c = base;
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    for (int i = 0; i < 40; ++i) {
+      c.varlen_q.push_back((i * 97) % 300);
+      c.varlen_k.push_back(i % 5 == 0 ? 0 : (i * 61) % 280 + 1);
+    }
+    v.push_back(c);
+  }
   for (float mag : {100.f, 1500.f}) {  // scores near +-1e4: overflow in exp if unguarded
     Case c = base;
     c.seqlen_q = 97;
