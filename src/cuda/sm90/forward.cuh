@@ -321,7 +321,7 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
 }
 
 /** Where a tile's output goes: what the epilogue needs of a BlockWork, compact enough to keep
- *  while the next tile's first key block runs (consume_carried). */
+ *  while the next tile's first key block runs (consume). */
 struct TileOutput {
   int64_t m0, q_start, seqlen_q;
   int32_t batch, head, q_row0, batch_coord;  // TMA coordinates are int32
