@@ -831,6 +831,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       ptx::wgmma_fence_operands(o);
       FWD_TRACE(role, kPvDone, it - 1);
       release(sm.v_empty(prev));
+      // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
       if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
         for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] *= correction[(i % 4) / 2];
