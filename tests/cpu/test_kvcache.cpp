@@ -265,23 +265,10 @@ TEST(MergePartialsCpu, MatchesFp64AndHandlesEmptyParts) {
   for (int32_t dt : all_dtypes()) {
     std::vector<uint8_t> out(kBatch * kSq * kHeads * kHd * 4);
     std::vector<float> lse(kBatch * kHeads * kSq, std::nanf(""));
-    auto t = [](void* d, int32_t dtype, std::vector<int64_t> shape) {
-      fc_tensor x{};
-      x.data = d;
-      x.dtype = dtype;
-      x.ndim = static_cast<int32_t>(shape.size());
-      int64_t stride = 1;
-      for (int i = x.ndim - 1; i >= 0; --i) {
-        x.shape[i] = shape[i];
-        x.strides[i] = stride;
-        stride *= shape[i];
-      }
-      return x;
-    };
-    fc_tensor top = t(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
-    fc_tensor tlp = t(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
-    fc_tensor tout = t(out.data(), dt, {kBatch, kSq, kHeads, kHd});
-    fc_tensor tlse = t(lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
+    fc_tensor top = contiguous_view(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
+    fc_tensor tlp = contiguous_view(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
+    fc_tensor tout = contiguous_view(out.data(), dt, {kBatch, kSq, kHeads, kHd});
+    fc_tensor tlse = contiguous_view(lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
     ASSERT_EQ(fc_merge_partials(&top, &tlp, &tout, &tlse, nullptr), FC_OK) << fc_last_error();
     for (int64_t b = 0; b < kBatch; ++b)
       for (int64_t h = 0; h < kHeads; ++h)

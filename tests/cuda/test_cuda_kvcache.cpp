@@ -190,25 +190,11 @@ TEST(CudaMergePartials, MatchesCpu) {
   for (size_t i = 0; i < lp.size(); ++i) lp[i] = 4 * std::cos(1.3 * i);
   for (int64_t s = 0; s < kParts; ++s) lp[(s * kBatch + 1) * kHeads * kSq] = -INFINITY;  // one empty row
   CudaMemory mem;
-  auto tensor = [](void* d, int32_t dt, int32_t dev, std::vector<int64_t> shape) {
-    fc_tensor t{};
-    t.data = d;
-    t.dtype = dt;
-    t.device_type = dev;
-    t.ndim = static_cast<int32_t>(shape.size());
-    int64_t stride = 1;
-    for (int i = t.ndim - 1; i >= 0; --i) {
-      t.shape[i] = shape[i];
-      t.strides[i] = stride;
-      stride *= shape[i];
-    }
-    return t;
-  };
   std::vector<float> cpu_out(kBatch * kSq * kHeads * kHd), cpu_lse(kBatch * kHeads * kSq);
-  fc_tensor hop = tensor(op.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kParts, kBatch * kSq, kHeads, kHd});
-  fc_tensor hlp = tensor(lp.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kParts, kBatch, kHeads, kSq});
-  fc_tensor hout = tensor(cpu_out.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kBatch, kSq, kHeads, kHd});
-  fc_tensor hlse = tensor(cpu_lse.data(), FC_DTYPE_F32, FC_DEVICE_CPU, {kBatch, kHeads, kSq});
+  fc_tensor hop = contiguous_view(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
+  fc_tensor hlp = contiguous_view(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
+  fc_tensor hout = contiguous_view(cpu_out.data(), FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd});
+  fc_tensor hlse = contiguous_view(cpu_lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
   ASSERT_EQ(fc_merge_partials(&hop, &hlp, &hout, &hlse, nullptr), FC_OK) << fc_last_error();
   void* dop = mem.alloc(op.size() * 4);
   void* dlp = mem.alloc(lp.size() * 4);
@@ -216,10 +202,10 @@ TEST(CudaMergePartials, MatchesCpu) {
   void* dlse = mem.alloc(cpu_lse.size() * 4);
   mem.upload(dop, op.data(), op.size() * 4);
   mem.upload(dlp, lp.data(), lp.size() * 4);
-  fc_tensor gop = tensor(dop, FC_DTYPE_F32, FC_DEVICE_CUDA, {kParts, kBatch * kSq, kHeads, kHd});
-  fc_tensor glp = tensor(dlp, FC_DTYPE_F32, FC_DEVICE_CUDA, {kParts, kBatch, kHeads, kSq});
-  fc_tensor gout = tensor(dout, FC_DTYPE_F32, FC_DEVICE_CUDA, {kBatch, kSq, kHeads, kHd});
-  fc_tensor glse = tensor(dlse, FC_DTYPE_F32, FC_DEVICE_CUDA, {kBatch, kHeads, kSq});
+  fc_tensor gop = contiguous_view(dop, FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd}, FC_DEVICE_CUDA);
+  fc_tensor glp = contiguous_view(dlp, FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
+  fc_tensor gout = contiguous_view(dout, FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd}, FC_DEVICE_CUDA);
+  fc_tensor glse = contiguous_view(dlse, FC_DTYPE_F32, {kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
   fc_attention_options opt{};
   opt.stream = mem.stream();
   ASSERT_EQ(fc_merge_partials(&gop, &glp, &gout, &glse, &opt), FC_OK) << fc_last_error();
