@@ -11,7 +11,8 @@
 //   g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_flash_check.cpp
 //       src/cpu/flash_forward.cpp src/cpu/flash_backward.cpp src/cpu/worker_pool.cpp -o /tmp/cpu_flash_check
 // Run: /tmp/cpu_flash_check check | bench [threads] | bench-bwd [threads] | all [threads]
-//      (QUICK=1: small check cases only, for sanitizer builds; VERBOSE=1: print passing cases too)
+//      (QUICK=1: small check cases only, for sanitizer builds; VERBOSE=1: print passing cases too;
+//      ONLY=D:S:causal: one bench shape, e.g. under perf record)
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -652,6 +653,11 @@ int run_bench(int threads, bool with_backward) {
   for (int64_t d : {64, 128}) {
     for (int64_t s : {1024, 2048, 4096}) {
       for (bool causal : {false, true}) {
+        if (const char* only = std::getenv("ONLY")) {  // "D:S:causal", e.g. ONLY=128:2048:0
+          char want[64];
+          std::snprintf(want, sizeof want, "%lld:%lld:%d", (long long)d, (long long)s, causal ? 1 : 0);
+          if (std::string(only) != want) continue;
+        }
         Problem pr;
         pr.c.batch = 1; pr.c.heads_q = pr.c.heads_kv = 16; pr.c.seqlen_q = pr.c.seqlen_k = s;
         pr.c.head_dim = d; pr.c.causal = causal; pr.c.threads = threads;

@@ -1,9 +1,12 @@
 // The oracle: attention computed the obvious way, one query row at a time, with every score of
 // the row materialized. Two precisions:
 //  - exact (default): fp64 throughout - the truth every test compares against;
-//  - emulate_low_precision: what an honest fp16/bf16 kernel computes (scores and sums in fp32,
-//    P rounded to the input dtype before P*V, dS rounded before dS*K and dS^T*Q) - the "X_same"
-//    of TESTING.md's tolerance rule, which measures how wrong low precision alone makes a result.
+//  - low_precision: what an honest fp16/bf16 kernel computes (scores and sums in fp32, P rounded
+//    to the input dtype before P*V, dS rounded before dS*K and dS^T*Q, and the backward's
+//    D = rowsum(dO * O) read from the stored O as a kernel reads it) - the "X_same" of TESTING.md's
+//    tolerance rule, which measures how wrong low precision alone makes a result;
+//  - score_error_bound (backward only): how far each gradient moves, to first order, when every
+//    score carries the error of an fp32 dot product (see reference_backward in backends.hpp).
 // Single-threaded on purpose: it must be obviously right, not fast.
 #include <algorithm>
 #include <cmath>
@@ -92,9 +95,18 @@ Status forward_impl(const AttentionParams& p, bool low) {
   return Status::ok();
 }
 
+/** Relative error allowed to an fp32 dot product of length n, in units of sum|q_d k_d|: a
+ *  kernel's forward and backward accumulate the same score in different orders (tensor-core
+ *  adders truncate), so P recomputed in the backward does not match the forward's lse exactly.
+ *  sqrt(n)/2 units of 2^-24 is the statistical size of n roundings, not the worst case. */
+double score_relative_error(int64_t n) { return 0.5 * std::sqrt(static_cast<double>(n)) * std::ldexp(1.0, -24); }
+
 template <typename Real>
-Status backward_impl(const BackwardParams& p, bool low) {
+Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
+  const bool low = mode == ReferenceMode::low_precision;
+  const bool bound = mode == ReferenceMode::score_error_bound;
   const Arith<Real> ar{p.dtype, low};
+  const Real score_rel_err = static_cast<Real>(score_relative_error(p.head_dim));
   const int64_t hd = p.head_dim;
   const Real scale = static_cast<Real>(p.softmax_scale);
   std::vector<Real> q_row(hd), do_row(hd), scores, tanhs, probs, dq(hd), o_row(hd);
@@ -122,29 +134,47 @@ Status backward_impl(const BackwardParams& p, bool low) {
             probs.resize(scores.size());
             for (size_t j = 0; j < scores.size(); ++j) l += (probs[j] = std::exp(scores[j] - m));
             for (auto& x : probs) x /= l;
-            // D_i = dO_i . O_i, with O_i recomputed at this precision (the kernel reads its stored O).
-            std::fill(o_row.begin(), o_row.end(), Real(0));
-            for (int64_t j = r.begin; j < r.end; ++j)
-              for (int64_t d = 0; d < hd; ++d)
-                o_row[d] += probs[j - r.begin] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+            // D_i = dO_i . O_i. Exact: O_i recomputed in fp64. Low precision: the stored O, as a
+            // kernel reads it; with spread scores dP_ij - D_i cancels, so O's rounding in the
+            // forward (already checked there) sets most of dS's error.
+            if (low) {
+              for (int64_t d = 0; d < hd; ++d) o_row[d] = load<Real>(p.out, p.dtype, b, qrow, h, d);
+            } else {
+              std::fill(o_row.begin(), o_row.end(), Real(0));
+              for (int64_t j = r.begin; j < r.end; ++j)
+                for (int64_t d = 0; d < hd; ++d)
+                  o_row[d] += probs[j - r.begin] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+            }
             Real Di = 0;
-            for (int64_t d = 0; d < hd; ++d) Di += do_row[d] * (low ? ar.round(o_row[d]) : o_row[d]);
+            for (int64_t d = 0; d < hd; ++d) Di += do_row[d] * o_row[d];
             for (int64_t j = r.begin; j < r.end; ++j) {
               const Real pj = probs[j - r.begin];
               Real dp = 0;
-              for (int64_t d = 0; d < hd; ++d) {
-                dv[(j * hd) + d] += ar.round(pj) * do_row[d];
-                dp += do_row[d] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
-              }
+              for (int64_t d = 0; d < hd; ++d) dp += do_row[d] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
               Real ds = pj * (dp - Di);
+              Real dscore = 1;  // d(score)/d(q.k * scale): below 1 under a softcap
               if (p.softcap > 0) {
                 const Real t = tanhs[j - r.begin];
-                ds *= (Real(1) - t * t);
+                dscore = Real(1) - t * t;
+                ds *= dscore;
               }
-              ds = ar.round(ds);
+              // The weights of this key in dV and of its dS in dQ / dK. In score_error_bound mode
+              // they become what a score error e moves them by: P_ij e and |dS_ij| e, with e the
+              // fp32 error of the row's dot product (natural-log units, through the softcap).
+              Real p_weight = ar.round(pj), ds_weight = ar.round(ds);
+              if (bound) {
+                Real dot_abs = 0;
+                for (int64_t d = 0; d < hd; ++d)
+                  dot_abs += std::fabs(q_row[d] * load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d));
+                const Real e = score_rel_err * dot_abs * scale * dscore;
+                p_weight = pj * e;
+                ds_weight = std::fabs(ds) * e;
+              }
               for (int64_t d = 0; d < hd; ++d) {
-                dq[d] += ds * load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d);
-                dk[(j * hd) + d] += ds * q_row[d];
+                const Real kd = load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d);
+                dv[(j * hd) + d] += p_weight * (bound ? std::fabs(do_row[d]) : do_row[d]);
+                dq[d] += ds_weight * (bound ? std::fabs(kd) : kd);
+                dk[(j * hd) + d] += ds_weight * (bound ? std::fabs(q_row[d]) : q_row[d]);
               }
             }
           }
@@ -189,12 +219,13 @@ void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, do
   *lse = m + std::log(l);
 }
 
-Status reference_forward(const AttentionParams& p, bool emulate_low_precision) {
-  return emulate_low_precision ? forward_impl<float>(p, true) : forward_impl<double>(p, false);
+Status reference_forward(const AttentionParams& p, ReferenceMode mode) {
+  if (mode == ReferenceMode::score_error_bound) return Status::invalid("reference_forward: no score_error_bound mode");
+  return mode == ReferenceMode::low_precision ? forward_impl<float>(p, true) : forward_impl<double>(p, false);
 }
 
-Status reference_backward(const BackwardParams& p, bool emulate_low_precision) {
-  return emulate_low_precision ? backward_impl<float>(p, true) : backward_impl<double>(p, false);
+Status reference_backward(const BackwardParams& p, ReferenceMode mode) {
+  return mode == ReferenceMode::low_precision ? backward_impl<float>(p, mode) : backward_impl<double>(p, mode);
 }
 
 }  // namespace flashcore::cpu

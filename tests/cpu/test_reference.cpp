@@ -2,6 +2,7 @@
 // differences of its own forward (which validates the reference backward every other test uses).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -86,14 +87,14 @@ struct Tiny {
     return total;
   }
 
-  void backward() {
+  void backward(cpu::ReferenceMode mode = cpu::ReferenceMode::exact) {
     fc_tensor tq = Q(), tk = K(), tv = V(), to = O(), tl = L(), tdo = dO();
     fc_tensor tdq = t4(dq, b, sq, hq, d), tdk = t4(dk, b, sk, hkv, d), tdv = t4(dv, b, sk, hkv, d);
     BackwardParams p;
     Status s = validate_backward({&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt}, false, &p);
     ASSERT_TRUE(s.is_ok()) << s.message;
     ASSERT_TRUE(cpu::reference_forward(p).is_ok());
-    ASSERT_TRUE(cpu::reference_backward(p).is_ok());
+    ASSERT_TRUE(cpu::reference_backward(p, mode).is_ok());
   }
 };
 
@@ -135,6 +136,34 @@ TEST(Reference, FiniteDifferencesCausalSoftcapWindow) {
   w.opt.window_left = 1;
   w.opt.window_right = 1;
   check_finite_differences(w);
+}
+
+double max_abs(const std::vector<float>& x) {
+  double m = 0;
+  for (float e : x) m = std::max(m, double(std::fabs(e)));
+  return m;
+}
+
+// The score-error bound (what the tests add to a kernel's gradient bound) is negligible at unit
+// inputs and becomes a real share of the gradient when scores reach ~1e4, where an fp32 score is
+// no finer than an fp16 value.
+TEST(Reference, ScoreErrorBoundScalesWithScoreMagnitude) {
+  for (float magnitude : {1.f, 1500.f}) {
+    Tiny t(9, 13, 2, 1, 64, 21);
+    for (auto& e : t.q) e *= magnitude;
+    t.backward();
+    const double dq = max_abs(t.dq), dk = max_abs(t.dk), dv = max_abs(t.dv);
+    t.backward(cpu::ReferenceMode::score_error_bound);
+    for (auto* g : {&t.dq, &t.dk, &t.dv})
+      for (float e : *g) ASSERT_TRUE(e >= 0.f && std::isfinite(e));
+    const double rq = max_abs(t.dq) / dq, rk = max_abs(t.dk) / dk, rv = max_abs(t.dv) / dv;
+    if (magnitude == 1.f) {
+      EXPECT_LT(std::max({rq, rk, rv}), 1e-5) << "dq " << rq << " dk " << rk << " dv " << rv;
+    } else {
+      EXPECT_GT(std::max({rq, rk, rv}), 1e-4) << "dq " << rq << " dk " << rk << " dv " << rv;
+      EXPECT_LT(std::max({rq, rk, rv}), 0.5) << "dq " << rq << " dk " << rk << " dv " << rv;
+    }
+  }
 }
 
 TEST(Reference, ClosedForms) {
