@@ -361,41 +361,6 @@ __device__ void produce_q(const ForwardKernelArgs& args, const SmemPlan<T>& sm, 
   }
 }
 
-/** The producer thread, for one tile: K and V of every key block into the ring. With two Q slots
- *  the next tile's Q (`next`, when `has_next`) is issued right after this tile's first key block, so it
- *  lands long before this tile ends; its slot was freed by the tile before this one, whose key
- *  blocks are all issued already, so the wait cannot hold up this tile. */
-template <class T>
-__device__ void produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
-                           const BlockWork& next, bool has_next, PipelineCounters& pc) {
-  const int32_t bc = static_cast<int32_t>(w.batch_coord);
-  const int32_t hk = static_cast<int32_t>(w.kv_head);
-  FWD_TRACE(0, kTileBegin, 0);
-  for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
-    const int stage = pc.kv_fills % T::kStages;
-    const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
-    const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
-    ptx::mbarrier_wait_parity(sm.k_empty(stage), parity ^ 1);
-    FWD_TRACE(0, kKSlotFree, it);
-    ptx::mbarrier_arrive_expect_tx(sm.k_full(stage), T::kTileBytes);
-#pragma unroll
-    for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_load_4d(sm.k_ptr(stage) + c * T::kTileChunkBytes, &args.map_k, sm.k_full(stage),
-                       c * T::kChunkCols, row, hk, bc);
-    }
-    ptx::mbarrier_wait_parity(sm.v_empty(stage), parity ^ 1);
-    FWD_TRACE(0, kVSlotFree, it);
-    ptx::mbarrier_arrive_expect_tx(sm.v_full(stage), T::kTileBytes);
-#pragma unroll
-    for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_load_4d(sm.v_ptr(stage) + c * T::kTileChunkBytes, &args.map_v, sm.v_full(stage),
-                       c * T::kChunkCols, row, hk, bc);
-    }
-    if (it == 0 && has_next) produce_q<T>(args, sm, next, pc);
-  }
-  if (w.n_tiles == 0 && has_next) produce_q<T>(args, sm, next, pc);
-}
-
 /** Online-softmax state of the two rows a consumer thread owns. */
 struct RowState {
   float max[2];  // reference max per row, raw (or transformed) score units
@@ -847,6 +812,47 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
   if (pending) finish_pending();
 }
 
+/** The producer thread, for one tile: K and V of every key block into the ring, and the walk to
+ *  the next tile (into `next`; false when there is none) right after the first key block's loads.
+ *  Walked before the first K instead, it held that K up at every tile boundary (~2300 cycles at
+ *  d128 for one thread with 24 registers; moving it gained 4% at d128 causal S = 2k, docs/PERF.md
+ *  session 11, and nothing measurable elsewhere). With two Q slots the next
+ *  tile's Q is issued there too, so it lands long before this tile ends; its slot was freed by the
+ *  tile before this one, whose key blocks are all issued already, so the wait cannot hold up this
+ *  tile. */
+template <class T>
+__device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
+                           TileWalker<T>& tiles, BlockWork& next, PipelineCounters& pc) {
+  const int32_t bc = static_cast<int32_t>(w.batch_coord);
+  const int32_t hk = static_cast<int32_t>(w.kv_head);
+  bool has_next = false;
+  auto walk_on = [&] {
+    has_next = tiles.next(next);
+    if (T::kQStages > 1 && has_next) produce_q<T>(args, sm, next, pc);
+  };
+  FWD_TRACE(0, kTileBegin, 0);
+  for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
+    const int stage = pc.kv_fills % T::kStages;
+    const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
+    const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+    // One key block of K (then V): wait for the stage's slot, arm its full barrier, TMA the chunks.
+    auto load_block = [&](uint64_t* empty, uint64_t* full, uint8_t* dst, const CUtensorMap* map) {
+      ptx::mbarrier_wait_parity(empty, parity ^ 1);
+      ptx::mbarrier_arrive_expect_tx(full, T::kTileBytes);
+#pragma unroll
+      for (int c = 0; c < T::kChunks; ++c)
+        ptx::tma_load_4d(dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, row, hk, bc);
+    };
+    load_block(sm.k_empty(stage), sm.k_full(stage), sm.k_ptr(stage), &args.map_k);
+    FWD_TRACE(0, kKSlotFree, it);
+    load_block(sm.v_empty(stage), sm.v_full(stage), sm.v_ptr(stage), &args.map_v);
+    FWD_TRACE(0, kVSlotFree, it);
+    if (it == 0) walk_on();
+  }
+  if (w.n_tiles == 0) walk_on();
+  return has_next;
+}
+
 /** The producer's walk: each tile's K/V, and Q one tile ahead where there are two Q slots (d256,
  *  with one, loads each tile's Q before its K/V: the slot frees only at the previous tile's last
  *  Q K^T, and waiting for it inside the previous tile's K/V would deadlock). */
@@ -858,15 +864,9 @@ __device__ void produce_all(const ForwardKernelArgs& args, const SmemPlan<T>& sm
   bool has_cur = tiles.next(cur);
   if (T::kQStages > 1 && has_cur) produce_q<T>(args, sm, cur, pc);
   while (has_cur) {
-    const bool has_next = tiles.next(next);
-    if (T::kQStages > 1) {
-      produce_kv<T>(args, sm, cur, next, has_next, pc);
-    } else {
-      produce_q<T>(args, sm, cur, pc);
-      produce_kv<T>(args, sm, cur, next, false, pc);
-    }
+    if (T::kQStages == 1) produce_q<T>(args, sm, cur, pc);
+    has_cur = produce_kv<T>(args, sm, cur, tiles, next, pc);
     cur = next;
-    has_cur = has_next;
   }
 }
 
