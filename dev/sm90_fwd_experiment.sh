@@ -9,11 +9,11 @@
 #        both dtypes, and runs them with each of these variants)] [--trace D:S:CAUSAL,... (the
 #        event trace of dev/sm90_fwd_trace.cu: where a tile's time goes) [--trace-variants 0,1]]
 #        [--sanitize-variants 1,2 (with --filter: compute-sanitizer memcheck, racecheck and synccheck
-#        on the small cases, CudaSanitizerSmall.*, per variant)]
+#        on the small cases, CudaSanitizerSmall.*, per variant)] [--test-timeout S (per variant, default 200)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage}; VARIANTS=${2:?usage}; shift 2
-CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 SANITIZE_VARIANTS=
+CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 SANITIZE_VARIANTS= TEST_TIMEOUT=200
 while [ $# -gt 0 ]; do
   case "$1" in
     --cells) CELLS=$2; shift 2 ;;
@@ -25,6 +25,7 @@ while [ $# -gt 0 ]; do
     --trace) TRACE=$2; shift 2 ;;
     --trace-variants) TRACE_VARIANTS=$2; shift 2 ;;
     --sanitize-variants) SANITIZE_VARIANTS=$2; shift 2 ;;
+    --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -55,7 +56,7 @@ grep "max|diff|" "$OUTDIR/variants.log" | sed 's/.*max|diff|/max|diff|/' | sort 
 if [ -n "$FILTER" ]; then
   IFS=',' read -ra TV <<<"${TEST_VARIANTS:-$VARIANTS}"
   for v in "${TV[@]}"; do
-    FLASHCORE_DEV_FWD_VARIANT=$v timeout 200 build-exp/tests/flashcore_cuda_tests --gtest_filter="$FILTER" \
+    FLASHCORE_DEV_FWD_VARIANT=$v timeout "$TEST_TIMEOUT" build-exp/tests/flashcore_cuda_tests --gtest_filter="$FILTER" \
       >"$OUTDIR/tests_v$v.log" 2>&1
     note "tests variant $v: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests_v$v.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$OUTDIR/tests_v$v.log" | head -5 | tee -a "$SUM"
