@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -429,8 +430,11 @@ CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64
     return res;
   }
   HostTensor ref_out, ref_lse, same_out, same_lse;
-  host_reference_forward(pr, false, &ref_out, &ref_lse);
-  host_reference_forward(pr, true, &same_out, &same_lse);
+  {  // the two references are independent single-threaded passes: run them side by side
+    auto same = std::async(std::launch::async, [&] { host_reference_forward(pr, true, &same_out, &same_lse); });
+    host_reference_forward(pr, false, &ref_out, &ref_lse);
+    same.get();
+  }
   res.reports.push_back(compare("out", gather_rows(pr.out, c, false), gather_rows(ref_out, c, false),
                                 gather_rows(same_out, c, false), c.dtype, 2.0, false));
   res.reports.push_back(compare("lse", gather_lse(pr.lse, c), gather_lse(ref_lse, c), gather_lse(same_lse, c),
@@ -453,9 +457,10 @@ Grads host_reference_backward(Problem& pr, const HostTensor& dout_in, cpu::Refer
   const bool low = mode == cpu::ReferenceMode::low_precision;
   HostTensor q = low ? pr.q : upcast(pr.q), k = low ? pr.k : upcast(pr.k), v = low ? pr.v : upcast(pr.v);
   HostTensor dout = low ? dout_in : upcast(dout_in);
-  HostTensor out, lse;
-  host_reference_forward(pr, low, &out, &lse);
-  if (low) out = pr.out;
+  // The reference backward recomputes P from the scores: only the low-precision mode reads `out`
+  // (the backend's, for D) and none reads the lse, so no forward runs here.
+  HostTensor out = low ? pr.out : make_tensor(q.dtype, pr.out.shape, false);
+  HostTensor lse = make_tensor(FC_DTYPE_F32, pr.lse.shape, false);
   Grads g{make_tensor(q.dtype, q.shape, false), make_tensor(q.dtype, k.shape, false),
           make_tensor(q.dtype, v.shape, false)};
   fc_tensor tq = view(q, q.data(), 0), tk = view(k, k.data(), 0), tv = view(v, v.data(), 0),
@@ -522,13 +527,18 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
   // The forward first: the low-precision emulation reads the stored O (as the kernel does), so a
   // wrong O must fail here rather than widen the gradients' bound.
   HostTensor ref_out, ref_lse, same_out, same_lse;
+  // Five independent single-threaded reference passes (the long-sequence grids spend minutes in
+  // them): run side by side. Each writes only its own outputs; pr and dout are read-only here.
+  auto run_async = [](auto fn) { return std::async(std::launch::async, fn); };
+  auto fwd_same = run_async([&] { host_reference_forward(pr, true, &same_out, &same_lse); });
+  auto bwd_same = run_async([&] { return host_reference_backward(pr, dout, cpu::ReferenceMode::low_precision); });
+  auto bwd_bound = run_async([&] { return host_reference_backward(pr, dout, cpu::ReferenceMode::score_error_bound); });
+  auto bwd_ref = run_async([&] { return host_reference_backward(pr, dout, cpu::ReferenceMode::exact); });
   host_reference_forward(pr, false, &ref_out, &ref_lse);
-  host_reference_forward(pr, true, &same_out, &same_lse);
+  fwd_same.get();
+  const Grads same = bwd_same.get(), score_err = bwd_bound.get(), ref = bwd_ref.get();
   res.reports.push_back(compare("out (forward before backward)", gather_rows(pr.out, c, false),
                                 gather_rows(ref_out, c, false), gather_rows(same_out, c, false), c.dtype, 2.0, false));
-  const Grads ref = host_reference_backward(pr, dout, cpu::ReferenceMode::exact);
-  const Grads same = host_reference_backward(pr, dout, cpu::ReferenceMode::low_precision);
-  const Grads score_err = host_reference_backward(pr, dout, cpu::ReferenceMode::score_error_bound);
   auto cmp = [&](const char* name, const HostTensor& x, const HostTensor& r, const HostTensor& s,
                  const HostTensor& allowance, bool keys) {
     res.reports.push_back(compare(name, gather_rows(x, c, keys), gather_rows(r, c, keys), gather_rows(s, c, keys),
