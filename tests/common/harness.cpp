@@ -524,8 +524,6 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
     res.ok = false;
     return res;
   }
-  // The forward first: the low-precision emulation reads the stored O (as the kernel does), so a
-  // wrong O must fail here rather than widen the gradients' bound.
   HostTensor ref_out, ref_lse, same_out, same_lse;
   // Five independent single-threaded reference passes (the long-sequence grids spend minutes in
   // them): run side by side. Each writes only its own outputs; pr and dout are read-only here.
@@ -537,6 +535,8 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
   host_reference_forward(pr, false, &ref_out, &ref_lse);
   fwd_same.get();
   const Grads same = bwd_same.get(), score_err = bwd_bound.get(), ref = bwd_ref.get();
+  // The forward's O first: the low-precision emulation reads it (as the kernel does), so a wrong O
+  // must fail here rather than widen the gradients' bound.
   res.reports.push_back(compare("out (forward before backward)", gather_rows(pr.out, c, false),
                                 gather_rows(ref_out, c, false), gather_rows(same_out, c, false), c.dtype, 2.0, false));
   auto cmp = [&](const char* name, const HostTensor& x, const HostTensor& r, const HostTensor& s,
