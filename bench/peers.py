@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
-from timing import bench_ms
+from timing import bench_ms, graph_replay_us
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -170,24 +170,9 @@ def seed_shape():
     for name, be in SDPA.items():
         impls[name] = (lambda be=be: _sdpa(be, qt, kt, vt, False))
     impls["naive_torch"] = lambda: torch.softmax((qt @ kt.transpose(-1, -2)) / math.sqrt(d), -1) @ vt
-    reps = 200
     for name, fn in impls.items():
         try:
-            with torch.no_grad():
-                fn()
-                torch.cuda.synchronize()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(reps):
-                        fn()
-            ms = bench_ms(g.replay, 2, 10)
-            emit(kind="seed", impl=name, us=ms * 1e3 / reps)
+            emit(kind="seed", impl=name, us=graph_replay_us(fn))
         except Exception as e:
             emit(kind="seed", impl=name, error=str(e).splitlines()[0][:160])
 

@@ -1,5 +1,5 @@
-"""CUDA-event timing shared by bench/peers.py and dev/fwd_variants.py (TARGETS.md's rule: calls
-back to back between events, median of repeats)."""
+"""CUDA-event timing shared by bench/peers.py, dev/fwd_variants.py and dev/seed_anatomy.py
+(TARGETS.md's rule: calls back to back between events, median of repeats)."""
 import time
 
 import torch
@@ -38,3 +38,22 @@ def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
         ts.append(s.elapsed_time(e) / inner)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def graph_replay_us(fn, reps=200):
+    """Device time per call of `fn` captured `reps` times back to back in one CUDA graph (the seed
+    shape's measure: no host launch cost, only the kernels and the gaps between them)."""
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()  # warm-up on a side stream, as capture requires
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+    return bench_ms(g.replay, 2, 10) * 1e3 / reps

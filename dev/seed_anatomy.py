@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import flashcore  # noqa: E402
-from timing import bench_ms  # noqa: E402
+from timing import graph_replay_us  # noqa: E402
 
 B, H, S, D = 1, 8, 512, 64
 q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -53,19 +53,5 @@ tiny = torch.zeros(1, device="cuda")
 impls = {"launch floor (1-element add)": lambda: tiny.add_(1), "flashcore auto": on("auto")}
 impls.update({f"flashcore {b}": on(b) for b in backends})
 impls.update({"sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION)})
-reps = 200
 for name, fn in impls.items():
-    with torch.no_grad():
-        fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-    print(f"{name:32s} {bench_ms(g.replay, 2, 10) * 1e3 / reps:6.2f} us per call", flush=True)
+    print(f"{name:32s} {graph_replay_us(fn):6.2f} us per call", flush=True)
