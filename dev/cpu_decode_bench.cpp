@@ -18,31 +18,13 @@
 #include <string>
 #include <vector>
 
-#include "flashcore/flashcore.h"
+#include "flashcore/flashcore.hpp"
 
-namespace {
-
-fc_tensor view(void* data, int32_t dtype, std::vector<int64_t> shape) {
-  fc_tensor t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.device_type = FC_DEVICE_CPU;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int64_t stride = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return t;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
   const std::string dt = argc > 2 ? argv[2] : "f32";
-  const int32_t dtype = dt == "f16" ? FC_DTYPE_F16 : dt == "bf16" ? FC_DTYPE_BF16 : FC_DTYPE_F32;
+  const fc_dtype dtype = dt == "f16" ? FC_DTYPE_F16 : dt == "bf16" ? FC_DTYPE_BF16 : FC_DTYPE_F32;
   const size_t elem = dtype == FC_DTYPE_F32 ? 4 : 2;
   std::vector<std::pair<int64_t, int64_t>> cells;
   for (int i = 3; i < argc; ++i) {
@@ -77,11 +59,11 @@ int main(int argc, char** argv) {
       }
     }
     std::vector<int32_t> lens(batch, static_cast<int32_t>(len));
-    fc_tensor tq = view(q.data(), dtype, {batch, 1, hq, d});
-    fc_tensor tk = view(k.data(), dtype, {batch, len, hk, d});
-    fc_tensor tv = view(v.data(), dtype, {batch, len, hk, d});
-    fc_tensor to = view(out.data(), dtype, {batch, 1, hq, d});
-    fc_tensor tl = view(lens.data(), FC_DTYPE_I32, {batch});
+    fc_tensor tq = flashcore::make_tensor(q.data(), dtype, {batch, 1, hq, d});
+    fc_tensor tk = flashcore::make_tensor(k.data(), dtype, {batch, len, hk, d});
+    fc_tensor tv = flashcore::make_tensor(v.data(), dtype, {batch, len, hk, d});
+    fc_tensor to = flashcore::make_tensor(out.data(), dtype, {batch, 1, hq, d});
+    fc_tensor tl = flashcore::make_tensor(lens.data(), FC_DTYPE_I32, {batch});
     fc_kvcache_args args{};
     args.q = &tq;
     args.k_cache = &tk;

@@ -621,19 +621,4 @@ std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large) {
   return v;
 }
 
-fc_tensor contiguous_view(void* data, int32_t dtype, const std::vector<int64_t>& shape, int32_t device_type) {
-  fc_tensor t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.device_type = device_type;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int64_t stride = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return t;
-}
-
 }  // namespace flashcore::testing

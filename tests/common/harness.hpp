@@ -97,9 +97,4 @@ bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& 
 /** The TESTING.md grids. */
 std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large);
 
-/** A view of contiguous (row-major) memory of the given shape, for tests that build C ABI calls
- *  by hand. */
-fc_tensor contiguous_view(void* data, int32_t dtype, const std::vector<int64_t>& shape,
-                          int32_t device_type = FC_DEVICE_CPU);
-
 }  // namespace flashcore::testing

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/kvcache_check.hpp"
+#include "flashcore/flashcore.hpp"
 
 namespace flashcore::testing {
 namespace {
@@ -265,10 +266,10 @@ TEST(MergePartialsCpu, MatchesFp64AndHandlesEmptyParts) {
   for (int32_t dt : all_dtypes()) {
     std::vector<uint8_t> out(kBatch * kSq * kHeads * kHd * 4);
     std::vector<float> lse(kBatch * kHeads * kSq, std::nanf(""));
-    fc_tensor top = contiguous_view(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
-    fc_tensor tlp = contiguous_view(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
-    fc_tensor tout = contiguous_view(out.data(), dt, {kBatch, kSq, kHeads, kHd});
-    fc_tensor tlse = contiguous_view(lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
+    fc_tensor top = flashcore::make_tensor(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
+    fc_tensor tlp = flashcore::make_tensor(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
+    fc_tensor tout = flashcore::make_tensor(out.data(), static_cast<fc_dtype>(dt), {kBatch, kSq, kHeads, kHd});
+    fc_tensor tlse = flashcore::make_tensor(lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
     ASSERT_EQ(fc_merge_partials(&top, &tlp, &tout, &tlse, nullptr), FC_OK) << fc_last_error();
     for (int64_t b = 0; b < kBatch; ++b)
       for (int64_t h = 0; h < kHeads; ++h)

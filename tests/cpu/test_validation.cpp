@@ -9,11 +9,10 @@
 
 #include "api/validate.hpp"
 #include "common/harness.hpp"
-#include "flashcore/flashcore.h"
+#include "flashcore/flashcore.hpp"
 
 namespace {
 
-using flashcore::testing::contiguous_view;
 
 /** A valid dense call (B=2, Sq=5, Sk=7, Hq=4, Hkv=2, D=8, fp32) whose pieces tests break. */
 class BadInput : public ::testing::Test {
@@ -23,15 +22,15 @@ class BadInput : public ::testing::Test {
                      lb = std::vector<float>(2 * 4 * 5, -7.f), dob = std::vector<float>(2 * 5 * 4 * 8, 0.1f),
                      dqb = std::vector<float>(2 * 5 * 4 * 8, -7.f), dkb = std::vector<float>(2 * 7 * 2 * 8, -7.f),
                      dvb = std::vector<float>(2 * 7 * 2 * 8, -7.f);
-  fc_tensor q = contiguous_view(qb.data(), FC_DTYPE_F32, {2, 5, 4, 8});
-  fc_tensor k = contiguous_view(kb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
-  fc_tensor v = contiguous_view(vb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
-  fc_tensor out = contiguous_view(ob.data(), FC_DTYPE_F32, {2, 5, 4, 8});
-  fc_tensor lse = contiguous_view(lb.data(), FC_DTYPE_F32, {2, 4, 5});
-  fc_tensor dout = contiguous_view(dob.data(), FC_DTYPE_F32, {2, 5, 4, 8});
-  fc_tensor dq = contiguous_view(dqb.data(), FC_DTYPE_F32, {2, 5, 4, 8});
-  fc_tensor dk = contiguous_view(dkb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
-  fc_tensor dv = contiguous_view(dvb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor q = flashcore::make_tensor(qb.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor k = flashcore::make_tensor(kb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor v = flashcore::make_tensor(vb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor out = flashcore::make_tensor(ob.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor lse = flashcore::make_tensor(lb.data(), FC_DTYPE_F32, {2, 4, 5});
+  fc_tensor dout = flashcore::make_tensor(dob.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor dq = flashcore::make_tensor(dqb.data(), FC_DTYPE_F32, {2, 5, 4, 8});
+  fc_tensor dk = flashcore::make_tensor(dkb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  fc_tensor dv = flashcore::make_tensor(dvb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
   fc_attention_options opt{};
 
   bool outputs_untouched() const {
@@ -119,9 +118,9 @@ TEST_F(BadInput, HeadDim) {
   q.shape[3] = k.shape[3] = v.shape[3] = out.shape[3] = 0;
   expect_forward_error("q: head_dim 0 is outside 1..256");
   std::vector<float> big(2 * 5 * 4 * 264), bigk(2 * 7 * 2 * 264), bigv(2 * 7 * 2 * 264);
-  q = contiguous_view(big.data(), FC_DTYPE_F32, {2, 5, 4, 264});
-  k = contiguous_view(bigk.data(), FC_DTYPE_F32, {2, 7, 2, 264});
-  v = contiguous_view(bigv.data(), FC_DTYPE_F32, {2, 7, 2, 264});
+  q = flashcore::make_tensor(big.data(), FC_DTYPE_F32, {2, 5, 4, 264});
+  k = flashcore::make_tensor(bigk.data(), FC_DTYPE_F32, {2, 7, 2, 264});
+  v = flashcore::make_tensor(bigv.data(), FC_DTYPE_F32, {2, 7, 2, 264});
   expect_forward_error("q: head_dim 264 is outside 1..256");
 }
 
@@ -170,7 +169,7 @@ TEST_F(BadInput, Aliasing) {
   lse.data = ob.data() + 4;
   expect_forward_error("lse: memory overlaps out");
   lse.data = lb.data();
-  dk = contiguous_view(dqb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
+  dk = flashcore::make_tensor(dqb.data(), FC_DTYPE_F32, {2, 7, 2, 8});
   expect_backward_error("dk: memory overlaps dq");
 }
 
@@ -247,13 +246,13 @@ class BadVarlen : public ::testing::Test {
                      vb = std::vector<float>(12 * 2 * 8, 1.f), ob = std::vector<float>(10 * 2 * 8, -7.f),
                      lb = std::vector<float>(2 * 10, -7.f);
   std::vector<int32_t> cq = {0, 4, 10}, ck = {0, 5, 12};
-  fc_tensor q = contiguous_view(qb.data(), FC_DTYPE_F32, {10, 2, 8});
-  fc_tensor k = contiguous_view(kb.data(), FC_DTYPE_F32, {12, 2, 8});
-  fc_tensor v = contiguous_view(vb.data(), FC_DTYPE_F32, {12, 2, 8});
-  fc_tensor out = contiguous_view(ob.data(), FC_DTYPE_F32, {10, 2, 8});
-  fc_tensor lse = contiguous_view(lb.data(), FC_DTYPE_F32, {2, 10});
-  fc_tensor tcq = contiguous_view(cq.data(), FC_DTYPE_I32, {3});
-  fc_tensor tck = contiguous_view(ck.data(), FC_DTYPE_I32, {3});
+  fc_tensor q = flashcore::make_tensor(qb.data(), FC_DTYPE_F32, {10, 2, 8});
+  fc_tensor k = flashcore::make_tensor(kb.data(), FC_DTYPE_F32, {12, 2, 8});
+  fc_tensor v = flashcore::make_tensor(vb.data(), FC_DTYPE_F32, {12, 2, 8});
+  fc_tensor out = flashcore::make_tensor(ob.data(), FC_DTYPE_F32, {10, 2, 8});
+  fc_tensor lse = flashcore::make_tensor(lb.data(), FC_DTYPE_F32, {2, 10});
+  fc_tensor tcq = flashcore::make_tensor(cq.data(), FC_DTYPE_I32, {3});
+  fc_tensor tck = flashcore::make_tensor(ck.data(), FC_DTYPE_I32, {3});
   fc_attention_options opt{};
   void SetUp() override {
     opt.cu_seqlens_q = &tcq;
@@ -298,7 +297,7 @@ TEST_F(BadVarlen, CuSeqlens) {
   tck.shape[0] = 2;
   expect_error("cu_seqlens_k: has 2 entries but cu_seqlens_q has 3");
   tck.shape[0] = 3;
-  lse = contiguous_view(lb.data(), FC_DTYPE_F32, {2, 2, 5});
+  lse = flashcore::make_tensor(lb.data(), FC_DTYPE_F32, {2, 2, 5});
   expect_error("lse: has 3 dimensions, expected 2");
   opt.max_seqlen_k = -1;
   expect_error("max_seqlen_k: -1 is negative");
@@ -308,7 +307,7 @@ TEST_F(BadVarlen, CuSeqlens) {
 // are covered on machines without a GPU.
 TEST(BackendRules, CudaAlignmentAndDtype) {
   alignas(16) static uint16_t buf[4096];
-  fc_tensor q = contiguous_view(buf + 1, FC_DTYPE_F16, {1, 4, 2, 16});  // 2-byte aligned only
+  fc_tensor q = flashcore::make_tensor(buf + 1, FC_DTYPE_F16, {1, 4, 2, 16});  // 2-byte aligned only
   q.device_type = FC_DEVICE_CUDA;
   flashcore::AttentionParams p;
   p.dtype = flashcore::DType::F16;
@@ -335,8 +334,8 @@ TEST(BackendRules, CudaAlignmentAndDtype) {
 TEST(BackendRules, UnavailableCudaBackendIsAClearError) {
   if (fc_cuda_device_count() > 0) GTEST_SKIP() << "a GPU is present; this checks the no-GPU message";
   alignas(16) static uint16_t qb[1024], kb[1024], vb[1024], ob[1024];
-  fc_tensor q = contiguous_view(qb, FC_DTYPE_F16, {1, 4, 2, 16}), k = contiguous_view(kb, FC_DTYPE_F16, {1, 4, 2, 16}),
-            v = contiguous_view(vb, FC_DTYPE_F16, {1, 4, 2, 16}), out = contiguous_view(ob, FC_DTYPE_F16, {1, 4, 2, 16});
+  fc_tensor q = flashcore::make_tensor(qb, FC_DTYPE_F16, {1, 4, 2, 16}), k = flashcore::make_tensor(kb, FC_DTYPE_F16, {1, 4, 2, 16}),
+            v = flashcore::make_tensor(vb, FC_DTYPE_F16, {1, 4, 2, 16}), out = flashcore::make_tensor(ob, FC_DTYPE_F16, {1, 4, 2, 16});
   for (fc_tensor* t : {&q, &k, &v, &out}) t->device_type = FC_DEVICE_CUDA;
   fc_attention_options opt{};
   EXPECT_EQ(fc_attention_forward(&q, &k, &v, &out, nullptr, &opt, nullptr, 0), FC_ERROR_UNSUPPORTED);

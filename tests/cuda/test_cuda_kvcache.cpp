@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/kvcache_check.hpp"
+#include "flashcore/flashcore.hpp"
 #include "cuda/cuda_memory.hpp"
 
 namespace flashcore::testing {
@@ -191,10 +192,10 @@ TEST(CudaMergePartials, MatchesCpu) {
   for (int64_t s = 0; s < kParts; ++s) lp[(s * kBatch + 1) * kHeads * kSq] = -INFINITY;  // one empty row
   CudaMemory mem;
   std::vector<float> cpu_out(kBatch * kSq * kHeads * kHd), cpu_lse(kBatch * kHeads * kSq);
-  fc_tensor hop = contiguous_view(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
-  fc_tensor hlp = contiguous_view(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
-  fc_tensor hout = contiguous_view(cpu_out.data(), FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd});
-  fc_tensor hlse = contiguous_view(cpu_lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
+  fc_tensor hop = flashcore::make_tensor(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
+  fc_tensor hlp = flashcore::make_tensor(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
+  fc_tensor hout = flashcore::make_tensor(cpu_out.data(), FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd});
+  fc_tensor hlse = flashcore::make_tensor(cpu_lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
   ASSERT_EQ(fc_merge_partials(&hop, &hlp, &hout, &hlse, nullptr), FC_OK) << fc_last_error();
   void* dop = mem.alloc(op.size() * 4);
   void* dlp = mem.alloc(lp.size() * 4);
@@ -202,10 +203,10 @@ TEST(CudaMergePartials, MatchesCpu) {
   void* dlse = mem.alloc(cpu_lse.size() * 4);
   mem.upload(dop, op.data(), op.size() * 4);
   mem.upload(dlp, lp.data(), lp.size() * 4);
-  fc_tensor gop = contiguous_view(dop, FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd}, FC_DEVICE_CUDA);
-  fc_tensor glp = contiguous_view(dlp, FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
-  fc_tensor gout = contiguous_view(dout, FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd}, FC_DEVICE_CUDA);
-  fc_tensor glse = contiguous_view(dlse, FC_DTYPE_F32, {kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
+  fc_tensor gop = flashcore::make_tensor(dop, FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd}, FC_DEVICE_CUDA);
+  fc_tensor glp = flashcore::make_tensor(dlp, FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
+  fc_tensor gout = flashcore::make_tensor(dout, FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd}, FC_DEVICE_CUDA);
+  fc_tensor glse = flashcore::make_tensor(dlse, FC_DTYPE_F32, {kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
   fc_attention_options opt{};
   opt.stream = mem.stream();
   ASSERT_EQ(fc_merge_partials(&gop, &glp, &gout, &glse, &opt), FC_OK) << fc_last_error();
