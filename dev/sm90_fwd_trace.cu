@@ -1,8 +1,8 @@
 // Where a tile's time goes in the Hopper forward: runs the sm90 forward kernel of one training-grid
 // shape built with FLASHCORE_SM90_FWD_TRACE (src/cuda/sm90/forward_trace.cuh), so one thread per
 // warpgroup of the first CTAs records (event, SM clock) at every pipeline wait and phase end,
-// times the untraced kernel from the library for comparison, and writes the records for
-// dev/sm90_fwd_trace.py to summarize.
+// times the traced kernel (to set beside the library's untraced one in the same call), and writes
+// the records for dev/sm90_fwd_trace.py to summarize.
 //
 // build (on the GPU machine, from the repository root; ~1 min):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
@@ -30,13 +30,6 @@ namespace sm90 = flashcore::cuda::sm90;
       std::exit(1);                                                                    \
     }                                                                                  \
   } while (0)
-
-template <int kHeadDim>
-fc::Status launch(const fc::AttentionParams& p) {
-  using Configs = sm90::ForwardConfigs<__nv_bfloat16, kHeadDim>;
-  if (Configs::wide_tiles_pay(p)) return sm90::launch_forward<typename Configs::Wide>(p);
-  return sm90::launch_forward<typename Configs::Narrow>(p);
-}
 
 int main(int argc, char** argv) {
   if (argc != 5) {
@@ -92,7 +85,10 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&trace, records * sizeof(sm90::TraceRecord)));
   CHECK(cudaMemcpyToSymbol(sm90::g_fwd_trace, &trace, sizeof(trace)));
   auto run = [&] {
-    const fc::Status st = d == 64 ? launch<64>(p) : d == 128 ? launch<128>(p) : launch<256>(p);
+    // forward_run: the library's own choice of tile configuration and score-transform kernel.
+    const fc::Status st = d == 64    ? sm90::forward_run<__nv_bfloat16, 64>(p, nullptr, 0)
+                          : d == 128 ? sm90::forward_run<__nv_bfloat16, 128>(p, nullptr, 0)
+                                     : sm90::forward_run<__nv_bfloat16, 256>(p, nullptr, 0);
     if (!st.is_ok()) {
       std::fprintf(stderr, "launch: %s\n", st.message.c_str());
       std::exit(1);

@@ -658,14 +658,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
   float s[T::kBlockN / 2];
   uint32_t pa[T::kBlockN / 16][4];
   float correction[2];
-  // The previous tile while its last P V is still to be issued: where its output goes, its row
-  // state, and the K/V fill whose V that P V reads.
+  // The previous tile while its last P V is still to be issued: where its output goes and its row
+  // state. That P V reads the V of the last K/V fill consumed so far, pc.kv_fills - 1.
   bool pending = false;
   TileOutput pending_out{};
   RowState pending_st{};
-  int pending_fill = 0;
 
   auto finish_pending = [&]() {
+    const int pending_fill = pc.kv_fills - 1;
     const int stage = pending_fill % T::kStages;
     ptx::mbarrier_wait_parity(sm.v_full(stage), (pending_fill / T::kStages) & 1);
     turn.take();
@@ -729,6 +729,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     int stage = pc.kv_fills % T::kStages;
     auto first_block = [&](auto carried) {
       constexpr bool kCarried = decltype(carried)::value;
+      const int pending_fill = pc.kv_fills - 1;
       const int pending_stage = pending_fill % T::kStages;
       ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
       FWD_TRACE(role, kKReady, 0);
@@ -806,7 +807,6 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     pending = true;
     pending_out = tile_output(w);
     pending_st = st;
-    pending_fill = pc.kv_fills;
     ++pc.kv_fills;
   }
   if (pending) finish_pending();
