@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <utility>
 #include <vector>
 
@@ -38,23 +37,14 @@ struct DecodeTraits {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 /** Runs task(i) for i in [0, count) on the CPU backend's shared worker pool (cpu_common.hpp):
- *  up to `threads` threads (0 = all cores); an exception in a task becomes the returned Status.
- *  make_scratch() runs once per worker thread; task(i, scratch) gets that worker's. */
-template <typename MakeScratch, typename Task>
-Status parallel_for(int64_t count, int threads, MakeScratch&& make_scratch, Task&& task) {
-  return flash_detail::run_workers(count, threads, [&](flash_detail::TaskQueue& queue) {
-    auto scratch = make_scratch();
-    for (int64_t i; (i = queue.next()) >= 0;) task(i, scratch);
-  });
-}
-
-/** The same for tasks without scratch: task(i). */
+ *  up to `threads` threads (0 = all cores); an exception in a task becomes the returned Status. */
 template <typename Task>
 Status parallel_for(int64_t count, int threads, Task&& task) {
   return flash_detail::run_workers(count, threads, [&](flash_detail::TaskQueue& queue) {
     for (int64_t i; (i = queue.next()) >= 0;) task(i);
   });
 }
+
 /** Writes new tokens into the caches at positions cache_seqlens[b] ... (validated in bounds). */
 void append_new_tokens(const KvCacheParams& p) {
   const int64_t hd = p.head_dim;
@@ -106,7 +96,6 @@ class DecodeAttention {
     acc_.reserve(heads * rows_ * d_pad_);
     max_.resize(static_cast<size_t>(heads * rows_));
     sum_.resize(static_cast<size_t>(heads * rows_));
-    row_.reserve(std::max<int64_t>(d_pad_, kSimdWidth));
   }
 
   /** Keys [k0, k1) of sequence b under `mask`, every KV head: leaves normalized out rows
@@ -168,11 +157,10 @@ class DecodeAttention {
     }
   }
 
-  /** Pointer to K or V of (token pos, kv head hk) of sequence b. */
-  const void* cache_row(const TensorRef& cache, int64_t b, int64_t pos, int64_t hk) const {
-    const int64_t page = physical_page(p_, b, p_.paged ? pos / p_.page_size : 0);
+  /** Pointer to K or V of (token pos, KV head 0) in physical page `page`. */
+  const char* cache_row(const TensorRef& cache, int64_t page, int64_t pos) const {
     return static_cast<const char*>(cache.data) +
-           cache_offset(cache, p_, page, pos, hk) * static_cast<int64_t>(dtype_size(p_.dtype));
+           cache_offset(cache, p_, page, pos, 0) * static_cast<int64_t>(dtype_size(p_.dtype));
   }
 
   /** K rows [heads][n x D] and V rows [heads][n x D_pad] (zero padding columns) of keys j0.. as
@@ -181,31 +169,18 @@ class DecodeAttention {
     const int64_t hd = p_.head_dim, elem = static_cast<int64_t>(dtype_size(p_.dtype));
     const int64_t k_head = p_.k_cache.head_stride * elem, v_head = p_.v_cache.head_stride * elem;
     for (int64_t j = 0; j < n; ++j) {
-      const char* k = static_cast<const char*>(cache_row(p_.k_cache, b, j0 + j, 0));
-      const char* v = static_cast<const char*>(cache_row(p_.v_cache, b, j0 + j, 0));
+      const int64_t pos = j0 + j, page = physical_page(p_, b, p_.paged ? pos / p_.page_size : 0);
+      const char* k = cache_row(p_.k_cache, page, pos);
+      const char* v = cache_row(p_.v_cache, page, pos);
       for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
-        stage_row(k + hk * k_head, k_rows_.data() + (hk * block_ + j) * hd);
+        flash_detail::load_row(p_.dtype, k + hk * k_head, hd, k_rows_.data() + (hk * block_ + j) * hd);
       }
       for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
         float* dst = v_rows_.data() + (hk * block_ + j) * d_pad_;
-        stage_row(v + hk * v_head, dst);
+        flash_detail::load_row(p_.dtype, v + hk * v_head, hd, dst);
         std::fill(dst + hd, dst + d_pad_, 0.f);
       }
     }
-  }
-
-  /** One head_dim row as fp32: fp32 copied with vector loads inline (a libc memcpy call per
-   *  512-byte row cost more), other dtypes through load_row's conversions. */
-  void stage_row(const void* src, float* dst) const {
-    const int64_t hd = p_.head_dim;
-    if (p_.dtype != DType::F32) {
-      flash_detail::load_row(p_.dtype, src, hd, dst);
-      return;
-    }
-    const float* s = static_cast<const float*>(src);
-    int64_t d = 0;
-    for (; d + kSimdWidth <= hd; d += kSimdWidth) Simd::store(dst + d, Simd::load(s + d));
-    for (; d < hd; ++d) dst[d] = s[d];
   }
 
   /** Scores of keys j0..j0+n of KV head hk in S to probabilities, each row's running max / sum,
@@ -232,9 +207,10 @@ class DecodeAttention {
         Simd::store(s + j, x);
         row_max = Simd::max(row_max, x);
       }
-      Simd::store(row_.data(), row_max);
+      alignas(64) float lanes[kSimdWidth];
+      Simd::store(lanes, row_max);
       float block_max = kNegInf;
-      for (int l = 0; l < kSimdWidth; ++l) block_max = std::max(block_max, row_.data()[l]);
+      for (int l = 0; l < kSimdWidth; ++l) block_max = std::max(block_max, lanes[l]);
       const int64_t at = hk * rows_ + r;
       const float new_max = std::max(max_[at], block_max);
       // A row that has seen no key yet keeps max -inf and subtracts 0 (never -inf - -inf).
@@ -259,14 +235,16 @@ class DecodeAttention {
 
   const KvCacheParams& p_;
   const int64_t rows_, d_pad_, block_;
-  AlignedFloats q_rows_, k_rows_, v_rows_, k_t_, s_, acc_, row_;
+  AlignedFloats q_rows_, k_rows_, v_rows_, k_t_, s_, acc_;
   std::vector<float> max_, sum_;  // per (KV head, row)
 };
 
 /** Combines parts (o_s normalized, lse_s) into out/lse of one row. A NaN lse poisons the row;
- *  all parts at -inf give out 0 and lse -inf. */
+ *  all parts at -inf give out 0 and lse -inf. `weight` is the caller's scratch (one per task,
+ *  reused across its rows): each part's share, computed once per row. */
 template <typename PartO, typename PartLse, typename Store>
-void merge_row(int64_t parts, int64_t hd, PartO part_o, PartLse part_lse, Store store, float* lse_out) {
+void merge_row(int64_t parts, int64_t hd, PartO part_o, PartLse part_lse, Store store, float* lse_out,
+               std::vector<float>& weight) {
   float m = kNegInf;
   for (int64_t s = 0; s < parts; ++s) {
     const float l = part_lse(s);
@@ -280,7 +258,7 @@ void merge_row(int64_t parts, int64_t hd, PartO part_o, PartLse part_lse, Store 
   float total = 0.f;
   for (int64_t s = 0; s < parts; ++s) total += std::exp(part_lse(s) - m);
   const float lse = m + std::log(total);
-  std::vector<float> weight(static_cast<size_t>(parts));  // each part's share, computed once per row
+  weight.resize(static_cast<size_t>(parts));
   for (int64_t s = 0; s < parts; ++s) weight[s] = std::exp(part_lse(s) - lse);
   for (int64_t d = 0; d < hd; ++d) {
     float x = 0.f;
@@ -308,7 +286,7 @@ int decode_splits(const KvCacheParams& p) {
 /** The keys of split `sp` of a sequence (empty when the sequence has fewer chunks). */
 KeyRange split_keys(const KeyRange& keys, int splits, int sp) {
   const int64_t len = std::max<int64_t>(0, keys.end - keys.begin);
-  const int64_t chunk = flash_detail::ceil_div(std::max<int64_t>(len, 1), splits);
+  const int64_t chunk = flash_detail::ceil_div(len, splits);
   const int64_t k0 = std::min(keys.end, keys.begin + sp * chunk);
   return {k0, std::min(keys.end, k0 + chunk)};
 }
@@ -318,6 +296,7 @@ KeyRange split_keys(const KeyRange& keys, int splits, int sp) {
 void store_sequence(const KvCacheParams& p, int64_t b, int splits, const float* part_o, const float* part_lse) {
   const int64_t hd = p.head_dim, group = p.group_size(), rows = group * p.seqlen_q;
   const int64_t per_part = p.heads_kv * rows;
+  std::vector<float> weight;
   for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t h = hk * group + r / p.seqlen_q, i = r % p.seqlen_q;
@@ -326,7 +305,7 @@ void store_sequence(const KvCacheParams& p, int64_t b, int splits, const float* 
       merge_row(
           splits, hd, [&](int64_t s, int64_t d) { return part_o[(s * per_part + row) * hd + d]; },
           [&](int64_t s) { return part_lse[s * per_part + row]; },
-          [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.dtype, x); }, &lse);
+          [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.dtype, x); }, &lse, weight);
       if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
     }
   }
@@ -342,12 +321,14 @@ Status kvcache_forward(const KvCacheParams& p) {
   // a second pass merges each sequence's splits in split order and writes out / lse.
   std::vector<float> part_o(static_cast<size_t>(p.batch * splits * per_part * hd));
   std::vector<float> part_lse(static_cast<size_t>(p.batch * splits * per_part));
-  auto make_scratch = [&] { return std::make_unique<DecodeAttention>(p); };
-  Status st = parallel_for(p.batch * splits, p.num_threads, make_scratch, [&](int64_t t, auto& work) {
-    const int64_t b = t / splits;
-    const MaskInfo mask = kv_mask(p, total_len(p, b));
-    const KeyRange keys = split_keys(mask.keys_for_rows(0, p.seqlen_q), splits, static_cast<int>(t % splits));
-    work->attend(b, mask, keys.begin, keys.end, &part_o[t * per_part * hd], &part_lse[t * per_part]);
+  Status st = flash_detail::run_workers(p.batch * splits, p.num_threads, [&](flash_detail::TaskQueue& queue) {
+    DecodeAttention work(p);  // one per worker thread: its staging buffers
+    for (int64_t t; (t = queue.next()) >= 0;) {
+      const int64_t b = t / splits;
+      const MaskInfo mask = kv_mask(p, total_len(p, b));
+      const KeyRange keys = split_keys(mask.keys_for_rows(0, p.seqlen_q), splits, static_cast<int>(t % splits));
+      work.attend(b, mask, keys.begin, keys.end, &part_o[t * per_part * hd], &part_lse[t * per_part]);
+    }
   });
   if (!st.is_ok()) return st;
   return parallel_for(p.batch, p.num_threads, [&](int64_t b) {
@@ -358,6 +339,7 @@ Status kvcache_forward(const KvCacheParams& p) {
 Status merge_partials(const MergeParams& p) {
   return parallel_for(p.batch * p.heads, p.num_threads, [&](int64_t task) {
     const int64_t b = task / p.heads, h = task % p.heads;
+    std::vector<float> weight;
     for (int64_t i = 0; i < p.seqlen_q; ++i) {
       const float* o = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
       const float* l = p.lse_partials + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
@@ -366,7 +348,7 @@ Status merge_partials(const MergeParams& p) {
       merge_row(
           p.parts, p.head_dim, [&](int64_t s, int64_t d) { return o[s * p.op_part_stride + d]; },
           [&](int64_t s) { return l[s * p.lp_part_stride]; },
-          [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.out_dtype, x); }, &lse);
+          [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.out_dtype, x); }, &lse, weight);
       if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
     }
   });
