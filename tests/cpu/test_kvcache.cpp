@@ -118,8 +118,7 @@ TEST(KvCacheCpu, ThreadCountDoesNotChangeBits) {
   for (int32_t threads : {1, 2, 3, 7}) {
     KvProblem pr(c, *mem, 500);
     pr.opt.num_threads = threads;
-    pr.upload_indices();
-    ASSERT_EQ(fc_attention_kvcache(&pr.args, &pr.opt, nullptr, 0), FC_OK) << fc_last_error();
+    ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
     pr.fetch();
     if (first_out.empty()) {
       first_out = pr.out.host;
