@@ -8,11 +8,9 @@
 #include <vector>
 
 #include "api/validate.hpp"
-#include "common/harness.hpp"
 #include "flashcore/flashcore.hpp"
 
 namespace {
-
 
 /** A valid dense call (B=2, Sq=5, Sk=7, Hq=4, Hkv=2, D=8, fp32) whose pieces tests break. */
 class BadInput : public ::testing::Test {
