@@ -3,9 +3,10 @@
 //
 // Loads (global -> shared) complete on an mbarrier: the copy adds its byte count to the barrier's
 // tx-count as it lands, so a producer first arms the barrier with mbarrier_arrive_expect_tx(total
-// bytes) and the consumers wait on the phase. Stores (shared -> global) are tracked per thread by
-// bulk async-groups: commit, then wait until the reads of shared memory (wait_group_read, enough to
-// reuse the buffer) or the whole writes (wait_group) are done.
+// bytes) and the consumers wait on the phase. Stores and reductions (shared -> global) are tracked
+// per thread by
+// bulk async-groups: commit, then wait until the reads of shared memory (wait_group_read, enough
+// to reuse the buffer) or the whole writes (wait_group) are done.
 //
 // Coordinates are element indices, innermost dimension first ({col, row} for a row-major 2D view),
 // and may be negative or run past the tensor: loads fill out-of-bounds elements with zeros, stores
@@ -106,6 +107,20 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
       "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
           tensor_map_operand(map)),
       "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+/** 2D tile reduction into global memory: the box at {c0 (inner), c1} += the shared box, element by
+ *  element in the map's type (fp32: an atomic add per element, performed at L2), out-of-bounds
+ *  elements skipped. The shared box is read through the async proxy, so generic stores to it
+ *  need fence_proxy_async_shared_cta first; completion is tracked by the same bulk async-groups
+ *  as the stores (tma_store_commit_group / tma_store_wait_group[_read]). */
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* smem_src,
+                                                  int32_t c0, int32_t c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+          tensor_map_operand(map)),
+      "r"(smem_addr(smem_src)), "r"(c0), "r"(c1)
       : "memory");
 }
 

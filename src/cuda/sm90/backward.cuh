@@ -27,7 +27,8 @@
 //   dK  += dS^T Q              wgmma RS: A = dS^T, B = Q (MN-major)                 64 x d
 //   dS^T goes to shared memory (both consumers' halves), then
 //   dQ piece c = dS K          wgmma SS: A = dS (MN-major), B = K (MN-major)        64 x 64
-//   added to the fp32 dQ accumulator with vector atomics (red.global.add.v2.f32).
+//   added to the fp32 dQ accumulator: staged in shared memory and added by TMA reductions
+//   (reduce_dq_piece), or by vector atomics (add_dq_piece) where the map cannot clip the rows.
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that converts
 // to the RS A fragment with no data movement (as P does in the forward), so only dS is ever
 // stored. The dQ tile (kBlockM x d = 2 x 64 x 64 by choice of kBlockM) splits into one 64 x 64
@@ -141,6 +142,14 @@ struct BackwardTraits {
   static constexpr bool kDqSplitRows = kBlockM > kDqRows;
   static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumers;
   static_assert(kBlockM * kHeadDim == kConsumers * kDqRows * kDqCols, "one dQ piece per consumer");
+  // How a dQ piece reaches the accumulator: staged in shared memory (fp32, 128-byte swizzle, boxes
+  // of kDqBoxCols columns) and added by TMA reductions, one thread issuing them, or (the role
+  // split, whose shared memory is full, and steps with query rows past the sequence) by vector
+  // atomics from registers.
+  static constexpr bool kDqViaTma = !kSplitRoles;
+  static constexpr int kDqBoxCols = 32;  // 128 bytes of fp32: the swizzle span
+  static constexpr uint32_t kDqBoxBytes = kDqRows * kDqBoxCols * sizeof(float);
+  static constexpr uint32_t kDqPieceBytes = kDqViaTma ? kDqRows * kDqCols * sizeof(float) : 0;
 
   static constexpr int kChunkCols = 64;  // 128-byte swizzle span of 16-bit elements
   static constexpr int kChunks = kHeadDim / kChunkCols;
@@ -166,7 +175,8 @@ struct BackwardTraits {
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
   static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;  // dS, then P: by step parity
   static constexpr uint32_t kPOffset = kDsOffset + 2 * kDsBytes;
-  static constexpr uint32_t kLseOffset = kPOffset + 2 * kPBytes;  // per stage: kBlockM rows
+  static constexpr uint32_t kDqOffset = kPOffset + 2 * kPBytes;  // one dQ piece per consumer
+  static constexpr uint32_t kLseOffset = kDqOffset + kConsumers * kDqPieceBytes;  // per stage: kBlockM rows
   static constexpr uint32_t kDsumOffset = kLseOffset + kStages * kStatBytes;
   static constexpr uint32_t kBarrierOffset = kDsumOffset + kStages * kStatBytes;
   static constexpr int kBarriers = 2 + 2 * kStages;
@@ -175,8 +185,10 @@ struct BackwardTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets");
   static_assert(kColsPerConsumer <= 128, "dK and dV of a consumer: 64 x kColsPerConsumer floats each");
   static_assert(kBlockM == 64 || kBlockM == 128, "wgmma N of S^T");
-  static_assert(kQBytes % kAlign == 0 && kKvBytes % kAlign == 0 && kDsBytes % kAlign == 0,
+  static_assert(kQBytes % kAlign == 0 && kKvBytes % kAlign == 0 && kDsBytes % kAlign == 0 &&
+                    kDqBoxBytes % kAlign == 0,
                 "tiles stay 1024-aligned");
+  static_assert(kDqCols % kDqBoxCols == 0, "whole dQ boxes per piece");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
 
@@ -201,6 +213,7 @@ struct DefaultBackwardTraits<Element, 256> {
 struct BackwardKernelArgs {
   CUtensorMap map_q, map_k, map_v, map_do;  // first: 64-byte aligned members
   CUtensorMap map_lse, map_dsum;            // the workspace statistics, one row of heads * total_q
+  CUtensorMap map_dq;                       // the fp32 dQ accumulator (heads * total_q rows)
   BackwardParams params;
   sm80::bwd::BackwardWorkspacePtrs ws;
   int num_key_blocks;
@@ -219,6 +232,7 @@ struct BackwardSmem {
   __device__ uint8_t* do_ptr(int s) const { return base + T::kDoOffset + s * T::kQBytes; }
   __device__ uint8_t* ds_ptr(int b) const { return base + T::kDsOffset + b * T::kDsBytes; }
   __device__ uint8_t* p_ptr(int b) const { return base + T::kPOffset + b * T::kPBytes; }
+  __device__ uint8_t* dq_ptr(int consumer) const { return base + T::kDqOffset + consumer * T::kDqPieceBytes; }
   __device__ float* lse(int s) const { return reinterpret_cast<float*>(base + T::kLseOffset + s * T::kStatBytes); }
   __device__ float* dsum(int s) const { return reinterpret_cast<float*>(base + T::kDsumOffset + s * T::kStatBytes); }
   __device__ uint32_t k_addr() const { return addr + T::kKOffset; }
@@ -451,8 +465,65 @@ struct TileMask {
   }
 };
 
-/** P^T and dS^T from S^T and dP^T in place (element-wise, accumulator layout: register i of this
- *  thread is key `key_row0 + 8 * ((i % 4) / 2)` and query `m0 + 8 * (i / 4) + 2 * quad + i % 2`). */
+/** P^T = exp2(S^T * scale * log2e - lse_log2[query]) from S^T (element-wise, accumulator
+ *  layout: register i of this thread is key `key_row0 + 8 * ((i % 4) / 2)` and query
+ *  `m0 + 8 * (i / 4) + 2 * quad + i % 2`), rounded to 16 bits as RS A fragments in `pa`. `s` is
+ *  left holding what dS^T = s (dP^T - D) needs: P^T, or P^T (1 - t^2) under softcap (the factor
+ *  needs S^T, which is gone afterwards). Masked entries select 0 (not multiply), so an inf/NaN
+ *  computed for one cannot leak. */
+template <class T, bool kSoftcap, bool kMasked>
+__device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], uint32_t (&pa)[T::kBlockM / 16][4],
+                                              const float* lse, const sm80::bwd::ScoreTransform& tf,
+                                              const TileMask& mask, int m0, int key_row0, int quad) {
+#pragma unroll
+  for (int j = 0; j < T::kBlockM / 8; ++j) {
+    const int col = 8 * j + 2 * quad;
+    const float2 l = make_float2(lse[col], lse[col + 1]);  // scalar loads: only 4-byte aligned
+    float prob[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 4 * j + r;
+      const int e = r % 2;
+      const float lse_log2 = e == 0 ? l.x : l.y;
+      float grad_factor = 1.f;
+      if constexpr (kSoftcap) {
+        const float t = tanhf(s[i] * tf.tanh_arg_scale);
+        prob[r] = sm80::bwd::fast_exp2(t * tf.softcap_log2 - lse_log2);
+        grad_factor = 1.f - t * t;
+      } else {
+        prob[r] = sm80::bwd::fast_exp2(s[i] * tf.scale_log2 - lse_log2);
+      }
+      if constexpr (kMasked) prob[r] = mask.visible(key_row0 + 8 * (r / 2), m0 + col + e) ? prob[r] : 0.f;
+      s[i] = kSoftcap ? prob[r] * grad_factor : prob[r];
+    }
+    // Registers 4j .. 4j + 3 are A-fragment registers 2 (j % 2) and 2 (j % 2) + 1 of k-slice j / 2.
+    using Element = typename T::Element;
+    pa[j / 2][2 * (j % 2)] = sm80::bwd::pack_pair<Element>(prob[0], prob[1]);
+    pa[j / 2][2 * (j % 2) + 1] = sm80::bwd::pack_pair<Element>(prob[2], prob[3]);
+  }
+}
+
+/** dS^T = X^T (dP^T - D) in place, X^T as `probabilities` left it in registers. Same layout;
+ *  masked entries select 0. */
+template <class T, bool kMasked>
+__device__ __forceinline__ void grads(float (&dp)[T::kBlockM / 2], const float (&x)[T::kBlockM / 2],
+                                      const float* dsum, const TileMask& mask, int m0, int key_row0, int quad) {
+#pragma unroll
+  for (int j = 0; j < T::kBlockM / 8; ++j) {
+    const int col = 8 * j + 2 * quad;
+    const float2 d = make_float2(dsum[col], dsum[col + 1]);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 4 * j + r;
+      const int e = r % 2;
+      const float dscore = x[i] * (dp[i] - (e == 0 ? d.x : d.y));
+      dp[i] = kMasked ? (mask.visible(key_row0 + 8 * (r / 2), m0 + col + e) ? dscore : 0.f) : dscore;
+    }
+  }
+}
+
+/** P^T and dS^T from S^T and dP^T in place, in one pass (the d64 schedule; same layout and
+ *  masking as `probabilities`). */
 template <class T, bool kSoftcap, bool kMasked>
 __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 2], float (&dp)[T::kBlockM / 2],
                                                         const float* lse, const float* dsum,
@@ -490,33 +561,17 @@ __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 
   }
 }
 
-/** The role split's consumer 0: P^T from S^T in place and, under softcap, the factor (1 - t^2)
- *  that dS^T = P^T (dP^T - D) (1 - t^2) needs, which consumer 1 cannot compute without S^T.
- *  Same layout and masking as probabilities_and_grads. */
-template <class T, bool kSoftcap, bool kMasked>
-__device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], float (&softcap_grad)[T::kBlockM / 2],
-                                              const float* lse, const sm80::bwd::ScoreTransform& tf,
-                                              const TileMask& mask, int m0, int key_row0, int quad) {
-#pragma unroll
-  for (int j = 0; j < T::kBlockM / 8; ++j) {
-    const int col = 8 * j + 2 * quad;
-    const float2 l = make_float2(lse[col], lse[col + 1]);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = 4 * j + r;
-      const int e = r % 2;
-      const float lse_log2 = e == 0 ? l.x : l.y;
-      float prob;
-      if constexpr (kSoftcap) {
-        const float t = tanhf(s[i] * tf.tanh_arg_scale);
-        prob = sm80::bwd::fast_exp2(t * tf.softcap_log2 - lse_log2);
-        softcap_grad[i] = 1.f - t * t;
-      } else {
-        prob = sm80::bwd::fast_exp2(s[i] * tf.scale_log2 - lse_log2);
-      }
-      if constexpr (kMasked) prob = mask.visible(key_row0 + 8 * (r / 2), m0 + col + e) ? prob : 0.f;
-      s[i] = prob;
-    }
+/** Calls f(kSoftcap, kMasked) with the two flags as std::bool_constant, so that each of the four
+ *  element-wise variants is compiled with its flags fixed. */
+template <class F>
+__device__ __forceinline__ void with_score_variant(bool softcap, bool masked, F&& f) {
+  if (softcap) {
+    if (masked) f(std::true_type{}, std::true_type{});
+    else f(std::true_type{}, std::false_type{});
+  } else if (masked) {
+    f(std::false_type{}, std::true_type{});
+  } else {
+    f(std::false_type{}, std::false_type{});
   }
 }
 
@@ -617,6 +672,52 @@ __device__ __forceinline__ void add_dq_piece(const BackwardKernelArgs& args, con
   }
 }
 
+/** Named barrier of one consumer warpgroup's 128 threads (ids 0-3 are taken: __syncthreads, the
+ *  dS exchange, the role split's two). */
+__device__ __forceinline__ uint32_t dq_staged_barrier(int consumer) { return 4 + static_cast<uint32_t>(consumer); }
+
+/** This consumer's dQ piece of one step into the fp32 accumulator through shared memory: every
+ *  thread stores its elements (layout as in add_dq_piece) into the piece's staging buffer, laid
+ *  out as the TMA reduction reads it (boxes of kDqBoxCols columns x kDqRows rows, 128-byte
+ *  swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8-byte stores hit every
+ *  bank once per 256 bytes), then one thread adds the boxes to global memory with TMA reductions.
+ *  Only for steps whose query rows all exist (no row past the sequence: the map cannot clip at a
+ *  sequence's end). The buffer is free again once the issuing thread's bulk group has been read:
+ *  that thread waits for it before the next step's dS barrier (see consume), which every thread
+ *  passes before storing here again. */
+template <class T>
+__device__ __forceinline__ void reduce_dq_piece(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+                                                const KeyBlockWork& w, int step,
+                                                const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
+                                                int thread, int warp, int group, int quad) {
+  uint8_t* piece = sm.dq_ptr(consumer);
+#pragma unroll
+  for (int j = 0; j < T::kDqCols / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp * 16 + group + 8 * half;
+      const int col = 8 * j + 2 * quad;
+      const int box = col / T::kDqBoxCols, chunk = (col % T::kDqBoxCols) / 4;
+      const uint32_t offset = box * T::kDqBoxBytes + row * 128 + ((chunk ^ (row % 8)) << 4) + (col % 4) * 4;
+      *reinterpret_cast<float2*>(piece + offset) = make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+    }
+  }
+  ptx::fence_proxy_async_shared_cta();  // the stores -> the TMA reduction's reads
+  ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
+  if (thread == 0) {
+    const BackwardParams& p = args.params;
+    const int row_off = T::kDqSplitRows ? consumer * T::kDqRows : 0;
+    const int col_off = T::kDqSplitRows ? 0 : consumer * T::kDqCols;
+    // Below 2^31 - 128 (backward_api.cu): the statistics' row index of the same rows.
+    const int32_t row = w.stat_index(p, step, T::kBlockM) + row_off;
+#pragma unroll
+    for (int box = 0; box < T::kDqCols / T::kDqBoxCols; ++box) {
+      ptx::tma_reduce_add_2d(&args.map_dq, piece + box * T::kDqBoxBytes, col_off + box * T::kDqBoxCols, row);
+    }
+    ptx::tma_store_commit_group();
+  }
+}
+
 /** Epilogue: this consumer's dK = softmax_scale * sum dS^T Q and dV = sum P^T dO (64 keys from
  *  key_row0, head-dim columns from col0), column pairs as 4-byte stores. */
 template <class T>
@@ -669,7 +770,11 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
   if constexpr (kWithDq) {
     ptx::wgmma_fence_operands(dq);
     const int t = static_cast<int>(ptx::thread_in_warpgroup());
-    add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
+    if (T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q) {
+      reduce_dq_piece<T>(args, sm, w, step, dq, consumer, t, t / 32, (t % 32) / 4, t % 4);
+    } else {
+      add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
+    }
   }
 }
 
@@ -689,6 +794,12 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   const sm80::bwd::ScoreTransform tf = sm80::bwd::ScoreTransform::make(p);
   const bool softcap = tf.softcap > 0.f;
 
+  // Two schedules of a step. kDvUnderDs (64 queries per step): S^T and dP^T are two wgmma
+  // groups; P^T is computed while dP^T still runs and dV += P^T dO is issued before dS^T is
+  // computed, so the tensor cores work under both element-wise parts. At 128 queries (d64) S^T,
+  // dP^T and P^T's fragments do not fit the registers together (ptxas serialized every wgmma):
+  // there both products complete, P^T and dS^T are computed in one pass and dV follows dS^T.
+  constexpr bool kDvUnderDs = T::kBlockM == 64;
   float dv[T::kColsPerConsumer / 2], dk[T::kColsPerConsumer / 2];
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
@@ -699,43 +810,60 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     const int m0 = w.m0_of(step, T::kBlockM);
     ptx::mbarrier_wait_parity(sm.q_full(stage), parity);
 
-    float s[T::kBlockM / 2], dp[T::kBlockM / 2];
-    ptx::wgmma_fence();
-    issue_scores_t<T>(s, sm.k_addr(), sm.q_addr(stage), consumer * T::kKeysPerConsumer);
-    issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer * T::kKeysPerConsumer);
-    ptx::wgmma_commit_group();
-    ptx::wgmma_wait_group<0>();
-    ptx::wgmma_fence_operands(s);
-    ptx::wgmma_fence_operands(dp);
-
     const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
     const float* lse = sm.lse(stage) + stat_shift;
     const float* dsum = sm.dsum(stage) + stat_shift;
     const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, wg_key0, wg_key0 + T::kKeysPerConsumer);
     const TileMask mask = TileMask::make(w.mask(p));
-    if (softcap) {
+    float s[T::kBlockM / 2], dp[T::kBlockM / 2];
+    uint32_t pa[T::kBlockM / 16][4];  // P^T as RS A fragments
+    ptx::wgmma_fence();
+    issue_scores_t<T>(s, sm.k_addr(), sm.q_addr(stage), consumer * T::kKeysPerConsumer);
+    ptx::wgmma_commit_group();
+    issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer * T::kKeysPerConsumer);
+    ptx::wgmma_commit_group();
+    if constexpr (kDvUnderDs) {
+      // P^T while dP^T still runs, then dV += P^T dO under dS^T's element-wise part.
+      ptx::wgmma_wait_group<1>();
+      ptx::wgmma_fence_operands(s);
+      with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
+        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, pa, lse, tf, mask, m0, key_row0, quad);
+      });
+      ptx::wgmma_fence();
+      issue_dv<T>(dv, pa, sm.do_addr(stage), 0);
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<1>();  // dP^T (dV may still run)
+      ptx::wgmma_fence_operands(dp);
       if (masked) {
-        probabilities_and_grads<T, true, true>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+        grads<T, true>(dp, s, dsum, mask, m0, key_row0, quad);
       } else {
-        probabilities_and_grads<T, true, false>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+        grads<T, false>(dp, s, dsum, mask, m0, key_row0, quad);
       }
-    } else if (masked) {
-      probabilities_and_grads<T, false, true>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
     } else {
-      probabilities_and_grads<T, false, false>(s, dp, lse, dsum, tf, mask, m0, key_row0, quad);
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(s);
+      ptx::wgmma_fence_operands(dp);
+      with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
+        probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, dp, lse, dsum, tf, mask,
+                                                                                        m0, key_row0, quad);
+      });
     }
-    uint32_t pa[T::kBlockM / 16][4];
     {
       uint32_t dsa[T::kBlockM / 16][4];
       pack_a_fragments<T>(dp, dsa);
       store_key_tile<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
     }
-    pack_a_fragments<T>(s, pa);
     ptx::fence_proxy_async_shared_cta();  // dS stores -> visible to the wgmmas (async proxy)
+    if constexpr (!kDvUnderDs) {
+      pack_a_fragments<T>(s, pa);
+      ptx::wgmma_fence();
+      issue_dv<T>(dv, pa, sm.do_addr(stage), 0);
+      ptx::wgmma_commit_group();
+    }
 
-    ptx::wgmma_fence();
-    issue_dv<T>(dv, pa, sm.do_addr(stage), 0);
-    ptx::wgmma_commit_group();
+    // The last step's staged dQ piece has been read by its TMA reduction (reduce_dq_piece): every
+    // thread may store the next one after this barrier.
+    if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group_read<0>();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
     finish_step<T, kWithDq>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dv, dk);
@@ -797,23 +925,11 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       const float* lse = sm.lse(stage) + stat_shift;
       const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, w.n0, w.n0 + T::kBlockN);
       const TileMask mask = TileMask::make(w.mask(p));
-      float softcap_grad[T::kBlockM / 2];
-      if (softcap) {
-        if (masked) {
-          probabilities<T, true, true>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
-        } else {
-          probabilities<T, true, false>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
-        }
-      } else if (masked) {
-        probabilities<T, false, true>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
-      } else {
-        probabilities<T, false, false>(x, softcap_grad, lse, tf, mask, m0, key_row0, quad);
-      }
-      pack_a_fragments<T>(x, pa);
+      with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
+        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(x, pa, lse, tf, mask, m0, key_row0, quad);
+      });
       store_key_tile<T>(pa, sm.p_ptr(buf), key_row, quad);
-      if (softcap) {
-#pragma unroll
-        for (int i = 0; i < T::kBlockM / 2; ++i) x[i] *= softcap_grad[i];
+      if (softcap) {  // x = P^T (1 - t^2)
         uint32_t pc[T::kBlockM / 16][4];
         pack_a_fragments<T>(x, pc);
         store_key_tile<T>(pc, sm.ds_ptr(buf), key_row, quad);
@@ -900,6 +1016,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
       for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume<T, kWithDq>(args, sm, w, at, consumer); });
+      // The last dQ reductions complete before the CTA (and its shared memory) goes away.
+      if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
     }
   }
 }
@@ -952,6 +1070,23 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
       if (!(s = encode_tensor_map_nd(v, map)).is_ok()) {
         return Status{s.code, std::string("workspace: cuda_sm90 backward: ") + s.message};
       }
+    }
+  }
+  if (ws.dq_accum != nullptr && T::kDqViaTma && stat_count > 0) {
+    // The dQ accumulator as rows of kHeadDim floats; a reduction adds one kDqRows x kDqBoxCols box.
+    TiledViewNd v;
+    v.base = ws.dq_accum;
+    v.element = TmaElement::kFp32;
+    v.rank = 2;
+    v.dims[0] = T::kHeadDim;
+    v.dims[1] = stat_count;
+    v.strides[0] = 1;
+    v.strides[1] = T::kHeadDim;
+    v.box[0] = T::kDqBoxCols;
+    v.box[1] = T::kDqRows;
+    v.swizzle = TmaSwizzle::k128B;
+    if (!(s = encode_tensor_map_nd(v, &args.map_dq)).is_ok()) {
+      return Status{s.code, std::string("workspace: cuda_sm90 backward: ") + s.message};
     }
   }
   auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;

@@ -1,5 +1,6 @@
-// Unit tests of the sm_90a primitives under src/cuda/ptx (mbarrier, TMA, wgmma, setmaxnreg, named
-// barriers) and of the host tensor-map builder, each alone before any kernel relies on it.
+// Unit tests of the sm_90a primitives under src/cuda/ptx (mbarrier, TMA loads, stores and
+// reductions, wgmma, setmaxnreg, named barriers) and of the host tensor-map builder, each alone
+// before any kernel relies on it.
 //
 // Every test is skipped unless a compute-capability 9.0 GPU is present (the binary holds sm_90a
 // code only). Inputs are multiples of 1/4 in [-1, 1], exact in bf16 and fp16, so every product and
@@ -17,6 +18,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -352,6 +354,95 @@ TEST(Sm90Tma, RoundTrip2dSwizzle64B) {
 TEST(Sm90Tma, RoundTrip2dSwizzle32B) {
   SKIP_UNLESS_SM90();
   run_tma_round_trip<SmemSwizzle::k32B>();
+}
+
+// ---- TMA reduce-add: fp32 boxes staged with the 128B swizzle, several CTAs into the same boxes --
+struct TmaReduceTraits {
+  static constexpr uint32_t kRows = 100;  // not a multiple of kBoxRows: the last box row is clipped
+  static constexpr uint32_t kCols = 64;
+  static constexpr uint32_t kGuardRows = 28;  // after the mapped rows: must stay untouched
+  static constexpr uint32_t kBoxRows = 64;
+  static constexpr uint32_t kBoxCols = 32;  // 128 bytes of fp32: the 128B swizzle span
+  static constexpr uint32_t kAdders = 3;    // CTAs adding into each box
+  static constexpr float kGuard = -7.5f;
+};
+
+/** What CTA `adder` adds at (row, col): small integers, so every sum is exact in fp32 whatever the
+ *  order of the additions. */
+__host__ __device__ inline float reduce_contribution(uint32_t row, uint32_t col, uint32_t adder) {
+  return float(int((row * 7 + col * 3 + adder * 11) % 64) - 20);
+}
+
+__global__ void __launch_bounds__(TestTraits::kWarpgroup)
+    tma_reduce_add_kernel(const __grid_constant__ CUtensorMap map, uint32_t* errors) {
+  using T = TmaReduceTraits;
+  __shared__ alignas(TestTraits::kSmemAlign) float box[T::kBoxRows * T::kBoxCols];
+  const uint32_t col0 = blockIdx.x * T::kBoxCols, row0 = blockIdx.y * T::kBoxRows;
+  if (threadIdx.x == 0 && ptx::smem_addr(box) % TestTraits::kSmemAlign != 0) atomicAdd(errors, 1);
+  for (uint32_t idx = threadIdx.x; idx < T::kBoxRows * T::kBoxCols; idx += blockDim.x) {
+    const uint32_t r = idx / T::kBoxCols, c = idx % T::kBoxCols;
+    const uint32_t byte = ptx::apply_swizzle(SmemSwizzle::k128B, idx * uint32_t(sizeof(float)));
+    box[byte / sizeof(float)] = reduce_contribution(row0 + r, col0 + c, blockIdx.z);
+  }
+  ptx::fence_proxy_async_shared_cta();  // generic stores -> the reduction's async-proxy reads
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::tma_reduce_add_2d(&map, box, int32_t(col0), int32_t(row0));
+    ptx::tma_store_commit_group();
+    ptx::tma_store_wait_group<0>();
+  }
+}
+
+TEST(Sm90Tma, ReduceAdd2dFp32Swizzle128B) {
+  SKIP_UNLESS_SM90();
+  using T = TmaReduceTraits;
+  const size_t mapped = size_t(T::kRows) * T::kCols, elems = size_t(T::kRows + T::kGuardRows) * T::kCols;
+  const std::vector<float> start_values = exact_values(mapped, 11);
+  std::vector<float> start(elems, T::kGuard);
+  std::copy(start_values.begin(), start_values.end(), start.begin());
+  DeviceBuffer<float> d_acc(elems);
+  DeviceBuffer<uint32_t> d_errors(1);
+  ASSERT_TRUE(d_acc.get() && d_errors.get());
+  CUDA_ASSERT(cudaMemcpy(d_acc.get(), start.data(), d_acc.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemset(d_errors.get(), 0, d_errors.bytes()));
+
+  sm90::TiledView2d view;
+  view.base = d_acc.get();
+  view.element = sm90::TmaElement::kFp32;
+  view.rows = T::kRows;
+  view.cols = T::kCols;
+  view.row_stride = T::kCols;
+  view.box_rows = T::kBoxRows;
+  view.box_cols = T::kBoxCols;
+  view.swizzle = sm90::TmaSwizzle::k128B;
+  CUtensorMap map{};
+  STATUS_ASSERT(sm90::encode_tensor_map_2d(view, &map));
+
+  const dim3 grid(T::kCols / T::kBoxCols, (T::kRows + T::kBoxRows - 1) / T::kBoxRows, T::kAdders);
+  tma_reduce_add_kernel<<<grid, TestTraits::kWarpgroup>>>(map, d_errors.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+
+  std::vector<float> acc(elems);
+  uint32_t errors = 0;
+  CUDA_ASSERT(cudaMemcpy(acc.data(), d_acc.get(), d_acc.bytes(), cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(cudaMemcpy(&errors, d_errors.get(), sizeof(errors), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(errors, 0u) << "misaligned staging box";
+  size_t bad = 0, bad_guard = 0;
+  for (uint32_t r = 0; r < T::kRows + T::kGuardRows; ++r)
+    for (uint32_t c = 0; c < T::kCols; ++c) {
+      const size_t i = size_t(r) * T::kCols + c;
+      if (r >= T::kRows) {
+        bad_guard += acc[i] != T::kGuard;  // past the map: the reduction must clip
+        continue;
+      }
+      float want = start[i];
+      for (uint32_t a = 0; a < T::kAdders; ++a) want += reduce_contribution(r, c, a);
+      if (acc[i] != want && bad++ < 4)
+        ADD_FAILURE() << "reduce-add mismatch at (" << r << ", " << c << "): " << acc[i] << ", want " << want;
+    }
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(bad_guard, 0u);
 }
 
 TEST(Sm90TensorMap, RejectsWhatTmaCannotDescribe) {
