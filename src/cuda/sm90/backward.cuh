@@ -748,9 +748,9 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
 }
 
 /** The end of a step, the same for both ways of sharing the block (the dS tile of the step is
- *  complete): dK[keys from key0, columns from col0] += dS^T Q and this consumer's dQ piece, then,
- *  once every wgmma of the step (the dV one included) has completed, the stage goes back to the
- *  producer and the dQ piece to the accumulator. */
+ *  complete): this consumer's dQ piece and dK[keys from key0, columns from col0] += dS^T Q, in
+ *  that order, so the dQ piece goes to the accumulator while dK still runs; then, once every
+ *  wgmma of the step (the dV one included) has completed, the stage goes back to the producer. */
 template <class T, bool kWithDq>
 __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
@@ -758,16 +758,15 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
                                             float (&dk)[T::kColsPerConsumer / 2]) {
   const TileCursor::Slot slot = at.slot<T>(step);
   const int stage = slot.stage;
-  issue_from_key_tile<T>(dk, sm.ds_addr(slot.buf), sm.q_addr(stage), key0, col0);
   float dq[T::kDqRows * T::kDqCols / 128];
-  if constexpr (kWithDq) issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
-  ptx::wgmma_commit_group();
-  ptx::wgmma_wait_group<0>();
-  ptx::wgmma_fence_operands(dv);
-  ptx::wgmma_fence_operands(dk);
-  release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
-  if (step == w.steps - 1) release_stage(sm.kv_empty());  // and, at the tile's last step, K and V
   if constexpr (kWithDq) {
+    issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
+    ptx::wgmma_commit_group();
+  }
+  issue_from_key_tile<T>(dk, sm.ds_addr(slot.buf), sm.q_addr(stage), key0, col0);
+  ptx::wgmma_commit_group();
+  if constexpr (kWithDq) {
+    ptx::wgmma_wait_group<1>();  // dQ (dK may still run)
     ptx::wgmma_fence_operands(dq);
     const int t = static_cast<int>(ptx::thread_in_warpgroup());
     if (T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q) {
@@ -776,6 +775,11 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
       add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
     }
   }
+  ptx::wgmma_wait_group<0>();
+  ptx::wgmma_fence_operands(dv);
+  ptx::wgmma_fence_operands(dk);
+  release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
+  if (step == w.steps - 1) release_stage(sm.kv_empty());  // and, at the tile's last step, K and V
 }
 
 /** One consumer warpgroup when the block is shared by keys: its 64 keys through every query
