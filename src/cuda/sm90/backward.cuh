@@ -24,9 +24,9 @@
 //   dP^T = V_c dO^T            wgmma SS: A = V, B = dO                              64 x kBlockM
 //   P^T  = exp2(S^T * scale * log2e - lse_log2[query]), dS^T = P^T (dP^T - D[query])   registers
 //   dV  += P^T dO              wgmma RS: A = P^T from registers, B = dO (MN-major)  64 x d
-//   dK  += dS^T Q              wgmma RS: A = dS^T, B = Q (MN-major)                 64 x d
 //   dS^T goes to shared memory (both consumers' halves), then
 //   dQ piece c = dS K          wgmma SS: A = dS (MN-major), B = K (MN-major)        64 x 64
+//   dK  += dS^T Q              wgmma RS: A = dS^T from registers, B = Q (MN-major)  64 x d
 //   added to the fp32 dQ accumulator: staged in shared memory and added by TMA reductions
 //   (reduce_dq_piece), or by vector atomics (add_dq_piece) where the map cannot clip the rows.
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that converts
@@ -35,7 +35,14 @@
 // piece per consumer: by rows at d = 64 (kBlockM = 128), by columns at d = 128 (kBlockM = 64).
 // At d256 the two consumers share 64 keys by roles instead (consume_split_roles): consumer 0
 // computes S^T and P^T, consumer 1 dP^T and dS^T, and each adds 128 head-dim columns of dV, dK
-// and dQ; P^T goes through shared memory too (named barriers 2 and 3 there).
+// and dQ; P^T goes through shared memory too (named barriers 2 and 3 there), and dK reads dS^T
+// from the dS tile (SS), since consumer 0 never has it in registers.
+//
+// ---- Schedule of a step (keys split) ----------------------------------------------------------------
+// S^T and dP^T are issued as two wgmma groups; P^T is computed as soon as S^T completes, dV is
+// issued, and dS^T is computed while dV runs (d128; at d64 the registers do not allow it, see
+// consume). The dQ wgmma goes before dK's, so the dQ piece is on its way to the accumulator
+// while dK still runs. About 0.9x cuDNN's fwd+bwd on the H100 (docs/PERF.md, session 12).
 //
 // ---- Grid ----------------------------------------------------------------------------------------
 // A tile is (key block, KV head, batch entry), key block fastest. Without a window the grid is
@@ -61,6 +68,9 @@
 //                       the dQ wgmma. dS is double-buffered by step parity: a consumer can only
 //                       write step i + 2's dS after passing step i + 1's barrier, which the other
 //                       consumer reaches only after its dQ wgmma of step i completed.
+//  named barriers 4, 5: (d64 / d128) consumer 0's / 1's warpgroup, after its dQ piece is staged in
+//                       shared memory and before one thread adds it with TMA reductions. That
+//                       thread waits for the reduction's reads before the next step's barrier 1.
 //
 // ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) -------------------------------
 // Q, dO, K, V are stored as TMA writes them: d/64 column chunks of [rows][128 bytes]. That one
@@ -395,16 +405,18 @@ __device__ __forceinline__ void issue_scores_t(float (&acc)[T::kBlockM / 2], uin
   }
 }
 
-/** dV (64 keys x kColsPerConsumer, from head-dim column col0) += P^T dO, with P^T as A fragments
- *  in registers (64 keys x kBlockM queries). */
+/** acc (64 keys x kColsPerConsumer, from head-dim column col0) += X^T R with X^T as A fragments in
+ *  registers (64 keys x kBlockM queries): dV += P^T dO, and dK += dS^T Q where dS^T is still in
+ *  registers. R is the step's dO or Q (MN-major B: the queries contracted). */
 template <class T>
-__device__ __forceinline__ void issue_dv(float (&acc)[T::kColsPerConsumer / 2],
-                                         const uint32_t (&a)[T::kBlockM / 16][4], uint32_t do_tile, int col0) {
+__device__ __forceinline__ void issue_from_registers(float (&acc)[T::kColsPerConsumer / 2],
+                                                     const uint32_t (&a)[T::kBlockM / 16][4], uint32_t rows_tile,
+                                                     int col0) {
   constexpr ptx::MnMajorTile kQueryTileMn{ptx::SmemSwizzle::k128B, T::kHeadDim, T::kBlockM};
 #pragma unroll
   for (int k = 0; k < T::kBlockM / 16; ++k) {
     ptx::wgmma_rs<T::kColsPerConsumer, typename T::Element, /*kTransB=*/1>(
-        acc, a[k], kQueryTileMn.desc(do_tile, col0, 16 * k), true);
+        acc, a[k], kQueryTileMn.desc(rows_tile, col0, 16 * k), true);
   }
 }
 
@@ -750,11 +762,14 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
 /** The end of a step, the same for both ways of sharing the block (the dS tile of the step is
  *  complete): this consumer's dQ piece and dK[keys from key0, columns from col0] += dS^T Q, in
  *  that order, so the dQ piece goes to the accumulator while dK still runs; then, once every
- *  wgmma of the step (the dV one included) has completed, the stage goes back to the producer. */
-template <class T, bool kWithDq>
+ *  wgmma of the step (the dV one included) has completed, the stage goes back to the producer.
+ *  kDsInRegisters: dS^T is taken from this thread's A fragments `ds` (RS, the keys-split
+ *  consumers, whose fragments hold exactly their keys), else read from the dS tile (SS). */
+template <class T, bool kWithDq, bool kDsInRegisters>
 __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
-                                            int col0, int consumer, float (&dv)[T::kColsPerConsumer / 2],
+                                            int col0, int consumer, const uint32_t (&ds)[T::kBlockM / 16][4],
+                                            float (&dv)[T::kColsPerConsumer / 2],
                                             float (&dk)[T::kColsPerConsumer / 2]) {
   const TileCursor::Slot slot = at.slot<T>(step);
   const int stage = slot.stage;
@@ -763,7 +778,11 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
     issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
     ptx::wgmma_commit_group();
   }
-  issue_from_key_tile<T>(dk, sm.ds_addr(slot.buf), sm.q_addr(stage), key0, col0);
+  if constexpr (kDsInRegisters) {
+    issue_from_registers<T>(dk, ds, sm.q_addr(stage), col0);
+  } else {
+    issue_from_key_tile<T>(dk, sm.ds_addr(slot.buf), sm.q_addr(stage), key0, col0);
+  }
   ptx::wgmma_commit_group();
   if constexpr (kWithDq) {
     ptx::wgmma_wait_group<1>();  // dQ (dK may still run)
@@ -834,7 +853,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
         probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, pa, lse, tf, mask, m0, key_row0, quad);
       });
       ptx::wgmma_fence();
-      issue_dv<T>(dv, pa, sm.do_addr(stage), 0);
+      issue_from_registers<T>(dv, pa, sm.do_addr(stage), 0);
       ptx::wgmma_commit_group();
       ptx::wgmma_wait_group<1>();  // dP^T (dV may still run)
       ptx::wgmma_fence_operands(dp);
@@ -852,16 +871,14 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
                                                                                         m0, key_row0, quad);
       });
     }
-    {
-      uint32_t dsa[T::kBlockM / 16][4];
-      pack_a_fragments<T>(dp, dsa);
-      store_key_tile<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
-    }
+    uint32_t dsa[T::kBlockM / 16][4];  // dS^T: stored for dQ (both halves), kept for dK (RS)
+    pack_a_fragments<T>(dp, dsa);
+    store_key_tile<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
     ptx::fence_proxy_async_shared_cta();  // dS stores -> visible to the wgmmas (async proxy)
     if constexpr (!kDvUnderDs) {
       pack_a_fragments<T>(s, pa);
       ptx::wgmma_fence();
-      issue_dv<T>(dv, pa, sm.do_addr(stage), 0);
+      issue_from_registers<T>(dv, pa, sm.do_addr(stage), 0);
       ptx::wgmma_commit_group();
     }
 
@@ -870,7 +887,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group_read<0>();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
-    finish_step<T, kWithDq>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dv, dk);
+    finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk);
   }
   store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
 }
@@ -943,7 +960,7 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       ptx::fence_proxy_async_shared_cta();  // P -> consumer 1's wgmma (async proxy)
       ptx::barrier_arrive_any(kPReady, T::kConsumerThreads);
       ptx::wgmma_fence();
-      issue_dv<T>(dv, pa, sm.do_addr(stage), col0);
+      issue_from_registers<T>(dv, pa, sm.do_addr(stage), col0);
       ptx::wgmma_commit_group();
       ptx::barrier_sync_any(kDsReady, T::kConsumerThreads);
       // dV ran during consumer 1's dS: retire it, so its A fragments are free before the dQ
@@ -961,7 +978,7 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       ptx::wgmma_fence();
       issue_from_key_tile<T>(dv, sm.p_addr(buf), sm.do_addr(stage), 0, col0);
     }
-    finish_step<T, kWithDq>(args, sm, w, at, step, 0, col0, consumer, dv, dk);
+    finish_step<T, kWithDq, false>(args, sm, w, at, step, 0, col0, consumer, pa, dv, dk);  // pa: unused
   }
   store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
 }
