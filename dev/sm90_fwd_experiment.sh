@@ -7,7 +7,7 @@
 # usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--ncu D:S:CAUSAL]
 #        [--ncu-variants 0,1] [--filter GTEST_FILTER --test-variants 1,2 (builds the CUDA tests,
 #        both dtypes, and runs them with each of these variants)] [--trace D:S:CAUSAL,... (the
-#        event trace of dev/sm90_fwd_trace.cu: where a tile's time goes) [--trace-variants 0,1]]
+#        event trace of dev/sm90_trace.cu: where a tile's time goes) [--trace-variants 0,1]]
 #        [--sanitize-variants 1,2 (with --filter: compute-sanitizer memcheck, racecheck and synccheck
 #        on the small cases, CudaSanitizerSmall.*, per variant)] [--test-timeout S (per variant, default 200)]
 set -uo pipefail
@@ -75,15 +75,15 @@ fi
 
 if [ -n "$TRACE" ]; then
   if nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFLASHCORE_SM90_FWD_TRACE \
-      -I include -I src dev/sm90_fwd_trace.cu src/cuda/sm90/tensor_map.cpp src/cuda/device.cu \
-      -o build-exp/sm90_fwd_trace >"$OUTDIR/trace.log" 2>&1; then
+      -I include -I src dev/sm90_trace.cu src/cuda/sm90/tensor_map.cpp src/cuda/device.cu \
+      -o build-exp/sm90_trace >"$OUTDIR/trace.log" 2>&1; then
     IFS=',' read -ra TC <<<"$TRACE"
     for c in "${TC[@]}"; do
       IFS=':' read -r D S C <<<"$c"
       for v in ${TRACE_VARIANTS//,/ }; do
         bin="$OUTDIR/trace_d${D}_s${S}_c${C}_v$v.bin"
-        FLASHCORE_DEV_FWD_VARIANT=$v timeout 60 build-exp/sm90_fwd_trace "$D" "$S" "$C" "$bin" >>"$OUTDIR/trace.log" 2>&1
-        python3 dev/sm90_fwd_trace.py "$bin" --ctas 4 >>"$OUTDIR/trace.log" 2>&1 && rm -f "$bin"
+        FLASHCORE_DEV_FWD_VARIANT=$v timeout 60 build-exp/sm90_trace fwd "$D" "$S" "$C" "$bin" >>"$OUTDIR/trace.log" 2>&1
+        python3 dev/sm90_trace.py "$bin" --ctas 4 >>"$OUTDIR/trace.log" 2>&1 && rm -f "$bin"
       done
     done
     note "trace: ($(el))"; grep -E "traced kernel" "$OUTDIR/trace.log" | tee -a "$SUM"

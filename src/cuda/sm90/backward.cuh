@@ -108,6 +108,7 @@
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/backward.cuh"
 #include "cuda/sm90/attention_views.hpp"
+#include "cuda/sm90/backward_trace.cuh"
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace flashcore::cuda::sm90 {
@@ -348,15 +349,17 @@ struct TileCursor {
  *  be reading for the previous tile (kv_empty), so they load under that tile's last step. */
 template <class T>
 __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
-                        const TileCursor& at) {
+                        const TileCursor& at, [[maybe_unused]] int& trace_events) {
   const BackwardParams& p = args.params;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int32_t bc = varlen ? 0 : static_cast<int32_t>(w.batch);
   const int32_t hk = static_cast<int32_t>(w.kv_head);
   if (w.steps == 0) return;  // no query sees these keys: dK = dV = 0, nothing to load
+  BWD_TRACE(trace_events, 0, kTileBegin, 0);
   const auto load_kv = [&]() {
     // A fresh barrier counts as having completed the phase before phase 0: the first wait passes.
     ptx::mbarrier_wait_parity(sm.kv_empty(), at.kv_parity() ^ 1);
+    BWD_TRACE(trace_events, 0, kKvFree, 0);
     const int32_t k_row = w.k_start + w.n0;
     ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
 #pragma unroll
@@ -371,6 +374,7 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     const int stage = slot.stage;
     // A fresh barrier counts as having completed the phase before phase 0: the first waits pass.
     ptx::mbarrier_wait_parity(sm.q_empty(stage), slot.parity ^ 1);
+    BWD_TRACE(trace_events, 0, kStageFree, step);
     const int32_t q_row = w.q_start + w.m0_of(step, T::kBlockM);
     const int32_t hq = w.head_of(step);
     // Statistics of rows h * total_q + q_row0 + m0 + [0, kBlockM) (backward_api.cu keeps the index
@@ -770,7 +774,9 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
                                             int col0, int consumer, const uint32_t (&ds)[T::kBlockM / 16][4],
                                             float (&dv)[T::kColsPerConsumer / 2],
-                                            float (&dk)[T::kColsPerConsumer / 2]) {
+                                            float (&dk)[T::kColsPerConsumer / 2],
+                                            [[maybe_unused]] int& trace_events) {
+  [[maybe_unused]] const int role = 1 + consumer;  // trace role
   const TileCursor::Slot slot = at.slot<T>(step);
   const int stage = slot.stage;
   float dq[T::kDqRows * T::kDqCols / 128];
@@ -787,18 +793,21 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
   if constexpr (kWithDq) {
     ptx::wgmma_wait_group<1>();  // dQ (dK may still run)
     ptx::wgmma_fence_operands(dq);
+    BWD_TRACE(trace_events, role, kDqReady, step);
     const int t = static_cast<int>(ptx::thread_in_warpgroup());
     if (T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q) {
       reduce_dq_piece<T>(args, sm, w, step, dq, consumer, t, t / 32, (t % 32) / 4, t % 4);
     } else {
       add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
     }
+    BWD_TRACE(trace_events, role, kDqSent, step);
   }
   ptx::wgmma_wait_group<0>();
   ptx::wgmma_fence_operands(dv);
   ptx::wgmma_fence_operands(dk);
   release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
   if (step == w.steps - 1) release_stage(sm.kv_empty());  // and, at the tile's last step, K and V
+  BWD_TRACE(trace_events, role, kStepEnd, step);
 }
 
 /** One consumer warpgroup when the block is shared by keys: its 64 keys through every query
@@ -807,7 +816,8 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
  *  (d128). */
 template <class T, bool kWithDq>
 __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
-                        const TileCursor& at, int consumer) {
+                        const TileCursor& at, int consumer, [[maybe_unused]] int& trace_events) {
+  [[maybe_unused]] const int role = 1 + consumer;  // trace role
   const BackwardParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
@@ -828,10 +838,12 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
   if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), at.kv_parity());
+  BWD_TRACE(trace_events, role, kTileBegin, 0);
   for (int step = 0; step < w.steps; ++step) {
     const auto [stage, parity, ds_buf] = at.slot<T>(step);  // run on across tiles
     const int m0 = w.m0_of(step, T::kBlockM);
     ptx::mbarrier_wait_parity(sm.q_full(stage), parity);
+    BWD_TRACE(trace_events, role, kStepBegin, step);
 
     const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
     const float* lse = sm.lse(stage) + stat_shift;
@@ -849,12 +861,14 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       // P^T while dP^T still runs, then dV += P^T dO under dS^T's element-wise part.
       ptx::wgmma_wait_group<1>();
       ptx::wgmma_fence_operands(s);
+      BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
         probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, pa, lse, tf, mask, m0, key_row0, quad);
       });
       ptx::wgmma_fence();
       issue_from_registers<T>(dv, pa, sm.do_addr(stage), 0);
       ptx::wgmma_commit_group();
+      BWD_TRACE(trace_events, role, kDvIssued, step);
       ptx::wgmma_wait_group<1>();  // dP^T (dV may still run)
       ptx::wgmma_fence_operands(dp);
       if (masked) {
@@ -866,6 +880,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(s);
       ptx::wgmma_fence_operands(dp);
+      BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
         probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, dp, lse, dsum, tf, mask,
                                                                                         m0, key_row0, quad);
@@ -880,16 +895,21 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       ptx::wgmma_fence();
       issue_from_registers<T>(dv, pa, sm.do_addr(stage), 0);
       ptx::wgmma_commit_group();
+      BWD_TRACE(trace_events, role, kDvIssued, step);
     }
+    BWD_TRACE(trace_events, role, kDsStored, step);
 
     // The last step's staged dQ piece has been read by its TMA reduction (reduce_dq_piece): every
     // thread may store the next one after this barrier.
     if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group_read<0>();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
-    finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk);
+    BWD_TRACE(trace_events, role, kDsShared, step);
+    finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk,
+                                  trace_events);
   }
   store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
+  BWD_TRACE(trace_events, role, kTileEnd, 0);
 }
 
 /** The two consumers when the block is shared by roles (d256; see BackwardTraits). Per step:
@@ -907,7 +927,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
  *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2). */
 template <class T, bool kWithDq, int kConsumer>
 __device__ void consume_split_roles(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
-                                    const TileCursor& at) {
+                                    const TileCursor& at, int& trace_events) {
   constexpr uint32_t kPReady = 2, kDsReady = 3;
   constexpr int consumer = kConsumer;  // a template parameter: no wgmma under a run-time branch
   const BackwardParams& p = args.params;
@@ -978,7 +998,8 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       ptx::wgmma_fence();
       issue_from_key_tile<T>(dv, sm.p_addr(buf), sm.do_addr(stage), 0, col0);
     }
-    finish_step<T, kWithDq, false>(args, sm, w, at, step, 0, col0, consumer, pa, dv, dk);  // pa: unused
+    finish_step<T, kWithDq, false>(args, sm, w, at, step, 0, col0, consumer, pa, dv, dk,  // pa: unused
+                                   trace_events);
   }
   store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
 }
@@ -1017,6 +1038,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
       at.advance(w);
     }
   };
+  int trace_events = 0;  // records this thread wrote (backward_trace.cuh; unused otherwise)
   const uint32_t warpgroup = ptx::warpgroup_index();
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<T::kProducerRegisters>();
@@ -1024,19 +1046,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
       for (const CUtensorMap* map : {&args.map_q, &args.map_do, &args.map_lse, &args.map_dsum, &args.map_k, &args.map_v}) {
         ptx::tma_prefetch_tensor_map(map);
       }
-      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { produce<T>(args, sm, w, at); });
+      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { produce<T>(args, sm, w, at, trace_events); });
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
     if constexpr (T::kSplitRoles) {
       if (warpgroup == 1) {
-        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume_split_roles<T, kWithDq, 0>(args, sm, w, at); });
+        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
+          consume_split_roles<T, kWithDq, 0>(args, sm, w, at, trace_events);
+        });
       } else {
-        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume_split_roles<T, kWithDq, 1>(args, sm, w, at); });
+        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
+          consume_split_roles<T, kWithDq, 1>(args, sm, w, at, trace_events);
+        });
       }
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
-      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { consume<T, kWithDq>(args, sm, w, at, consumer); });
+      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
+        consume<T, kWithDq>(args, sm, w, at, consumer, trace_events);
+      });
       // The last dQ reductions complete before the CTA (and its shared memory) goes away.
       if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
     }
