@@ -28,7 +28,8 @@
 //   dQ piece c = dS K          wgmma SS: A = dS (MN-major), B = K (MN-major)        64 x 64
 //   dK  += dS^T Q              wgmma RS: A = dS^T from registers, B = Q (MN-major)  64 x d
 //   added to the fp32 dQ accumulator: staged in shared memory and added by TMA reductions
-//   (reduce_dq_piece), or by vector atomics (add_dq_piece) where the map cannot clip the rows.
+//   (stage_dq_piece, flushed at the next step's start), or by vector atomics (add_dq_piece) where
+//   the map cannot clip the rows.
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that converts
 // to the RS A fragment with no data movement (as P does in the forward), so only dS is ever
 // stored. The dQ tile (kBlockM x d = 2 x 64 x 64 by choice of kBlockM) splits into one 64 x 64
@@ -69,8 +70,9 @@
 //                       write step i + 2's dS after passing step i + 1's barrier, which the other
 //                       consumer reaches only after its dQ wgmma of step i completed.
 //  named barriers 4, 5: (d64 / d128) consumer 0's / 1's warpgroup, after its dQ piece is staged in
-//                       shared memory and before one thread adds it with TMA reductions. That
-//                       thread waits for the reduction's reads before the next step's barrier 1.
+//                       shared memory (and fenced, at the next step's start) and before one thread
+//                       adds it with TMA reductions. That thread waits for the reduction's reads
+//                       before that step's barrier 1.
 //
 // ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) -------------------------------
 // Q, dO, K, V are stored as TMA writes them: d/64 column chunks of [rows][128 bytes]. That one
@@ -692,20 +694,22 @@ __device__ __forceinline__ void add_dq_piece(const BackwardKernelArgs& args, con
  *  dS exchange, the role split's two). */
 __device__ __forceinline__ uint32_t dq_staged_barrier(int consumer) { return 4 + static_cast<uint32_t>(consumer); }
 
-/** This consumer's dQ piece of one step into the fp32 accumulator through shared memory: every
- *  thread stores its elements (layout as in add_dq_piece) into the piece's staging buffer, laid
- *  out as the TMA reduction reads it (boxes of kDqBoxCols columns x kDqRows rows, 128-byte
- *  swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8-byte stores hit every
- *  bank once per 256 bytes), then one thread adds the boxes to global memory with TMA reductions.
+/** This consumer's dQ piece of one step into the fp32 accumulator through shared memory, in two
+ *  parts. stage_dq_piece: every thread stores its elements (layout as in add_dq_piece) into the
+ *  piece's staging buffer, laid out as the TMA reduction reads it (boxes of kDqBoxCols columns x
+ *  kDqRows rows, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's
+ *  8-byte stores hit every bank once per 256 bytes). flush_dq_piece, at the start of the next
+ *  step under its S^T and dP^T wgmmas (the fence and barrier cost ~1000 cycles per step at d128
+ *  where only dK ran beside them; dev/sm90_trace.cu): the stores are fenced to the async proxy,
+ *  the warpgroup meets, and one thread adds the boxes to global memory with TMA reductions.
  *  Only for steps whose query rows all exist (no row past the sequence: the map cannot clip at a
  *  sequence's end). The buffer is free again once the issuing thread's bulk group has been read:
- *  that thread waits for it before the next step's dS barrier (see consume), which every thread
- *  passes before storing here again. */
+ *  that thread waits for it before the dS barrier of the step that flushed it (see consume),
+ *  which every thread passes before staging the next piece. */
 template <class T>
-__device__ __forceinline__ void reduce_dq_piece(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
-                                                const KeyBlockWork& w, int step,
-                                                const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
-                                                int thread, int warp, int group, int quad) {
+__device__ __forceinline__ void stage_dq_piece(const BackwardSmem<T>& sm,
+                                               const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
+                                               int warp, int group, int quad) {
   uint8_t* piece = sm.dq_ptr(consumer);
 #pragma unroll
   for (int j = 0; j < T::kDqCols / 8; ++j) {
@@ -718,7 +722,12 @@ __device__ __forceinline__ void reduce_dq_piece(const BackwardKernelArgs& args, 
       *reinterpret_cast<float2*>(piece + offset) = make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
     }
   }
-  ptx::fence_proxy_async_shared_cta();  // the stores -> the TMA reduction's reads
+}
+
+template <class T>
+__device__ __forceinline__ void flush_dq_piece(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+                                               const KeyBlockWork& w, int step, int consumer, int thread) {
+  ptx::fence_proxy_async_shared_cta();  // the staging stores -> the TMA reduction's reads
   ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
   if (thread == 0) {
     const BackwardParams& p = args.params;
@@ -726,6 +735,7 @@ __device__ __forceinline__ void reduce_dq_piece(const BackwardKernelArgs& args, 
     const int col_off = T::kDqSplitRows ? 0 : consumer * T::kDqCols;
     // Below 2^31 - 128 (backward_api.cu): the statistics' row index of the same rows.
     const int32_t row = w.stat_index(p, step, T::kBlockM) + row_off;
+    uint8_t* piece = sm.dq_ptr(consumer);
 #pragma unroll
     for (int box = 0; box < T::kDqCols / T::kDqBoxCols; ++box) {
       ptx::tma_reduce_add_2d(&args.map_dq, piece + box * T::kDqBoxBytes, col_off + box * T::kDqBoxCols, row);
@@ -767,10 +777,11 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
  *  complete): this consumer's dQ piece and dK[keys from key0, columns from col0] += dS^T Q, in
  *  that order, so the dQ piece goes to the accumulator while dK still runs; then, once every
  *  wgmma of the step (the dV one included) has completed, the stage goes back to the producer.
+ *  Returns whether the dQ piece was staged for a TMA reduction (flush_dq_piece, by the caller).
  *  kDsInRegisters: dS^T is taken from this thread's A fragments `ds` (RS, the keys-split
  *  consumers, whose fragments hold exactly their keys), else read from the dS tile (SS). */
 template <class T, bool kWithDq, bool kDsInRegisters>
-__device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+__device__ __forceinline__ bool finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
                                             int col0, int consumer, const uint32_t (&ds)[T::kBlockM / 16][4],
                                             float (&dv)[T::kColsPerConsumer / 2],
@@ -779,6 +790,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
   [[maybe_unused]] const int role = 1 + consumer;  // trace role
   const TileCursor::Slot slot = at.slot<T>(step);
   const int stage = slot.stage;
+  bool staged = false;
   float dq[T::kDqRows * T::kDqCols / 128];
   if constexpr (kWithDq) {
     issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
@@ -796,7 +808,8 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
     BWD_TRACE(trace_events, role, kDqReady, step);
     const int t = static_cast<int>(ptx::thread_in_warpgroup());
     if (T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q) {
-      reduce_dq_piece<T>(args, sm, w, step, dq, consumer, t, t / 32, (t % 32) / 4, t % 4);
+      stage_dq_piece<T>(sm, dq, consumer, t / 32, (t % 32) / 4, t % 4);
+      staged = true;
     } else {
       add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
     }
@@ -808,6 +821,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
   release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
   if (step == w.steps - 1) release_stage(sm.kv_empty());  // and, at the tile's last step, K and V
   BWD_TRACE(trace_events, role, kStepEnd, step);
+  return staged;
 }
 
 /** One consumer warpgroup when the block is shared by keys: its 64 keys through every query
@@ -837,6 +851,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
+  const int thread = static_cast<int>(ptx::thread_in_warpgroup());
+  bool dq_staged = false;  // the previous step's dQ piece waits in shared memory for its flush
   if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), at.kv_parity());
   BWD_TRACE(trace_events, role, kTileBegin, 0);
   for (int step = 0; step < w.steps; ++step) {
@@ -857,6 +873,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::wgmma_commit_group();
     issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer * T::kKeysPerConsumer);
     ptx::wgmma_commit_group();
+    if (dq_staged) flush_dq_piece<T>(args, sm, w, step - 1, consumer, thread);
     if constexpr (kDvUnderDs) {
       // P^T while dP^T still runs, then dV += P^T dO under dS^T's element-wise part.
       ptx::wgmma_wait_group<1>();
@@ -899,15 +916,16 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     }
     BWD_TRACE(trace_events, role, kDsStored, step);
 
-    // The last step's staged dQ piece has been read by its TMA reduction (reduce_dq_piece): every
-    // thread may store the next one after this barrier.
-    if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group_read<0>();
+    // The dQ piece flushed at this step's start has been read by its TMA reduction: every thread
+    // may stage the next one after this barrier.
+    if (kWithDq && T::kDqViaTma && thread == 0) ptx::tma_store_wait_group_read<0>();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
     BWD_TRACE(trace_events, role, kDsShared, step);
-    finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk,
-                                  trace_events);
+    dq_staged = finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer,
+                                              dsa, dv, dk, trace_events);
   }
+  if (dq_staged) flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, thread);
   store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
   BWD_TRACE(trace_events, role, kTileEnd, 0);
 }
