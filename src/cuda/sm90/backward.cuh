@@ -42,8 +42,9 @@
 // ---- Schedule of a step (keys split) ----------------------------------------------------------------
 // S^T and dP^T are issued as two wgmma groups; P^T is computed as soon as S^T completes, dV is
 // issued, and dS^T is computed while dV runs (d128; at d64 the registers do not allow it, see
-// consume). The dQ wgmma goes before dK's, so the dQ piece is on its way to the accumulator
-// while dK still runs. About 0.9x cuDNN's fwd+bwd on the H100 (docs/PERF.md, session 12).
+// consume). The dQ wgmma goes before dK's: the dQ piece is staged in shared memory while dK still
+// runs and flushed to the accumulator at the next step's start, under S^T and dP^T. fwd+bwd about
+// 0.93x cuDNN's on the H100 (docs/PERF.md, session 12); dev/sm90_trace.cu shows a step's phases.
 //
 // ---- Grid ----------------------------------------------------------------------------------------
 // A tile is (key block, KV head, batch entry), key block fastest. Without a window the grid is
