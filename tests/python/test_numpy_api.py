@@ -33,15 +33,20 @@ except ImportError:  # optional
 # ---- fp64 reference -----------------------------------------------------------------------------
 
 
-def _sequence_backward(q, k, v, dout, scale, causal, window, softcap, compute_dtype, round_dtype):
+def _sequence_backward(q, k, v, dout, scale, causal, window, softcap, compute_dtype, round_dtype,
+                       stored_out=None):
     """Gradients of one sequence: dq (sq, hq, d), dk/dv (sk, hkv, d). compute_dtype float64 is
     the truth; float32 with round_dtype = the input dtype is the naive same-precision backward
-    (P and dS rounded to the dtype before their products, as tensor-core kernels do)."""
+    (P and dS rounded to the dtype before their products, as tensor-core kernels do), whose
+    D = rowsum(dO * O) reads `stored_out` (the O the backend's forward stored, as the backend's
+    backward does) when given."""
     heads_kv = k.shape[1]
     group = q.shape[1] // heads_kv
     q, k, v, dout = (x.astype(compute_dtype) for x in (q, k, v, dout))
     kx, vx = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     out, lse = _sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, round_dtype)
+    if stored_out is not None:
+        out = stored_out.astype(compute_dtype)
     rounded = lambda x: x.astype(round_dtype).astype(compute_dtype)
     s = _scores(q, kx, scale, softcap)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -91,14 +96,16 @@ def reference_forward(q, k, v, *, scale=None, causal=False, window=(-1, -1), sof
 
 
 def reference_backward(q, k, v, dout, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                       cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False):
-    """dq, dk, dv; fp64 truth, or the naive same-precision result (in q's dtype)."""
+                       cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False, stored_out=None):
+    """dq, dk, dv; fp64 truth, or the naive same-precision result (in q's dtype), which takes D
+    from `stored_out` (the backend's O) when given."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute, round_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
     dq, dk, dv = (np.zeros(x.shape, compute) for x in (q, k, v))
     for qi, ki in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        out_i = None if stored_out is None or not same_precision else stored_out[qi]
         dq[qi], dk[ki], dv[ki] = _sequence_backward(q[qi], k[ki], v[ki], dout[qi], scale, causal,
-                                                    window, softcap, compute, round_dtype)
+                                                    window, softcap, compute, round_dtype, out_i)
     if same_precision:
         return tuple(x.astype(q.dtype) for x in (dq, dk, dv))
     return dq, dk, dv
@@ -419,7 +426,7 @@ def test_backward_fp16(rng):
     out, lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=True)
     grads = flashcore.attention_backward(dout, q, k, v, out, lse, causal=True)
     expected = reference_backward(q, k, v, dout, causal=True)
-    same = reference_backward(q, k, v, dout, causal=True, same_precision=True)
+    same = reference_backward(q, k, v, dout, causal=True, same_precision=True, stored_out=out)
     for name, got, want, naive in zip(("dq", "dk", "dv"), grads, expected, same):
         assert got.dtype == np.float16
         assert_low_precision_close(got, want, naive, np.float16, name, LOW_PRECISION_FACTOR_BWD)
