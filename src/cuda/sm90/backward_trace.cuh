@@ -3,6 +3,9 @@
 // (kernel_trace.cuh) the end of each wait and phase of a query step, so a run shows where a
 // step's time goes. BWD_TRACE takes the recording thread's counter (an int it keeps across
 // tiles). Without the macro BWD_TRACE expands to nothing and the kernel is unchanged.
+// Records are global stores, and the MEMBAR that fence.proxy.async compiles to waits for them:
+// an interval holding such a fence (the dQ flush) reads longer traced than it runs untraced
+// (docs/PERF.md, session 12); time changes to it with the benchmark.
 #pragma once
 
 #include <cstdint>
