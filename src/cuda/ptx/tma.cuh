@@ -4,9 +4,8 @@
 // Loads (global -> shared) complete on an mbarrier: the copy adds its byte count to the barrier's
 // tx-count as it lands, so a producer first arms the barrier with mbarrier_arrive_expect_tx(total
 // bytes) and the consumers wait on the phase. Stores and reductions (shared -> global) are tracked
-// per thread by
-// bulk async-groups: commit, then wait until the reads of shared memory (wait_group_read, enough
-// to reuse the buffer) or the whole writes (wait_group) are done.
+// per thread by bulk async-groups: commit, then wait until the reads of shared memory
+// (wait_group_read, enough to reuse the buffer) or the whole writes (wait_group) are done.
 //
 // Coordinates are element indices, innermost dimension first ({col, row} for a row-major 2D view),
 // and may be negative or run past the tensor: loads fill out-of-bounds elements with zeros, stores

@@ -206,8 +206,9 @@ struct BackwardTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
 };
 
-/** Per-bucket configuration. d64 / d128: 160 KiB of shared memory; registers per consumer thread:
- *  dK and dV d/2 floats each, S^T and dP^T kBlockM/2 each, the dQ piece 32. d256: 227 KiB (two
+/** Per-bucket configuration. d64 / d128: 192 KiB of shared memory (32 of them the dQ staging);
+ *  registers per consumer thread: dK and dV d/2 floats each, S^T and dP^T kBlockM/2 each, the dQ
+ *  piece 32. d256: 227 KiB (two
  *  stages of 64-row Q and dO tiles, 64 keys of K and V); dK, dV and the dQ piece 64 floats each. */
 template <typename Element, int kHeadDim>
 struct DefaultBackwardTraits;
@@ -707,6 +708,13 @@ __device__ __forceinline__ uint32_t dq_staged_barrier(int consumer) { return 4 +
  *  sequence's end). The buffer is free again once the issuing thread's bulk group has been read:
  *  that thread waits for it before the dS barrier of the step that flushed it (see consume),
  *  which every thread passes before staging the next piece. */
+/** Whether the step's dQ piece goes to the accumulator by TMA (staged, then flushed): only when
+ *  every query row of its block exists, since the map cannot clip at a sequence's end. */
+template <class T>
+__device__ __forceinline__ bool dq_by_tma(const KeyBlockWork& w, int step) {
+  return T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q;
+}
+
 template <class T>
 __device__ __forceinline__ void stage_dq_piece(const BackwardSmem<T>& sm,
                                                const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
@@ -778,11 +786,11 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
  *  complete): this consumer's dQ piece and dK[keys from key0, columns from col0] += dS^T Q, in
  *  that order, so the dQ piece goes to the accumulator while dK still runs; then, once every
  *  wgmma of the step (the dV one included) has completed, the stage goes back to the producer.
- *  Returns whether the dQ piece was staged for a TMA reduction (flush_dq_piece, by the caller).
+ *  A piece that goes by TMA (dq_by_tma) is only staged here; the caller flushes it.
  *  kDsInRegisters: dS^T is taken from this thread's A fragments `ds` (RS, the keys-split
  *  consumers, whose fragments hold exactly their keys), else read from the dS tile (SS). */
 template <class T, bool kWithDq, bool kDsInRegisters>
-__device__ __forceinline__ bool finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+__device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
                                             int col0, int consumer, const uint32_t (&ds)[T::kBlockM / 16][4],
                                             float (&dv)[T::kColsPerConsumer / 2],
@@ -791,7 +799,6 @@ __device__ __forceinline__ bool finish_step(const BackwardKernelArgs& args, cons
   [[maybe_unused]] const int role = 1 + consumer;  // trace role
   const TileCursor::Slot slot = at.slot<T>(step);
   const int stage = slot.stage;
-  bool staged = false;
   float dq[T::kDqRows * T::kDqCols / 128];
   if constexpr (kWithDq) {
     issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
@@ -808,9 +815,8 @@ __device__ __forceinline__ bool finish_step(const BackwardKernelArgs& args, cons
     ptx::wgmma_fence_operands(dq);
     BWD_TRACE(trace_events, role, kDqReady, step);
     const int t = static_cast<int>(ptx::thread_in_warpgroup());
-    if (T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q) {
+    if (dq_by_tma<T>(w, step)) {
       stage_dq_piece<T>(sm, dq, consumer, t / 32, (t % 32) / 4, t % 4);
-      staged = true;
     } else {
       add_dq_piece<T>(args, w, step, dq, consumer, t / 32, (t % 32) / 4, t % 4);
     }
@@ -822,7 +828,6 @@ __device__ __forceinline__ bool finish_step(const BackwardKernelArgs& args, cons
   release_stage(sm.q_empty(stage));  // Q, dO and the statistics of this stage are read
   if (step == w.steps - 1) release_stage(sm.kv_empty());  // and, at the tile's last step, K and V
   BWD_TRACE(trace_events, role, kStepEnd, step);
-  return staged;
 }
 
 /** One consumer warpgroup when the block is shared by keys: its 64 keys through every query
@@ -852,8 +857,6 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  const int thread = static_cast<int>(ptx::thread_in_warpgroup());
-  bool dq_staged = false;  // the previous step's dQ piece waits in shared memory for its flush
   if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), at.kv_parity());
   BWD_TRACE(trace_events, role, kTileBegin, 0);
   for (int step = 0; step < w.steps; ++step) {
@@ -874,7 +877,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::wgmma_commit_group();
     issue_scores_t<T>(dp, sm.v_addr(), sm.do_addr(stage), consumer * T::kKeysPerConsumer);
     ptx::wgmma_commit_group();
-    if (dq_staged) flush_dq_piece<T>(args, sm, w, step - 1, consumer, thread);
+    // The previous step's dQ piece, staged in shared memory, goes out under S^T and dP^T.
+    if (kWithDq && step > 0 && dq_by_tma<T>(w, step - 1)) flush_dq_piece<T>(args, sm, w, step - 1, consumer, t);
     if constexpr (kDvUnderDs) {
       // P^T while dP^T still runs, then dV += P^T dO under dS^T's element-wise part.
       ptx::wgmma_wait_group<1>();
@@ -919,14 +923,16 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
 
     // The dQ piece flushed at this step's start has been read by its TMA reduction: every thread
     // may stage the next one after this barrier.
-    if (kWithDq && T::kDqViaTma && thread == 0) ptx::tma_store_wait_group_read<0>();
+    if (kWithDq && T::kDqViaTma && t == 0) ptx::tma_store_wait_group_read<0>();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(1, T::kConsumerThreads);
     BWD_TRACE(trace_events, role, kDsShared, step);
-    dq_staged = finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer,
-                                              dsa, dv, dk, trace_events);
+    finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk,
+                                  trace_events);
   }
-  if (dq_staged) flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, thread);
+  if (kWithDq && w.steps > 0 && dq_by_tma<T>(w, w.steps - 1)) {
+    flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, t);
+  }
   store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
   BWD_TRACE(trace_events, role, kTileEnd, 0);
 }
@@ -1092,6 +1098,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
 
 // ---- host -----------------------------------------------------------------------------------------
 
+/** A TMA map over fp32 workspace rows (`cols` values each, `row_stride` apart) with the given box. */
+inline Status encode_workspace_map(const float* base, uint64_t cols, uint64_t rows, uint64_t row_stride,
+                                   uint32_t box_cols, uint32_t box_rows, TmaSwizzle swizzle, CUtensorMap* map) {
+  TiledViewNd v;
+  v.base = base;
+  v.element = TmaElement::kFp32;
+  v.rank = 2;
+  v.dims[0] = cols;
+  v.dims[1] = rows;
+  v.strides[0] = 1;
+  v.strides[1] = row_stride;
+  v.box[0] = box_cols;
+  v.box[1] = box_rows;
+  v.swizzle = swizzle;
+  const Status s = encode_tensor_map_nd(v, map);
+  if (s.is_ok()) return s;
+  return Status{s.code, std::string("workspace: cuda_sm90 backward: ") + s.message};
+}
+
 template <class T>
 Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspacePtrs& ws, cudaStream_t stream) {
   const int64_t num_key_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
@@ -1122,39 +1147,20 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   if (stat_count > 0) {
     for (auto [values, map] : {std::pair<const float*, CUtensorMap*>{ws.lse_log2, &args.map_lse},
                                std::pair<const float*, CUtensorMap*>{ws.dsum, &args.map_dsum}}) {
-      TiledViewNd v;
-      v.base = values;
-      v.element = TmaElement::kFp32;
-      v.rank = 2;  // the encoder's smallest rank; the outer dimension has extent 1
-      v.dims[0] = stat_count;
-      v.dims[1] = 1;
-      v.strides[0] = 1;
-      // Never stepped, but TMA still wants a legal stride: a multiple of 16 bytes no smaller than
-      // the row (a shorter one made the copy fault with an illegal instruction).
-      v.strides[1] = (stat_count + 3) / 4 * 4;
-      v.box[0] = T::kStatBox;
-      v.box[1] = 1;
-      v.swizzle = TmaSwizzle::kNone;
-      if (!(s = encode_tensor_map_nd(v, map)).is_ok()) {
-        return Status{s.code, std::string("workspace: cuda_sm90 backward: ") + s.message};
+      // One row (the encoder's smallest rank is 2; the outer dimension has extent 1). Its stride is
+      // never stepped, but TMA still wants a legal one: a multiple of 16 bytes no smaller than the
+      // row (a shorter one made the copy fault with an illegal instruction).
+      if (!(s = encode_workspace_map(values, stat_count, 1, (stat_count + 3) / 4 * 4, T::kStatBox, 1,
+                                     TmaSwizzle::kNone, map)).is_ok()) {
+        return s;
       }
     }
   }
   if (ws.dq_accum != nullptr && T::kDqViaTma && stat_count > 0) {
     // The dQ accumulator as rows of kHeadDim floats; a reduction adds one kDqRows x kDqBoxCols box.
-    TiledViewNd v;
-    v.base = ws.dq_accum;
-    v.element = TmaElement::kFp32;
-    v.rank = 2;
-    v.dims[0] = T::kHeadDim;
-    v.dims[1] = stat_count;
-    v.strides[0] = 1;
-    v.strides[1] = T::kHeadDim;
-    v.box[0] = T::kDqBoxCols;
-    v.box[1] = T::kDqRows;
-    v.swizzle = TmaSwizzle::k128B;
-    if (!(s = encode_tensor_map_nd(v, &args.map_dq)).is_ok()) {
-      return Status{s.code, std::string("workspace: cuda_sm90 backward: ") + s.message};
+    if (!(s = encode_workspace_map(ws.dq_accum, T::kHeadDim, stat_count, T::kHeadDim, T::kDqBoxCols, T::kDqRows,
+                                   TmaSwizzle::k128B, &args.map_dq)).is_ok()) {
+      return s;
     }
   }
   auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;
