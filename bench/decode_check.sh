@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call for the decode (KV-cache) path: build (sm_90 only), the decode / KV-cache / merge
-# tests, compute-sanitizer memcheck and racecheck on the device-side index checks, and
+# tests, compute-sanitizer memcheck, racecheck and synccheck on the device-side index checks, and
 # bench/decode_bench.py (cuDNN / FA2 peers and the read ceiling measured in the same process).
 # Logs go to OUTDIR; a short summary prints last.
 #
@@ -30,9 +30,9 @@ timeout 240 $B/tests/flashcore_cuda_tests --gtest_filter='CudaKvCache*:CudaMerge
   >"$OUTDIR/tests.log" 2>&1
 note "decode tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
 grep -E '^\[  FAILED  \]|Failure|error' "$OUTDIR/tests.log" | head -20 | tee -a "$SUM"
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/flashcore_cuda_tests \
-    --gtest_filter='CudaKvCache.DeviceSideIndexChecks:CudaMergePartials.*' >"$OUTDIR/sanitizer_$tool.log" 2>&1
+    --gtest_filter="CudaKvCache.DeviceSideIndexChecks:CudaMergePartials.*" >"$OUTDIR/sanitizer_$tool.log" 2>&1
   note "compute-sanitizer $tool: rc=$? ($(el)) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTDIR/sanitizer_$tool.log" | tr '\n' ' ')"
 done
 

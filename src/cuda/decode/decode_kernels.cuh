@@ -539,65 +539,73 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
 template <typename OutT>
 __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(MergeParams p) {
   constexpr int kWarp = DecodeTraits::kWarp;
-  const float kNegInf = -__int_as_float(0x7f800000);
-  // Launched as a programmatic dependent of the attention kernel (split-KV combine): wait until
-  // its partials are complete and visible. A no-op for an ordinary launch.
-  wait_previous_grid();
+  // A split-KV combine is short and sits between two long attention grids: it lets the next grid
+  // (the next call's attention) be scheduled at once, so that grid's CTAs are placed while this
+  // call's attention still runs instead of after this kernel started; then it waits until its
+  // own inputs (the partials) are complete and visible. No-ops for an ordinary launch.
   allow_next_grid();
+  wait_previous_grid();
+  const float kNegInf = -__int_as_float(0x7f800000);
+  const float kNan = __int_as_float(0x7fc00000);
   const int lane = threadIdx.x % kWarp;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
   if (row >= p.batch * p.seqlen_q * p.heads) return;
   const int64_t h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / (p.heads * p.seqlen_q);
   const float* lp = p.lse_partials + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
   const float* op = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
-  float mx = kNegInf;
-  int has_nan = 0;
-  for (int64_t s = lane; s < p.parts; s += kWarp) {
-    const float x = lp[s * p.lp_part_stride];
-    if (isnan(x)) has_nan = 1;
-    else mx = fmaxf(mx, x);
-  }
-  has_nan = __any_sync(0xffffffffu, has_nan);
-  for (int off = kWarp / 2; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  float lse;
-  if (has_nan) {
-    lse = __int_as_float(0x7fc00000);
-  } else if (mx == kNegInf) {
-    lse = kNegInf;
-  } else {
-    float total = 0.f;
-    for (int64_t s = lane; s < p.parts; s += kWarp) total += __expf(lp[s * p.lp_part_stride] - mx);
-    for (int off = kWarp / 2; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
-    lse = mx + __logf(total);
-  }
   OutT* out = static_cast<OutT*>(p.out.data) + offset_of(p.out, b, i, h);
-  // A lane sums kPerLane columns at once and the parts loop is unrolled: many independent loads
-  // in flight (the combine of a long split-KV call is latency-bound, not bandwidth-bound).
+  // The combine is latency-bound (a few KB per row, read from L2): the parts are taken kBatch at a
+  // time with every load of a batch (its LSEs and the lane's kPerLane columns of each O) issued
+  // before any is used, so a split-KV combine of up to kBatch parts costs one round trip to memory.
+  // Across batches the running max / sum / weighted O are rescaled as in the online softmax.
   constexpr int kPerLane = 4;
+  constexpr int kBatch = 16;
+  float lse = kNegInf;
   for (int64_t d0 = 0; d0 < p.head_dim; d0 += kPerLane * kWarp) {
-    float x[kPerLane];
+    float run_max = kNegInf, run_sum = 0.f, acc[kPerLane];
+    bool has_nan = false;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) x[j] = has_nan ? lse : 0.f;
-    if (!has_nan && mx != kNegInf) {
-      // Loads are unconditional (an empty part's O may hold anything: it is read, then ignored) so
-      // that the compiler can hoist them out of the unrolled iterations.
-#pragma unroll 8
-      for (int64_t s = 0; s < p.parts; ++s) {
-        const float l = lp[s * p.lp_part_stride];
-        const float w = __expf(l - lse);
-        const float* ops = op + s * p.op_part_stride;
+    for (int j = 0; j < kPerLane; ++j) acc[j] = 0.f;
+    for (int64_t s0 = 0; s0 < p.parts; s0 += kBatch) {
+      float l[kBatch], v[kBatch][kPerLane];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const bool in = s0 + k < p.parts;
+        l[k] = in ? lp[(s0 + k) * p.lp_part_stride] : kNegInf;
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j) {
           const int64_t d = d0 + lane + j * kWarp;
-          const float v = d < p.head_dim ? ops[d] : 0.f;
-          if (l != kNegInf) x[j] = fmaf(w, v, x[j]);
+          v[k][j] = (in && d < p.head_dim) ? op[(s0 + k) * p.op_part_stride + d] : 0.f;
         }
       }
+      float batch_max = kNegInf;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        has_nan |= isnan(l[k]);
+        batch_max = fmaxf(batch_max, l[k]);  // fmaxf ignores a NaN operand
+      }
+      const float new_max = fmaxf(run_max, batch_max);
+      if (new_max == kNegInf) continue;  // nothing but empty parts so far
+      const float rescale = __expf(run_max - new_max);  // run_max = -inf: 0, and the state is 0
+      run_sum *= rescale;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) acc[j] *= rescale;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (!(l[k] > kNegInf)) continue;  // an empty part's O may hold anything: never read into the sum
+        const float w = __expf(l[k] - new_max);
+        run_sum += w;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) acc[j] = fmaf(w, v[k][j], acc[j]);
+      }
+      run_max = new_max;
     }
+    lse = has_nan ? kNan : (run_max == kNegInf ? kNegInf : run_max + __logf(run_sum));
+    const float inv = run_max == kNegInf ? 0.f : 1.f / run_sum;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t d = d0 + lane + j * kWarp;
-      if (d < p.head_dim) out[d] = from_float<OutT>(x[j]);
+      if (d < p.head_dim) out[d] = from_float<OutT>(has_nan ? kNan : acc[j] * inv);
     }
   }
   if (lane == 0 && p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
