@@ -101,6 +101,52 @@ TEST(CudaKvCache, LongPagedTables) {
   expect_cases(cases, {1, 2, 0}, 300);
 }
 
+TEST(CudaKvCache, ManySequences) {
+  REQUIRE_GPU();
+  // A large grid (split x KV head x row chunk x sequence: several waves of CTAs) over sequences of
+  // 0 to ~2100 keys (CTAs whose warps have no tile, CTAs of one partial tile), two row chunks per
+  // KV head (GQA 4 x 5 query tokens), contiguous with permuted rows and paged (16 and 48 keys).
+  std::vector<KvCase> cases;
+  for (int64_t page : {0, 16, 48}) {
+    KvCase c;
+    c.dtype = page == 48 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+    c.head_dim = page == 16 ? 64 : 128;
+    c.heads_q = 16;
+    c.heads_kv = 4;
+    c.batch = 40;
+    for (int64_t b = 0; b < c.batch; ++b) c.cache_lens.push_back(static_cast<int32_t>((b * 397) % 2100 + (b % 7 == 0 ? 0 : 1)));
+    c.cache_lens[3] = 0;
+    c.cache_lens[4] = 15;
+    c.cache_lens[5] = 16;
+    c.cache_lens[6] = 17;
+    c.page_size = page;
+    c.batch_idx = page == 0;
+    c.seqlen_q = 5;
+    c.seqlen_new = 5;
+    c.causal = true;
+    cases.push_back(c);
+    KvCase d = c;  // one query token, a window, softcap
+    d.seqlen_q = 1;
+    d.seqlen_new = 1;
+    d.causal = false;
+    d.window_left = 700;
+    d.window_right = 0;
+    d.softcap = 20;
+    cases.push_back(d);
+  }
+  expect_cases(cases, {1, 3, 0}, 400);
+  // d256 (Q in shared memory) and many splits of short sequences (empty splits).
+  KvCase e;
+  e.head_dim = 256;
+  e.heads_q = 8;
+  e.heads_kv = 8;
+  e.batch = 24;
+  for (int64_t b = 0; b < e.batch; ++b) e.cache_lens.push_back(static_cast<int32_t>(b * 61 % 700));
+  e.page_size = 16;
+  e.seqlen_new = 1;
+  expect_cases({e}, {1, 7}, 500);
+}
+
 TEST(CudaKvCache, DeviceSideIndexChecks) {
   REQUIRE_GPU();
   CudaMemory mem;
@@ -112,7 +158,7 @@ TEST(CudaKvCache, DeviceSideIndexChecks) {
   c.page_size = 16;
   c.seqlen_new = 1;
   c.num_splits = 3;
-  for (int32_t splits : {1, 3, 20}) {
+  for (int32_t splits : {1, 3, 20, 64}) {  // 64: more CTAs than SMs, most of them without keys
     c.num_splits = splits;
     KvProblem pr(c, mem, 9);
     // Sequence 1: the page its new token goes to is out of range. Sequence 2: length beyond capacity.
