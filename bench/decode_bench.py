@@ -10,10 +10,12 @@ The read ceiling (sum of a 4 GiB bf16 tensor) is measured in the same run; the t
 flashcore cell >= cuDNN and >= 95% of that ceiling. --sweep also times explicit split counts
 (num_splits) per cell, to tune the split heuristic; --profile splits each flashcore cell's time
 into its kernels (torch.profiler: attention vs combine, and the launch gaps); --base-lib times
-another build of the library (e.g. the last commit's) on every flashcore cell in the same process.
+another build of the library (e.g. the last commit's) on every flashcore cell in the same process;
+--ordered-pages also times the paged layouts with the pages in cache order (the contiguous
+addresses through the paged code path: what the random page order itself costs).
 
 Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5] [--sweep]
-                                    [--profile] [--base-lib OTHER/libflashcore.so]
+                                    [--profile] [--base-lib OTHER/libflashcore.so] [--ordered-pages]
 """
 import argparse
 import ctypes
@@ -85,13 +87,14 @@ def time_tbps(fn, nbytes, iters, repeats):
     return statistics.median(rates)
 
 
-def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None):
+def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None, ordered=False):
     """Builds the ctypes arguments once; returns a closure that issues one call."""
     lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
     tensors = {"q": fc_tensor(q), "out": fc_tensor(out), "lens": fc_tensor(lens)}
     if page:
         pages_per_seq = kv_len // page
-        perm = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32)
+        perm = (torch.arange(batch * pages_per_seq, device="cuda") if ordered
+                else torch.randperm(batch * pages_per_seq, device="cuda")).to(torch.int32)
         table = perm.view(batch, pages_per_seq).contiguous()
         kp = k.view(batch * pages_per_seq, page, HEADS_KV, HEAD_DIM)
         vp = v.view(batch * pages_per_seq, page, HEADS_KV, HEAD_DIM)
@@ -177,6 +180,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time explicit num_splits values")
     ap.add_argument("--profile", action="store_true", help="also print each flashcore cell's kernel times")
+    ap.add_argument("--ordered-pages", action="store_true",
+                    help="also time the paged layouts with pages in cache order (block table = identity): "
+                         "the same addresses as contiguous through the paged code path")
     ap.add_argument("--base-lib", default="",
                     help="another build of libflashcore.so (e.g. the last commit's) timed on every flashcore cell too")
     a = ap.parse_args()
@@ -215,6 +221,11 @@ def main():
                 profile_lines.append(f"profile {batch}x{kv_len} {name} (splits {info.get('splits')}): "
                                      + kernel_breakdown(call))
                 print(profile_lines[-1], flush=True)
+            if a.ordered_pages and page:
+                ordered_call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, ordered=True)
+                base_lines.append(f"ordered pages {batch}x{kv_len} {name}: "
+                                  f"{time_tbps(ordered_call, nbytes, a.iters, a.repeats):.2f}")
+                print(base_lines[-1], flush=True)
             if base_lib:
                 base_call = flashcore_call(base_lib, batch, kv_len, page, q, k, v, out, keep)
                 base_lines.append(f"base-lib {batch}x{kv_len} {name}: "

@@ -3,11 +3,13 @@
 // softcap, GQA/MQA) on device memory with 1, 5 and heuristic splits (and up to 24 at the decode
 // target's shape), head dims 64/128/256 and a padded one, long paged sequences (block-table
 // batches), fc_merge_partials on the GPU, the device-side checks of cache indices (error_flag, NaN
-// rows, no out-of-bounds access - run under compute-sanitizer memcheck), and CUDA-graph capture.
+// rows, no out-of-bounds access - run under compute-sanitizer memcheck), and CUDA-graph capture
+// and replay (two graphs of one split-KV call on one workspace, replayed in turn).
 // Every test skips when no GPU is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -220,12 +222,30 @@ TEST(CudaKvCache, GraphCapture) {
   ASSERT_EQ(st, FC_OK) << fc_last_error();
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  pr.fetch();
-  EXPECT_EQ(check_kvcache_result(pr), "");
+  // A second capture of the same split-KV call on the same workspace, the two replayed in turn:
+  // every replay rewrites every output (poisoned before each) through the partials and the combine.
+  ASSERT_GT(ws, 0u) << "the heuristic should split this call";
+  cudaGraph_t graph2;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const fc_status st2 = fc_attention_kvcache(&pr.args, &pr.opt, w, ws);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph2), cudaSuccess);
+  ASSERT_EQ(st2, FC_OK) << fc_last_error();
+  cudaGraphExec_t exec2;
+  ASSERT_EQ(cudaGraphInstantiate(&exec2, graph2, 0), cudaSuccess);
+  for (int replay = 0; replay < 5; ++replay) {
+    for (KvBuffer* t : {&pr.out, &pr.lse}) {  // poison again: every replay must write every value
+      std::fill(t->host.begin(), t->host.end(), uint8_t{0xFF});
+      t->upload();
+    }
+    ASSERT_EQ(cudaGraphLaunch(replay == 2 || replay == 3 ? exec2 : exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    pr.fetch();
+    EXPECT_EQ(check_kvcache_result(pr), "") << "replay " << replay;
+  }
   cudaGraphExecDestroy(exec);
+  cudaGraphExecDestroy(exec2);
   cudaGraphDestroy(graph);
+  cudaGraphDestroy(graph2);
   if (w) mem.release(w);
 }
 
