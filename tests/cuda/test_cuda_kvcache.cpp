@@ -213,40 +213,35 @@ TEST(CudaKvCache, GraphCapture) {
   KvProblem pr(c, mem, 21);
   size_t ws = 0;
   ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &ws), FC_OK) << fc_last_error();
-  void* w = ws ? mem.alloc(ws) : nullptr;
-  cudaStream_t stream = static_cast<cudaStream_t>(mem.stream());
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  const fc_status st = fc_attention_kvcache(&pr.args, &pr.opt, w, ws);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_EQ(st, FC_OK) << fc_last_error();
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  // A second capture of the same split-KV call on the same workspace, the two replayed in turn:
-  // every replay rewrites every output (poisoned before each) through the partials and the combine.
   ASSERT_GT(ws, 0u) << "the heuristic should split this call";
-  cudaGraph_t graph2;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  const fc_status st2 = fc_attention_kvcache(&pr.args, &pr.opt, w, ws);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph2), cudaSuccess);
-  ASSERT_EQ(st2, FC_OK) << fc_last_error();
-  cudaGraphExec_t exec2;
-  ASSERT_EQ(cudaGraphInstantiate(&exec2, graph2, 0), cudaSuccess);
+  void* w = mem.alloc(ws);
+  cudaStream_t stream = static_cast<cudaStream_t>(mem.stream());
+  // Two captures of the same split-KV call on the same workspace, replayed in turn: every replay
+  // rewrites every output (poisoned before each) through the partials and the combine.
+  cudaGraph_t graphs[2] = {nullptr, nullptr};
+  cudaGraphExec_t execs[2] = {nullptr, nullptr};
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    const fc_status st = fc_attention_kvcache(&pr.args, &pr.opt, w, ws);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graphs[i]), cudaSuccess);
+    ASSERT_EQ(st, FC_OK) << fc_last_error();
+    ASSERT_EQ(cudaGraphInstantiate(&execs[i], graphs[i], 0), cudaSuccess);
+  }
   for (int replay = 0; replay < 5; ++replay) {
     for (KvBuffer* t : {&pr.out, &pr.lse}) {  // poison again: every replay must write every value
       std::fill(t->host.begin(), t->host.end(), uint8_t{0xFF});
       t->upload();
     }
-    ASSERT_EQ(cudaGraphLaunch(replay == 2 || replay == 3 ? exec2 : exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(execs[replay == 2 || replay == 3 ? 1 : 0], stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     pr.fetch();
     EXPECT_EQ(check_kvcache_result(pr), "") << "replay " << replay;
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphExecDestroy(exec2);
-  cudaGraphDestroy(graph);
-  cudaGraphDestroy(graph2);
-  if (w) mem.release(w);
+  for (int i = 0; i < 2; ++i) {
+    cudaGraphExecDestroy(execs[i]);
+    cudaGraphDestroy(graphs[i]);
+  }
+  mem.release(w);
 }
 
 TEST(CudaMergePartials, MatchesCpu) {
