@@ -105,18 +105,19 @@ TEST(CudaKvCache, LongPagedTables) {
 
 TEST(CudaKvCache, ManySequences) {
   REQUIRE_GPU();
-  // A large grid (split x KV head x row chunk x sequence: several waves of CTAs) over sequences of
-  // 0 to ~2100 keys (CTAs whose warps have no tile, CTAs of one partial tile), two row chunks per
-  // KV head (GQA 4 x 5 query tokens), contiguous with permuted rows and paged (16 and 48 keys).
+  // A large grid (split x KV head x row chunk x sequence: two waves of CTAs and more) over
+  // sequences of 0 to ~700 keys (CTAs whose warps have no tile, CTAs of one partial tile), two row
+  // chunks per KV head (GQA 4 x 5 query tokens), contiguous with permuted rows and paged (16 and 48
+  // keys). Sized to keep the fp64 oracle to seconds.
   std::vector<KvCase> cases;
   for (int64_t page : {0, 16, 48}) {
     KvCase c;
     c.dtype = page == 48 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
     c.head_dim = page == 16 ? 64 : 128;
-    c.heads_q = 16;
-    c.heads_kv = 4;
-    c.batch = 40;
-    for (int64_t b = 0; b < c.batch; ++b) c.cache_lens.push_back(static_cast<int32_t>((b * 397) % 2100 + (b % 7 == 0 ? 0 : 1)));
+    c.heads_q = 32;
+    c.heads_kv = 8;
+    c.batch = 24;
+    for (int64_t b = 0; b < c.batch; ++b) c.cache_lens.push_back(static_cast<int32_t>((b * 397) % 700 + (b % 7 == 0 ? 0 : 1)));
     c.cache_lens[3] = 0;
     c.cache_lens[4] = 15;
     c.cache_lens[5] = 16;
@@ -136,7 +137,7 @@ TEST(CudaKvCache, ManySequences) {
     d.softcap = 20;
     cases.push_back(d);
   }
-  expect_cases(cases, {1, 3, 0}, 400);
+  expect_cases(cases, {1, 0}, 400);
   // d256 (Q in shared memory) and many splits of short sequences (empty splits).
   KvCase e;
   e.head_dim = 256;
