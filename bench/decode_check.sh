@@ -19,7 +19,8 @@ B=build-gpu
 
 note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
-  -UFLASHCORE_MAX_CUDA_UNITS -DFLASHCORE_BUILD_PYTHON=OFF -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >"$OUTDIR/build.log" 2>&1
+  -UFLASHCORE_MAX_CUDA_UNITS -UFLASHCORE_HEAD_DIMS -UFLASHCORE_DTYPES -DFLASHCORE_BUILD_TESTS=ON \
+  -DFLASHCORE_BUILD_PYTHON=OFF -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >"$OUTDIR/build.log" 2>&1
 if ! timeout 330 cmake --build $B -j 16 --target libflashcore.so flashcore_cuda_tests >>"$OUTDIR/build.log" 2>&1; then
   note "BUILD FAILED ($(el)):"; grep -E "error|Error" "$OUTDIR/build.log" | head -30 | tee -a "$SUM"; exit 1
 fi

@@ -42,9 +42,11 @@ el() { echo $(( $(date +%s) - T0 ))s; }
 note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 
 # 1. Build: sm_90 SASS only here (the H100); CI compiles the full arch list. -Xptxas -v records
-#    registers / spills / shared memory of every kernel in build.log.
+#    registers / spills / shared memory of every kernel in build.log. The -U / -D options that
+#    restate defaults keep a build directory that an experiment configured differently (another
+#    head-dim or dtype list, no tests) from silently standing in for the full build.
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
-  -UFLASHCORE_MAX_CUDA_UNITS \
+  -UFLASHCORE_MAX_CUDA_UNITS -UFLASHCORE_HEAD_DIMS -UFLASHCORE_DTYPES -DFLASHCORE_BUILD_TESTS=ON -DFLASHCORE_BUILD_CLI=ON \
   -DFLASHCORE_BUILD_PYTHON=ON -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >>"$OUTDIR/build.log" 2>&1
 if ! cmake --build build-gpu -j 16 >>"$OUTDIR/build.log" 2>&1; then
   note "BUILD FAILED ($(el)); tail of build.log:"; grep -E "error|Error" "$OUTDIR/build.log" | head -30 | tee -a "$SUM"; exit 1
