@@ -199,7 +199,7 @@ def main():
     rows = []
     sweep_lines = []
     profile_lines = []
-    base_lines = []
+    compare_lines = []  # --ordered-pages and --base-lib timings
     for batch, kv_len in CELLS:
         q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -223,14 +223,14 @@ def main():
                 print(profile_lines[-1], flush=True)
             if a.ordered_pages and page:
                 ordered_call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, ordered=True)
-                base_lines.append(f"ordered pages {batch}x{kv_len} {name}: "
+                compare_lines.append(f"ordered pages {batch}x{kv_len} {name}: "
                                   f"{time_tbps(ordered_call, nbytes, a.iters, a.repeats):.2f}")
-                print(base_lines[-1], flush=True)
+                print(compare_lines[-1], flush=True)
             if base_lib:
                 base_call = flashcore_call(base_lib, batch, kv_len, page, q, k, v, out, keep)
-                base_lines.append(f"base-lib {batch}x{kv_len} {name}: "
+                compare_lines.append(f"base-lib {batch}x{kv_len} {name}: "
                                   f"{time_tbps(base_call, nbytes, a.iters, a.repeats):.2f}")
-                print(base_lines[-1], flush=True)
+                print(compare_lines[-1], flush=True)
             if a.sweep:
                 rates = []
                 for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 66):
@@ -250,7 +250,7 @@ def main():
     print("-|-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(x).ljust(w) for x, w in zip(r, widths)))
-    for line in profile_lines + sweep_lines + base_lines:
+    for line in profile_lines + sweep_lines + compare_lines:
         print(line)
     print(f"read ceiling (sum of 4 GiB bf16, same run): {ceiling:.2f} TB/s; 95% = {0.95 * ceiling:.2f} TB/s")
     print("TB/s = K+V bytes / time; target: every flashcore cell >= cuDNN and >= 95% of the read bandwidth")

@@ -208,8 +208,8 @@ struct BackwardTraits {
 
 /** Per-bucket configuration. d64 / d128: 192 KiB of shared memory (32 of them the dQ staging);
  *  registers per consumer thread: dK and dV d/2 floats each, S^T and dP^T kBlockM/2 each, the dQ
- *  piece 32. d256: 227 KiB (two
- *  stages of 64-row Q and dO tiles, 64 keys of K and V); dK, dV and the dQ piece 64 floats each. */
+ *  piece 32. d256: 227 KiB (two stages of 64-row Q and dO tiles, 64 keys of K and V); dK, dV and
+ *  the dQ piece 64 floats each. */
 template <typename Element, int kHeadDim>
 struct DefaultBackwardTraits;
 template <typename Element>
@@ -696,6 +696,13 @@ __device__ __forceinline__ void add_dq_piece(const BackwardKernelArgs& args, con
  *  dS exchange, the role split's two). */
 __device__ __forceinline__ uint32_t dq_staged_barrier(int consumer) { return 4 + static_cast<uint32_t>(consumer); }
 
+/** Whether the step's dQ piece goes to the accumulator by TMA (staged, then flushed): only when
+ *  every query row of its block exists, since the map cannot clip at a sequence's end. */
+template <class T>
+__device__ __forceinline__ bool dq_by_tma(const KeyBlockWork& w, int step) {
+  return T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q;
+}
+
 /** This consumer's dQ piece of one step into the fp32 accumulator through shared memory, in two
  *  parts. stage_dq_piece: every thread stores its elements (layout as in add_dq_piece) into the
  *  piece's staging buffer, laid out as the TMA reduction reads it (boxes of kDqBoxCols columns x
@@ -704,17 +711,9 @@ __device__ __forceinline__ uint32_t dq_staged_barrier(int consumer) { return 4 +
  *  step under its S^T and dP^T wgmmas (the fence and barrier cost ~1000 cycles per step at d128
  *  where only dK ran beside them; dev/sm90_trace.cu): the stores are fenced to the async proxy,
  *  the warpgroup meets, and one thread adds the boxes to global memory with TMA reductions.
- *  Only for steps whose query rows all exist (no row past the sequence: the map cannot clip at a
- *  sequence's end). The buffer is free again once the issuing thread's bulk group has been read:
- *  that thread waits for it before the dS barrier of the step that flushed it (see consume),
- *  which every thread passes before staging the next piece. */
-/** Whether the step's dQ piece goes to the accumulator by TMA (staged, then flushed): only when
- *  every query row of its block exists, since the map cannot clip at a sequence's end. */
-template <class T>
-__device__ __forceinline__ bool dq_by_tma(const KeyBlockWork& w, int step) {
-  return T::kDqViaTma && w.m0_of(step, T::kBlockM) + T::kBlockM <= w.seqlen_q;
-}
-
+ *  Only for steps where dq_by_tma holds. The buffer is free again once the issuing thread's bulk
+ *  group has been read: that thread waits for it before the dS barrier of the step that flushed
+ *  it (see consume), which every thread passes before staging the next piece. */
 template <class T>
 __device__ __forceinline__ void stage_dq_piece(const BackwardSmem<T>& sm,
                                                const float (&dq)[T::kDqRows * T::kDqCols / 128], int consumer,
