@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
+from targets import report as target_report
 from timing import bench_ms, graph_replay_us
 
 ap = argparse.ArgumentParser()
@@ -341,6 +342,8 @@ def summary():
                                r["flashcore_gbps"], r["torch_sdpa_gbps"], r["flashcore_gbps"] / r["torch_sdpa_gbps"]))
         if r["kind"] == "skipped":
             print("skipped:", r["what"])
+    for line in target_report(ROWS):
+        print(line)
 
 
 skipped = set(filter(None, args.skip.split(",")))
