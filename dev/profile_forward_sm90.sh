@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 source dev/ncu_common.sh
 NAME=$(ncu_kernel_regex fwd "$IMPL")
 [ -n "$NAME" ] || { echo "unknown IMPL '$IMPL' (flashcore, sdpa_cudnn or sdpa_flash)"; exit 2; }
-METRICS="$NCU_METRICS,launch__grid_size,launch__block_size,lts__t_sector_hit_rate.pct"
+METRICS="$NCU_METRICS,launch__grid_size,launch__block_size,launch__shared_mem_per_block_dynamic,lts__t_sector_hit_rate.pct"
 METRICS+=",dram__bytes_read.sum,dram__bytes_write.sum,sm__cycles_active.avg"
 ncu --kernel-name "$NAME" --launch-skip 2 --launch-count 1 --metrics "$METRICS" \
   python3 dev/profile_backward.py "$IMPL" "$D" "$S" "$C" fwd > "$OUTFILE" 2>&1

@@ -53,9 +53,10 @@
 // box of {64, R} with CU_TENSOR_MAP_SWIZZLE_128B writes, and the canonical wgmma layout:
 // KMajorTile{k128B, R, D} for Q (A operand) and K (B operand of Q K^T, K-major), and
 // MnMajorTile{k128B, D, R} for V (B operand of P V, head dim contiguous = MN-major).
-// d64/d128 also stage O there for the epilogue: per consumer, one [64 rows][128 bytes] swizzled box
-// per 64-column chunk, which a TMA store writes out (store_o_staged; the async stores free the
-// consumers and the load/store unit for the next tile, where 4-byte register stores queued up).
+// d64/d128 (and d256 with 64-key tiles, two chunks at a time) also stage O there for the epilogue:
+// per consumer, one [64 rows][128 bytes] swizzled box per 64-column chunk, which a TMA store writes
+// out (store_o_staged; the async stores free the consumers and the load/store unit for the next
+// tile, where 4-byte register stores queued up).
 //
 // ---- Fragments (see cuda/ptx/wgmma.cuh) ---------------------------------------------------------
 // Accumulator register i of warpgroup thread t (warp w, g = lane / 4, quad = lane % 4) holds row
@@ -170,11 +171,14 @@ struct ForwardTraits {
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
-  // The epilogue stages O in shared memory and stores it with TMA where there is room for it
-  // (d64, d128); d256 stores from registers.
-  static constexpr bool kStageO = kHeadDim <= 128;
+  // The epilogue stages O in shared memory and stores it with TMA where there is room for it:
+  // d64 and d128 all of a consumer's columns at once; d256 (64-key tiles) two of its four 64-column
+  // chunks at a time (16 KiB per consumer, what is left beside Q and the K/V ring). A d256 tile of
+  // more keys would leave no room, and its epilogue would store from registers.
+  static constexpr bool kStageO = kHeadDim <= 128 || kBlockN == 64;
+  static constexpr int kOChunksStaged = kHeadDim <= 128 ? kChunks : 2;  // chunks per staging round
   static constexpr uint32_t kOChunkBytes = kRowsPerConsumer * kSwizzleBytes;  // one consumer's box
-  static constexpr uint32_t kOBytesPerConsumer = kChunks * kOChunkBytes;
+  static constexpr uint32_t kOBytesPerConsumer = kOChunksStaged * kOChunkBytes;
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
@@ -200,10 +204,13 @@ struct ForwardTraits {
  *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
  *    (S = 512..16k); causal -35% at S = 512, -4% at 2k, +6% at 4k, +19% at 16k. Ping-pong turns
  *    cost ~2% at d64 (the softmax is as long as the GEMMs it would hide behind).
- *  - d256, 80-key tiles (two stages of 40 KiB K and V), three runs: without a mask -5%..0% at
- *    S = 512, -3%..+5% at 1k, +1%..+7% at 2k-4k, +3%..+11% at 16k; causal -10%..+1% at 1k-2k,
- *    0..+5% at 4k-16k. The wgmma of Q K^T at N = 64 reads about as many shared-memory bytes per
- *    FLOP as the tensor cores consume; N = 80 relieves it. */
+ *  - d256 has one configuration since session 14: 64-key tiles, whose 32 KiB of spare shared memory
+ *    stage the epilogue's O for TMA stores. 80-key tiles (two stages of 40 KiB K and V) had been
+ *    ahead of 64-key ones at S >= 1k without a mask and 4k with one (session 6, +1% to +11%: the
+ *    Q K^T wgmma at N = 64 reads about as many shared-memory bytes per FLOP as the tensor cores
+ *    consume), but they leave no room to stage O, and the register stores of a 64 x 256 output
+ *    took ~6000 cycles of a 35000-cycle tile at S = 512. Staged 64-key tiles against the former
+ *    choice, same process: +5% to +20% at S = 512..2k, +3% to +7% at 4k..16k (docs/PERF.md). */
 inline bool masked_attention(const forward_params_t& p) {
   return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
 }
@@ -226,11 +233,9 @@ struct ForwardConfigs<Element, 128> {
 };
 template <typename Element>
 struct ForwardConfigs<Element, 256> {
-  using Wide = ForwardTraits<Element, 256, 80, 2>;    // 64 + 2*80 KiB
-  using Narrow = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 KiB
-  static bool wide_tiles_pay(const forward_params_t& p) {
-    return p.seqlen_k >= (masked_attention(p) ? 4096 : 1024);
-  }
+  using Wide = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 + 2*16 (O) KiB
+  using Narrow = Wide;
+  static bool wide_tiles_pay(const forward_params_t&) { return true; }
 };
 
 using cuda::ScoreScales;  // how raw scores become the log2-domain exponent (as in sm80)
@@ -512,8 +517,11 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
 /** The staged epilogue of one consumer: O / l as 16-bit pairs into its shared-memory box
  *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: the 16-byte unit u of row r sits
  *  at unit u ^ (r % 8), so the 32 lanes of a store hit 32 distinct banks), then one TMA store per
- *  chunk by thread 0. The buffer is reused by the next tile only after that thread has seen the
- *  previous stores finish reading it (bulk async-group), which the first barrier publishes. */
+ *  chunk by thread 0; kOChunksStaged chunks per round where the box holds fewer than all of them
+ *  (d256). The buffer is reused (by the next round or tile) only after that thread has seen the
+ *  previous stores finish reading it (bulk async-group), which the round's first barrier publishes.
+ *  d256 against its register stores (4-byte stores, 8 rows x 16 bytes per warp instruction, which
+ *  took ~6000 cycles of a 35000-cycle tile at S = 512 in session 14's trace): docs/PERF.md. */
 template <class T>
 __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
                                                const TileOutput& out, int consumer,
@@ -521,31 +529,36 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
                                                const float (&sums)[2], int t) {
   using Ops = ElementOps<typename T::Element>;
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
-  if (t == 0) ptx::tma_store_wait_group_read<0>();
-  epilogue_barrier<T>(consumer);
   uint8_t* buf = sm.o_ptr(consumer);
+  float inv[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
-    const int row = warp * 16 + group + 8 * r;  // row % 8 == group
+  for (int r = 0; r < 2; ++r) inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
 #pragma unroll
-    for (int j = 0; j < T::kHeadDim / 8; ++j) {
-      const uint32_t offset = (j / 8) * T::kOChunkBytes + row * T::kSwizzleBytes +
-                              (((j % 8) ^ group) * 16) + 4 * quad;
-      *reinterpret_cast<uint32_t*>(buf + offset) =
-          Ops::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+  for (int c0 = 0; c0 < T::kChunks; c0 += T::kOChunksStaged) {
+    if (t == 0) ptx::tma_store_wait_group_read<0>();
+    epilogue_barrier<T>(consumer);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * 16 + group + 8 * r;  // row % 8 == group
+#pragma unroll
+      for (int j = 8 * c0; j < 8 * (c0 + T::kOChunksStaged); ++j) {
+        const uint32_t offset = (j / 8 - c0) * T::kOChunkBytes + row * T::kSwizzleBytes +
+                                (((j % 8) ^ group) * 16) + 4 * quad;
+        *reinterpret_cast<uint32_t*>(buf + offset) =
+            Ops::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+      }
     }
-  }
-  ptx::fence_proxy_async_shared_cta();  // make the generic-proxy writes visible to TMA
-  epilogue_barrier<T>(consumer);
-  if (t == 0) {
-    const int32_t row0 = static_cast<int32_t>(out.q_row0 + consumer * T::kRowsPerConsumer);
+    ptx::fence_proxy_async_shared_cta();  // make the generic-proxy writes visible to TMA
+    epilogue_barrier<T>(consumer);
+    if (t == 0) {
+      const int32_t row0 = static_cast<int32_t>(out.q_row0 + consumer * T::kRowsPerConsumer);
 #pragma unroll
-    for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_store_4d(&args.map_o, buf + c * T::kOChunkBytes, c * T::kChunkCols, row0, out.head,
-                        out.batch_coord);
+      for (int c = c0; c < c0 + T::kOChunksStaged; ++c) {
+        ptx::tma_store_4d(&args.map_o, buf + (c - c0) * T::kOChunkBytes, c * T::kChunkCols, row0,
+                          out.head, out.batch_coord);
+      }
+      ptx::tma_store_commit_group();
     }
-    ptx::tma_store_commit_group();
   }
 }
 
@@ -965,8 +978,8 @@ Status launch_forward(const forward_params_t& p) {
                                   {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
   const Status s = encode_attention_maps(jobs, 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
   if (!s.is_ok()) return s;
-  // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise, and
-  // for d256 (no room to stage), the epilogue stores from registers.
+  // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise the
+  // epilogue stores from registers.
   if (T::kStageO && tma_addressable(p.out, varlen, p.batch)) {
     const AttentionMapJob out_job{"out", &p.out, q_rows, p.heads_q, T::kRowsPerConsumer, &args.map_o};
     args.store_o_with_tma =
