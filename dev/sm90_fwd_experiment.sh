@@ -7,13 +7,14 @@
 # usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--ncu D:S:CAUSAL]
 #        [--ncu-variants 0,1] [--filter GTEST_FILTER --test-variants 1,2 (builds the CUDA tests,
 #        both dtypes, and runs them with each of these variants)] [--trace D:S:CAUSAL,... (the
-#        event trace of dev/sm90_trace.cu: where a tile's time goes) [--trace-variants 0,1]]
+#        event trace of dev/sm90_trace.cu: where a tile's time goes) [--trace-variants 0,1]
+#        [--trace-kernel fwd|bwd (bwd: the backward's main kernel instead)]]
 #        [--sanitize-variants 1,2 (with --filter: compute-sanitizer memcheck, racecheck and synccheck
 #        on the small cases, CudaSanitizerSmall.*, per variant)] [--test-timeout S (per variant, default 200)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage}; VARIANTS=${2:?usage}; shift 2
-CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 SANITIZE_VARIANTS= TEST_TIMEOUT=200
+CELLS= ROUNDS=3 NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 TRACE_KERNEL=fwd SANITIZE_VARIANTS= TEST_TIMEOUT=200
 while [ $# -gt 0 ]; do
   case "$1" in
     --cells) CELLS=$2; shift 2 ;;
@@ -24,6 +25,7 @@ while [ $# -gt 0 ]; do
     --test-variants) TEST_VARIANTS=$2; shift 2 ;;
     --trace) TRACE=$2; shift 2 ;;
     --trace-variants) TRACE_VARIANTS=$2; shift 2 ;;
+    --trace-kernel) TRACE_KERNEL=$2; shift 2 ;;
     --sanitize-variants) SANITIZE_VARIANTS=$2; shift 2 ;;
     --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
@@ -74,7 +76,8 @@ if [ -n "$FILTER" ] && [ -n "$SANITIZE_VARIANTS" ]; then
 fi
 
 if [ -n "$TRACE" ]; then
-  if nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DFLASHCORE_SM90_FWD_TRACE \
+  TRACE_MACRO=FLASHCORE_SM90_FWD_TRACE; [ "$TRACE_KERNEL" = bwd ] && TRACE_MACRO=FLASHCORE_SM90_BWD_TRACE
+  if nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -D$TRACE_MACRO \
       -I include -I src dev/sm90_trace.cu src/cuda/sm90/tensor_map.cpp src/cuda/device.cu \
       -o build-exp/sm90_trace >"$OUTDIR/trace.log" 2>&1; then
     IFS=',' read -ra TC <<<"$TRACE"
@@ -82,7 +85,7 @@ if [ -n "$TRACE" ]; then
       IFS=':' read -r D S C <<<"$c"
       for v in ${TRACE_VARIANTS//,/ }; do
         bin="$OUTDIR/trace_d${D}_s${S}_c${C}_v$v.bin"
-        FLASHCORE_DEV_FWD_VARIANT=$v timeout 60 build-exp/sm90_trace fwd "$D" "$S" "$C" "$bin" >>"$OUTDIR/trace.log" 2>&1
+        FLASHCORE_DEV_FWD_VARIANT=$v timeout 60 build-exp/sm90_trace "$TRACE_KERNEL" "$D" "$S" "$C" "$bin" >>"$OUTDIR/trace.log" 2>&1
         python3 dev/sm90_trace.py "$bin" --ctas 4 >>"$OUTDIR/trace.log" 2>&1 && rm -f "$bin"
       done
     done
