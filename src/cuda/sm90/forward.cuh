@@ -53,10 +53,10 @@
 // box of {64, R} with CU_TENSOR_MAP_SWIZZLE_128B writes, and the canonical wgmma layout:
 // KMajorTile{k128B, R, D} for Q (A operand) and K (B operand of Q K^T, K-major), and
 // MnMajorTile{k128B, D, R} for V (B operand of P V, head dim contiguous = MN-major).
-// d64/d128 (and d256 with 64-key tiles, two chunks at a time) also stage O there for the epilogue:
-// per consumer, one [64 rows][128 bytes] swizzled box per 64-column chunk, which a TMA store writes
-// out (store_o_staged; the async stores free the consumers and the load/store unit for the next
-// tile, where 4-byte register stores queued up).
+// The epilogue stages O there too: per consumer, one [64 rows][128 bytes] swizzled box per 64-column
+// chunk (d256: two chunks at a time), which a TMA store writes out (store_o_staged; the async stores
+// free the consumers and the load/store unit for the next tile, where 4-byte register stores queued
+// up).
 //
 // ---- Fragments (see cuda/ptx/wgmma.cuh) ---------------------------------------------------------
 // Accumulator register i of warpgroup thread t (warp w, g = lane / 4, quad = lane % 4) holds row
