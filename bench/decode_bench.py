@@ -173,6 +173,26 @@ def read_ceiling(iters, repeats):
     return rate
 
 
+def target_verdict(rows, ceiling):
+    """How many flashcore cells (row[3:-1], TB/s) are >= cuDNN (row[1]) and >= 95% of the read ceiling."""
+    met = total = 0
+    misses = []
+    for row in rows:
+        try:
+            cudnn = float(row[1])
+        except ValueError:  # cuDNN refused the shape: no target to compare with
+            continue
+        for name, value in zip([n for n, _ in LAYOUTS], row[3:3 + len(LAYOUTS)]):
+            total += 1
+            rate = float(value)
+            if rate >= cudnn and rate >= 0.95 * ceiling:
+                met += 1
+            else:
+                misses.append(f"{row[0]} {name} {rate:.2f} ({rate / cudnn:.2f}x cuDNN, {rate / ceiling:.0%} of the read)")
+    line = f"decode vs target: {met} of {total} cells >= cuDNN and >= 95% of the read bandwidth"
+    return line + ("; below: " + ", ".join(misses) if misses else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build-gpu/libflashcore.so")
@@ -254,6 +274,7 @@ def main():
         print(line)
     print(f"read ceiling (sum of 4 GiB bf16, same run): {ceiling:.2f} TB/s; 95% = {0.95 * ceiling:.2f} TB/s")
     print("TB/s = K+V bytes / time; target: every flashcore cell >= cuDNN and >= 95% of the read bandwidth")
+    print(target_verdict(rows, ceiling))
 
 
 if __name__ == "__main__":
