@@ -171,23 +171,26 @@ struct ForwardTraits {
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
-  // The epilogue stages O in shared memory and stores it with TMA where there is room for it:
-  // d64 and d128 all of a consumer's columns at once; d256 (64-key tiles) two of its four 64-column
-  // chunks at a time (16 KiB per consumer, what is left beside Q and the K/V ring). A d256 tile of
-  // more keys would leave no room, and its epilogue would store from registers.
-  static constexpr bool kStageO = kHeadDim <= 128 || kBlockN == 64;
-  static constexpr int kOChunksStaged = kHeadDim <= 128 ? kChunks : 2;  // chunks per staging round
-  static constexpr uint32_t kOChunkBytes = kRowsPerConsumer * kSwizzleBytes;  // one consumer's box
-  static constexpr uint32_t kOBytesPerConsumer = kOChunksStaged * kOChunkBytes;
+  static constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory per block on sm_90
+  static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
   static constexpr uint32_t kOOffset = kVOffset + kStages * kTileBytes;
-  static constexpr uint32_t kBarrierOffset =
-      kOOffset + (kStageO ? kConsumers * kOBytesPerConsumer : 0);
-  static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
+  // The epilogue stages O in the shared memory left beside Q and the K/V ring and stores it with
+  // TMA: per consumer, as many of its 64-column chunks per round as that room holds (d64 and d128
+  // all at once, d256 with 64-key tiles two of four). With no room (d256 with 80-key tiles) it
+  // would store from registers.
+  static constexpr uint32_t kOChunkBytes = kRowsPerConsumer * kSwizzleBytes;  // one consumer's box
+  static constexpr uint32_t kORoom = kSmemLimit - (kOOffset + 8 * kBarriers + kAlign);
+  static constexpr int kOChunksStaged =
+      std::min<int>(kChunks, static_cast<int>(kORoom / (kConsumers * kOChunkBytes)));  // per round
+  static constexpr bool kStageO = kOChunksStaged > 0;
+  static constexpr uint32_t kOBytesPerConsumer = kOChunksStaged * kOChunkBytes;
+  static constexpr uint32_t kBarrierOffset = kOOffset + kConsumers * kOBytesPerConsumer;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block on sm_90");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory per block on sm_90");
+  static_assert(!kStageO || kChunks % kOChunksStaged == 0, "staging rounds cover the chunks evenly");
 
   static_assert(kHeadDim % kChunkCols == 0, "head dim buckets are multiples of 64");
   static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 256, "wgmma N");
