@@ -1,11 +1,13 @@
-"""A/B of sm90 forward variants next to SDPA cuDNN, in one process, interleaved rounds.
+"""A/B of sm90 forward (or, with --bwd, fwd+bwd) variants next to SDPA cuDNN, in one process,
+interleaved rounds.
 
 The library under test reads FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an
-experiment adds to src/cuda/sm90/forward.cuh and removes before its commit); this script sets it
-before each timed call. Every variant's output is first compared with cuDNN's (max abs difference,
-a sanity check only: the GPU test grids are what decide correctness).
+experiment adds to src/cuda/sm90/forward.cuh or backward.cuh and removes before its commit); this
+script sets it before each timed call. Every variant's output (with --bwd: dq, dk, dv) is first
+compared with cuDNN's (max abs difference, a sanity check only: the GPU test grids are what decide
+correctness).
 
-usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R]
+usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R] [--bwd]
        e.g. python3 dev/fwd_variants.py 0,1,2,3 --cells 128:512:0,128:512:1 --rounds 3
 Cells default to hdim 64/128/256 x S 512/1024/2048 x causal or not, plus d128 S=16384 full.
 Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16.
@@ -26,6 +28,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("variants", help="comma-separated variant numbers, 0 = the shipped kernel")
 ap.add_argument("--cells", default="", help="d:S:causal,... (default: the short-sequence grid)")
 ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--bwd", action="store_true", help="time forward + backward (FLOP = 3.5x the forward's)")
 args = ap.parse_args()
 variants = [int(v) for v in args.variants.split(",")]
 if args.cells:
@@ -45,35 +48,63 @@ rows = []
 for d, s, causal in cells:
     b, h = 16384 // s, 2048 // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     flop = 4.0 * b * h * s * s * d / (2 if causal else 1)
 
     def cudnn():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=bool(causal)).transpose(1, 2)
 
-    with torch.no_grad():
-        ref = cudnn().transpose(1, 2).float()
-        errs = {}
+    def ours():
+        return flashcore.flash_attn_func(q, k, v, causal=bool(causal))
+
+    if args.bwd:
+        flop *= 3.5
+        dout = torch.randn_like(q)
+        for x in (q, k, v):
+            x.requires_grad_(True)
+
+        def run(fn):
+            def step():
+                fn().backward(dout)
+            return step
+
+        def result(fn):
+            for x in (q, k, v):
+                x.grad = None
+            fn().backward(dout)
+            return [x.grad.float() for x in (q, k, v)]
+    else:
+        def run(fn):
+            def step():
+                with torch.no_grad():
+                    return fn()
+            return step
+
+        def result(fn):
+            with torch.no_grad():
+                return [fn().float()]
+
+    ref = result(cudnn)
+    errs = {}
+    for var in variants:
+        set_variant(var)
+        errs[var] = max((a - b).abs().max().item() for a, b in zip(result(ours), ref))
+    best = {"cudnn": 1e9, **{var: 1e9 for var in variants}}
+    for _ in range(args.rounds):
+        best["cudnn"] = min(best["cudnn"], bench_ms(run(cudnn), rep=7, warm_s=0.15))
         for var in variants:
             set_variant(var)
-            out = flashcore.flash_attn_func(q, k, v, causal=bool(causal))
-            errs[var] = (out.float() - ref).abs().max().item()
-        best = {"cudnn": 1e9, **{var: 1e9 for var in variants}}
-        for _ in range(args.rounds):
-            best["cudnn"] = min(best["cudnn"], bench_ms(cudnn, rep=7, warm_s=0.15))
-            for var in variants:
-                set_variant(var)
-                best[var] = min(best[var], bench_ms(lambda: flashcore.flash_attn_func(q, k, v, causal=bool(causal)), rep=7, warm_s=0.15))
+            best[var] = min(best[var], bench_ms(run(ours), rep=7, warm_s=0.15))
     set_variant(0)
     tf = {key: flop / ms / 1e9 for key, ms in best.items()}
     line = f"{d:>4} {s:>6} {'causal' if causal else 'full':>6} {tf['cudnn']:7.1f} " + " ".join(
         f"{tf[var]:6.1f} {tf[var] / tf['cudnn']:5.2f}x" for var in variants)
     print(line + "   max|diff| vs cuDNN " + " ".join(f"v{var} {errs[var]:.1e}" for var in variants), flush=True)
     rows.append(line)
-    del q, k, v, qt, kt, vt, ref
+    del q, k, v, ref
     torch.cuda.empty_cache()
-print("\n==== fwd bf16 TFLOP/s, best of", args.rounds, "rounds; ratio vs cuDNN ====")
+print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} bf16 TFLOP/s, best of", args.rounds, "rounds; ratio vs cuDNN ====")
 print(header)
 for r in rows:
     print(r)

@@ -30,6 +30,9 @@
 //   added to the fp32 dQ accumulator: staged in shared memory and added by TMA reductions
 //   (stage_dq_piece, flushed at the next step's start), or by vector atomics (add_dq_piece) where
 //   the map cannot clip the rows.
+// At the tile's end each consumer's dK and dV (16-bit) go to memory through its dS buffer and TMA
+// stores (store_dk_dv_staged; from registers where TMA cannot serve: varlen blocks past their
+// sequence, tensors TMA cannot describe, the role split).
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that converts
 // to the RS A fragment with no data movement (as P does in the forward), so only dS is ever
 // stored. The dQ tile (kBlockM x d = 2 x 64 x 64 by choice of kBlockM) splits into one 64 x 64
@@ -67,13 +70,13 @@
 //                       correct, but compute-sanitizer's racecheck does not follow that ordering.)
 //  named barrier 1:     (d64 / d128) the 256 consumer threads, after both halves of dS^T are
 //                       stored (and fenced to the async proxy) and before either reads them in
-//                       the dQ wgmma. dS is double-buffered by step parity: a consumer can only
+//                       the dQ wgmma; and at both ends of the staged dK / dV epilogue. dS is double-buffered by step parity: a consumer can only
 //                       write step i + 2's dS after passing step i + 1's barrier, which the other
 //                       consumer reaches only after its dQ wgmma of step i completed.
 //  named barriers 4, 5: (d64 / d128) consumer 0's / 1's warpgroup, after its dQ piece is staged in
 //                       shared memory (and fenced, at the next step's start) and before one thread
 //                       adds it with TMA reductions. That thread waits for the reduction's reads
-//                       before that step's barrier 1.
+//                       before that step's barrier 1. Also between the staged epilogue's rounds.
 //
 // ---- Shared memory (128-byte swizzle, every tile 1024-byte aligned) -------------------------------
 // Q, dO, K, V are stored as TMA writes them: d/64 column chunks of [rows][128 bytes]. That one
@@ -196,6 +199,18 @@ struct BackwardTraits {
   static constexpr int kBarriers = 2 + 2 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
+  // The epilogue (keys split): each consumer stages its dK and dV (64 keys x d, 16-bit) in the dS
+  // buffer of its own index, free once both consumers finished the tile's last step, as
+  // [64 keys][128 bytes] boxes per 64-column chunk, and stores them by TMA; dK's chunks, then
+  // dV's, as many per round as the buffer holds (d64: all 2 in one round; d128: 2 of 4).
+  static constexpr bool kStageDkDv = !kSplitRoles;
+  static constexpr uint32_t kGradChunkBytes = kKeysPerConsumer * kSwizzleBytes;
+  static constexpr int kGradChunks = 2 * kColsPerConsumer / kChunkCols;  // dK's, then dV's
+  static constexpr int kGradChunksPerRound =
+      kStageDkDv ? (kDsBytes / kGradChunkBytes < kGradChunks ? kDsBytes / kGradChunkBytes : kGradChunks) : 1;
+  static_assert(!kStageDkDv || (kGradChunksPerRound > 0 && kGradChunks % kGradChunksPerRound == 0),
+                "staging rounds cover dK's and dV's chunks evenly");
+
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets");
   static_assert(kColsPerConsumer <= 128, "dK and dV of a consumer: 64 x kColsPerConsumer floats each");
   static_assert(kBlockM == 64 || kBlockM == 128, "wgmma N of S^T");
@@ -229,10 +244,12 @@ struct BackwardKernelArgs {
   CUtensorMap map_q, map_k, map_v, map_do;  // first: 64-byte aligned members
   CUtensorMap map_lse, map_dsum;            // the workspace statistics, one row of heads * total_q
   CUtensorMap map_dq;                       // the fp32 dQ accumulator (heads * total_q rows)
+  CUtensorMap map_dk, map_dv;               // the outputs, boxes of 64 keys (valid if store_dkdv_with_tma)
   BackwardParams params;
   sm80::bwd::BackwardWorkspacePtrs ws;
   int num_key_blocks;
   int num_tiles;  // key blocks x KV heads x batch; the persistent grid strides over them
+  bool store_dkdv_with_tma;  // kStageDkDv and dk, dv TMA-addressable (map_dk, map_dv encoded)
 };
 
 template <class T>
@@ -781,6 +798,85 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
   }
 }
 
+/** Named barrier of both consumers' 256 threads: the dS exchange of every step (consume) and the
+ *  two ends of the staged epilogue. */
+constexpr uint32_t kConsumersBarrier = 1;
+
+/** Epilogue through shared memory and TMA (keys split, kStageDkDv): this consumer's dK (times
+ *  softmax_scale) and dV as 16-bit pairs in the swizzled layout of a [64 keys][128 bytes] box per
+ *  64-column chunk (unit u of row r at unit u ^ (r % 8): a warp's 32 4-byte stores hit 32 banks),
+ *  then one thread stores the boxes with TMA, which clips keys past the tensor's end (dense) and
+ *  columns past head_dim. The staging buffer is dS buffer `consumer`:
+ *  - on entry both consumers meet (kConsumersBarrier): the other consumer's dQ wgmma of the
+ *    tile's last step reads both dS buffers' halves until then;
+ *  - between rounds (d128) the issuing thread waits for the previous stores to have read the
+ *    buffer, then the warpgroup meets;
+ *  - on exit both consumers meet again after each issuing thread saw its stores read: the next
+ *    tile's first dS stores may write either buffer.
+ *  Replaces 4-byte stores from registers (8 rows x 16 bytes per warp instruction), which took
+ *  ~18% of a tile at S = 512, d64 and d128 (session 14's trace; docs/PERF.md). */
+template <class T>
+__device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+                                                   const KeyBlockWork& w, const float (&dk)[T::kColsPerConsumer / 2],
+                                                   const float (&dv)[T::kColsPerConsumer / 2], int consumer, int t) {
+  using sm80::bwd::pack_pair;
+  using Element = typename T::Element;
+  constexpr int kChunksPerGrad = T::kGradChunks / 2;
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const float scale = args.params.softmax_scale;
+  uint8_t* buf = sm.ds_ptr(consumer);
+  ptx::named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+#pragma unroll
+  for (int c0 = 0; c0 < T::kGradChunks; c0 += T::kGradChunksPerRound) {
+    // The previous round's stores have read the buffer (its issuing thread waited for them).
+    if (c0 > 0) ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
+#pragma unroll
+    for (int c = c0; c < c0 + T::kGradChunksPerRound; ++c) {
+      const bool is_dk = c < kChunksPerGrad;
+      const float(&acc)[T::kColsPerConsumer / 2] = is_dk ? dk : dv;
+      const float factor = is_dk ? scale : 1.f;
+      const int chunk = is_dk ? c : c - kChunksPerGrad;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + group + 8 * r;  // row % 8 == group
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {  // 16-byte units: 8 columns, accumulator column group j
+          const int j = 8 * chunk + u;
+          const uint32_t offset = (c - c0) * T::kGradChunkBytes + row * T::kSwizzleBytes + ((u ^ group) * 16) + 4 * quad;
+          *reinterpret_cast<uint32_t*>(buf + offset) =
+              pack_pair<Element>(acc[4 * j + 2 * r] * factor, acc[4 * j + 2 * r + 1] * factor);
+        }
+      }
+    }
+    ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores -> the TMA store's reads
+    ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
+    if (t == 0) {
+      const bool varlen = args.params.cu_seqlens_k != nullptr;
+      const int32_t row = w.k_start + w.n0 + consumer * T::kKeysPerConsumer;
+      const int32_t batch = varlen ? 0 : w.batch;
+#pragma unroll
+      for (int c = c0; c < c0 + T::kGradChunksPerRound; ++c) {
+        const bool is_dk = c < kChunksPerGrad;
+        const int chunk = is_dk ? c : c - kChunksPerGrad;
+        ptx::tma_store_4d(is_dk ? &args.map_dk : &args.map_dv, buf + (c - c0) * T::kGradChunkBytes,
+                          chunk * T::kChunkCols, row, w.kv_head, batch);
+      }
+      ptx::tma_store_commit_group();
+      ptx::tma_store_wait_group_read<0>();
+    }
+  }
+  ptx::named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+}
+
+/** Whether the tile's dK and dV go out through store_dk_dv_staged: the same answer in both
+ *  consumers (its barriers span both). A varlen block reaching past its sequence's keys would
+ *  overwrite the next sequence's rows (TMA sees packed rows), so it stores from registers. */
+template <class T>
+__device__ __forceinline__ bool dk_dv_by_tma(const BackwardKernelArgs& args, const KeyBlockWork& w) {
+  return T::kStageDkDv && args.store_dkdv_with_tma &&
+         (args.params.cu_seqlens_k == nullptr || w.n0 + T::kBlockN <= w.seqlen_k);
+}
+
 /** The end of a step, the same for both ways of sharing the block (the dS tile of the step is
  *  complete): this consumer's dQ piece and dK[keys from key0, columns from col0] += dS^T Q, in
  *  that order, so the dQ piece goes to the accumulator while dK still runs; then, once every
@@ -924,7 +1020,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     // may stage the next one after this barrier.
     if (kWithDq && T::kDqViaTma && t == 0) ptx::tma_store_wait_group_read<0>();
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
-    ptx::named_barrier_sync(1, T::kConsumerThreads);
+    ptx::named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     BWD_TRACE(trace_events, role, kDsShared, step);
     finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk,
                                   trace_events);
@@ -932,7 +1028,11 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   if (kWithDq && w.steps > 0 && dq_by_tma<T>(w, w.steps - 1)) {
     flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, t);
   }
-  store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
+  if (dk_dv_by_tma<T>(args, w)) {
+    store_dk_dv_staged<T>(args, sm, w, dk, dv, consumer, t);
+  } else {
+    store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
+  }
   BWD_TRACE(trace_events, role, kTileEnd, 0);
 }
 
@@ -1086,11 +1186,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
       }
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
+      if (T::kStageDkDv && args.store_dkdv_with_tma && ptx::thread_in_warpgroup() == 0) {
+        ptx::tma_prefetch_tensor_map(&args.map_dk);
+        ptx::tma_prefetch_tensor_map(&args.map_dv);
+      }
       for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
         consume<T, kWithDq>(args, sm, w, at, consumer, trace_events);
       });
-      // The last dQ reductions complete before the CTA (and its shared memory) goes away.
-      if (kWithDq && T::kDqViaTma && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
+      // The last dQ reductions and dK / dV stores complete before the CTA (and its shared memory)
+      // goes away.
+      if (((kWithDq && T::kDqViaTma) || T::kStageDkDv) && ptx::thread_in_warpgroup() == 0) {
+        ptx::tma_store_wait_group<0>();
+      }
     }
   }
 }
@@ -1161,6 +1268,13 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
                                    TmaSwizzle::k128B, &args.map_dq)).is_ok()) {
       return s;
     }
+  }
+  // dK and dV through TMA where they can be described; otherwise the epilogue stores from registers.
+  if (T::kStageDkDv && k_rows > 0 && tma_addressable(p.dk, varlen, p.batch) && tma_addressable(p.dv, varlen, p.batch)) {
+    const AttentionMapJob out_jobs[] = {{"dk", &p.dk, k_rows, p.heads_kv, T::kKeysPerConsumer, &args.map_dk},
+                                        {"dv", &p.dv, k_rows, p.heads_kv, T::kKeysPerConsumer, &args.map_dv}};
+    args.store_dkdv_with_tma =
+        encode_attention_maps(out_jobs, 2, element, p.batch, p.head_dim, varlen, "cuda_sm90 backward").is_ok();
   }
   auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
