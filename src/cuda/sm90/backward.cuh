@@ -30,9 +30,9 @@
 //   added to the fp32 dQ accumulator: staged in shared memory and added by TMA reductions
 //   (stage_dq_piece, flushed at the next step's start), or by vector atomics (add_dq_piece) where
 //   the map cannot clip the rows.
-// At the tile's end each consumer's dK and dV (16-bit) go to memory through its dS buffer and TMA
-// stores (store_dk_dv_staged; from registers where TMA cannot serve: varlen blocks past their
-// sequence, tensors TMA cannot describe, the role split).
+// At the tile's end each consumer's dK and dV (16-bit) go to memory through a dS (or P) buffer
+// and TMA stores (store_dk_dv_staged; from registers where TMA cannot serve: varlen blocks past
+// their sequence, tensors TMA cannot describe).
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that converts
 // to the RS A fragment with no data movement (as P does in the forward), so only dS is ever
 // stored. The dQ tile (kBlockM x d = 2 x 64 x 64 by choice of kBlockM) splits into one 64 x 64
@@ -199,16 +199,19 @@ struct BackwardTraits {
   static constexpr int kBarriers = 2 + 2 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
-  // The epilogue (keys split): each consumer stages its dK and dV (64 keys x d, 16-bit) in the dS
-  // buffer of its own index, free once both consumers finished the tile's last step, as
+  // The epilogue: each consumer stages its dK and dV (16-bit, 64 keys x kColsPerConsumer) in
+  // buffers the steps are done with once both consumers finished the tile's last step, as
   // [64 keys][128 bytes] boxes per 64-column chunk, and stores them by TMA; dK's chunks, then
-  // dV's, as many per round as the buffer holds (d64: all 2 in one round; d128: 2 of 4).
-  static constexpr bool kStageDkDv = !kSplitRoles;
+  // dV's, as many per round as its buffer holds. Keys split: dS buffer `consumer` (d64: both
+  // chunks in one round; d128: 2 of 4). Role split: consumer 0 the two P buffers, consumer 1
+  // the two dS buffers (2 of 4 chunks per round).
+  static constexpr uint32_t kGradStagingBytes = kSplitRoles ? 2 * kDsBytes : kDsBytes;
   static constexpr uint32_t kGradChunkBytes = kKeysPerConsumer * kSwizzleBytes;
   static constexpr int kGradChunks = 2 * kColsPerConsumer / kChunkCols;  // dK's, then dV's
-  static constexpr int kGradChunksPerRound =
-      kStageDkDv ? (kDsBytes / kGradChunkBytes < kGradChunks ? kDsBytes / kGradChunkBytes : kGradChunks) : 1;
-  static_assert(!kStageDkDv || (kGradChunksPerRound > 0 && kGradChunks % kGradChunksPerRound == 0),
+  static constexpr int kGradChunksPerRound = kGradStagingBytes / kGradChunkBytes < kGradChunks
+                                                 ? kGradStagingBytes / kGradChunkBytes
+                                                 : kGradChunks;
+  static_assert(kGradChunksPerRound > 0 && kGradChunks % kGradChunksPerRound == 0,
                 "staging rounds cover dK's and dV's chunks evenly");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head-dim buckets");
@@ -249,7 +252,7 @@ struct BackwardKernelArgs {
   sm80::bwd::BackwardWorkspacePtrs ws;
   int num_key_blocks;
   int num_tiles;  // key blocks x KV heads x batch; the persistent grid strides over them
-  bool store_dkdv_with_tma;  // kStageDkDv and dk, dv TMA-addressable (map_dk, map_dv encoded)
+  bool store_dkdv_with_tma;  // dk and dv TMA-addressable (map_dk, map_dv encoded)
 };
 
 template <class T>
@@ -802,19 +805,21 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
  *  two ends of the staged epilogue. */
 constexpr uint32_t kConsumersBarrier = 1;
 
-/** Epilogue through shared memory and TMA (keys split, kStageDkDv): this consumer's dK (times
- *  softmax_scale) and dV as 16-bit pairs in the swizzled layout of a [64 keys][128 bytes] box per
- *  64-column chunk (unit u of row r at unit u ^ (r % 8): a warp's 32 4-byte stores hit 32 banks),
- *  then one thread stores the boxes with TMA, which clips keys past the tensor's end (dense) and
- *  columns past head_dim. The staging buffer is dS buffer `consumer`:
- *  - on entry both consumers meet (kConsumersBarrier): the other consumer's dQ wgmma of the
- *    tile's last step reads both dS buffers' halves until then;
- *  - between rounds (d128) the issuing thread waits for the previous stores to have read the
- *    buffer, then the warpgroup meets;
- *  - on exit both consumers meet again after each issuing thread saw its stores read: the next
- *    tile's first dS stores may write either buffer.
- *  Replaces 4-byte stores from registers (8 rows x 16 bytes per warp instruction), which took
- *  ~18% of a tile at S = 512, d64 and d128 (session 14's trace; docs/PERF.md). */
+/** Epilogue through shared memory and TMA: this consumer's dK (times softmax_scale) and dV (64
+ *  keys, kColsPerConsumer columns) as 16-bit pairs in the swizzled layout of a [64 keys][128 bytes]
+ *  box per 64-column chunk (unit u of row r at unit u ^ (r % 8): a warp's 32 4-byte stores hit 32
+ *  banks), then one thread stores the boxes with TMA, which clips keys past the tensor's end
+ *  (dense) and columns past head_dim. The staging buffer (see kGradStagingBytes) is one the steps
+ *  use, so:
+ *  - on entry both consumers meet (kConsumersBarrier): the other consumer's wgmmas of the tile's
+ *    last step read the dS (and P) buffers until then;
+ *  - between rounds the issuing thread has waited for the previous stores to read the buffer,
+ *    and the warpgroup meets;
+ *  - on exit both consumers meet again, each issuing thread having seen its stores read: the
+ *    next tile's first step may write any of the buffers.
+ *  The role split's consumers reach the consumer barrier from different code: its non-.aligned
+ *  form. Replaces 4-byte stores from registers (8 rows x 16 bytes per warp instruction), which
+ *  took ~18% of a tile at S = 512, d64 and d128 (session 14's trace; docs/PERF.md). */
 template <class T>
 __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                                    const KeyBlockWork& w, const float (&dk)[T::kColsPerConsumer / 2],
@@ -824,8 +829,8 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
   constexpr int kChunksPerGrad = T::kGradChunks / 2;
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const float scale = args.params.softmax_scale;
-  uint8_t* buf = sm.ds_ptr(consumer);
-  ptx::named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  uint8_t* buf = !T::kSplitRoles ? sm.ds_ptr(consumer) : (consumer == 0 ? sm.p_ptr(0) : sm.ds_ptr(0));
+  ptx::barrier_sync_any(kConsumersBarrier, T::kConsumerThreads);
 #pragma unroll
   for (int c0 = 0; c0 < T::kGradChunks; c0 += T::kGradChunksPerRound) {
     // The previous round's stores have read the buffer (its issuing thread waited for them).
@@ -852,20 +857,21 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
     ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
     if (t == 0) {
       const bool varlen = args.params.cu_seqlens_k != nullptr;
-      const int32_t row = w.k_start + w.n0 + consumer * T::kKeysPerConsumer;
+      const int32_t row = w.k_start + w.n0 + (T::kSplitRoles ? 0 : consumer * T::kKeysPerConsumer);
+      const int32_t col0 = T::kSplitRoles ? consumer * T::kColsPerConsumer : 0;
       const int32_t batch = varlen ? 0 : w.batch;
 #pragma unroll
       for (int c = c0; c < c0 + T::kGradChunksPerRound; ++c) {
         const bool is_dk = c < kChunksPerGrad;
         const int chunk = is_dk ? c : c - kChunksPerGrad;
         ptx::tma_store_4d(is_dk ? &args.map_dk : &args.map_dv, buf + (c - c0) * T::kGradChunkBytes,
-                          chunk * T::kChunkCols, row, w.kv_head, batch);
+                          col0 + chunk * T::kChunkCols, row, w.kv_head, batch);
       }
       ptx::tma_store_commit_group();
       ptx::tma_store_wait_group_read<0>();
     }
   }
-  ptx::named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
+  ptx::barrier_sync_any(kConsumersBarrier, T::kConsumerThreads);
 }
 
 /** Whether the tile's dK and dV go out through store_dk_dv_staged: the same answer in both
@@ -873,7 +879,7 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
  *  overwrite the next sequence's rows (TMA sees packed rows), so it stores from registers. */
 template <class T>
 __device__ __forceinline__ bool dk_dv_by_tma(const BackwardKernelArgs& args, const KeyBlockWork& w) {
-  return T::kStageDkDv && args.store_dkdv_with_tma &&
+  return args.store_dkdv_with_tma &&
          (args.params.cu_seqlens_k == nullptr || w.n0 + T::kBlockN <= w.seqlen_k);
 }
 
@@ -1125,7 +1131,11 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
     finish_step<T, kWithDq, false>(args, sm, w, at, step, 0, col0, consumer, pa, dv, dk,  // pa: unused
                                    trace_events);
   }
-  store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
+  if (dk_dv_by_tma<T>(args, w)) {
+    store_dk_dv_staged<T>(args, sm, w, dk, dv, consumer, t);
+  } else {
+    store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
+  }
 }
 
 /** kWithDq: false in deterministic mode, where dq is recomputed by the sm80 dq kernel instead of
@@ -1174,6 +1184,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
+    if (args.store_dkdv_with_tma && ptx::thread_in_warpgroup() == 0) {
+      ptx::tma_prefetch_tensor_map(&args.map_dk);
+      ptx::tma_prefetch_tensor_map(&args.map_dv);
+    }
     if constexpr (T::kSplitRoles) {
       if (warpgroup == 1) {
         for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
@@ -1186,19 +1200,13 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
       }
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
-      if (T::kStageDkDv && args.store_dkdv_with_tma && ptx::thread_in_warpgroup() == 0) {
-        ptx::tma_prefetch_tensor_map(&args.map_dk);
-        ptx::tma_prefetch_tensor_map(&args.map_dv);
-      }
       for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
         consume<T, kWithDq>(args, sm, w, at, consumer, trace_events);
       });
-      // The last dQ reductions and dK / dV stores complete before the CTA (and its shared memory)
-      // goes away.
-      if (((kWithDq && T::kDqViaTma) || T::kStageDkDv) && ptx::thread_in_warpgroup() == 0) {
-        ptx::tma_store_wait_group<0>();
-      }
     }
+    // The last dQ reductions and dK / dV stores complete before the CTA (and its shared memory)
+    // goes away.
+    if (ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
   }
 }
 
@@ -1270,7 +1278,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
     }
   }
   // dK and dV through TMA where they can be described; otherwise the epilogue stores from registers.
-  if (T::kStageDkDv && k_rows > 0 && tma_addressable(p.dk, varlen, p.batch) && tma_addressable(p.dv, varlen, p.batch)) {
+  if (k_rows > 0 && tma_addressable(p.dk, varlen, p.batch) && tma_addressable(p.dv, varlen, p.batch)) {
     const AttentionMapJob out_jobs[] = {{"dk", &p.dk, k_rows, p.heads_kv, T::kKeysPerConsumer, &args.map_dk},
                                         {"dv", &p.dv, k_rows, p.heads_kv, T::kKeysPerConsumer, &args.map_dv}};
     args.store_dkdv_with_tma =
