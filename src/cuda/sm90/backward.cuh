@@ -46,8 +46,10 @@
 // S^T and dP^T are issued as two wgmma groups; P^T is computed as soon as S^T completes, dV is
 // issued, and dS^T is computed while dV runs (d128; at d64 the registers do not allow it, see
 // consume). The dQ wgmma goes before dK's: the dQ piece is staged in shared memory while dK still
-// runs and flushed to the accumulator at the next step's start, under S^T and dP^T. fwd+bwd about
-// 0.93x cuDNN's on the H100 (docs/PERF.md, session 12); dev/sm90_trace.cu shows a step's phases.
+// runs and flushed to the accumulator at the next step's start, under S^T and dP^T. At d128 dK
+// is still running when the next step issues S^T and dP^T behind it (kCarryDk). fwd+bwd about
+// 0.91x-1.04x cuDNN's on the H100 (docs/PERF.md, session 15); dev/sm90_trace.cu shows a step's
+// phases.
 //
 // ---- Grid ----------------------------------------------------------------------------------------
 // A tile is (key block, KV head, batch entry), key block fastest. Without a window the grid is
@@ -65,7 +67,7 @@
 //  q_full[s]/q_empty[s]: Q, dO and the rows' lse_log2 and D (TMA, one producer thread; the
 //                       statistics through 1-row fp32 maps of the workspace) of query step i in
 //                       stage s = i % kStages; every consumer warp arrives on q_empty once the
-//                       wgmmas that read the stage have completed. (Ordinary stores of the
+//                       wgmmas that read the stage have completed (kCarryDk: dK's, during step i + 1). (Ordinary stores of the
 //                       statistics by the producer, published by the mbarrier arrive, are just as
 //                       correct, but compute-sanitizer's racecheck does not follow that ordering.)
 //  named barrier 1:     (d64 / d128) the 256 consumer threads, after both halves of dS^T are
@@ -152,6 +154,14 @@ struct BackwardTraits {
   static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <=
                     kThreads * kEntryRegisters,
                 "setmaxnreg split exceeds the registers the CTA is launched with");
+
+  // Whether a step's dK wgmma stays in flight into the next step (keys split, 64-query steps:
+  // d128): the next step's S^T and dP^T are issued behind it instead of after it drained, and
+  // its stage goes back to the producer after that step's first wait. fwd+bwd d128 against
+  // draining every step: 16k 0.90x -> 0.97x cuDNN, 2k 0.94x -> 0.97x; d64 (128-query steps,
+  // whose schedule waits for S^T and dP^T together) lost 1-2%, so it drains (docs/PERF.md,
+  // session 15).
+  static constexpr bool kCarryDk = !kSplitRoles && kBlockM == 64;
 
   // dQ (kBlockM x kHeadDim) in one 64-row piece per consumer: by rows at d = 64 (kBlockM = 128),
   // by columns at d = 128 (64 each) and d = 256 (128 each).
@@ -887,10 +897,12 @@ __device__ __forceinline__ bool dk_dv_by_tma(const BackwardKernelArgs& args, con
  *  complete): this consumer's dQ piece and dK[keys from key0, columns from col0] += dS^T Q, in
  *  that order, so the dQ piece goes to the accumulator while dK still runs; then, once every
  *  wgmma of the step (the dV one included) has completed, the stage goes back to the producer.
+ *  kCarryDk (BackwardTraits): except at the tile's last step, dK is left in flight and the next
+ *  step retires it and releases the stage (consume).
  *  A piece that goes by TMA (dq_by_tma) is only staged here; the caller flushes it.
  *  kDsInRegisters: dS^T is taken from this thread's A fragments `ds` (RS, the keys-split
  *  consumers, whose fragments hold exactly their keys), else read from the dS tile (SS). */
-template <class T, bool kWithDq, bool kDsInRegisters>
+template <class T, bool kWithDq, bool kDsInRegisters, bool kCarryDk = false>
 __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                             const KeyBlockWork& w, const TileCursor& at, int step, int key0,
                                             int col0, int consumer, const uint32_t (&ds)[T::kBlockM / 16][4],
@@ -923,6 +935,12 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
     }
     BWD_TRACE(trace_events, role, kDqSent, step);
   }
+  if (kCarryDk && step < w.steps - 1) {
+    // dK stays in flight into the next step, which releases this stage after its first wait.
+    ptx::wgmma_fence_operands(dv);
+    BWD_TRACE(trace_events, role, kStepEnd, step);
+    return;
+  }
   ptx::wgmma_wait_group<0>();
   ptx::wgmma_fence_operands(dv);
   ptx::wgmma_fence_operands(dk);
@@ -935,7 +953,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
  *  step, then dK and dV to memory. kWithDq is a template parameter, not a run-time flag: a wgmma
  *  under a run-time branch made ptxas serialize every wgmma of the loop and spill ~680 bytes
  *  (d128). */
-template <class T, bool kWithDq>
+template <class T, bool kWithDq, bool kCarryDk>
 __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                         const TileCursor& at, int consumer, [[maybe_unused]] int& trace_events) {
   [[maybe_unused]] const int role = 1 + consumer;  // trace role
@@ -957,6 +975,20 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   float dv[T::kColsPerConsumer / 2], dk[T::kColsPerConsumer / 2];
 #pragma unroll
   for (int i = 0; i < T::kColsPerConsumer / 2; ++i) dv[i] = dk[i] = 0.f;
+
+  uint32_t dsa[T::kBlockM / 16][4];  // dS^T: stored for dQ (both halves), kept for dK (RS)
+  // The previous step's dK (and the A fragments it reads) still in flight: completed by this
+  // step's first wait, after which its stage goes back to the producer.
+  const auto retire_carried_dk = [&](int step) {
+    if constexpr (kCarryDk) {
+      if (step > 0) {
+        ptx::wgmma_fence_operands(dk);
+#pragma unroll
+        for (int k = 0; k < T::kBlockM / 16; ++k) ptx::wgmma_fence_operands(dsa[k]);
+        release_stage(sm.q_empty(at.slot<T>(step - 1).stage));
+      }
+    }
+  };
 
   if (w.steps > 0) ptx::mbarrier_wait_parity(sm.kv_full(), at.kv_parity());
   BWD_TRACE(trace_events, role, kTileBegin, 0);
@@ -984,6 +1016,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       // P^T while dP^T still runs, then dV += P^T dO under dS^T's element-wise part.
       ptx::wgmma_wait_group<1>();
       ptx::wgmma_fence_operands(s);
+      retire_carried_dk(step);
       BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
         probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, pa, lse, tf, mask, m0, key_row0, quad);
@@ -1003,13 +1036,13 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(s);
       ptx::wgmma_fence_operands(dp);
+      retire_carried_dk(step);
       BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
         probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, dp, lse, dsum, tf, mask,
                                                                                         m0, key_row0, quad);
       });
     }
-    uint32_t dsa[T::kBlockM / 16][4];  // dS^T: stored for dQ (both halves), kept for dK (RS)
     pack_a_fragments<T>(dp, dsa);
     store_key_tile<T>(dsa, sm.ds_ptr(ds_buf), key_row, quad);
     ptx::fence_proxy_async_shared_cta();  // dS stores -> visible to the wgmmas (async proxy)
@@ -1028,8 +1061,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     // Both consumers' halves of dS are stored (dQ reads them all; dK reads this one's).
     ptx::named_barrier_sync(kConsumersBarrier, T::kConsumerThreads);
     BWD_TRACE(trace_events, role, kDsShared, step);
-    finish_step<T, kWithDq, true>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa, dv, dk,
-                                  trace_events);
+    finish_step<T, kWithDq, true, kCarryDk>(args, sm, w, at, step, consumer * T::kKeysPerConsumer, 0, consumer, dsa,
+                                            dv, dk, trace_events);
   }
   if (kWithDq && w.steps > 0 && dq_by_tma<T>(w, w.steps - 1)) {
     flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, t);
@@ -1201,7 +1234,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
       for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-        consume<T, kWithDq>(args, sm, w, at, consumer, trace_events);
+        consume<T, kWithDq, T::kCarryDk && kWithDq>(args, sm, w, at, consumer, trace_events);
       });
     }
     // The last dQ reductions and dK / dV stores complete before the CTA (and its shared memory)
