@@ -70,12 +70,12 @@
 //                       wgmmas that read the stage have completed (kCarryDk: dK's, during step i + 1). (Ordinary stores of the
 //                       statistics by the producer, published by the mbarrier arrive, are just as
 //                       correct, but compute-sanitizer's racecheck does not follow that ordering.)
-//  named barrier 1:     (d64 / d128) the 256 consumer threads, after both halves of dS^T are
+//  named barrier 1:     the 256 consumer threads: (d64 / d128) after both halves of dS^T are
 //                       stored (and fenced to the async proxy) and before either reads them in
-//                       the dQ wgmma; and at both ends of the staged dK / dV epilogue. dS is double-buffered by step parity: a consumer can only
+//                       the dQ wgmma; (every head dim) at both ends of the staged dK / dV epilogue. dS is double-buffered by step parity: a consumer can only
 //                       write step i + 2's dS after passing step i + 1's barrier, which the other
 //                       consumer reaches only after its dQ wgmma of step i completed.
-//  named barriers 4, 5: (d64 / d128) consumer 0's / 1's warpgroup, after its dQ piece is staged in
+//  named barriers 4, 5: consumer 0's / 1's warpgroup: (d64 / d128) after its dQ piece is staged in
 //                       shared memory (and fenced, at the next step's start) and before one thread
 //                       adds it with TMA reductions. That thread waits for the reduction's reads
 //                       before that step's barrier 1. Also between the staged epilogue's rounds.
@@ -160,7 +160,8 @@ struct BackwardTraits {
   // its stage goes back to the producer after that step's first wait. fwd+bwd d128 against
   // draining every step: 16k 0.90x -> 0.97x cuDNN, 2k 0.94x -> 0.97x; d64 (128-query steps,
   // whose schedule waits for S^T and dP^T together) lost 1-2%, so it drains (docs/PERF.md,
-  // session 15).
+  // session 15). Deterministic calls (no dQ) drain every step: the step's only wait before its end
+  // is dQ's, which also retires dV.
   static constexpr bool kCarryDk = !kSplitRoles && kBlockM == 64;
 
   // dQ (kBlockM x kHeadDim) in one 64-row piece per consumer: by rows at d = 64 (kBlockM = 128),
@@ -722,9 +723,10 @@ __device__ __forceinline__ void add_dq_piece(const BackwardKernelArgs& args, con
   }
 }
 
-/** Named barrier of one consumer warpgroup's 128 threads (ids 0-3 are taken: __syncthreads, the
- *  dS exchange, the role split's two). */
-__device__ __forceinline__ uint32_t dq_staged_barrier(int consumer) { return 4 + static_cast<uint32_t>(consumer); }
+/** Named barrier of one consumer warpgroup's 128 threads: the dQ piece's staging and the staged
+ *  dK / dV epilogue's rounds (ids 0-3 are taken: __syncthreads, the consumers' barrier, the role
+ *  split's two). */
+__device__ __forceinline__ uint32_t warpgroup_barrier(int consumer) { return 4 + static_cast<uint32_t>(consumer); }
 
 /** Whether the step's dQ piece goes to the accumulator by TMA (staged, then flushed): only when
  *  every query row of its block exists, since the map cannot clip at a sequence's end. */
@@ -766,7 +768,7 @@ template <class T>
 __device__ __forceinline__ void flush_dq_piece(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                                const KeyBlockWork& w, int step, int consumer, int thread) {
   ptx::fence_proxy_async_shared_cta();  // the staging stores -> the TMA reduction's reads
-  ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
+  ptx::named_barrier_sync(warpgroup_barrier(consumer), T::kWarpgroupThreads);
   if (thread == 0) {
     const BackwardParams& p = args.params;
     const int row_off = T::kDqSplitRows ? consumer * T::kDqRows : 0;
@@ -844,7 +846,7 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
 #pragma unroll
   for (int c0 = 0; c0 < T::kGradChunks; c0 += T::kGradChunksPerRound) {
     // The previous round's stores have read the buffer (its issuing thread waited for them).
-    if (c0 > 0) ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
+    if (c0 > 0) ptx::named_barrier_sync(warpgroup_barrier(consumer), T::kWarpgroupThreads);
 #pragma unroll
     for (int c = c0; c < c0 + T::kGradChunksPerRound; ++c) {
       const bool is_dk = c < kChunksPerGrad;
@@ -864,9 +866,9 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
       }
     }
     ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores -> the TMA store's reads
-    ptx::named_barrier_sync(dq_staged_barrier(consumer), T::kWarpgroupThreads);
+    ptx::named_barrier_sync(warpgroup_barrier(consumer), T::kWarpgroupThreads);
     if (t == 0) {
-      const bool varlen = args.params.cu_seqlens_k != nullptr;
+      const bool varlen = args.params.cu_seqlens_q != nullptr;  // as the producer decides
       const int32_t row = w.k_start + w.n0 + (T::kSplitRoles ? 0 : consumer * T::kKeysPerConsumer);
       const int32_t col0 = T::kSplitRoles ? consumer * T::kColsPerConsumer : 0;
       const int32_t batch = varlen ? 0 : w.batch;
@@ -890,7 +892,7 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
 template <class T>
 __device__ __forceinline__ bool dk_dv_by_tma(const BackwardKernelArgs& args, const KeyBlockWork& w) {
   return args.store_dkdv_with_tma &&
-         (args.params.cu_seqlens_k == nullptr || w.n0 + T::kBlockN <= w.seqlen_k);
+         (args.params.cu_seqlens_q == nullptr || w.n0 + T::kBlockN <= w.seqlen_k);
 }
 
 /** The end of a step, the same for both ways of sharing the block (the dS tile of the step is
@@ -913,6 +915,9 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
   const TileCursor::Slot slot = at.slot<T>(step);
   const int stage = slot.stage;
   float dq[T::kDqRows * T::kDqCols / 128];
+  // dS^T's A fragments (keys split) were packed after the step's last wgmma.fence, which the
+  // dK wgmma reading them needs (ptxas used to insert it itself, reporting C7519).
+  if constexpr (kDsInRegisters) ptx::wgmma_fence();
   if constexpr (kWithDq) {
     issue_dq<T>(dq, sm.ds_addr(slot.buf), sm.k_addr(), consumer);
     ptx::wgmma_commit_group();
@@ -935,6 +940,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
     }
     BWD_TRACE(trace_events, role, kDqSent, step);
   }
+  static_assert(!kCarryDk || kWithDq, "the carry relies on the dQ wait having retired dV");
   if (kCarryDk && step < w.steps - 1) {
     // dK stays in flight into the next step, which releases this stage after its first wait.
     ptx::wgmma_fence_operands(dv);
