@@ -49,6 +49,16 @@ __device__ __forceinline__ void fence_proxy_async_shared_cta() {
 
 // ---- loads: global -> shared, completion counted in bytes on an mbarrier ----------------------
 
+/** Byte offset of (row, 16-byte unit, byte) in shared memory laid out as consecutive 128-byte-
+ *  swizzled boxes of `box_rows` rows x 128 bytes (64 16-bit columns), as a TMA map with
+ *  CU_TENSOR_MAP_SWIZZLE_128B reads or writes them: unit u of row r sits at unit u ^ (r % 8), so
+ *  the 8 rows x 4 words of a warp's accumulator-fragment store hit 32 distinct banks. The same
+ *  layout as ptx::KMajorTile{k128B}, in the few integer operations a per-element epilogue wants. */
+__host__ __device__ constexpr uint32_t swizzled_box_offset(uint32_t box_rows, uint32_t box, uint32_t row,
+                                                           uint32_t unit, uint32_t byte) {
+  return box * box_rows * 128u + row * 128u + ((unit ^ (row % 8u)) << 4) + byte;
+}
+
 /** 2D tile load of the map's box at {c0 (inner), c1}. */
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
                                             int32_t c0, int32_t c1) {

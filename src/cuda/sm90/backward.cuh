@@ -306,6 +306,8 @@ struct KeyBlockWork {
   int64_t q_row0;  // packed row of the sequence's first query (workspace statistics)
 
   __device__ int head_of(int step) const { return kv_head * group + step / blocks_per_head; }
+  /** The batch coordinate of the 4-D tensor maps: varlen maps have a single batch of packed rows. */
+  __device__ int32_t map_batch(const BackwardParams& p) const { return p.cu_seqlens_q != nullptr ? 0 : batch; }
   __device__ int m0_of(int step, int block_m) const { return (m_block_begin + step % blocks_per_head) * block_m; }
   /** Index of the step's first row in the workspace statistics (heads_q x total_q values; below
    *  2^31 - 128 by backward_api.cu). */
@@ -386,8 +388,7 @@ template <class T>
 __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                         const TileCursor& at, [[maybe_unused]] int& trace_events) {
   const BackwardParams& p = args.params;
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int32_t bc = varlen ? 0 : static_cast<int32_t>(w.batch);
+  const int32_t bc = w.map_batch(p);
   const int32_t hk = static_cast<int32_t>(w.kv_head);
   if (w.steps == 0) return;  // no query sees these keys: dK = dV = 0, nothing to load
   BWD_TRACE(trace_events, 0, kTileBegin, 0);
@@ -819,8 +820,7 @@ constexpr uint32_t kConsumersBarrier = 1;
 
 /** Epilogue through shared memory and TMA: this consumer's dK (times softmax_scale) and dV (64
  *  keys, kColsPerConsumer columns) as 16-bit pairs in the swizzled layout of a [64 keys][128 bytes]
- *  box per 64-column chunk (unit u of row r at unit u ^ (r % 8): a warp's 32 4-byte stores hit 32
- *  banks), then one thread stores the boxes with TMA, which clips keys past the tensor's end
+ *  box per 64-column chunk (ptx::swizzled_box_offset), then one thread stores the boxes with TMA, which clips keys past the tensor's end
  *  (dense) and columns past head_dim. The staging buffer (see kGradStagingBytes) is one the steps
  *  use, so:
  *  - on entry both consumers meet (kConsumersBarrier): the other consumer's wgmmas of the tile's
@@ -855,11 +855,11 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
       const int chunk = is_dk ? c : c - kChunksPerGrad;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = warp * 16 + group + 8 * r;  // row % 8 == group
+        const int row = warp * 16 + group + 8 * r;
 #pragma unroll
         for (int u = 0; u < 8; ++u) {  // 16-byte units: 8 columns, accumulator column group j
           const int j = 8 * chunk + u;
-          const uint32_t offset = (c - c0) * T::kGradChunkBytes + row * T::kSwizzleBytes + ((u ^ group) * 16) + 4 * quad;
+          const uint32_t offset = ptx::swizzled_box_offset(T::kKeysPerConsumer, c - c0, row, u, 4 * quad);
           *reinterpret_cast<uint32_t*>(buf + offset) =
               pack_pair<Element>(acc[4 * j + 2 * r] * factor, acc[4 * j + 2 * r + 1] * factor);
         }
@@ -868,10 +868,9 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
     ptx::fence_proxy_async_shared_cta();  // the generic-proxy stores -> the TMA store's reads
     ptx::named_barrier_sync(warpgroup_barrier(consumer), T::kWarpgroupThreads);
     if (t == 0) {
-      const bool varlen = args.params.cu_seqlens_q != nullptr;  // as the producer decides
       const int32_t row = w.k_start + w.n0 + (T::kSplitRoles ? 0 : consumer * T::kKeysPerConsumer);
       const int32_t col0 = T::kSplitRoles ? consumer * T::kColsPerConsumer : 0;
-      const int32_t batch = varlen ? 0 : w.batch;
+      const int32_t batch = w.map_batch(args.params);
 #pragma unroll
       for (int c = c0; c < c0 + T::kGradChunksPerRound; ++c) {
         const bool is_dk = c < kChunksPerGrad;

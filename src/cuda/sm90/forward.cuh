@@ -518,8 +518,8 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
 }
 
 /** The staged epilogue of one consumer: O / l as 16-bit pairs into its shared-memory box
- *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: the 16-byte unit u of row r sits
- *  at unit u ^ (r % 8), so the 32 lanes of a store hit 32 distinct banks), then one TMA store per
+ *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: ptx::swizzled_box_offset), then
+ *  one TMA store per
  *  chunk by thread 0; kOChunksStaged chunks per round where the box holds fewer than all of them
  *  (d256). The buffer is reused (by the next round or tile) only after that thread has seen the
  *  previous stores finish reading it (bulk async-group), which the round's first barrier publishes.
@@ -542,11 +542,10 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
     epilogue_barrier<T>(consumer);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + group + 8 * r;  // row % 8 == group
+      const int row = warp * 16 + group + 8 * r;
 #pragma unroll
       for (int j = 8 * c0; j < 8 * (c0 + T::kOChunksStaged); ++j) {
-        const uint32_t offset = (j / 8 - c0) * T::kOChunkBytes + row * T::kSwizzleBytes +
-                                (((j % 8) ^ group) * 16) + 4 * quad;
+        const uint32_t offset = ptx::swizzled_box_offset(T::kRowsPerConsumer, j / 8 - c0, row, j % 8, 4 * quad);
         *reinterpret_cast<uint32_t*>(buf + offset) =
             Ops::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
       }
