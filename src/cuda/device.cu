@@ -8,6 +8,7 @@
 
 #include "api/backends.hpp"
 #include "cuda/build_config.hpp"
+#include "cuda/programmatic_launch.hpp"
 
 namespace flashcore::cuda {
 
@@ -44,6 +45,15 @@ int compiled_head_dim_bucket(int64_t head_dim) {
 #endif
   (void)head_dim;
   return 0;
+}
+
+bool supports_programmatic_launch(int device_id) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 9;
 }
 
 int multiprocessor_count(int device_id, int fallback) {

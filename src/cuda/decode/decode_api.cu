@@ -14,6 +14,7 @@
 #include "api/kvcache_backends.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
+#include "cuda/programmatic_launch.hpp"
 
 
 namespace flashcore::cuda {
@@ -78,27 +79,14 @@ Status launch_error(const char* what) {
 }
 
 /** kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the previous kernel
- *  on the stream when `programmatic_dependent` (sm_90+: its launch overlaps that kernel's tail; the
- *  kernel waits for that kernel's results: wait_previous_grid). */
+ *  on the stream when `programmatic_dependent` (cuda/programmatic_launch.hpp). */
 template <typename... Params, typename... Args>
 Status launch(const char* what, void (*kernel)(Params...), dim3 grid, int block, int smem, cudaStream_t stream,
               bool programmatic_dependent, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(block));
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = programmatic_dependent ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return Status::cuda(std::string(what) + " launch failed: " + cudaGetErrorString(err));
-  }
-  return launch_error(what);
+  const cudaError_t err = launch_kernel(kernel, grid, dim3(static_cast<unsigned>(block)), static_cast<size_t>(smem),
+                                        stream, programmatic_dependent, std::forward<Args>(args)...);
+  if (err != cudaSuccess) return Status::cuda(std::string(what) + " launch failed: " + cudaGetErrorString(err));
+  return Status::ok();
 }
 
 template <typename OutT>
@@ -109,15 +97,6 @@ Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   return launch("merge_partials", decode::merge_kernel<OutT>, dim3(static_cast<unsigned>(blocks)),
                 DecodeTraits::kMergeThreads, 0, static_cast<cudaStream_t>(m.stream), programmatic_dependent, m);
-}
-
-bool supports_programmatic_launch(int device_id) {
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major >= 9;
 }
 
 template <typename T, int HD>

@@ -13,8 +13,9 @@
 // end. Cache indices that live on the device (cache_seqlens, cache_batch_idx, block_table) are
 // checked before use: nothing out of bounds is read or written; a bad sequence gets NaN rows and
 // *error_flag = 1. On sm_90 every kernel here is launched as a programmatic dependent of the
-// kernel before it on the stream (wait_previous_grid / allow_next_grid below).
-// Relies on: api/kvcache_params.hpp (addressing and checks shared with the CPU backend).
+// kernel before it on the stream (ptx::wait_previous_grid / allow_next_grid).
+// Relies on: api/kvcache_params.hpp (addressing and checks shared with the CPU backend),
+// cuda/ptx/grid_dependency.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,6 +24,7 @@
 #include <cstdint>
 
 #include "api/kvcache_params.hpp"
+#include "cuda/ptx/grid_dependency.cuh"
 
 namespace flashcore::cuda::decode {
 
@@ -66,22 +68,13 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Programmatic dependent launch (sm_90+). The append, attention and combine kernels are launched
-// as programmatic dependents of the kernel before them on the stream (the previous call's too), so
-// a launch and its CTAs' placement overlap that kernel's tail: each kernel first waits for the
-// previous grid to complete with its writes visible, touching no global memory before, then lets
-// its own dependent be scheduled (which waits in turn). Both are no-ops for an ordinary launch and
-// below sm_90.
-__device__ __forceinline__ void wait_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (cuda/programmatic_launch.hpp): the append, attention and combine
+// kernels are launched as programmatic dependents of the kernel before them on the stream (the
+// previous call's too), so a launch and its CTAs' placement overlap that kernel's tail: each
+// kernel first waits for the previous grid to complete with its writes visible, touching no global
+// memory before, then lets its own dependent be scheduled (which waits in turn).
+using ptx::allow_next_grid;
+using ptx::wait_previous_grid;
 
 // ---------------------------------------------------------------------------------------------
 // Append: block (token t, sequence b) copies k_new/v_new rows of every KV head into the cache.

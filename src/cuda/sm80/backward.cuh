@@ -1,6 +1,7 @@
 // sm80 (mma.sync) FlashAttention-2 backward: dQ, dK, dV from Q, K, V, O, dO and the forward's LSE.
 //
-// Stages, all on p.stream, no host synchronization:
+// Stages, all on p.stream, no host synchronization (on sm_90 each launched as a programmatic
+// dependent of the kernel before it: launch_stage):
 //   1. preprocess (backward_prepost.cuh): per query row and head, D = rowsum(dO * O) and
 //      lse * log2(e) into the workspace (lse = -inf -> +inf so P = exp2(s - lse) is exactly 0);
 //      in the default mode the fp32 dQ accumulator is zeroed with cudaMemsetAsync.
@@ -48,8 +49,10 @@
 #include <climits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "api/status.hpp"
+#include "cuda/programmatic_launch.hpp"
 #include "cuda/sm80/backward_dq.cuh"
 #include "cuda/sm80/backward_main.cuh"
 #include "cuda/sm80/backward_prepost.cuh"
@@ -63,10 +66,20 @@ namespace bwd {
 
 constexpr int64_t kPostprocessMaxBlocks = 1 << 16;  // grid-stride beyond this many blocks
 
-inline Status launch_status(const char* what) {
-  const cudaError_t err = cudaGetLastError();
+inline Status launch_status(const char* what, cudaError_t err) {
   if (err == cudaSuccess) return Status::ok();
   return Status::cuda(std::string("backward ") + what + ": " + cudaGetErrorString(err));
+}
+
+/** The stages' launches: each a programmatic dependent of the kernel before it (the preprocess of
+ *  the caller's previous kernel, the main kernel of the preprocess, the dq stage of the main
+ *  kernel), each kernel waiting for its predecessor first thing (cuda/programmatic_launch.hpp). */
+template <typename... Params, typename... Args>
+Status launch_stage(const char* what, void (*kernel)(Params...), int64_t blocks, int threads, int smem,
+                    cudaStream_t stream, int device_id, Args&&... args) {
+  return launch_status(what, launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads),
+                                           static_cast<size_t>(smem), stream, supports_programmatic_launch(device_id),
+                                           std::forward<Args>(args)...));
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -93,8 +106,8 @@ Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs
   if (stat_rows == 0) return Status::ok();
   const int64_t blocks = ceil_div(stat_rows, PreprocessShape<kHeadDim>::kRowsPerBlock);
   if (blocks > INT_MAX) return Status::unsupported("q: total_q * heads_q is too large for the backward grid");
-  backward_preprocess_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), kPrepostThreads, 0, stream>>>(p, ws);
-  return launch_status("preprocess");
+  return launch_stage("preprocess", backward_preprocess_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0, stream,
+                      p.device_id, p, ws);
 }
 
 /** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel. */
@@ -111,16 +124,15 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
     const int smem_bytes = static_cast<int>(sizeof(DqSharedStorage<Element, DqTraits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("backward dq smem: ") + cudaGetErrorString(err));
-    kernel<<<static_cast<unsigned>(dq_ctas), DqTraits::kThreads, smem_bytes, stream>>>(
-        p, ws, static_cast<int>(num_query_blocks));
-    return launch_status("dq kernel");
+    return launch_stage("dq kernel", kernel, dq_ctas, DqTraits::kThreads, smem_bytes, stream, p.device_id, p, ws,
+                        static_cast<int>(num_query_blocks));
   }
   if (stat_rows == 0) return Status::ok();
   const int64_t items = stat_rows * ceil_div(p.head_dim, kChunkElems);
   int64_t blocks = ceil_div(items, kPrepostThreads);
   if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;
-  backward_postprocess_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), kPrepostThreads, 0, stream>>>(p, ws);
-  return launch_status("postprocess");
+  return launch_stage("postprocess", backward_postprocess_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0, stream,
+                      p.device_id, p, ws);
 }
 
 /** The three stages for one tile configuration (BackwardTraits<d> in production). */
@@ -146,9 +158,10 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
     const int smem_bytes = static_cast<int>(sizeof(MainSharedStorage<Element, Traits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
-    kernel<<<static_cast<unsigned>(main_ctas), Traits::kThreads, smem_bytes, stream>>>(
-        p, ws, static_cast<int>(num_key_blocks));
-    if (!(s = launch_status("main kernel")).is_ok()) return s;
+    if (!(s = launch_stage("main kernel", kernel, main_ctas, Traits::kThreads, smem_bytes, stream, p.device_id, p, ws,
+                           static_cast<int>(num_key_blocks))).is_ok()) {
+      return s;
+    }
   }
   return launch_dq_stage<Element, kHeadDim>(p, ws, stream);
 }

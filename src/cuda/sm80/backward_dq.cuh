@@ -8,6 +8,7 @@
 // Relies on backward_scores.cuh and on the preprocess having filled lse_log2 / dsum.
 #pragma once
 
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
 
 namespace flashcore::cuda::sm80::bwd {
@@ -26,6 +27,9 @@ struct alignas(128) DqSharedStorage {
 template <typename Element, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_dq_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_query_blocks) {
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   using Smem = DqSharedStorage<Element, Traits>;
   constexpr int kM = Traits::kBlockM;
   constexpr int kN = Traits::kBlockN;

@@ -8,6 +8,7 @@
 // preprocess having filled lse_log2 / dsum (and zeroed dq_accum) in the workspace.
 #pragma once
 
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
 
 namespace flashcore::cuda::sm80::bwd {
@@ -54,6 +55,9 @@ __device__ __forceinline__ QueryBlockRange query_blocks_for_keys(const MaskInfo&
 template <typename Element, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_dkdv_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_key_blocks) {
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   using Smem = MainSharedStorage<Element, Traits>;
   constexpr int kM = Traits::kBlockM;
   constexpr int kN = Traits::kBlockN;

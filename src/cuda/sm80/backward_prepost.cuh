@@ -12,6 +12,7 @@
 // 147 us where 45 us of bandwidth is the bound, for B=32 H=32 S=512 d64 on an H100.)
 #pragma once
 
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_common.cuh"
 
 namespace flashcore::cuda::sm80::bwd {
@@ -41,6 +42,9 @@ struct PreprocessShape {
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(const BackwardParams p,
                                                                               BackwardWorkspacePtrs ws) {
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   using Shape = PreprocessShape<kHeadDim>;
   const int lane = threadIdx.x % kWarpSize;
   const int sub = lane % Shape::kLanesPerRow;  // this lane's 16-byte chunk of the row
@@ -85,6 +89,9 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(const BackwardParams p,
                                                                                BackwardWorkspacePtrs ws) {
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
   const int64_t chunks_per_row = (p.head_dim + kChunkElems - 1) / kChunkElems;
   const int64_t total = p.total_q * p.heads_q * chunks_per_row;

@@ -113,6 +113,7 @@
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
+#include "cuda/programmatic_launch.hpp"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/backward.cuh"
 #include "cuda/sm90/attention_views.hpp"
@@ -1181,6 +1182,9 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
 template <class T, bool kWithDq>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_constant__ BackwardKernelArgs args) {
   extern __shared__ uint8_t smem_raw[];
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   const uint32_t raw_addr = ptx::smem_addr(smem_raw);
   const uint32_t pad = (T::kAlign - raw_addr % T::kAlign) % T::kAlign;
   BackwardSmem<T> sm;
@@ -1333,8 +1337,8 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   // S = 512: 139 -> 179 TFLOP/s). Otherwise one CTA per tile.
   const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
   const int64_t grid = persistent_grid(p) ? std::min<int64_t>(ctas, sm_count) : ctas;
-  kernel<<<static_cast<unsigned>(grid), T::kThreads, T::kSmemBytes, stream>>>(args);
-  err = cudaGetLastError();
+  err = launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(T::kThreads), T::kSmemBytes, stream,
+                      supports_programmatic_launch(p.device_id), args);
   if (err != cudaSuccess) return Status::cuda(std::string("cuda_sm90 backward launch failed: ") + cudaGetErrorString(err));
   return Status::ok();
 }

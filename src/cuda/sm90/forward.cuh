@@ -102,12 +102,14 @@
 #include "api/status.hpp"
 #include "common/fast_divmod.hpp"
 #include "common/mask.hpp"
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/forward_scores.hpp"
 #include "cuda/build_config.hpp"  // multiprocessor_count
+#include "cuda/programmatic_launch.hpp"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
 #include "cuda/sm90/attention_views.hpp"
@@ -889,6 +891,10 @@ template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     forward_kernel(const __grid_constant__ ForwardKernelArgs args) {
   extern __shared__ uint8_t smem_raw[];
+  // Launched as a programmatic dependent (launch_forward): nothing global is read before the
+  // previous kernel on the stream is complete; the next one may be placed from here on.
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   const uint32_t raw_addr = ptx::smem_addr(smem_raw);
   const uint32_t pad = (T::kAlign - raw_addr % T::kAlign) % T::kAlign;
   SmemPlan<T> sm;
@@ -998,8 +1004,9 @@ Status launch_forward(const forward_params_t& p) {
   }
   // Persistent: one CTA per SM (fewer when there are fewer work items).
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_items, sm_count)));
-  kernel<<<grid, T::kThreads, T::kSmemBytes, static_cast<cudaStream_t>(p.stream)>>>(args);
-  err = cudaGetLastError();
+  // A programmatic dependent of the kernel before it (the kernel waits for it first thing).
+  err = launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, static_cast<cudaStream_t>(p.stream),
+                      supports_programmatic_launch(p.device_id), args);
   if (err != cudaSuccess) {
     return Status::cuda(std::string("cuda_sm90 forward launch failed: ") + cudaGetErrorString(err));
   }
