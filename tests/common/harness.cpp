@@ -5,6 +5,7 @@
 #include <cstring>
 #include <future>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -602,6 +603,51 @@ bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int
                              std::string* why) {
   return runs_are_bit_identical(c, backend, mem, std::vector<int32_t>(static_cast<size_t>(repeats), c.num_threads),
                                 backward, why);
+}
+
+bool chained_forward_calls_are_ordered(const Case& c, fc_backend backend, Memory& mem, int depth, std::string* why) {
+  std::mt19937_64 rng(4321);
+  Problem pr = make_problem(c, rng);
+  HostTensor poison = pr.out;
+  fill_nan(poison);
+  // links[i]: the output of call i, which is the q of call i + 1 (out and q have the same shape).
+  std::vector<HostTensor> links(static_cast<size_t>(depth), poison);
+  Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), lse(mem, pr.lse);
+  std::vector<std::unique_ptr<Mirror>> outs;
+  for (auto& t : links) outs.push_back(std::make_unique<Mirror>(mem, t));
+  fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor();
+  const fc_attention_options o = options_for(c, backend, nullptr, nullptr, mem.stream());
+  size_t ws_bytes = 0;
+  if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &ws_bytes) != FC_OK) {
+    *why = fc_last_error();
+    return false;
+  }
+  void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
+  auto run_chain = [&](bool drain_each, std::vector<uint8_t>* last) -> std::string {
+    for (auto& m : outs) mem.upload(m->dev, poison.bytes.data(), poison.bytes.size());
+    for (int i = 0; i < depth; ++i) {
+      fc_tensor in = i == 0 ? q.tensor() : outs[static_cast<size_t>(i) - 1]->tensor();
+      fc_tensor out = outs[static_cast<size_t>(i)]->tensor(), tl = lse.tensor();
+      if (fc_attention_forward(&in, &tk, &tv, &out, &tl, &o, ws, ws_bytes) != FC_OK) return fc_last_error();
+      if (drain_each) outs[static_cast<size_t>(i)]->fetch();
+    }
+    outs.back()->fetch();
+    *last = outs.back()->host.bytes;
+    return "";
+  };
+  std::vector<uint8_t> chained, drained;
+  std::string err = run_chain(false, &chained);
+  if (err.empty()) err = run_chain(true, &drained);
+  if (ws) mem.release(ws);
+  if (!err.empty()) {
+    *why = err;
+    return false;
+  }
+  if (chained != drained) {
+    *why = "the back-to-back chain of " + std::to_string(depth) + " calls differs from the drained one";
+    return false;
+  }
+  return true;
 }
 
 bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& mem,

@@ -94,6 +94,12 @@ bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int
 bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& mem,
                                      const std::vector<int32_t>& thread_counts, bool backward, std::string* why);
 
+/** A chain of `depth` forward calls issued back to back on the memory's stream, each call's output
+ *  the next one's q (same shape), against the same chain with the stream drained after every
+ *  call: true when the last outputs are bit-identical. Catches a kernel that starts reading its
+ *  inputs before the previous call finished writing them (programmatic dependent launches). */
+bool chained_forward_calls_are_ordered(const Case& c, fc_backend backend, Memory& mem, int depth, std::string* why);
+
 /** The TESTING.md grids. */
 std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large);
 

@@ -319,6 +319,35 @@ TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
   }
 }
 
+// On sm_90 every kernel is a programmatic dependent of the one before it and must wait for it before
+// reading: calls whose inputs are the previous call's outputs, issued back to back, have to give
+// what the same calls give with the stream drained in between.
+TEST(CudaRaces, ChainedForwardCallsReadFinishedInputs) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  Case seed;  // the seed shape: the sm80 small-grid kernel, a few microseconds per call
+  seed.heads_q = seed.heads_kv = 8;
+  seed.seqlen_q = seed.seqlen_k = 512;
+  seed.head_dim = 64;
+  seed.dtype = FC_DTYPE_F16;
+  Case wide = seed;  // the persistent sm90 kernel (sm80's default grid elsewhere)
+  wide.batch = 2;
+  wide.heads_q = 8;
+  wide.heads_kv = 2;
+  wide.seqlen_q = wide.seqlen_k = 700;
+  wide.head_dim = 128;
+  wide.dtype = FC_DTYPE_BF16;
+  wide.causal = true;
+  for (fc_backend backend : {FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90}) {
+    if (!fc_backend_available(backend, 0)) continue;
+    for (const Case& c : {seed, wide}) {
+      std::string why;
+      EXPECT_TRUE(chained_forward_calls_are_ordered(c, backend, mem, 8, &why))
+          << fc_backend_name(backend) << " " << c.name() << ": " << why;
+    }
+  }
+}
+
 // Small cases for compute-sanitizer runs (memcheck / racecheck are slow: keep them tiny).
 TEST(CudaSanitizerSmall, ForwardAndBackward) {
   REQUIRE_GPU();
