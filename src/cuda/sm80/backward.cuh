@@ -66,20 +66,17 @@ namespace bwd {
 
 constexpr int64_t kPostprocessMaxBlocks = 1 << 16;  // grid-stride beyond this many blocks
 
-inline Status launch_status(const char* what, cudaError_t err) {
-  if (err == cudaSuccess) return Status::ok();
-  return Status::cuda(std::string("backward ") + what + ": " + cudaGetErrorString(err));
-}
-
 /** The stages' launches: each a programmatic dependent of the kernel before it (the preprocess of
  *  the caller's previous kernel, the main kernel of the preprocess, the dq stage of the main
  *  kernel), each kernel waiting for its predecessor first thing (cuda/programmatic_launch.hpp). */
 template <typename... Params, typename... Args>
 Status launch_stage(const char* what, void (*kernel)(Params...), int64_t blocks, int threads, int smem,
                     cudaStream_t stream, int device_id, Args&&... args) {
-  return launch_status(what, launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads),
-                                           static_cast<size_t>(smem), stream, supports_programmatic_launch(device_id),
-                                           std::forward<Args>(args)...));
+  const cudaError_t err = launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads),
+                                        static_cast<size_t>(smem), stream, supports_programmatic_launch(device_id),
+                                        std::forward<Args>(args)...);
+  if (err == cudaSuccess) return Status::ok();
+  return Status::cuda(std::string("backward ") + what + ": " + cudaGetErrorString(err));
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

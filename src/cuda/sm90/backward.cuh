@@ -821,8 +821,8 @@ constexpr uint32_t kConsumersBarrier = 1;
 
 /** Epilogue through shared memory and TMA: this consumer's dK (times softmax_scale) and dV (64
  *  keys, kColsPerConsumer columns) as 16-bit pairs in the swizzled layout of a [64 keys][128 bytes]
- *  box per 64-column chunk (ptx::swizzled_box_offset), then one thread stores the boxes with TMA, which clips keys past the tensor's end
- *  (dense) and columns past head_dim. The staging buffer (see kGradStagingBytes) is one the steps
+ *  box per 64-column chunk (ptx::swizzled_box_offset), then one thread stores the boxes with TMA,
+ *  which clips keys past the tensor's end (dense) and columns past head_dim. The staging buffer (see kGradStagingBytes) is one the steps
  *  use, so:
  *  - on entry both consumers meet (kConsumersBarrier): the other consumer's wgmmas of the tile's
  *    last step read the dS (and P) buffers until then;
@@ -893,6 +893,20 @@ template <class T>
 __device__ __forceinline__ bool dk_dv_by_tma(const BackwardKernelArgs& args, const KeyBlockWork& w) {
   return args.store_dkdv_with_tma &&
          (args.params.cu_seqlens_q == nullptr || w.n0 + T::kBlockN <= w.seqlen_k);
+}
+
+/** This consumer's dK and dV of the tile to memory: staged and stored by TMA where dk_dv_by_tma
+ *  allows, else from registers (rows from key_row0, columns from col0). */
+template <class T>
+__device__ __forceinline__ void store_tile_grads(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
+                                                 const KeyBlockWork& w, const float (&dk)[T::kColsPerConsumer / 2],
+                                                 const float (&dv)[T::kColsPerConsumer / 2], int consumer, int t,
+                                                 int key_row0, int col0, int quad) {
+  if (dk_dv_by_tma<T>(args, w)) {
+    store_dk_dv_staged<T>(args, sm, w, dk, dv, consumer, t);
+  } else {
+    store_dk_dv<T>(args.params, w, dk, dv, key_row0, col0, quad);
+  }
 }
 
 /** The end of a step, the same for both ways of sharing the block (the dS tile of the step is
@@ -1073,11 +1087,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   if (kWithDq && w.steps > 0 && dq_by_tma<T>(w, w.steps - 1)) {
     flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, t);
   }
-  if (dk_dv_by_tma<T>(args, w)) {
-    store_dk_dv_staged<T>(args, sm, w, dk, dv, consumer, t);
-  } else {
-    store_dk_dv<T>(p, w, dk, dv, key_row0, 0, quad);
-  }
+  store_tile_grads<T>(args, sm, w, dk, dv, consumer, t, key_row0, 0, quad);
   BWD_TRACE(trace_events, role, kTileEnd, 0);
 }
 
@@ -1170,11 +1180,7 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
     finish_step<T, kWithDq, false>(args, sm, w, at, step, 0, col0, consumer, pa, dv, dk,  // pa: unused
                                    trace_events);
   }
-  if (dk_dv_by_tma<T>(args, w)) {
-    store_dk_dv_staged<T>(args, sm, w, dk, dv, consumer, t);
-  } else {
-    store_dk_dv<T>(p, w, dk, dv, key_row0, col0, quad);
-  }
+  store_tile_grads<T>(args, sm, w, dk, dv, consumer, t, key_row0, col0, quad);
 }
 
 /** kWithDq: false in deterministic mode, where dq is recomputed by the sm80 dq kernel instead of

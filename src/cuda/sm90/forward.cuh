@@ -521,8 +521,7 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
 
 /** The staged epilogue of one consumer: O / l as 16-bit pairs into its shared-memory box
  *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: ptx::swizzled_box_offset), then
- *  one TMA store per
- *  chunk by thread 0; kOChunksStaged chunks per round where the box holds fewer than all of them
+ *  one TMA store per chunk by thread 0; kOChunksStaged chunks per round where the box holds fewer than all of them
  *  (d256). The buffer is reused (by the next round or tile) only after that thread has seen the
  *  previous stores finish reading it (bulk async-group), which the round's first barrier publishes.
  *  d256 against its register stores (4-byte stores, 8 rows x 16 bytes per warp instruction, which
