@@ -21,8 +21,9 @@
 // of the default one, one CTA per SM) fits in at most two waves, a second configuration runs
 // instead: those 32-row blocks and kKeyGroups = 4 warp groups per CTA that split the block's
 // key tiles into contiguous shares differing by at most one tile, the larger ones to the lowest
-// groups (split-KV inside the CTA). Each group has its own smem region {Q, K stages, V stages} and
-// its own named barrier, so it runs exactly the loop below on its share; afterwards the groups' O,
+// groups (split-KV inside the CTA). The CTA loads Q once for all groups (one barrier); each group
+// has its own smem region {K stages, V stages} and its own named barrier, so it runs exactly the
+// loop below on its share; afterwards the groups' O,
 // reference max and partial sums meet in smem and group 0 merges them in group order (exact,
 // deterministic; merge_key_groups) and runs the epilogue. Compared with a split-KV over CTAs this
 // needs no workspace, no second (combine) kernel launch and no fp32 round trip through L2. Only
@@ -102,6 +103,7 @@
 #include "cuda/forward_scores.hpp"
 #include "cuda/programmatic_launch.hpp"
 #include "cuda/scoped_device.hpp"
+#include "cuda/sm80/forward_trace.cuh"
 #include "cuda/sm80/tile_common.cuh"
 
 namespace flashcore::cuda::sm80 {
@@ -144,21 +146,22 @@ struct ForwardTraits {
   static constexpr int kQFragMTiles = kQInRegs ? kMTiles : 1;  // register Q, or a 1-entry dummy
   static constexpr int kQFragKSteps = kQInRegs ? kKStepsS : 1;
 
-  // Shared memory: one region per key group, each {Q, K stages, V stages}, so the groups never
-  // synchronize with each other before the final merge (kKeyGroups = 1: the plain Q, K, V layout).
+  // Shared memory: Q once (every key group reads the same rows), then one region per key group
+  // with its own K and V stages, so the groups never synchronize with each other between the first
+  // tile and the final merge (kKeyGroups = 1: the plain Q, K, V layout).
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
-  static constexpr int kSmemQOffset = 0;  // within a group's region
-  static constexpr int kSmemKOffset = kSmemQOffset + QTile::kBytes;
+  static constexpr int kSmemGroupsOffset = QTile::kBytes;
+  static constexpr int kSmemKOffset = 0;  // within a group's region
   static constexpr int kSmemVOffset = kSmemKOffset + kStages * KVTile::kBytes;
   static constexpr int kSmemGroupBytes = kSmemVOffset + kStages * KVTile::kBytes;
-  static constexpr int kSmemBytes = kKeyGroups * kSmemGroupBytes;
+  static constexpr int kSmemBytes = kSmemGroupsOffset + kKeyGroups * kSmemGroupBytes;
   // Key-group merge: groups >= 1 leave O (fp32 accumulators) and the row max / partial sum per
-  // thread in their own region (K/V are dead by then); group 0 reads them.
+  // thread in their own K/V region (dead by then); group 0 reads them.
   static constexpr int kMergeOBytes = kMTiles * kNTilesO * kGroupThreads * int(sizeof(float4));
   static constexpr int kMergeStatsBytes = kMTiles * 2 * kGroupThreads * int(sizeof(float2));
   static_assert(kKeyGroups == 1 || kMergeOBytes + kMergeStatsBytes <= kSmemGroupBytes,
-                "merge scratch must fit in a group's region");
+                "merge scratch must fit in a group's K/V region");
 
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_ > 0 ? kMinBlocksPerSm_
@@ -467,16 +470,17 @@ __device__ __forceinline__ void merge_key_groups(
   constexpr int kNTilesO = Traits::kNTilesO;
   constexpr float kNegInf = -__builtin_huge_valf();
   auto o_slot = [&](int group, int mt, int dt) {
-    return reinterpret_cast<float4*>(smem + group * Traits::kSmemGroupBytes) +
+    return reinterpret_cast<float4*>(smem + Traits::kSmemGroupsOffset + group * Traits::kSmemGroupBytes) +
            (mt * kNTilesO + dt) * Traits::kGroupThreads + group_thread;
   };
   auto stats_slot = [&](int group, int mt, int h) {
-    return reinterpret_cast<float2*>(smem + group * Traits::kSmemGroupBytes +
+    return reinterpret_cast<float2*>(smem + Traits::kSmemGroupsOffset + group * Traits::kSmemGroupBytes +
                                      Traits::kMergeOBytes) +
            (mt * 2 + h) * Traits::kGroupThreads + group_thread;
   };
 
   key_group_sync<Traits>(key_group);  // every warp of the group is done with its K/V buffers
+  FWD80_TRACE(kPhaseGroupDone);
   if (key_group != 0) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -492,7 +496,11 @@ __device__ __forceinline__ void merge_key_groups(
     }
   }
   __syncthreads();
-  if (key_group != 0) return;
+  FWD80_TRACE(kPhaseMergeBarrier);
+  if (key_group != 0) {
+    FWD80_TRACE(kPhaseEndNs);
+    return;
+  }
 
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -560,6 +568,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // previous kernel on the stream is complete; the next one may be placed from here on.
   ptx::wait_previous_grid();
   ptx::allow_next_grid();
+  FWD80_TRACE(kPhaseStartNs);
+  FWD80_TRACE(kPhaseStart);
 
   // ---- which tile this CTA computes --------------------------------------------------------------
   const int block = static_cast<int>(blockIdx.x);
@@ -603,8 +613,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t smem_group = ptx::smem_addr(smem) + key_group * Traits::kSmemGroupBytes;
-  const uint32_t smem_q = smem_group + Traits::kSmemQOffset;
+  const uint32_t smem_q = ptx::smem_addr(smem);
+  const uint32_t smem_group =
+      smem_q + Traits::kSmemGroupsOffset + key_group * Traits::kSmemGroupBytes;
   const uint32_t smem_k = smem_group + Traits::kSmemKOffset;
   const uint32_t smem_v = smem_group + Traits::kSmemVOffset;
 
@@ -635,19 +646,46 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
   const float exp2_scale = args.exp2_scale;
 
+  using QLoader = TileLoader<QTile, Traits::kThreads>;
+  using KVLoader = TileLoader<KVTile, Traits::kGroupThreads>;
+  auto load_k = [&](int n_block, int stage) {
+    const int n0 = n_block * kBlockN;
+    KVLoader::load_async(smem_k + stage * KVTile::kBytes, k_seq + n0 * p.k.row_stride,
+                         p.k.row_stride, seqlen_k - n0, head_dim, group_thread);
+  };
+  auto load_v = [&](int n_block, int stage) {
+    const int n0 = n_block * kBlockN;
+    KVLoader::load_async(smem_v + stage * KVTile::kBytes, v_seq + n0 * p.v.row_stride,
+                         p.v.row_stride, seqlen_k - n0, head_dim, group_thread);
+  };
+  auto issue_first_tile = [&] {  // K_first (+ V_first without the overlap), one cp.async group
+    load_k(n_block_begin, 0);
+    if constexpr (!Traits::kOverlapPV) load_v(n_block_begin, 0);
+    ptx::cp_async_commit();
+  };
+  // Prologue. One group: {Q, first tile} in one cp.async group, waited for by iteration 0.
+  // Key groups share one Q: the whole CTA loads it, each group issues its first tile behind it,
+  // and one CTA barrier publishes every thread's Q chunks to all groups (keys.empty() is the same
+  // for every thread of the CTA, so all of them reach it). Each group loading its own copy cost the
+  // seed shape 0.1-0.2 us: the first loads of all CTAs at once are its longest wait (docs/PERF.md).
+  if constexpr (Traits::kKeyGroups == 1) {
+    if (n_block_begin < n_block_end) {
+      QLoader::load_async(smem_q, q_block, p.q.row_stride, seqlen_q - m0, head_dim, thread);
+      issue_first_tile();
+    }
+  } else if (!keys.empty()) {
+    QLoader::load_async(smem_q, q_block, p.q.row_stride, seqlen_q - m0, head_dim, thread);
+    ptx::cp_async_commit();
+    if (n_block_begin < n_block_end) {
+      issue_first_tile();
+      ptx::cp_async_wait<1>();
+    } else {
+      ptx::cp_async_wait<0>();
+    }
+    __syncthreads();
+  }
+
   if (n_block_begin < n_block_end) {
-    using QLoader = TileLoader<QTile, Traits::kGroupThreads>;
-    using KVLoader = TileLoader<KVTile, Traits::kGroupThreads>;
-    auto load_k = [&](int n_block, int stage) {
-      const int n0 = n_block * kBlockN;
-      KVLoader::load_async(smem_k + stage * KVTile::kBytes, k_seq + n0 * p.k.row_stride,
-                           p.k.row_stride, seqlen_k - n0, head_dim, group_thread);
-    };
-    auto load_v = [&](int n_block, int stage) {
-      const int n0 = n_block * kBlockN;
-      KVLoader::load_async(smem_v + stage * KVTile::kBytes, v_seq + n0 * p.v.row_stride,
-                           p.v.row_stride, seqlen_k - n0, head_dim, group_thread);
-    };
 
     // Per-lane ldmatrix addresses (see the fragment comment at the top).
     const LdmatrixLaneAddress<QTile> q_address(smem_q, warp_row0 + lane % 8 + ((lane / 8) % 2) * 8,
@@ -663,12 +701,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     float alpha_prev[kMTiles][2];
     bool rescale_pending = false;
 
-    // Prologue: group {Q, K_first} (+ V_first without the overlap).
-    QLoader::load_async(smem_q, q_block, p.q.row_stride, seqlen_q - m0, head_dim, group_thread);
-    load_k(n_block_begin, 0);
-    if constexpr (!Traits::kOverlapPV) load_v(n_block_begin, 0);
-    ptx::cp_async_commit();
-
     // Iteration j (kOverlapPV): wait K_j, V_{j-1}; barrier; issue K_{j+1}, V_j; O *= alpha_{j-1}
     // if needed; S_j = Q K_j; softmax_j -> P_j; O += P_{j-1} V_{j-1}. The P V product is
     // independent of softmax_j, so the scheduler interleaves the two; the only branch (the rare O
@@ -682,6 +714,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const int stage = (n_block - n_block_begin) & 1;
       ptx::cp_async_wait<0>();
       key_group_sync<Traits>(key_group);
+      const int tile_index = n_block - n_block_begin;
+      if (tile_index < 2) FWD80_TRACE(kPhaseTile0Landed + 2 * tile_index);
       if constexpr (Traits::kOverlapPV) {
         if (n_block + 1 < n_block_end) load_k(n_block + 1, stage ^ 1);
         load_v(n_block, stage);
@@ -730,13 +764,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if (kHasPrev && __any_sync(kFullWarpMask, raised)) rescale_o<Traits>(acc_o, alpha_prev);
         pv_gemm<Traits>(acc_o, p_next, smem_v + stage * KVTile::kBytes, v_address);
       }
+      if (tile_index < 2) FWD80_TRACE(kPhaseTile0Done + 2 * tile_index);
     };
 
     // Specialized bodies keep the common path branch-free: fully visible tiles skip the
-    // per-element mask; the first tile always takes the masked body, and softcap / negative-scale
-    // calls run transforming, always-masked bodies.
+    // per-element mask, and softcap / negative-scale calls run transforming, always-masked bodies.
+    // The first tile takes the masked body, except on the small-grid path: there a group's loop
+    // is one or two tiles, and the masked first body cost the seed shape 0.36 us of 6.2 (the
+    // default configurations keep one body fewer: with it they spilled 40-70 bytes more).
     auto mainloop = [&](auto general) {
-      iteration(n_block_begin, false_type{}, true_type{}, general);
+      const int first_n0 = n_block_begin * kBlockN;
+      if constexpr (Traits::kKeyGroups > 1 && !decltype(general)::value) {
+        if (mask.tile_fully_visible(m0, rows_end, first_n0, first_n0 + kBlockN)) {
+          iteration(n_block_begin, false_type{}, false_type{}, general);
+        } else {
+          iteration(n_block_begin, false_type{}, true_type{}, general);
+        }
+      } else {
+        iteration(n_block_begin, false_type{}, true_type{}, general);
+      }
       for (int n_block = n_block_begin + 1; n_block < n_block_end; ++n_block) {
         const int n0 = n_block * kBlockN;
         if (decltype(general)::value || !mask.tile_fully_visible(m0, rows_end, n0, n0 + kBlockN)) {
@@ -755,9 +801,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     if constexpr (Traits::kOverlapPV) {  // the last tile's P V
       ptx::cp_async_wait<0>();
       key_group_sync<Traits>(key_group);
+      FWD80_TRACE(kPhaseLastVLanded);
       const int last_stage = (n_block_end - 1 - n_block_begin) & 1;
       if (rescale_pending) rescale_o<Traits>(acc_o, alpha_prev);
       pv_gemm<Traits>(acc_o, p_prev, smem_v + last_stage * KVTile::kBytes, v_address);
+      FWD80_TRACE(kPhaseLoopDone);
     } else {
       ptx::cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
     }
@@ -766,6 +814,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if constexpr (Traits::kKeyGroups > 1) {
     merge_key_groups<Traits>(acc_o, row_max, row_sum, smem, key_group, group_thread, exp2_scale);
     if (key_group != 0) return;  // group 0 alone writes the block
+    FWD80_TRACE(kPhaseMerged);
   }
 
   // ---- epilogue: normalize, lse, stage O in this warp's Q rows, 16-byte stores ------------------
@@ -814,6 +863,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           value;
     }
   }
+  FWD80_TRACE(kPhaseEnd);
+  FWD80_TRACE(kPhaseEndNs);
 }
 
 // ---- host side ------------------------------------------------------------------------------------
