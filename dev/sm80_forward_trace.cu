@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
               "%d CTAs x %d warps\n",
               static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
               1e3 * ms / reps, reps, ctas, warps);
-  const char* names[] = {"start", "tile0 landed", "tile0 done", "tile1 landed", "tile1 done",
+  const char* names[] = {"start", "first issued", "tile0 landed", "tile0 done", "tile1 landed", "tile1 done",
                          "last V landed", "loop done", "group done", "merge barrier", "merged", "end"};
   const int group_warps = warps / groups;
   std::printf("%-14s", "phase");

@@ -220,6 +220,8 @@ constexpr float kRescaleThresholdLog2 = 8.f;
 struct ForwardKernelArgs {
   AttentionParams params;
   int num_m_blocks;
+  int heads_q;     // p.heads_q and p.heads_q / p.heads_kv in 32 bits: the kernel's index math
+  int group_size;
   ScoreTransform transform;
   float exp2_scale;  // factor of the (transformed) score in the exponent
   float pre_scale;
@@ -564,19 +566,44 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using std::true_type;
 
   const AttentionParams& p = args.params;
+
+  // ---- which tile this CTA computes --------------------------------------------------------------
+  // In 32 bits (launch_forward checks the ranges), from the kernel's parameters only, so before the
+  // wait below: a short call's CTAs are on the critical path from their first instruction, and
+  // the 64-bit divisions this used to make (block -> head, batch; head -> KV head) are ~100-
+  // instruction routines that kept the seed shape's CTAs from issuing their first load for ~2000
+  // of their ~11000 cycles (docs/PERF.md, session 17).
+  const int block = static_cast<int>(blockIdx.x);
+  const int head_batch = block / args.num_m_blocks;
+  const int m_block = args.num_m_blocks - 1 - (block - head_batch * args.num_m_blocks);
+  const int batch_index = head_batch / args.heads_q;
+  const int head_index = head_batch - batch_index * args.heads_q;
+  const int64_t head = head_index;
+  const int64_t batch = batch_index;
+  const int64_t kv_head = head_index / args.group_size;
+  // The per-head base pointers too, and the parameters the first loads need are read here: every
+  // launch's parameter block is new to the constant cache, and these reads otherwise sit between
+  // the wait and the first load. The empty asm makes them happen before the wait.
+  const Element* q_head = static_cast<const Element*>(p.q.data) + batch * p.q.batch_stride +
+                          head * p.q.head_stride;
+  const Element* k_head = static_cast<const Element*>(p.k.data) + batch * p.k.batch_stride +
+                          kv_head * p.k.head_stride;
+  const Element* v_head = static_cast<const Element*>(p.v.data) + batch * p.v.batch_stride +
+                          kv_head * p.v.head_stride;
+  Element* out_head =
+      static_cast<Element*>(p.out.data) + batch * p.out.batch_stride + head * p.out.head_stride;
+  asm volatile("" ::"l"(q_head), "l"(k_head), "l"(v_head), "l"(out_head), "l"(p.lse.data),
+               "l"(p.cu_seqlens_q), "l"(p.seqlen_k));
+  const bool unbounded_mask = p.window_left < 0 && p.window_right < 0;  // every key for every row
+
   // Launched as a programmatic dependent (launch_forward): nothing global is read before the
-  // previous kernel on the stream is complete; the next one may be placed from here on.
-  ptx::wait_previous_grid();
+  // previous kernel on the stream is complete; the next one may be placed from here on. The
+  // branch, always taken (block >= 0 and num_m_blocks >= 1), ties the wait to the index math:
+  // without it ptxas hoists the wait above all of the above.
+  if (head_batch >= 0) ptx::wait_previous_grid();
   ptx::allow_next_grid();
   FWD80_TRACE(kPhaseStartNs);
   FWD80_TRACE(kPhaseStart);
-
-  // ---- which tile this CTA computes --------------------------------------------------------------
-  const int block = static_cast<int>(blockIdx.x);
-  const int m_block = args.num_m_blocks - 1 - block % args.num_m_blocks;
-  const int64_t head_batch = block / args.num_m_blocks;
-  const int64_t head = head_batch % p.heads_q;
-  const int64_t batch = head_batch / p.heads_q;
 
   const SeqInfo seq = seq_info(p, batch);
   const int seqlen_q = static_cast<int>(seq.seqlen_q);
@@ -585,7 +612,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (m0 >= seqlen_q) return;  // varlen: this sequence is shorter than max_seqlen_q
   const int rows_end = min(m0 + kBlockM, seqlen_q);
   const MaskInfo mask = mask_info(p, seq);
-  const KeyRange keys = mask.keys_for_rows(m0, rows_end);
+  const KeyRange keys =
+      unbounded_mask ? KeyRange{0, seq.seqlen_k} : mask.keys_for_rows(m0, rows_end);
   int n_block_begin = keys.empty() ? 0 : static_cast<int>(keys.begin / kBlockN);
   int n_block_end = keys.empty() ? 0 : static_cast<int>(ceil_div<int64_t>(keys.end, kBlockN));
 
@@ -620,13 +648,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const uint32_t smem_v = smem_group + Traits::kSmemVOffset;
 
   const int head_dim = static_cast<int>(p.head_dim);
-  const int64_t kv_head = head / (p.heads_q / p.heads_kv);
-  const Element* q_block =
-      static_cast<const Element*>(p.q.data) + offset_of(p.q, batch, seq.q_start + m0, head);
-  const Element* k_seq =
-      static_cast<const Element*>(p.k.data) + offset_of(p.k, batch, seq.k_start, kv_head);
-  const Element* v_seq =
-      static_cast<const Element*>(p.v.data) + offset_of(p.v, batch, seq.k_start, kv_head);
+  const Element* q_block = q_head + (seq.q_start + m0) * p.q.row_stride;
+  const Element* k_seq = k_head + seq.k_start * p.k.row_stride;
+  const Element* v_seq = v_head + seq.k_start * p.v.row_stride;
 
   float acc_o[kMTiles][kNTilesO][4];
   float row_max[kMTiles][2];  // reference max, raw (or transformed) score units
@@ -678,6 +702,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     ptx::cp_async_commit();
     if (n_block_begin < n_block_end) {
       issue_first_tile();
+      FWD80_TRACE(kPhaseFirstIssued);
       ptx::cp_async_wait<1>();
     } else {
       ptx::cp_async_wait<0>();
@@ -850,8 +875,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int kChunksPerRow = QTile::kChunksPerRow;
   constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
   static_assert(kWarpChunks % kWarpSize == 0, "whole passes");
-  Element* out_block =
-      static_cast<Element*>(p.out.data) + offset_of(p.out, batch, seq.q_start + m0, head);
+  Element* out_block = out_head + (seq.q_start + m0) * p.out.row_stride;
 #pragma unroll
   for (int pass = 0; pass < kWarpChunks / kWarpSize; ++pass) {
     const int index = pass * kWarpSize + lane;
@@ -884,6 +908,8 @@ Status launch_forward(const forward_params_t& p,
   ForwardKernelArgs args{};
   args.params = p;
   args.num_m_blocks = static_cast<int>(num_m_blocks);
+  args.heads_q = static_cast<int>(p.heads_q);  // <= num_blocks <= INT_MAX
+  args.group_size = static_cast<int>(p.group_size());
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
   args.exp2_scale = scales.exp2_scale;

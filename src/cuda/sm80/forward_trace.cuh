@@ -13,6 +13,7 @@ namespace flashcore::cuda::sm80 {
 /** What a warp reached; the record is the SM clock, or the global timer (ns) for the two k*Ns. */
 enum ForwardPhase : int {
   kPhaseStart = 0,      // past griddepcontrol.wait
+  kPhaseFirstIssued,    // the first loads (Q, the first tile) issued
   kPhaseTile0Landed,    // tile 0's K (and Q) landed, pipeline barrier passed
   kPhaseTile0Done,      // S_0, softmax_0 (and the P V it overlaps) issued and done
   kPhaseTile1Landed,
