@@ -217,6 +217,15 @@ using cuda::ScopedDevice;
  *  unnormalized P stays <= 2^8 (fine for fp16/bf16 and fp32 sums). */
 constexpr float kRescaleThresholdLog2 = 8.f;
 
+/** One (batch, head)'s first elements of q, k, v (its KV head) and out. */
+template <typename Element>
+struct HeadPointers {
+  const Element* q;
+  const Element* k;
+  const Element* v;
+  Element* out;
+};
+
 struct ForwardKernelArgs {
   AttentionParams params;
   int num_m_blocks;
@@ -581,19 +590,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int64_t head = head_index;
   const int64_t batch = batch_index;
   const int64_t kv_head = head_index / args.group_size;
-  // The per-head base pointers too, and the parameters the first loads need are read here: every
-  // launch's parameter block is new to the constant cache, and these reads otherwise sit between
-  // the wait and the first load. The empty asm makes them happen before the wait.
-  const Element* q_head = static_cast<const Element*>(p.q.data) + batch * p.q.batch_stride +
-                          head * p.q.head_stride;
-  const Element* k_head = static_cast<const Element*>(p.k.data) + batch * p.k.batch_stride +
-                          kv_head * p.k.head_stride;
-  const Element* v_head = static_cast<const Element*>(p.v.data) + batch * p.v.batch_stride +
-                          kv_head * p.v.head_stride;
-  Element* out_head =
-      static_cast<Element*>(p.out.data) + batch * p.out.batch_stride + head * p.out.head_stride;
-  asm volatile("" ::"l"(q_head), "l"(k_head), "l"(v_head), "l"(out_head), "l"(p.lse.data),
-               "l"(p.cu_seqlens_q), "l"(p.seqlen_k));
+  // The per-head base pointers: on the small-grid path formed here too, with the parameters the
+  // first loads need, since every launch's parameter block is new to the constant cache and these
+  // reads otherwise sit between the wait and the first load (the empty asm keeps them before the
+  // wait). The default configurations form them after the wait, as before: formed here they
+  // changed the d256 kernel's register allocation and cost it 3.5-4.5% (docs/PERF.md, session 17).
+  auto head_pointers = [&] {
+    return HeadPointers<Element>{
+        static_cast<const Element*>(p.q.data) + batch * p.q.batch_stride + head * p.q.head_stride,
+        static_cast<const Element*>(p.k.data) + batch * p.k.batch_stride + kv_head * p.k.head_stride,
+        static_cast<const Element*>(p.v.data) + batch * p.v.batch_stride + kv_head * p.v.head_stride,
+        static_cast<Element*>(p.out.data) + batch * p.out.batch_stride + head * p.out.head_stride};
+  };
+  HeadPointers<Element> heads{};
+  if constexpr (Traits::kKeyGroups > 1) {
+    heads = head_pointers();
+    asm volatile("" ::"l"(heads.q), "l"(heads.k), "l"(heads.v), "l"(heads.out), "l"(p.lse.data),
+                 "l"(p.cu_seqlens_q), "l"(p.seqlen_k));
+  }
   const bool unbounded_mask = p.window_left < 0 && p.window_right < 0;  // every key for every row
 
   // Launched as a programmatic dependent (launch_forward): nothing global is read before the
@@ -604,6 +618,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   ptx::allow_next_grid();
   FWD80_TRACE(kPhaseStartNs);
   FWD80_TRACE(kPhaseStart);
+  if constexpr (Traits::kKeyGroups == 1) heads = head_pointers();
 
   const SeqInfo seq = seq_info(p, batch);
   const int seqlen_q = static_cast<int>(seq.seqlen_q);
@@ -648,9 +663,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const uint32_t smem_v = smem_group + Traits::kSmemVOffset;
 
   const int head_dim = static_cast<int>(p.head_dim);
-  const Element* q_block = q_head + (seq.q_start + m0) * p.q.row_stride;
-  const Element* k_seq = k_head + seq.k_start * p.k.row_stride;
-  const Element* v_seq = v_head + seq.k_start * p.v.row_stride;
+  const Element* q_block = heads.q + (seq.q_start + m0) * p.q.row_stride;
+  const Element* k_seq = heads.k + seq.k_start * p.k.row_stride;
+  const Element* v_seq = heads.v + seq.k_start * p.v.row_stride;
 
   float acc_o[kMTiles][kNTilesO][4];
   float row_max[kMTiles][2];  // reference max, raw (or transformed) score units
@@ -875,7 +890,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr int kChunksPerRow = QTile::kChunksPerRow;
   constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
   static_assert(kWarpChunks % kWarpSize == 0, "whole passes");
-  Element* out_block = out_head + (seq.q_start + m0) * p.out.row_stride;
+  Element* out_block = heads.out + (seq.q_start + m0) * p.out.row_stride;
 #pragma unroll
   for (int pass = 0; pass < kWarpChunks / kWarpSize; ++pass) {
     const int index = pass * kWarpSize + lane;
