@@ -581,8 +581,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // In 32 bits (launch_forward checks the ranges), from the kernel's parameters only, so before the
   // wait below: a short call's CTAs are on the critical path from their first instruction, and
   // the 64-bit divisions this used to make (block -> head, batch; head -> KV head) are ~100-
-  // instruction routines that kept the seed shape's CTAs from issuing their first load for ~2000
-  // of their ~11000 cycles (docs/PERF.md, session 17).
+  // instruction routines: the seed shape's CTAs issued their first load ~2650 cycles after the
+  // wait, of ~11800 in all (1220 of ~9700 now; docs/PERF.md, session 17).
   const int block = static_cast<int>(blockIdx.x);
   const int head_batch = block / args.num_m_blocks;
   const int m_block = args.num_m_blocks - 1 - (block - head_batch * args.num_m_blocks);
@@ -706,8 +706,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // Prologue. One group: {Q, first tile} in one cp.async group, waited for by iteration 0.
   // Key groups share one Q: the whole CTA loads it, each group issues its first tile behind it,
   // and one CTA barrier publishes every thread's Q chunks to all groups (keys.empty() is the same
-  // for every thread of the CTA, so all of them reach it). Each group loading its own copy cost the
-  // seed shape 0.1-0.2 us: the first loads of all CTAs at once are its longest wait (docs/PERF.md).
+  // for every thread of the CTA, so all of them reach it). A copy per group cost the seed shape
+  // 0.1-0.2 us: ~550 cycles more before its first tile landed (docs/PERF.md, session 17).
   if constexpr (Traits::kKeyGroups == 1) {
     if (n_block_begin < n_block_end) {
       QLoader::load_async(smem_q, q_block, p.q.row_stride, seqlen_q - m0, head_dim, thread);
