@@ -19,18 +19,10 @@
 #include <vector>
 
 #include "cuda/sm80/forward.cuh"
+#include "cuda_check.hpp"
 
 namespace fc = flashcore;
 namespace sm80 = flashcore::cuda::sm80;
-
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 int main(int argc, char** argv) {
   const int64_t b = argc > 1 ? std::atoll(argv[1]) : 1;

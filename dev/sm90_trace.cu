@@ -21,18 +21,10 @@
 
 #include "cuda/sm90/backward.cuh"
 #include "cuda/sm90/forward.cuh"
+#include "cuda_check.hpp"
 
 namespace fc = flashcore;
 namespace sm90 = flashcore::cuda::sm90;
-
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 int main(int argc, char** argv) {
   if (argc != 6 || (std::strcmp(argv[1], "fwd") != 0 && std::strcmp(argv[1], "bwd") != 0)) {
