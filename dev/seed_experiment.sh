@@ -24,23 +24,12 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
-mkdir -p "$OUTDIR"
-SUM="$OUTDIR/summary.txt"; : >"$SUM"
-note() { echo "$*" | tee -a "$SUM"; }
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 ))s; }
-note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+source dev/experiment_common.sh
+experiment_start "$OUTDIR"
 
 TESTS=OFF HDIMS=64 DTYPES=fp16; [ -n "$FILTER" ] && TESTS=ON HDIMS="64;128;256" DTYPES="fp16;bf16"
-cmake -S . -B build-seed -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
-  "-DFLASHCORE_HEAD_DIMS=$HDIMS" "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS -DFLASHCORE_BUILD_CLI=OFF \
-  -DFLASHCORE_BUILD_PYTHON=ON -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >"$OUTDIR/build.log" 2>&1
-if ! cmake --build build-seed -j 16 >>"$OUTDIR/build.log" 2>&1; then
-  note "BUILD FAILED ($(el))"; grep -E "error" "$OUTDIR/build.log" | head -20 | tee -a "$SUM"; exit 1
-fi
-note "build ok ($(el)); kernels with spills: $(grep -E '[1-9][0-9]* bytes spill stores' "$OUTDIR/build.log" | wc -l)"
-rm -rf /tmp/fcseed && mkdir -p /tmp/fcseed/flashcore && cp python/flashcore/*.py /tmp/fcseed/flashcore/ \
-  && cp build-seed/python/_C*.so /tmp/fcseed/flashcore/
-export PYTHONPATH=/tmp/fcseed
+build_package build-seed /tmp/fcseed "-DFLASHCORE_HEAD_DIMS=$HDIMS" "-DFLASHCORE_DTYPES=$DTYPES" \
+  -DFLASHCORE_BUILD_TESTS=$TESTS
 
 for r in $(seq "$ROUNDS"); do
   for v in ${VARIANTS//,/ }; do

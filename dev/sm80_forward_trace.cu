@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "cuda/sm80/forward.cuh"
-#include "cuda_check.hpp"
+#include "cuda_tool.hpp"
 
 namespace fc = flashcore;
 namespace sm80 = flashcore::cuda::sm80;
@@ -30,31 +30,13 @@ int main(int argc, char** argv) {
   const int64_t s = argc > 3 ? std::atoll(argv[3]) : 512;
   constexpr int64_t d = 64;
   const int64_t elems = b * s * h * d;
-  std::vector<__half> host(elems);
-  uint32_t state = 12345;
-  for (auto& x : host) {
-    state = state * 1664525u + 1013904223u;
-    x = __float2half(static_cast<float>(state >> 8) / 16777216.f * 2.f - 1.f);
-  }
+  const std::vector<__half> host =
+      uniform_values<__half>(elems, [](float x) { return __float2half(x); });
   __half *q, *k, *v, *o;
   for (auto** t : {&q, &k, &v, &o}) CHECK(cudaMalloc(t, elems * 2));
   for (auto* t : {q, k, v}) CHECK(cudaMemcpy(t, host.data(), elems * 2, cudaMemcpyHostToDevice));
-
   fc::AttentionParams p;
-  p.dtype = fc::DType::F16;
-  p.device_type = 1;
-  const fc::TensorRef layout{nullptr, s * h * d, h * d, d};  // (batch, seqlen, heads, head_dim)
-  p.q = p.k = p.v = p.out = layout;
-  p.q.data = q;
-  p.k.data = k;
-  p.v.data = v;
-  p.out.data = o;
-  p.batch = b;
-  p.seqlen_q = p.seqlen_k = s;
-  p.heads_q = p.heads_kv = h;
-  p.head_dim = d;
-  p.total_q = p.total_k = b * s;
-  p.softmax_scale = 1.f / std::sqrt(static_cast<float>(d));
+  set_dense_problem(p, fc::DType::F16, q, k, v, o, b, s, h, d);
 
   // Generous: room for 16 warps per 16-row block.
   const int64_t slots = (s / 16 + 1) * h * b * 16 * sm80::kForwardPhases;

@@ -32,23 +32,11 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
-mkdir -p "$OUTDIR"
-SUM="$OUTDIR/summary.txt"; : >"$SUM"
-note() { echo "$*" | tee -a "$SUM"; }
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 ))s; }
-note "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+source dev/experiment_common.sh
+experiment_start "$OUTDIR"
 
 TESTS=OFF DTYPES=bf16; [ -n "$FILTER" ] && TESTS=ON DTYPES="fp16;bf16"
-cmake -S . -B build-exp -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
-  "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS -DFLASHCORE_BUILD_CLI=OFF -DFLASHCORE_BUILD_PYTHON=ON \
-  -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >"$OUTDIR/build.log" 2>&1
-if ! cmake --build build-exp -j 16 >>"$OUTDIR/build.log" 2>&1; then
-  note "BUILD FAILED ($(el))"; grep -E "error" "$OUTDIR/build.log" | head -20 | tee -a "$SUM"; exit 1
-fi
-note "build ok ($(el)); kernels with spills: $(grep -E '[1-9][0-9]* bytes spill stores' "$OUTDIR/build.log" | wc -l)"
-rm -rf /tmp/fcexp && mkdir -p /tmp/fcexp/flashcore && cp python/flashcore/*.py /tmp/fcexp/flashcore/ \
-  && cp build-exp/python/_C*.so /tmp/fcexp/flashcore/
-export PYTHONPATH=/tmp/fcexp
+build_package build-exp /tmp/fcexp "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS
 
 ARGS=(--rounds "$ROUNDS" $BWD); [ -n "$CELLS" ] && ARGS+=(--cells "$CELLS")
 PYTHONUNBUFFERED=1 timeout 400 python3 dev/fwd_variants.py "$VARIANTS" "${ARGS[@]}" >"$OUTDIR/variants.log" 2>&1

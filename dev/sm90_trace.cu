@@ -21,7 +21,7 @@
 
 #include "cuda/sm90/backward.cuh"
 #include "cuda/sm90/forward.cuh"
-#include "cuda_check.hpp"
+#include "cuda_tool.hpp"
 
 namespace fc = flashcore;
 namespace sm90 = flashcore::cuda::sm90;
@@ -42,12 +42,8 @@ int main(int argc, char** argv) {
   const int64_t b = 16384 / s, h = 2048 / d;
   const int64_t elems = b * s * h * d;
 
-  std::vector<__nv_bfloat16> host(elems);
-  uint32_t state = 12345;
-  for (auto& x : host) {
-    state = state * 1664525u + 1013904223u;
-    x = __float2bfloat16(static_cast<float>(state >> 8) / 16777216.f * 2.f - 1.f);
-  }
+  const std::vector<__nv_bfloat16> host =
+      uniform_values<__nv_bfloat16>(elems, [](float x) { return __float2bfloat16(x); });
   __nv_bfloat16 *q, *k, *v, *o, *dout, *dq, *dk, *dv;
   float* lse;
   for (auto** t : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) CHECK(cudaMalloc(t, elems * 2));
@@ -58,26 +54,13 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(lse, host_lse.data(), host_lse.size() * sizeof(float), cudaMemcpyHostToDevice));
 
   fc::BackwardParams p;
-  p.dtype = fc::DType::BF16;
-  p.device_type = 1;
-  const fc::TensorRef layout{nullptr, s * h * d, h * d, d};  // (batch, seqlen, heads, head_dim)
-  p.q = p.k = p.v = p.out = layout;
-  p.q.data = q;
-  p.k.data = k;
-  p.v.data = v;
-  p.out.data = o;
-  p.dout = p.dq = p.dk = p.dv = layout;
+  set_dense_problem(p, fc::DType::BF16, q, k, v, o, b, s, h, d);
+  p.dout = p.dq = p.dk = p.dv = p.q;
   p.dout.data = dout;
   p.dq.data = dq;
   p.dk.data = dk;
   p.dv.data = dv;
   p.lse = {lse, h * s, s, 1};
-  p.batch = b;
-  p.seqlen_q = p.seqlen_k = s;
-  p.heads_q = p.heads_kv = h;
-  p.head_dim = d;
-  p.total_q = p.total_k = b * s;
-  p.softmax_scale = 1.f / std::sqrt(static_cast<float>(d));
   p.causal = causal;
   p.window_right = causal ? 0 : -1;
 

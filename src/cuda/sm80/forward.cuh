@@ -23,16 +23,16 @@
 // key tiles into contiguous shares differing by at most one tile, the larger ones to the lowest
 // groups (split-KV inside the CTA). The CTA loads Q once for all groups (one barrier); each group
 // has its own smem region {K stages, V stages} and its own named barrier, so it runs exactly the
-// loop below on its share; afterwards the groups' O,
-// reference max and partial sums meet in smem and group 0 merges them in group order (exact,
-// deterministic; merge_key_groups) and runs the epilogue. Compared with a split-KV over CTAs this
-// needs no workspace, no second (combine) kernel launch and no fp32 round trip through L2. Only
-// d64 and d128 compile it; devices whose opt-in smem cannot hold it (sm_86/89) keep the default.
+// loop below on its share; afterwards the groups' O, reference max and partial sums meet in
+// smem and group 0 merges them in group order (exact, deterministic; merge_key_groups) and runs
+// the epilogue. Compared with a split-KV over CTAs this needs no workspace, no second (combine)
+// kernel launch and no fp32 round trip through L2. Only d64 and d128 compile it; devices whose
+// opt-in smem cannot hold it (sm_86/89) keep the default.
 // H100, CUDA-graph replay, small-grid vs default configuration: one wave, the seed shape B=1 H=8
 // S=512 d64 fp16, 7.0 vs 13.5 us (5.35 us since session 17: one Q per CTA, the unmasked first
-// tile, the 32-bit prologue; SDPA cuDNN 9.06); two waves (B=1, 64 default blocks) ahead in all ten shapes
-// measured, from d64 S=512 H=16 12.3 vs 13.3 to d128 S=4096 H=2 74.5 vs 127.2; three and four
-// waves behind in all nine (d64 S=512 H=24 17.8 vs 13.5, d128 S=1024 H=16 49.4 vs 35.9).
+// tile, the 32-bit prologue; SDPA cuDNN 9.06); two waves (B=1, 64 default blocks) ahead in all
+// ten shapes measured, from d64 S=512 H=16 12.3 vs 13.3 to d128 S=4096 H=2 74.5 vs 127.2; three
+// and four waves behind in all nine (d64 S=512 H=24 17.8 vs 13.5, d128 S=1024 H=16 49.4 vs 35.9).
 //
 // ---- Fragment layouts (mma.sync.m16n8k16, see cuda/ptx/mma.cuh) ----------------------------------
 // lane = 4 * group + quad. A C fragment of a 16x8 tile holds (row group, cols 2quad, 2quad+1) in
@@ -481,13 +481,15 @@ __device__ __forceinline__ void merge_key_groups(
   constexpr int kMTiles = Traits::kMTiles;
   constexpr int kNTilesO = Traits::kNTilesO;
   constexpr float kNegInf = -__builtin_huge_valf();
+  auto region = [&](int group) {  // the group's K/V region, the merge scratch
+    return smem + Traits::kSmemGroupsOffset + group * Traits::kSmemGroupBytes;
+  };
   auto o_slot = [&](int group, int mt, int dt) {
-    return reinterpret_cast<float4*>(smem + Traits::kSmemGroupsOffset + group * Traits::kSmemGroupBytes) +
-           (mt * kNTilesO + dt) * Traits::kGroupThreads + group_thread;
+    return reinterpret_cast<float4*>(region(group)) + (mt * kNTilesO + dt) * Traits::kGroupThreads +
+           group_thread;
   };
   auto stats_slot = [&](int group, int mt, int h) {
-    return reinterpret_cast<float2*>(smem + Traits::kSmemGroupsOffset + group * Traits::kSmemGroupBytes +
-                                     Traits::kMergeOBytes) +
+    return reinterpret_cast<float2*>(region(group) + Traits::kMergeOBytes) +
            (mt * 2 + h) * Traits::kGroupThreads + group_thread;
   };
 

@@ -1,9 +1,9 @@
 // Phase trace of the sm80 forward kernel, for dev/sm80_forward_trace.cu only: with
 // FLASHCORE_SM80_FWD_TRACE defined, lane 0 of every warp of every CTA records the SM clock when it
-// reaches each phase of its loop (start, each of its first two tiles landed and done, the last V
-// landed, the merge, the end) plus the global timer at its start and end, so a run shows where a
-// short call's time goes. Without the macro FWD80_TRACE expands to nothing and the kernel is
-// unchanged.
+// reaches each phase (past the wait, the first loads issued, each of its first two tiles landed
+// and done, the last V landed, the merge, the end) plus the global timer at its start and end, so
+// a run shows where a short call's time goes. Without the macro FWD80_TRACE expands to nothing and
+// the kernel is unchanged.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@ namespace flashcore::cuda::sm80 {
 /** What a warp reached; the record is the SM clock, or the global timer (ns) for the two k*Ns. */
 enum ForwardPhase : int {
   kPhaseStart = 0,      // past griddepcontrol.wait
-  kPhaseFirstIssued,    // the first loads (Q, the first tile) issued
+  kPhaseFirstIssued,    // the first loads (Q, the first tile) issued; small-grid path only
   kPhaseTile0Landed,    // tile 0's K (and Q) landed, pipeline barrier passed
   kPhaseTile0Done,      // S_0, softmax_0 (and the P V it overlaps) issued and done
   kPhaseTile1Landed,

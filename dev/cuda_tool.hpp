@@ -1,0 +1,55 @@
+// Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm90_trace.cu): CHECK(call) for CUDA
+// runtime calls, the tools' deterministic input values, and a dense (batch, seqlen, heads,
+// head_dim) problem's parameters.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "api/params.hpp"
+
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+/** n values uniform in [-1, 1) from a fixed-seed LCG, converted by from_float (same every run). */
+template <typename T, typename FromFloat>
+std::vector<T> uniform_values(int64_t n, FromFloat from_float) {
+  std::vector<T> values(n);
+  uint32_t state = 12345;
+  for (auto& x : values) {
+    state = state * 1664525u + 1013904223u;
+    x = from_float(static_cast<float>(state >> 8) / 16777216.f * 2.f - 1.f);
+  }
+  return values;
+}
+
+/** q, k, v, out of one dense self-attention problem, each (b, s, h, d) contiguous, MHA, default
+ *  softmax scale; masks and the lse are left to the caller. */
+inline void set_dense_problem(flashcore::AttentionParams& p, flashcore::DType dtype, void* q, void* k,
+                              void* v, void* out, int64_t b, int64_t s, int64_t h, int64_t d) {
+  p.dtype = dtype;
+  p.device_type = 1;
+  const flashcore::TensorRef layout{nullptr, s * h * d, h * d, d};  // (batch, seqlen, heads, head_dim)
+  p.q = p.k = p.v = p.out = layout;
+  p.q.data = q;
+  p.k.data = k;
+  p.v.data = v;
+  p.out.data = out;
+  p.batch = b;
+  p.seqlen_q = p.seqlen_k = s;
+  p.heads_q = p.heads_kv = h;
+  p.head_dim = d;
+  p.total_q = p.total_k = b * s;
+  p.softmax_scale = 1.f / std::sqrt(static_cast<float>(d));
+}
