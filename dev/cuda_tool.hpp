@@ -1,5 +1,6 @@
-// Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm90_trace.cu): CHECK(call) for CUDA
-// runtime calls, the tools' deterministic input values, and a dense (batch, seqlen, heads,
+// Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm90_trace.cu, decode_trace.cu,
+// decode_read_patterns.cu): CHECK(call) for CUDA runtime calls, the time per call of launches
+// issued back to back, the tools' deterministic input values, and a dense (batch, seqlen, heads,
 // head_dim) problem's parameters.
 #pragma once
 
@@ -21,6 +22,24 @@
       std::exit(1);                                                                           \
     }                                                                                         \
   } while (0)
+
+/** Milliseconds per call of `launch()` issued `calls` times back to back on the default stream
+ *  (CUDA events around the whole run). */
+template <typename Launch>
+float ms_per_call(Launch launch, int calls) {
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < calls; ++i) launch();
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+  return ms / calls;
+}
 
 /** n values uniform in [-1, 1) from a fixed-seed LCG, converted by from_float (same every run). */
 template <typename T, typename FromFloat>

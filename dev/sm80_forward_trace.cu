@@ -51,17 +51,9 @@ int main(int argc, char** argv) {
       std::exit(1);
     }
   };
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
   for (int i = 0; i < 20; ++i) run();
   const int reps = 200;
-  CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < reps; ++i) run();
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
-  float ms = 0.f;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  const float ms = ms_per_call(run, reps) * reps;
   std::vector<uint64_t> rec(slots);
   CHECK(cudaMemcpy(rec.data(), trace, slots * sizeof(uint64_t), cudaMemcpyDeviceToHost));
 

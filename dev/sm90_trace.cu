@@ -91,16 +91,8 @@ int main(int argc, char** argv) {
   // Warm up, then time the traced kernel (it writes records only until the buffers fill), then
   // one clean traced run whose records are kept.
   for (int i = 0; i < 3; ++i) run();
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
   const int reps = 20;
-  CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < reps; ++i) run();
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
-  float ms = 0.f;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  const float ms = ms_per_call(run, reps) * reps;
   std::vector<int> counts(sm90::kTraceCtas * sm90::kTraceRoles, 0);
   CHECK(cudaMemcpyToSymbol(sm90::g_kernel_trace_count, counts.data(), counts.size() * sizeof(int)));
   run();

@@ -31,7 +31,7 @@ struct HeuristicTraits {
   static constexpr int kMaxSplits = 128;
   static constexpr int kDefaultSms = 132;        // when the device query fails
   static constexpr int kDefaultSmemPerSm = 228 * 1024;
-  static constexpr int kStaticSmem = 1024;  // the attention kernel's static shared memory (896 B)
+  static constexpr int kStaticSmem = 1280;  // the attention kernel's static shared memory (1152 B)
   static constexpr int kSmemReservedPerCta = 1024 + kStaticSmem;  // driver reserve + static
   static constexpr int kMaxCtasPerSm = 16;
   static constexpr int64_t kMaxGridYZ = 65535;

@@ -15,7 +15,8 @@
 // *error_flag = 1. On sm_90 every kernel here is launched as a programmatic dependent of the
 // kernel before it on the stream (ptx::wait_previous_grid / allow_next_grid).
 // Relies on: api/kvcache_params.hpp (addressing and checks shared with the CPU backend),
-// cuda/ptx/grid_dependency.cuh.
+// cuda/ptx/grid_dependency.cuh, decode_trace.cuh (phase records for dev/decode_trace.cu; no-ops
+// unless FLASHCORE_DECODE_TRACE is defined).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +25,7 @@
 #include <cstdint>
 
 #include "api/kvcache_params.hpp"
+#include "cuda/decode/decode_trace.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 
 namespace flashcore::cuda::decode {
@@ -210,25 +212,77 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   __shared__ float s_l[kWarps][kRows];
   __shared__ float s_w[kWarps][kRows];
   __shared__ float s_lse[kRows];  // log2 domain
+  __shared__ int64_t s_out_offset[kRows];
+  __shared__ int64_t s_lse_offset[kRows];
+  DECODE_TRACE(kDecodeEntry);
 
-  // The previous kernel (this call's append, or the last call's attention or combine) must be
-  // complete before anything is read; the combine kernel (or the next call's first kernel) may then
-  // be scheduled once every CTA has started: it waits for this grid's completion.
-  wait_previous_grid();
-  allow_next_grid();
+  // Before the wait: everything that depends on the arguments alone (the CTA's rows, where its Q
+  // rows and outputs live), in 32-bit arithmetic where the grid check bounds the values
+  // (rows_total <= 16 x 65535). A call's CTAs sit at the wait for most of the previous call, so
+  // this is free; what follows the wait is paid once per wave of CTAs (dev/decode_trace.cu: 3-5 us
+  // from the wait to the first copies, 2.6-2.8 us of epilogue before this change, H100).
   const int split = blockIdx.x;
-  const int64_t hk = blockIdx.y / so.row_chunks, chunk = blockIdx.y % so.row_chunks;
+  const int hk = static_cast<int>(blockIdx.y) / so.row_chunks;
+  const int chunk = static_cast<int>(blockIdx.y) - hk * so.row_chunks;
   const int64_t b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / DecodeTraits::kWarp, lane = tid % DecodeTraits::kWarp;
   const int g = lane >> 2, c = lane & 3;  // mma fragment coordinates
-  const int64_t group_size = p.heads_q / p.heads_kv;
-  const int64_t rows_total = group_size * p.seqlen_q;
-  const int64_t row0 = chunk * kRows;
-  const int nrows = static_cast<int>(min(int64_t(kRows), rows_total - row0));
+  const int group_size = static_cast<int>(p.heads_q / p.heads_kv);
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int rows_total = group_size * seqlen_q;
+  const int row0 = chunk * kRows;
+  const int nrows = min(kRows, rows_total - row0);
   const int hd_chunks = static_cast<int>(p.head_dim) / DecodeTraits::kVec;
+  // Query row r of the CTA is (query token i, head h) = (rr % seqlen_q, hk * group + rr / seqlen_q).
+  auto token_of = [&](int r) { return (row0 + r) % seqlen_q; };
+  auto head_of = [&](int r) { return hk * group_size + (row0 + r) / seqlen_q; };
+  // This thread's two query rows (g and g + 8) in Q; nullptr past the CTA's rows.
+  const T* q_row[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    q_row[half] = r < nrows ? static_cast<const T*>(p.q.data) + offset_of(p.q, b, token_of(r), head_of(r)) : nullptr;
+  }
+  // Where row r's output (element offset in out, or in part_o) and LSE go, kept in shared memory
+  // (not registers) until the epilogue.
+  int64_t out_offset = 0;
+  if (tid < nrows) {
+    const int64_t i = token_of(tid), h = head_of(tid);
+    if (so.num_splits == 1) {
+      out_offset = offset_of(p.out, b, i, h);
+      s_lse_offset[tid] = b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride;
+    } else {
+      out_offset = ((((int64_t)split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim;
+      s_lse_offset[tid] = (((int64_t)split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i;
+    }
+    s_out_offset[tid] = out_offset;
+  }
+
+  const float score_scale = p.softcap > 0 ? p.softmax_scale / p.softcap : p.softmax_scale * kLog2e;
+  const float cap_scale = p.softcap * kLog2e;
+
+  const T* kc = static_cast<const T*>(p.k_cache.data);
+  const T* vc = static_cast<const T*>(p.v_cache.data);
+  const int64_t page_size = p.page_size;
+  const bool page_pow2 = (page_size & (page_size - 1)) == 0;
+  const int page_shift = __ffsll(page_size) - 1;
+  const int64_t k_head = hk * p.k_cache.head_stride, v_head = hk * p.v_cache.head_stride;
+  const uint32_t ring = smem_addr(smem) + warp * kStages * Tl::kStageBytes;
+
+  // The previous kernel (this call's append, or the last call's attention or combine) must be
+  // complete before anything is read; the combine kernel (or the next call's first kernel) may then
+  // be scheduled once every CTA has started: it waits for this grid's completion. The condition is
+  // always true: it keeps ptxas from hoisting the wait above the math it depends on.
+  if (out_offset >= 0) wait_previous_grid();
+  allow_next_grid();
+  DECODE_TRACE(kDecodeWaited);
 
   bool bad = !sequence_in_bounds(p, b);
   const int64_t seqlen_k = bad ? 0 : total_len(p, b);
+#ifdef FLASHCORE_DECODE_TRACE
+  asm volatile("" ::"l"(seqlen_k));  // the trace point below waits for the load
+#endif
+  DECODE_TRACE(kDecodeSeqlenReady);
   const MaskInfo mask = kv_mask(p, seqlen_k);
   const KeyRange all = mask.keys_for_rows(0, p.seqlen_q);
   // Splits start on multiples of kKeys so that tiles never straddle a page of 16 or more keys.
@@ -240,19 +294,9 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   const int span = static_cast<int>(k1 - k0);
   const int64_t contiguous_row = (p.paged || bad) ? 0 : cache_row_of(p, b);
 
-  const float score_scale = p.softcap > 0 ? p.softmax_scale / p.softcap : p.softmax_scale * kLog2e;
-  const float cap_scale = p.softcap * kLog2e;
-
   // Tiles of this warp: w, w + kWarps, ... of the CTA's range.
   const int tiles = (span + kKeys - 1) / kKeys;
   const int my_tiles = warp < tiles ? (tiles - warp + kWarps - 1) / kWarps : 0;
-  const T* kc = static_cast<const T*>(p.k_cache.data);
-  const T* vc = static_cast<const T*>(p.v_cache.data);
-  const int64_t page_size = p.page_size;
-  const bool page_pow2 = (page_size & (page_size - 1)) == 0;
-  const int page_shift = __ffsll(page_size) - 1;
-  const int64_t k_head = hk * p.k_cache.head_stride, v_head = hk * p.v_cache.head_stride;
-  const uint32_t ring = smem_addr(smem) + warp * kStages * Tl::kStageBytes;
 
   // Copies: lane copies keys (lane / 8) + 4i (i < 4), chunks (lane % 8) + 8j of K and V.
   // With pages of kKeys or more keys (powers of two) a tile lies in one page, so one block-table
@@ -341,52 +385,54 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
     cp_async_commit();
     lookup(st + 1);
   }
-  // With the first copies in flight: this thread's two query rows (g and g + 8), their visible keys
-  // relative to k0, and Q as mma A fragments (a0: row g, d 2c..; a1: row g+8; a2: row g, d 2c+8..;
-  // a3: row g+8, d 2c+8..), in registers or (kQInSmem) in shared memory, swizzled like K/V tiles.
-  int rel_lo[2], rel_hi[2];
+  DECODE_TRACE(kDecodeFirstIssued);
+  // With the first copies in flight: Q as mma A fragments (a0: row g, d 2c..; a1: row g+8; a2: row
+  // g, d 2c+8..; a3: row g+8, d 2c+8..) in registers, or (kQInSmem) in shared memory after the ring,
+  // swizzled like the K/V tiles. (Requested before the sequence's length instead, Q's loads were
+  // queued ahead of it: at 1 x 65536, 128 CTAs read the same 8 KB of Q at once, and the first
+  // copies went out 1.3-2 us later in dev/decode_trace.cu, H100, 2026-11-24.)
   constexpr int kQRegSteps = Tl::kQInSmem ? 1 : kSteps;
   uint32_t qa[kQRegSteps][4];
-  const uint32_t q_smem = smem_addr(smem) + (Tl::kSmemBytes - Tl::kQBytes);
+  if constexpr (!Tl::kQInSmem) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
-    rel_lo[half] = rel_hi[half] = 0;
-    const T* qrow = nullptr;
-    if (r < nrows) {
-      const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
-      qrow = static_cast<const T*>(p.q.data) + offset_of(p.q, b, i, h);
-      const KeyRange kr = mask.keys_for_row(i);
-      rel_lo[half] = static_cast<int>(min(max(kr.begin - k0, int64_t(0)), int64_t(span)));
-      rel_hi[half] = static_cast<int>(min(max(kr.end - k0, int64_t(0)), int64_t(span)));
-    }
-    if constexpr (!Tl::kQInSmem) {
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = 16 * s + 2 * c + 8 * e;
           qa[s][half + 2 * e] =
-              (qrow != nullptr && d < p.head_dim) ? *reinterpret_cast<const uint32_t*>(qrow + d) : 0u;
+              (q_row[half] != nullptr && d < p.head_dim) ? *reinterpret_cast<const uint32_t*>(q_row[half] + d) : 0u;
         }
+  }
+  // The visible keys of this thread's two rows, relative to k0.
+  int rel_lo[2], rel_hi[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    rel_lo[half] = rel_hi[half] = 0;
+    if (g + 8 * half < nrows) {
+      const KeyRange kr = mask.keys_for_row(token_of(g + 8 * half));
+      rel_lo[half] = static_cast<int>(min(max(kr.begin - k0, int64_t(0)), int64_t(span)));
+      rel_hi[half] = static_cast<int>(min(max(kr.end - k0, int64_t(0)), int64_t(span)));
     }
   }
+  const uint32_t q_smem = smem_addr(smem) + (Tl::kSmemBytes - Tl::kQBytes);
   if constexpr (Tl::kQInSmem) {
     for (int idx = tid; idx < kRows * Tl::kChunks; idx += DecodeTraits::kThreads) {
       const int r = idx / Tl::kChunks, ch = idx % Tl::kChunks;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < nrows && ch < hd_chunks) {
-        const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
-        v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q.data) + offset_of(p.q, b, i, h) +
+      if (r < nrows && ch < hd_chunks)
+        v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q.data) + offset_of(p.q, b, token_of(r), head_of(r)) +
                                             ch * DecodeTraits::kVec);
-      }
       *reinterpret_cast<uint4*>(smem + (Tl::kSmemBytes - Tl::kQBytes) + r * Tl::kRowBytes + ((ch ^ (r & 7)) << 4)) = v;
     }
     __syncthreads();
   }
+  DECODE_TRACE(kDecodeQReady);
   for (int t = 0; t < my_tiles; ++t) {
     cp_async_wait<kStages - 2>();
     __syncwarp();  // every lane's copies of tile t landed; every lane is done with tile t - 1
+    if (t == 0) DECODE_TRACE(kDecodeTile0Landed);
     if (t + kStages - 1 < my_tiles) issue(t + kStages - 1);
     cp_async_commit();
     lookup(t + kStages);
@@ -468,6 +514,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
     }
   }
   cp_async_wait<0>();
+  DECODE_TRACE(kDecodeLoopDone);
 
   // Combine the warps' states.
   const bool any_bad = __syncthreads_or(bad);  // also: every warp is done with its ring
@@ -500,30 +547,55 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
     s_lse[tid] = total > 0.f ? mx + log2f(total) : kNegInf;
   }
   __syncthreads();
+  DECODE_TRACE(kDecodeCombined);
+  // Output items: (row, 8 consecutive d) -> one 16-byte store (or two of fp32 partials); every
+  // address was formed before the wait.
   const float nan = __int_as_float(0x7fc00000);
-  for (int idx = tid; idx < nrows * p.head_dim; idx += DecodeTraits::kThreads) {
-    const int r = idx / static_cast<int>(p.head_dim), d = idx % static_cast<int>(p.head_dim);
-    float o = 0.f;
+  constexpr int kOutVecs = HD / DecodeTraits::kVec;
+  for (int idx = tid; idx < nrows * kOutVecs; idx += DecodeTraits::kThreads) {
+    const int r = idx / kOutVecs, d = (idx % kOutVecs) * DecodeTraits::kVec;
+    if (d >= p.head_dim) continue;
+    float o[8];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o = fmaf(s_w[w][r], s_o[(w * kRows + r) * HD + d], o);
-    if (any_bad) o = nan;
-    const int64_t rr = row0 + r, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
+    for (int e = 0; e < 8; ++e) o[e] = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = s_w[w][r];
+      const float4* from = reinterpret_cast<const float4*>(s_o + (w * kRows + r) * HD + d);
+      const float4 lo = from[0], hi = from[1];
+      o[0] = fmaf(wt, lo.x, o[0]);
+      o[1] = fmaf(wt, lo.y, o[1]);
+      o[2] = fmaf(wt, lo.z, o[2]);
+      o[3] = fmaf(wt, lo.w, o[3]);
+      o[4] = fmaf(wt, hi.x, o[4]);
+      o[5] = fmaf(wt, hi.y, o[5]);
+      o[6] = fmaf(wt, hi.z, o[6]);
+      o[7] = fmaf(wt, hi.w, o[7]);
+    }
+    if (any_bad)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = nan;
+    const int64_t at = s_out_offset[r] + d;
     if (so.num_splits == 1) {
-      static_cast<T*>(p.out.data)[offset_of(p.out, b, i, h) + d] = from_float<T>(o);
+      const uint4 packed = make_uint4(pack2(o[0], o[1], T()), pack2(o[2], o[3], T()), pack2(o[4], o[5], T()),
+                                      pack2(o[6], o[7], T()));
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.out.data) + at) = packed;
     } else {
-      so.part_o[((((int64_t)split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim + d] = o;
+      float4* to = reinterpret_cast<float4*>(so.part_o + at);
+      to[0] = make_float4(o[0], o[1], o[2], o[3]);
+      to[1] = make_float4(o[4], o[5], o[6], o[7]);
     }
   }
   if (tid < nrows) {
-    const int64_t rr = row0 + tid, h = hk * group_size + rr / p.seqlen_q, i = rr % p.seqlen_q;
     const float lse = any_bad ? nan : (s_lse[tid] == kNegInf ? kNegInf : s_lse[tid] * kLn2);
-    if (so.num_splits == 1) {
-      if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
-    } else {
-      so.part_lse[(((int64_t)split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] = lse;
+    if (so.num_splits > 1) {
+      so.part_lse[s_lse_offset[tid]] = lse;
+    } else if (p.lse.data) {
+      p.lse.data[s_lse_offset[tid]] = lse;
     }
   }
   if (any_bad && tid == 0 && p.error_flag) *p.error_flag = 1;
+  DECODE_TRACE(kDecodeEnd);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -535,9 +607,10 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   // A split-KV combine is short and sits between two long attention grids: it lets the next grid
   // (the next call's attention) be scheduled at once, so that grid's CTAs are placed while this
   // call's attention still runs instead of after this kernel started; then it waits until its
-  // own inputs (the partials) are complete and visible. No-ops for an ordinary launch.
+  // own inputs (the partials) are complete and visible. No-ops for an ordinary launch. The row's
+  // addresses (three 64-bit divisions) are formed before the wait, which is conditional on them so
+  // that ptxas keeps it after them (the condition is always true).
   allow_next_grid();
-  wait_previous_grid();
   const float kNegInf = -__int_as_float(0x7f800000);
   const float kNan = __int_as_float(0x7fc00000);
   const int lane = threadIdx.x % kWarp;
@@ -546,7 +619,9 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   const int64_t h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / (p.heads * p.seqlen_q);
   const float* lp = p.lse_partials + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
   const float* op = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
-  OutT* out = static_cast<OutT*>(p.out.data) + offset_of(p.out, b, i, h);
+  const int64_t out_offset = offset_of(p.out, b, i, h);
+  OutT* out = static_cast<OutT*>(p.out.data) + out_offset;
+  if (out_offset >= 0) wait_previous_grid();
   // The combine is latency-bound (a few KB per row, read from L2): the parts are taken kBatch at a
   // time with every load of a batch (its LSEs and the lane's kPerLane columns of each O) issued
   // before any is used, so a split-KV combine of up to kBatch parts costs one round trip to memory.

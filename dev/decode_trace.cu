@@ -1,0 +1,181 @@
+// Where a decode call's time goes: runs the decode benchmark's cells (GQA 32 / 8 heads, d = 128,
+// bf16, one query token; 1 x 65536, 16 x 8192, 64 x 2048; contiguous and paged 16 with the pages in
+// random order) through cuda::kvcache_forward built with FLASHCORE_DECODE_TRACE
+// (src/cuda/decode/decode_trace.cuh), many calls back to back as programmatic dependents, and
+// prints for the last call the phases of the attention kernel's CTAs on the global timer: when they
+// entered and got past the wait, how long the prologue took, the loop, the epilogue, and how far
+// apart they ended, next to the time per call (CUDA events over the calls) and its K+V rate.
+//
+// build (on the GPU machine, from the repository root; ~20 s):
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//     -DFLASHCORE_DECODE_TRACE -DFLASHCORE_HDIM_128 -DFLASHCORE_DTYPE_BF16 -I include -I src -I dev \
+//     dev/decode_trace.cu src/cuda/device.cu -o build/decode_trace
+// run:   build/decode_trace
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "api/kvcache_backends.hpp"
+// Included, not linked: without relocatable device code each translation unit has its own
+// g_decode_trace, and the one the kernels write must be the one this tool sets.
+#include "cuda/decode/decode_api.cu"
+#include "cuda_tool.hpp"
+
+#ifndef FLASHCORE_DECODE_TRACE
+#error "build with -DFLASHCORE_DECODE_TRACE (see the top of this file)"
+#endif
+
+namespace fc = flashcore;
+namespace dec = flashcore::cuda::decode;
+
+namespace {
+
+constexpr int64_t kHeadsQ = 32, kHeadsKv = 8, kDim = 128;
+
+struct Stat {
+  std::vector<double> v;
+  void add(double x) { v.push_back(x); }
+  double q(double f) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0 : v[std::min(v.size() - 1, size_t(f * (v.size() - 1) + 0.5))];
+  }
+};
+
+}  // namespace
+
+int main() {
+  const int64_t max_tokens = 131072;
+  __nv_bfloat16 *k, *v, *q, *out;
+  const size_t cache_bytes = max_tokens * kHeadsKv * kDim * 2;
+  CHECK(cudaMalloc(&k, cache_bytes));
+  CHECK(cudaMalloc(&v, cache_bytes));
+  CHECK(cudaMalloc(&q, 64 * kHeadsQ * kDim * 2));
+  CHECK(cudaMalloc(&out, 64 * kHeadsQ * kDim * 2));
+  {
+    const auto host = uniform_values<__nv_bfloat16>(max_tokens * kHeadsKv * kDim, [](float x) { return __float2bfloat16(x); });
+    CHECK(cudaMemcpy(k, host.data(), cache_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(v, host.data(), cache_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(q, host.data(), 64 * kHeadsQ * kDim * 2, cudaMemcpyHostToDevice));
+  }
+  int32_t *seqlens, *table;
+  CHECK(cudaMalloc(&seqlens, 64 * sizeof(int32_t)));
+  CHECK(cudaMalloc(&table, max_tokens / 16 * sizeof(int32_t)));
+  void* workspace = nullptr;
+  CHECK(cudaMalloc(&workspace, 64 << 20));
+  constexpr int kWarps = 4;
+  const int64_t trace_slots = 1 << 20;
+  uint64_t* trace;
+  CHECK(cudaMalloc(&trace, trace_slots * sizeof(uint64_t)));
+  CHECK(cudaMemcpyToSymbol(dec::g_decode_trace, &trace, sizeof(trace)));
+  std::mt19937 rng(11);
+
+  struct Cell { int64_t batch, kv_len; };
+  for (const Cell c : {Cell{1, 65536}, Cell{16, 8192}, Cell{64, 2048}}) {
+    for (const int page : {0, 16}) {
+      fc::KvCacheParams p;
+      p.dtype = fc::DType::BF16;
+      p.device_type = 1;
+      p.q = {q, kHeadsQ * kDim, kHeadsQ * kDim, kDim};
+      p.out = {out, kHeadsQ * kDim, kHeadsQ * kDim, kDim};
+      p.batch = c.batch;
+      p.seqlen_q = 1;
+      p.heads_q = kHeadsQ;
+      p.heads_kv = kHeadsKv;
+      p.head_dim = kDim;
+      p.softmax_scale = 1.f / std::sqrt(float(kDim));
+      const std::vector<int32_t> lens(c.batch, static_cast<int32_t>(c.kv_len));
+      CHECK(cudaMemcpy(seqlens, lens.data(), c.batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+      p.cache_seqlens = seqlens;
+      if (page == 0) {
+        p.k_cache = {k, c.kv_len * kHeadsKv * kDim, kHeadsKv * kDim, kDim};
+        p.cache_rows = c.batch;
+        p.page_size = c.kv_len;
+      } else {
+        const int64_t per_seq = c.kv_len / page, pages = c.batch * per_seq;
+        std::vector<int32_t> perm(pages);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        CHECK(cudaMemcpy(table, perm.data(), pages * sizeof(int32_t), cudaMemcpyHostToDevice));
+        p.k_cache = {k, page * kHeadsKv * kDim, kHeadsKv * kDim, kDim};
+        p.paged = true;
+        p.cache_rows = pages;
+        p.page_size = page;
+        p.pages_per_seq = per_seq;
+        p.block_table = table;
+        p.block_table_batch_stride = per_seq;
+      }
+      p.v_cache = p.k_cache;
+      p.v_cache.data = v;
+      const int splits = fc::cuda::kvcache_num_splits(p);
+      const int64_t ctas = int64_t(splits) * kHeadsKv * c.batch;
+      if (ctas * kWarps * dec::kDecodePhases > trace_slots || fc::cuda::kvcache_workspace(p) > (64u << 20)) {
+        std::fprintf(stderr, "trace or workspace too small\n");
+        return 1;
+      }
+      auto run = [&] {
+        const fc::Status st = fc::cuda::kvcache_forward(p, workspace, 64 << 20);
+        if (!st.is_ok()) {
+          std::fprintf(stderr, "launch: %s\n", st.message.c_str());
+          std::exit(1);
+        }
+      };
+      for (int i = 0; i < 5; ++i) run();
+      constexpr int kCalls = 30;
+      const double call_us = ms_per_call(run, kCalls) * 1e3;
+      const double bytes = 2.0 * c.batch * c.kv_len * kHeadsKv * kDim * 2;
+
+      std::vector<uint64_t> t(ctas * kWarps * dec::kDecodePhases);
+      CHECK(cudaMemcpy(t.data(), trace, t.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+      auto at = [&](int64_t cta, int w, int ph) { return double(t[(cta * kWarps + w) * dec::kDecodePhases + ph]); };
+      double t0 = 1e300, t_end = 0;
+      for (int64_t i = 0; i < ctas; ++i) {
+        t0 = std::min(t0, at(i, 0, dec::kDecodeEntry));
+        t_end = std::max(t_end, at(i, 0, dec::kDecodeEnd));
+      }
+      Stat entry, waited, seqlen, prologue, qready, landed, loop, epilogue, end, warp_loop_spread;
+      for (int64_t i = 0; i < ctas; ++i) {
+        const double w0 = at(i, 0, dec::kDecodeWaited);
+        entry.add((at(i, 0, dec::kDecodeEntry) - t0) / 1e3);
+        waited.add((w0 - t0) / 1e3);
+        seqlen.add((at(i, 0, dec::kDecodeSeqlenReady) - w0) / 1e3);
+        prologue.add((at(i, 0, dec::kDecodeFirstIssued) - w0) / 1e3);
+        qready.add((at(i, 0, dec::kDecodeQReady) - w0) / 1e3);
+        landed.add((at(i, 0, dec::kDecodeTile0Landed) - w0) / 1e3);
+        double lo = 1e300, hi = 0;
+        for (int w = 0; w < kWarps; ++w) {
+          lo = std::min(lo, at(i, w, dec::kDecodeLoopDone));
+          hi = std::max(hi, at(i, w, dec::kDecodeLoopDone));
+        }
+        loop.add((hi - w0) / 1e3);
+        warp_loop_spread.add((hi - lo) / 1e3);
+        epilogue.add((at(i, 0, dec::kDecodeEnd) - hi) / 1e3);
+        end.add((at(i, 0, dec::kDecodeEnd) - t0) / 1e3);
+      }
+      std::printf("\n%lld x %lld %s: splits %d, %lld CTAs; %.2f us per call = %.3f TB/s; attention span %.2f us "
+                  "(%.3f TB/s)\n",
+                  (long long)c.batch, (long long)c.kv_len, page ? "paged 16" : "contiguous", splits, (long long)ctas,
+                  call_us, bytes / (call_us * 1e-6) / 1e12, (t_end - t0) / 1e3, bytes / ((t_end - t0) * 1e-9) / 1e12);
+      std::printf("  us (min / median / p90 / max over CTAs)\n");
+      auto row = [](const char* name, Stat& s) {
+        std::printf("  %-34s %8.2f %8.2f %8.2f %8.2f\n", name, s.q(0), s.q(0.5), s.q(0.9), s.q(1));
+      };
+      row("entry since first entry", entry);
+      row("past the wait since first entry", waited);
+      row("sequence length loaded after wait", seqlen);
+      row("first copies issued after wait", prologue);
+      row("Q ready after wait", qready);
+      row("warp 0's first tile landed", landed);
+      row("loop done (last warp) after wait", loop);
+      row("warps' loop-done spread", warp_loop_spread);
+      row("epilogue (last loop done -> end)", epilogue);
+      row("end since first entry", end);
+    }
+  }
+  return 0;
+}
