@@ -150,6 +150,18 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+/** An L2 policy for data read once: its lines are the first evicted (createpolicy, sm_80+). */
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+/** cp_async16 under an L2 policy from createpolicy. */
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -348,6 +360,10 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
       }
     }
   };
+  // The cache is read once per call: its lines go first from L2, so that the small data every CTA
+  // needs right after the wait (lengths, block tables, Q, split partials, the next kernel's code)
+  // is still there.
+  const uint64_t stream_policy = l2_evict_first_policy();
   auto issue = [&](int local) {
     const uint32_t stage = ring + (local % kStages) * Tl::kStageBytes;
 #pragma unroll
@@ -365,8 +381,8 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
         const int ch = (lane & 7) + 8 * j;
         const bool on = ok && ch < hd_chunks;
         const uint32_t dst = stage + key * Tl::kRowBytes + ((ch ^ (key & 7)) << 4);
-        cp_async16(dst, on ? ks + ch * DecodeTraits::kVec : kc, on ? 16 : 0);
-        cp_async16(dst + kKeys * Tl::kRowBytes, on ? vs + ch * DecodeTraits::kVec : vc, on ? 16 : 0);
+        cp_async16(dst, on ? ks + ch * DecodeTraits::kVec : kc, on ? 16 : 0, stream_policy);
+        cp_async16(dst + kKeys * Tl::kRowBytes, on ? vs + ch * DecodeTraits::kVec : vc, on ? 16 : 0, stream_policy);
       }
     }
   };
