@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "api/kvcache_params.hpp"
@@ -283,9 +284,11 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
 
   // The previous kernel (this call's append, or the last call's attention or combine) must be
   // complete before anything is read; the combine kernel (or the next call's first kernel) may then
-  // be scheduled once every CTA has started: it waits for this grid's completion. The condition is
-  // always true: it keeps ptxas from hoisting the wait above the math it depends on.
-  if (out_offset >= 0) wait_previous_grid();
+  // be scheduled once every CTA has started: it waits for this grid's completion. The condition
+  // keeps ptxas from hoisting the wait above the math it depends on, and is always true: strides
+  // may be negative, but validation keeps every byte extent within int64, so no element offset is
+  // INT64_MIN.
+  if (out_offset != INT64_MIN) wait_previous_grid();
   allow_next_grid();
   DECODE_TRACE(kDecodeWaited);
 
@@ -625,7 +628,7 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   // call's attention still runs instead of after this kernel started; then it waits until its
   // own inputs (the partials) are complete and visible. No-ops for an ordinary launch. The row's
   // addresses (three 64-bit divisions) are formed before the wait, which is conditional on them so
-  // that ptxas keeps it after them (the condition is always true).
+  // that ptxas keeps it after them (always true: see attention_kernel's wait).
   allow_next_grid();
   const float kNegInf = -__int_as_float(0x7f800000);
   const float kNan = __int_as_float(0x7fc00000);
@@ -637,7 +640,7 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   const float* op = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
   const int64_t out_offset = offset_of(p.out, b, i, h);
   OutT* out = static_cast<OutT*>(p.out.data) + out_offset;
-  if (out_offset >= 0) wait_previous_grid();
+  if (out_offset != INT64_MIN) wait_previous_grid();
   // The combine is latency-bound (a few KB per row, read from L2): the parts are taken kBatch at a
   // time with every load of a batch (its LSEs and the lane's kPerLane columns of each O) issued
   // before any is used, so a split-KV combine of up to kBatch parts costs one round trip to memory.
