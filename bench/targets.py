@@ -7,7 +7,10 @@ that bench/peers.py writes (kind "train" and "seed") into the numbers the GPU is
   (must be >= 1.05), the cells furthest below;
 - the portable sm80 forward (flashcore_sm80 rows) against SDPA FA2 (>= 1.10x every cell), fwd+bwd
   against FA2 (>= 1.0x);
-- the seed shape against 0.6x the fastest SDPA backend.
+- the seed shape against 0.6x the fastest SDPA backend;
+- the Hopper forward at d128 and d256, 16k, without a mask, as a share of the bf16 matmul rate
+  (>= 0.90): against the matmul timed at the start of the run and, where bench/peers.py wrote
+  them, against the matmul timed just before and after the cell (the mean of the two).
 
 usage: python3 bench/targets.py OUT/bench.jsonl   (bench/peers.py prints the same report last)
 """
@@ -30,6 +33,7 @@ GEOMEAN_TARGET = 1.05  # geomean of ratio / target over the grid (Hopper issue)
 SM80_FWD_VS_FA2 = 1.10
 SM80_FB_VS_FA2 = 1.00
 SEED_FRACTION = 0.6
+MATMUL_SHARE = 0.90
 
 
 def _geomean(xs):
@@ -73,6 +77,19 @@ def report(rows):
                 lines.append("%s %s %s vs SDPA FA2: %d of %d cells >= %.2fx, geomean %.3fx, min %.2fx"
                              % (mode, dtype, impl, sum(1 for x in ratios if x >= need), len(ratios), need,
                                 _geomean(ratios), min(ratios)))
+    start = [r["tflops"] for r in rows if r.get("kind") == "ceiling" and r.get("what") == "bf16_matmul_8192"]
+    beside = {(r["hdim"], r["seqlen"], bool(r["causal"])): (r["tflops_before"] + r["tflops_after"]) / 2
+              for r in rows if r.get("kind") == "ceiling_beside"}
+    for d in (128, 256):
+        fc = by_cell.get(("fwd", "bf16", d, False, 16384), {}).get("flashcore")
+        if not fc or not start:
+            continue
+        line = "fwd bf16 d%d 16k: %.1f TFLOP/s = %.1f%% of the run's first matmul (%.1f)" % (
+            d, fc, 100 * fc / start[0], start[0])
+        if (d, 16384, False) in beside:
+            mm = beside[(d, 16384, False)]
+            line += ", %.1f%% of the matmul timed beside it (%.1f)" % (100 * fc / mm, mm)
+        lines.append(line + " (needs >= %.0f%%)" % (100 * MATMUL_SHARE))
     seed = {r["impl"]: r["us"] for r in rows if r.get("kind") == "seed" and "us" in r}
     peers = [us for impl, us in seed.items() if impl.startswith("sdpa_")]
     if "flashcore" in seed and peers:
