@@ -124,8 +124,9 @@ def training_grid():
 
 # Cells whose forward is held to a share of the matmul rate (#5: d128 and d256 at 16k, no mask): the
 # 8192^3 matmul is timed again just before and after them, so that both numbers come from the
-# same stretch of the run: the matmul rate moves within a run (H100, session 18: 697 TFLOP/s in
-# the run's first seconds, where the "ceiling" rows are taken, 662-689 beside the 16k cells).
+# same stretch of the run: the matmul rate moves within a run (H100, session 18, two runs: 696-697
+# TFLOP/s in the run's first seconds, where the "ceiling" rows are taken, 607-689 beside the 16k
+# cells; the report gives the share against both).
 MATMUL_SHARE_CELLS = {(128, 16384), (256, 16384)}
 
 
