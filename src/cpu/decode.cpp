@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -319,8 +320,9 @@ Status kvcache_forward(const KvCacheParams& p) {
   const int64_t hd = p.head_dim, per_part = p.heads_kv * p.group_size() * p.seqlen_q;
   // Every (sequence, split) is a task writing its normalized partial out and lse for all heads;
   // a second pass merges each sequence's splits in split order and writes out / lse.
-  std::vector<float> part_o(static_cast<size_t>(p.batch * splits * per_part * hd));
-  std::vector<float> part_lse(static_cast<size_t>(p.batch * splits * per_part));
+  // Not value-initialized: every task writes its whole part (empty key ranges included).
+  std::unique_ptr<float[]> part_o(new float[static_cast<size_t>(p.batch * splits * per_part * hd)]);
+  std::unique_ptr<float[]> part_lse(new float[static_cast<size_t>(p.batch * splits * per_part)]);
   Status st = flash_detail::run_workers(p.batch * splits, p.num_threads, [&](flash_detail::TaskQueue& queue) {
     DecodeAttention work(p);  // one per worker thread: its staging buffers
     for (int64_t t; (t = queue.next()) >= 0;) {
