@@ -1,5 +1,6 @@
 // Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm90_trace.cu, decode_trace.cu,
-// decode_read_patterns.cu): CHECK(call) for CUDA runtime calls, the time per call of launches
+// decode_read_patterns.cu): CHECK(call) for CUDA runtime calls, require_ok for the library's
+// Status, the time per call of launches
 // issued back to back, the tools' deterministic input values, and a dense (batch, seqlen, heads,
 // head_dim) problem's parameters.
 #pragma once
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "api/params.hpp"
+#include "api/status.hpp"
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
@@ -22,6 +24,13 @@
       std::exit(1);                                                                           \
     }                                                                                         \
   } while (0)
+
+/** Stops the tool with the status's message unless it is ok (a library call the tool makes). */
+inline void require_ok(const flashcore::Status& st) {
+  if (st.is_ok()) return;
+  std::fprintf(stderr, "launch: %s\n", st.message.c_str());
+  std::exit(1);
+}
 
 /** Milliseconds per call of `launch()` issued `calls` times back to back on the default stream
  *  (CUDA events around the whole run). */

@@ -14,7 +14,7 @@
 // bench/decode_bench.py), local (random within each 2 MB block of 64 pages: the same DRAM and
 // TLB footprint per tile as random, but a 2 MB region is finished before the next is entered).
 //
-// Build and run (on the GPU machine): nvcc -std=c++17 -O3 -arch=sm_90a -I src -I dev
+// Build and run (on the GPU machine): nvcc -std=c++17 -O3 -arch=sm_90a -I include -I src -I dev
 //   dev/decode_read_patterns.cu -o /tmp/drp && /tmp/drp
 // Prints K+V bytes / time in TB/s per (cell, order, reader, splits) and the sum-read ceiling.
 #include <cuda_runtime.h>

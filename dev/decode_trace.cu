@@ -118,13 +118,7 @@ int main() {
         std::fprintf(stderr, "trace or workspace too small\n");
         return 1;
       }
-      auto run = [&] {
-        const fc::Status st = fc::cuda::kvcache_forward(p, workspace, 64 << 20);
-        if (!st.is_ok()) {
-          std::fprintf(stderr, "launch: %s\n", st.message.c_str());
-          std::exit(1);
-        }
-      };
+      auto run = [&] { require_ok(fc::cuda::kvcache_forward(p, workspace, 64 << 20)); };
       for (int i = 0; i < 5; ++i) run();
       constexpr int kCalls = 30;
       const double call_us = ms_per_call(run, kCalls) * 1e3;

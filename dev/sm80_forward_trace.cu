@@ -44,13 +44,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&trace, slots * sizeof(uint64_t)));
   CHECK(cudaMemset(trace, 0, slots * sizeof(uint64_t)));
   CHECK(cudaMemcpyToSymbol(sm80::g_forward_trace, &trace, sizeof(trace)));
-  auto run = [&] {
-    const fc::Status st = sm80::forward_run<__half, 64>(p, nullptr, 0);
-    if (!st.is_ok()) {
-      std::fprintf(stderr, "launch: %s\n", st.message.c_str());
-      std::exit(1);
-    }
-  };
+  auto run = [&] { require_ok(sm80::forward_run<__half, 64>(p, nullptr, 0)); };
   for (int i = 0; i < 20; ++i) run();
   const int reps = 200;
   const float ms = ms_per_call(run, reps) * reps;

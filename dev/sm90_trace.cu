@@ -83,10 +83,7 @@ int main(int argc, char** argv) {
            : d == 128 ? sm90::forward_run<__nv_bfloat16, 128>(p, nullptr, 0)
                       : sm90::forward_run<__nv_bfloat16, 256>(p, nullptr, 0);
     }
-    if (!st.is_ok()) {
-      std::fprintf(stderr, "launch: %s\n", st.message.c_str());
-      std::exit(1);
-    }
+    require_ok(st);
   };
   // Warm up, then time the traced kernel (it writes records only until the buffers fill), then
   // one clean traced run whose records are kept.
