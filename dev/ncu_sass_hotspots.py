@@ -1,6 +1,7 @@
 """Summarizes Nsight Compute's SASS source page (CSV, from dev/ncu_sass_hotspots.sh): the
 instructions with the most warp-stall samples, each with the two instructions before it, and the
-share of all samples per opcode.
+share of all samples per opcode, and the executed warp instructions per opcode (where a kernel
+spends its instructions: compare two kernels' lists).
 usage: python3 dev/ncu_sass_hotspots.py SASS.csv [TOP]"""
 import collections
 import csv
@@ -33,6 +34,16 @@ by_op = collections.Counter()
 for r in body:
     by_op[r[src].split()[0] if r[src].split() else "?"] += num(r[samp])
 print("samples by opcode:", ", ".join("%s %.1f%%" % (k, 100 * v / total) for k, v in by_op.most_common(14)))
+execd = next((i for i, c in enumerate(cols) if c == "Instructions Executed"), None)
+if execd is not None:
+    ex_op = collections.Counter()
+    for r in body:
+        words = r[src].split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
+        ex_op[op.split(".")[0]] += num(r[execd])
+    ex_total = sum(ex_op.values()) or 1.0
+    print("executed warp instructions %.2f M; by opcode:" % (ex_total / 1e6), ", ".join(
+        "%s %.2f M" % (k, v / 1e6) for k, v in ex_op.most_common(24)))
 order = sorted(range(len(body)), key=lambda i: -num(body[i][samp]))[:top]
 for i in sorted(order):
     r = body[i]
