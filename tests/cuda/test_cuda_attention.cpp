@@ -277,6 +277,31 @@ TEST_P(CudaForward, LongMaskedCalls) {
   expect_forward(cases, GetParam());
 }
 
+// Long calls without a mask take the sm90 forward's wide d128 tile (three consumers, 192 query rows,
+// 80-key blocks) from seqlen_q and seqlen_k 4096 on: a partial last query block and key block,
+// GQA, fp16 with a softcap (the score-transform kernel), strided tensors, and varlen with a short
+// sequence beside a long one.
+TEST_P(CudaForward, LongUnmaskedCalls) {
+  REQUIRE_BACKEND(GetParam());
+  Case c;
+  c.seqlen_q = 4100;  // 21 x 192 + 68 rows; 4133 keys = 51 x 80 + 53
+  c.seqlen_k = 4133;
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.head_dim = 128;
+  c.dtype = FC_DTYPE_BF16;
+  Case soft = c;
+  soft.dtype = FC_DTYPE_F16;
+  soft.softcap = 30.0;
+  soft.padded = true;
+  soft.head_dim = 120;  // padded to the d128 bucket
+  Case v = c;
+  v.varlen_q = {4097, 70};
+  v.varlen_k = {4096, 4200};
+  v.batch = 2;
+  expect_forward({c, soft, v}, GetParam());
+}
+
 TEST_P(CudaForward, RepeatsAreBitIdentical) {
   REQUIRE_BACKEND(GetParam());
   CudaMemory mem;

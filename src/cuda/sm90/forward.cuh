@@ -202,8 +202,8 @@ struct ForwardTraits {
 
 /** Per-bucket configurations (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
  *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket has a wide and a
- *  narrow tile; `wide_tiles_pay` picks per call. Wide tiles (more query rows at d64, more keys at
- *  d256) cost more at the diagonal of a causal or window mask, where a tile is partly masked and
+ *  narrow tile; `wide_tiles_pay` picks per call. Wide tiles (more query rows at d64 and d128)
+ *  cost more at the diagonal of a causal or window mask, where a tile is partly masked and
  *  its masked part still runs, so masked calls take them only from a sequence length on.
  *  Measured on the H100 (docs/PERF.md, session 6), bf16 fwd against the narrow tile, same process:
  *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
@@ -232,9 +232,18 @@ struct ForwardConfigs<Element, 64> {
 };
 template <typename Element>
 struct ForwardConfigs<Element, 128> {
-  using Wide = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
-  using Narrow = Wide;
-  static bool wide_tiles_pay(const forward_params_t&) { return true; }
+  // Long calls without a mask: three consumers (192-row tiles, 160 registers each) on 80-key
+  // tiles (S and P of 80 keys fit beside O in 160 registers). A third warpgroup's GEMMs fill the
+  // tensor cores while the other two are in their softmax, where two consumers leave them idle
+  // about a third of a key block (the S = 512 trace, docs/PERF.md session 19): d128 full 16k +5%, 4k +1%, 2k -0.5%, 1k -8%,
+  // 512 -13% against the two-consumer tile (192-row tiles pad short heads, and short loops pay
+  // a tile boundary per few blocks); causal calls lost 2-34% (pairs of 192-row blocks balance
+  // worse), so masked calls keep the narrow tile. A second call: 8k +3%, 16k +3%, 4k -0.5%.
+  using Wide = ForwardTraits<Element, 128, 80, 2, 3>;    // 2*48 + 2*2*20 + 48 (O) KiB
+  using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
+  static bool wide_tiles_pay(const forward_params_t& p) {
+    return !masked_attention(p) && p.seqlen_q >= 4096 && p.seqlen_k >= 4096;
+  }
 };
 template <typename Element>
 struct ForwardConfigs<Element, 256> {
