@@ -7,10 +7,10 @@ script sets it before each timed call. Every variant's output (with --bwd: dq, d
 compared with cuDNN's (max abs difference, a sanity check only: the GPU test grids are what decide
 correctness).
 
-usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R] [--bwd]
+usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R] [--bwd] [--dtype fp16]
        e.g. python3 dev/fwd_variants.py 0,1,2,3 --cells 128:512:0,128:512:1 --rounds 3
 Cells default to hdim 64/128/256 x S 512/1024/2048 x causal or not, plus d128 S=16384 full.
-Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16.
+Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16 (or --dtype fp16).
 """
 import argparse
 import os
@@ -29,8 +29,10 @@ ap.add_argument("variants", help="comma-separated variant numbers, 0 = the shipp
 ap.add_argument("--cells", default="", help="d:S:causal,... (default: the short-sequence grid)")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--bwd", action="store_true", help="time forward + backward (FLOP = 3.5x the forward's)")
+ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
 args = ap.parse_args()
 variants = [int(v) for v in args.variants.split(",")]
+DTYPE = torch.bfloat16 if args.dtype == "bf16" else torch.float16
 if args.cells:
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
 else:
@@ -47,7 +49,7 @@ header = f"{'d':>4} {'S':>6} {'mask':>6} {'cuDNN':>7} " + " ".join(f"{'v%d' % v:
 rows = []
 for d, s, causal in cells:
     b, h = 16384 // s, 2048 // d
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(3))
     flop = 4.0 * b * h * s * s * d / (2 if causal else 1)
 
     def cudnn():
@@ -104,7 +106,7 @@ for d, s, causal in cells:
     rows.append(line)
     del q, k, v, ref
     torch.cuda.empty_cache()
-print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} bf16 TFLOP/s, best of", args.rounds, "rounds; ratio vs cuDNN ====")
+print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} {args.dtype} TFLOP/s, best of", args.rounds, "rounds; ratio vs cuDNN ====")
 print(header)
 for r in rows:
     print(r)
