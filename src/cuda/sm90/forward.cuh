@@ -236,10 +236,10 @@ struct ForwardConfigs<Element, 128> {
   // tiles (S and P of 80 keys fit beside O in 160 registers). A third warpgroup's GEMMs fill the
   // tensor cores while the other two are in their softmax, where two consumers leave them idle
   // about a third of a key block (the S = 512 trace, docs/PERF.md session 19). Against the
-  // two-consumer tile, bf16, same process: d128 full 16k +5% / +3% (two calls), 8k +3%, 4k +1% /
-  // -0.5%, 2k -0.5%, 1k -8%, 512 -13% (192-row tiles pad short heads, and short loops pay a tile
-  // boundary every few blocks); causal calls lost 2-34% (pairs of 192-row blocks balance worse),
-  // so masked calls keep the narrow tile.
+  // two-consumer tile, same process: d128 full 16k +3% to +5% (bf16, three calls) and +6% (fp16),
+  // 8k +1.5% to +3.8%, 4k -0.5% to +1.4%, 2k -0.5%, 1k -8%, 512 -13% (192-row tiles pad short
+  // heads, and short loops pay a tile boundary every few blocks); causal calls lost 2-34% (pairs
+  // of 192-row blocks balance worse), so masked calls keep the narrow tile.
   using Wide = ForwardTraits<Element, 128, 80, 2, 3>;    // 2*48 + 2*2*20 + 48 (O) KiB
   using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
   static bool wide_tiles_pay(const forward_params_t& p) {
