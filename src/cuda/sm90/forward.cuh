@@ -204,7 +204,8 @@ struct ForwardTraits {
  *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket has a wide and a
  *  narrow tile; `wide_tiles_pay` picks per call. Wide tiles (more query rows at d64 and d128)
  *  cost more at the diagonal of a causal or window mask, where a tile is partly masked and
- *  its masked part still runs, so masked calls take them only from a sequence length on.
+ *  its masked part still runs, so masked calls take them only from a sequence length on (d128's
+ *  never).
  *  Measured on the H100 (docs/PERF.md, session 6), bf16 fwd against the narrow tile, same process:
  *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
  *    (S = 512..16k); causal -35% at S = 512, -4% at 2k, +6% at 4k, +19% at 16k. Ping-pong turns
