@@ -201,15 +201,16 @@ struct ForwardTraits {
 };
 
 /** Per-bucket configurations (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
- *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket has a wide and a
- *  narrow tile; `wide_tiles_pay` picks per call. Wide tiles (more query rows at d64 and d128)
- *  cost more at the diagonal of a causal or window mask, where a tile is partly masked and
- *  its masked part still runs, so masked calls take them only from a sequence length on (d128's
- *  never).
+ *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket's `dispatch` picks
+ *  its tile per call and hands that traits type to the launcher (as TileChoice<Traits>). Wide
+ *  tiles (more query rows at d64 and d128) cost more at the diagonal of a causal or window mask,
+ *  where a tile is partly masked and its masked part still runs, so masked calls take them only
+ *  from a sequence length on (d128's never).
  *  Measured on the H100 (docs/PERF.md, session 6), bf16 fwd against the narrow tile, same process:
  *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
  *    (S = 512..16k); causal -35% at S = 512, -4% at 2k, +6% at 4k, +19% at 16k. Ping-pong turns
- *    cost ~2% at d64 (the softmax is as long as the GEMMs it would hide behind).
+ *    cost ~2% at d64 with two consumers (the softmax is as long as the GEMMs it would hide
+ *    behind); with three they pay below 4096 keys (session 19, ForwardConfigs<64>).
  *  - d256 has one configuration since session 14: 64-key tiles, whose 32 KiB of spare shared memory
  *    stage the epilogue's O for TMA stores. 80-key tiles (two stages of 40 KiB K and V) had been
  *    ahead of 64-key ones at S >= 1k without a mask and 4k with one (session 6, +1% to +11%: the
@@ -221,14 +222,28 @@ inline bool masked_attention(const forward_params_t& p) {
   return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
 }
 
+/** The tile a bucket's `dispatch` chose, as a value the launcher can take the type from. */
+template <class Traits>
+struct TileChoice {
+  using type = Traits;
+};
+
 template <typename Element, int kHeadDim>
 struct ForwardConfigs;
 template <typename Element>
 struct ForwardConfigs<Element, 64> {
-  using Wide = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/false>;    // 2*24 + 4*32 + 24 KiB
-  using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;  // 2*16 + 4*32 + 16 KiB
-  static bool wide_tiles_pay(const forward_params_t& p) {
-    return !masked_attention(p) || p.seqlen_k >= 4096;
+  // The wide tile takes issue turns below 4096 keys: against it without them (session 19, same
+  // process, unmasked, three calls) S = 512 +1.6% / +3.5% / +5.7% (bf16 / fp16 / bf16), 1k +1.4%
+  // to +2.6%, 2k +0.7% to +1.0%, 4k -0.8% to +0.6%, 16k -0.8% to -1.7%: short key loops gain
+  // from one consumer's GEMMs running under another's softmax, long ones lose the turns' waits.
+  using Wide = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/false>;       // 2*24 + 4*32 + 24 KiB
+  using WideTurns = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/true>;   // the same
+  using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;     // 2*16 + 4*32 + 16 KiB
+  template <class Launch>
+  static Status dispatch(const forward_params_t& p, Launch&& launch) {
+    if (p.seqlen_k >= 4096) return launch(TileChoice<Wide>{});
+    if (masked_attention(p)) return launch(TileChoice<Narrow>{});
+    return launch(TileChoice<WideTurns>{});
   }
 };
 template <typename Element>
@@ -243,15 +258,19 @@ struct ForwardConfigs<Element, 128> {
   // of 192-row blocks balance worse), so masked calls keep the narrow tile.
   using Wide = ForwardTraits<Element, 128, 80, 2, 3>;    // 2*48 + 2*2*20 + 48 (O) KiB
   using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
-  static bool wide_tiles_pay(const forward_params_t& p) {
-    return !masked_attention(p) && p.seqlen_q >= 4096 && p.seqlen_k >= 4096;
+  template <class Launch>
+  static Status dispatch(const forward_params_t& p, Launch&& launch) {
+    if (!masked_attention(p) && p.seqlen_q >= 4096 && p.seqlen_k >= 4096) return launch(TileChoice<Wide>{});
+    return launch(TileChoice<Narrow>{});
   }
 };
 template <typename Element>
 struct ForwardConfigs<Element, 256> {
-  using Wide = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 + 2*16 (O) KiB
-  using Narrow = Wide;
-  static bool wide_tiles_pay(const forward_params_t&) { return true; }
+  using Tile = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 + 2*16 (O) KiB
+  template <class Launch>
+  static Status dispatch(const forward_params_t&, Launch&& launch) {
+    return launch(TileChoice<Tile>{});
+  }
 };
 
 using cuda::ScoreScales;  // how raw scores become the log2-domain exponent (as in sm80)
@@ -1037,9 +1056,8 @@ Status launch_for_transform(const forward_params_t& p) {
 /** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
-  using Configs = ForwardConfigs<Element, kHeadDim>;
-  if (Configs::wide_tiles_pay(p)) return launch_for_transform<typename Configs::Wide>(p);
-  return launch_for_transform<typename Configs::Narrow>(p);
+  return ForwardConfigs<Element, kHeadDim>::dispatch(
+      p, [&](auto choice) { return launch_for_transform<typename decltype(choice)::type>(p); });
 }
 
 }  // namespace flashcore::cuda::sm90
