@@ -41,8 +41,8 @@
 //   rescale O by the max correction of tile j ; round P_j to 16 bits in the A-fragment registers.
 // The softmax of tile j runs while the tensor cores still work on P_{j-1} V_{j-1}; O is touched
 // only after its wgmma completed, and P_{j-1}'s registers are not rewritten before that either.
-// At d128/d256 the consumers also take turns issuing (IssueTurn, named barriers), so one's GEMMs
-// run while the other does its softmax.
+// At d128/d256 (and on d64's wide tile below 4096 keys) the consumers also take turns issuing
+// (IssueTurn, named barriers), so one's GEMMs run while another does its softmax.
 // Across tiles the same step continues (consume): the last P V of a tile is issued together with
 // the next tile's first Q K^T, and the tile's epilogue runs after that first softmax, once the
 // P V completed. Against draining each tile before its epilogue (session 10, bf16, same process):
