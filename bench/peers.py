@@ -87,8 +87,7 @@ def matmul_tflops(n=8192):
 
 
 def ceilings():
-    n = 8192
-    emit(kind="ceiling", what="bf16_matmul_8192", tflops=matmul_tflops(n))
+    emit(kind="ceiling", what="bf16_matmul_8192", tflops=matmul_tflops())
     x = torch.randn(2 * 1024 ** 3 // 2, device="cuda", dtype=torch.bfloat16)
     emit(kind="ceiling", what="read_4GiB_sum", tbps=x.numel() * 2 / bench_ms(lambda: x.sum(dtype=torch.float32)) / 1e9)
     del x

@@ -222,6 +222,9 @@ inline bool masked_attention(const forward_params_t& p) {
   return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
 }
 
+/** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
+constexpr int64_t kLongSeqlen = 4096;
+
 /** The tile a bucket's `dispatch` chose, as a value the launcher can take the type from. */
 template <class Traits>
 struct TileChoice {
@@ -241,7 +244,7 @@ struct ForwardConfigs<Element, 64> {
   using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;     // 2*16 + 4*32 + 16 KiB
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
-    if (p.seqlen_k >= 4096) return launch(TileChoice<Wide>{});
+    if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
     if (masked_attention(p)) return launch(TileChoice<Narrow>{});
     return launch(TileChoice<WideTurns>{});
   }
@@ -260,8 +263,8 @@ struct ForwardConfigs<Element, 128> {
   using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
-    if (!masked_attention(p) && p.seqlen_q >= 4096 && p.seqlen_k >= 4096) return launch(TileChoice<Wide>{});
-    return launch(TileChoice<Narrow>{});
+    const bool long_unmasked = !masked_attention(p) && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
+    return long_unmasked ? launch(TileChoice<Wide>{}) : launch(TileChoice<Narrow>{});
   }
 };
 template <typename Element>
