@@ -77,7 +77,9 @@
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
 // are not MaskInfo::tile_fully_visible for the rows that are stored. Rows past seqlen_q compute on
 // whatever TMA loaded (finite), take the unmasked body and are never stored. Rows with no keys give
-// out = 0, lse = -inf.
+// out = 0, lse = -inf. At d64, a consumer that sees only the left half of its tile's first key
+// block (the causal diagonal above the first 64 rows of a 128-row tile) runs that softmax on the
+// half: P = 0 on the rest, without its exponentials (ForwardTraits::kLeftHalfDiagonal).
 //
 // ---- Addressing -----------------------------------------------------------------------------------
 // Dense calls: 4-D tensor maps (head_dim, seqlen, heads, batch) with the caller's strides, so
@@ -149,6 +151,12 @@ struct ForwardTraits {
   // over half of the kernel's PTX. With lazy rescaling: d64 -2% to +5%, d128 +1% to +7%, d256
   // +2% to +4% against neither (session 9); without it d64 lost up to 8% to lazy rescaling.
   static constexpr bool kScoreTransforms = kScoreTransforms_;
+  // A consumer that sees only the left half of its tile's first key block (the causal diagonal
+  // above its rows) runs that block's softmax on the half (softmax_tile's kLeftHalf). d64 only,
+  // where the exponentials (MUFU, 16 per clock per SM) take as long as the GEMMs: d64 causal
+  // +8.5% at S = 512, +5.9% at 1k, +1% at 4k / 16k; d128 causal lost 0.4-1% (session 20).
+  // Q K^T stays N = 128: a half-width wgmma behind a run-time test serialized every wgmma (C7515).
+  static constexpr bool kLeftHalfDiagonal = kHeadDim_ == 64 && kBlockN_ == 128;
   // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
   // per-thread count at entry (65536 / kThreads rounded down to the allocation granule of 8,
   // which __launch_bounds__(kThreads, 1) makes ptxas use). The split must fit in it, or the
@@ -412,11 +420,15 @@ struct RowState {
 
 /** Turns the fp32 scores of one tile into unnormalized probabilities in place, updating the row
  *  state; returns through `correction` the factor O must be multiplied by (0 <= c <= 1). */
-template <class T, bool kMasked>
+template <class T, bool kMasked, bool kLeftHalf = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowState& st,
                                              float (&correction)[2], const ForwardKernelArgs& args,
                                              const KeyRange (&rows)[2], int64_t key0, int quad) {
-  constexpr int kRegs = T::kBlockN / 2;
+  // kLeftHalf: no stored row of this consumer sees the block's last kBlockN / 2 keys (see
+  // ForwardTraits::kLeftHalfDiagonal): the softmax runs on the first half of s (the accumulator's
+  // registers 0 .. kBlockN / 4 - 1 are exactly its first kBlockN / 2 columns) and sets P = 0 on
+  // the other half, skipping its masks, maxima and exponentials.
+  constexpr int kRegs = kLeftHalf ? T::kBlockN / 4 : T::kBlockN / 2;
   if (T::kScoreTransforms && args.transform != ScoreTransform::kFoldedScale) {
     const bool softcap = args.transform == ScoreTransform::kSoftcap;
 #pragma unroll
@@ -471,6 +483,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowStat
       }
     }
     st.sum[r] = st.sum[r] * correction[r] + sum;
+  }
+  if constexpr (kLeftHalf) {
+#pragma unroll
+    for (int i = kRegs; i < T::kBlockN / 2; ++i) s[i] = 0.f;
   }
 }
 
@@ -762,6 +778,12 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       return wg_row0 < stored_rows_end &&
              !w.mask.tile_fully_visible(wg_row0, stored_rows_end, key0, key0 + T::kBlockN);
     };
+    // The tile's first block (its last keys) on a causal diagonal: the first consumer of a 128-row
+    // tile sees at most its left half.
+    const int n_first = w.n_block_end - 1;
+    const bool left_half = T::kLeftHalfDiagonal && masked(n_first) &&
+                           w.mask.keys_for_rows(wg_row0, stored_rows_end).end <=
+                               int64_t(n_first) * T::kBlockN + T::kBlockN / 2;
     auto softmax = [&](int n_block) {
       const int64_t key0 = int64_t(n_block) * T::kBlockN;
       if (masked(n_block)) {
@@ -799,7 +821,16 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       FWD_TRACE(role, kSReady, 0);
       release(sm.k_empty(stage));
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
-      softmax(w.n_block_end - 1);  // O is still zero: its correction is irrelevant
+      // O is still zero: its correction is irrelevant
+      if constexpr (T::kLeftHalfDiagonal) {
+        if (left_half) {
+          softmax_tile<T, true, true>(s, st, correction, args, rows, int64_t(n_first) * T::kBlockN, quad);
+        } else {
+          softmax(n_first);
+        }
+      } else {
+        softmax(n_first);
+      }
       FWD_TRACE(role, kSoftmaxDone, 0);
       if constexpr (kCarried) {
         ptx::wgmma_wait_group<0>();
