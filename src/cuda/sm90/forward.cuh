@@ -822,12 +822,8 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       release(sm.k_empty(stage));
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
       // O is still zero: its correction is irrelevant
-      if constexpr (T::kLeftHalfDiagonal) {
-        if (left_half) {
-          softmax_tile<T, true, true>(s, st, correction, args, rows, int64_t(n_first) * T::kBlockN, quad);
-        } else {
-          softmax(n_first);
-        }
+      if (left_half) {
+        softmax_tile<T, true, true>(s, st, correction, args, rows, int64_t(n_first) * T::kBlockN, quad);
       } else {
         softmax(n_first);
       }
