@@ -54,6 +54,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+/** The inverse of ldmatrix_x4: four 8x8 b16 matrices from registers to shared memory. Thread t
+ *  holds in r[i] the pair (row t / 4, columns 2 (t % 4), 2 (t % 4) + 1) of matrix i - the mma /
+ *  wgmma accumulator fragment once packed to 16 bits - and lanes 8i..8i+7 supply the addresses of
+ *  matrix i's rows (16 contiguous bytes each). One instruction stores what four 4-byte st.shared
+ *  per thread would. */
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 /** Two 8x8 b16 matrices (lanes 0..15 supply addresses). */
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"

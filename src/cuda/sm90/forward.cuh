@@ -568,8 +568,10 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
   ptx::named_barrier_sync(1 + T::kConsumers + consumer, T::kWarpgroupThreads);
 }
 
-/** The staged epilogue of one consumer: O / l as 16-bit pairs into its shared-memory box
- *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: ptx::swizzled_box_offset), then
+/** The staged epilogue of one consumer: O / l rounded to 16 bits into its shared-memory box
+ *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: ptx::swizzled_box_offset), with
+ *  one stmatrix per 16 x 16 block (a quarter of the store instructions of 4-byte st.shared: d256
+ *  S = 512 / 1k +1% to +4%, d64 / d128 within -1% to +2%, docs/PERF.md session 21), then
  *  one TMA store per chunk by thread 0; kOChunksStaged chunks per round where the box holds fewer than all of them
  *  (d256). The buffer is reused (by the next round or tile) only after that thread has seen the
  *  previous stores finish reading it (bulk async-group), which the round's first barrier publishes.
@@ -579,9 +581,10 @@ template <class T>
 __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
                                                const TileOutput& out, int consumer,
                                                const float (&o)[T::kHeadDim / 2],
-                                               const float (&sums)[2], int t) {
+                                               const float (&sums)[2], int t,
+                                               [[maybe_unused]] PipelineCounters& pc) {
   using Ops = ElementOps<typename T::Element>;
-  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int warp = t / 32;
   uint8_t* buf = sm.o_ptr(consumer);
   float inv[2];
 #pragma unroll
@@ -590,17 +593,24 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
   for (int c0 = 0; c0 < T::kChunks; c0 += T::kOChunksStaged) {
     if (t == 0) ptx::tma_store_wait_group_read<0>();
     epilogue_barrier<T>(consumer);
+    // stmatrix: lane l supplies the row address of matrix l / 8 = (column group j + m / 2, row
+    // half m % 2) of each 16 x 16 block.
+    const int lane = t % 32, m = lane / 8;
+    const int row = warp * 16 + lane % 8 + 8 * (m % 2);
+    const uint32_t buf_addr = ptx::smem_addr(buf);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + group + 8 * r;
+    for (int j = 8 * c0; j < 8 * (c0 + T::kOChunksStaged); j += 2) {
+      uint32_t frag[4];
 #pragma unroll
-      for (int j = 8 * c0; j < 8 * (c0 + T::kOChunksStaged); ++j) {
-        const uint32_t offset = ptx::swizzled_box_offset(T::kRowsPerConsumer, j / 8 - c0, row, j % 8, 4 * quad);
-        *reinterpret_cast<uint32_t*>(buf + offset) =
-            Ops::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+      for (int q = 0; q < 4; ++q) {
+        const int i = 4 * (j + q / 2) + 2 * (q % 2);
+        frag[q] = Ops::pack(o[i] * inv[q % 2], o[i + 1] * inv[q % 2]);
       }
+      const int jj = j + m / 2;
+      ptx::stmatrix_x4(buf_addr + ptx::swizzled_box_offset(T::kRowsPerConsumer, jj / 8 - c0, row, jj % 8, 0), frag);
     }
     ptx::fence_proxy_async_shared_cta();  // make the generic-proxy writes visible to TMA
+    FWD_TRACE(1 + consumer, kEpilogueStaged, 0);
     epilogue_barrier<T>(consumer);
     if (t == 0) {
       const int32_t row0 = static_cast<int32_t>(out.q_row0 + consumer * T::kRowsPerConsumer);
@@ -618,7 +628,8 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
 template <class T>
 __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
                                            const TileOutput& out, int consumer,
-                                           const float (&o)[T::kHeadDim / 2], const RowState& st) {
+                                           const float (&o)[T::kHeadDim / 2], const RowState& st,
+                                           [[maybe_unused]] PipelineCounters& pc) {
   const AttentionParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
@@ -628,6 +639,7 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
   float sums[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) sums[r] = quad_allreduce_sum(st.sum[r]);
+  FWD_TRACE(1 + consumer, kEpilogueEnter, 0);
   // Staged: this consumer's 64 rows go to shared memory (the swizzled layout of a TMA box) and one
   // thread stores them with TMA, which clips rows past the tensor's end (dense) and columns past
   // head_dim. A varlen block that reaches past its sequence would overwrite the next sequence's
@@ -638,7 +650,7 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
              (p.cu_seqlens_q == nullptr || wg_row0 + T::kRowsPerConsumer <= out.seqlen_q);
   }
   if (staged) {
-    store_o_staged<T>(args, sm, out, consumer, o, sums, t);
+    store_o_staged<T>(args, sm, out, consumer, o, sums, t, pc);
   } else {
     // Direct: 4-byte stores of column pairs, row by row.
     auto* dst_base = static_cast<typename T::Element*>(p.out.data);
@@ -739,7 +751,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(o);
     release(sm.v_empty(stage));
-    store_tile<T>(args, sm, pending_out, consumer, o, pending_st);
+    store_tile<T>(args, sm, pending_out, consumer, o, pending_st, pc);
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
   };
@@ -764,7 +776,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       if (pending) finish_pending();
 #pragma unroll
       for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
-      store_tile<T>(args, sm, tile_output(w), consumer, o, st);
+      store_tile<T>(args, sm, tile_output(w), consumer, o, st, pc);
       continue;
     }
     // Only the rows that will be stored decide whether a key block needs per-element masks: rows
@@ -836,7 +848,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       pack_probabilities<T>(s, pa);
       if constexpr (kCarried) {
-        store_tile<T>(args, sm, pending_out, consumer, o, pending_st);
+        store_tile<T>(args, sm, pending_out, consumer, o, pending_st, pc);
         FWD_TRACE(role, kEpilogueDone, 0);
       }
 #pragma unroll

@@ -23,6 +23,8 @@ enum class TraceEvent : uint32_t {
   kSoftmaxDone,     // consumer: P of iteration arg ready (before the P V wait)
   kPvDone,          // consumer: O += P V of iteration arg complete
   kEpilogueDone,    // consumer: O and lse stored (issued)
+  kEpilogueEnter,   // consumer: epilogue entered (row sums reduced)
+  kEpilogueStaged,  // consumer: O written to the staging buffer and fenced
   kQSlotFree = 20,  // producer: Q slot free, load issued
   kKSlotFree,       // producer: K stage free, load of iteration arg issued
   kVSlotFree,       // producer: V stage free

@@ -1,5 +1,5 @@
 // Unit tests of the sm_90a primitives under src/cuda/ptx (mbarrier, TMA loads, stores and
-// reductions, wgmma, setmaxnreg, named barriers) and of the host tensor-map builder, each alone
+// reductions, wgmma, setmaxnreg, named barriers, stmatrix) and of the host tensor-map builder, each alone
 // before any kernel relies on it.
 //
 // Every test is skipped unless a compute-capability 9.0 GPU is present (the binary holds sm_90a
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
@@ -923,6 +924,56 @@ TEST(Sm90Warpgroup, BarrierAnyBetweenRoleBranches) {
   for (uint32_t t = 0; t < kWg; ++t) {
     EXPECT_EQ(out[t], (in[(t + 8) % kWg] + 1.0f) * 2.0f) << "role 0, thread " << t;
     EXPECT_EQ(out[kWg + t], in[t] + 1.0f) << "role 1, thread " << t;
+  }
+}
+
+// ---- stmatrix: four 8x8 b16 matrices from fragments, each row at its own lane's address --------
+struct StmatrixTraits {
+  static constexpr uint32_t kRowBytes = 48;   // rows 48 bytes apart: the 16 stored bytes sit in the
+  static constexpr uint32_t kRowOffset = 16;  // middle, so a wrong address shows up as a moved row
+  static constexpr uint32_t kRows = 32;       // lane l supplies row l: matrix l / 8, row l % 8
+};
+
+/** The 16-bit code the test stores at (matrix, row, column): distinct for every element. */
+__host__ __device__ inline uint16_t stmatrix_code(uint32_t matrix, uint32_t row, uint32_t col) {
+  return static_cast<uint16_t>(0x100 + matrix * 64 + row * 8 + col);
+}
+
+__global__ void stmatrix_kernel(uint16_t* out) {
+  using T = StmatrixTraits;
+  __shared__ alignas(16) uint16_t rows[T::kRows * T::kRowBytes / 2];
+  const uint32_t lane = threadIdx.x;
+  for (uint32_t i = lane; i < T::kRows * T::kRowBytes / 2; i += 32) rows[i] = TestTraits::kSentinel;
+  __syncwarp();
+  uint32_t r[4];
+  for (uint32_t m = 0; m < 4; ++m) {
+    const uint32_t row = lane / 4, col = 2 * (lane % 4);
+    r[m] = uint32_t(stmatrix_code(m, row, col)) | uint32_t(stmatrix_code(m, row, col + 1)) << 16;
+  }
+  ptx::stmatrix_x4(ptx::smem_addr(rows) + lane * T::kRowBytes + T::kRowOffset, r);
+  __syncwarp();
+  for (uint32_t i = lane; i < T::kRows * T::kRowBytes / 2; i += 32) out[i] = rows[i];
+}
+
+TEST(Sm90Stmatrix, FragmentsLandInTheirLanesRows) {
+  SKIP_UNLESS_SM90();
+  using T = StmatrixTraits;
+  constexpr uint32_t kElems = T::kRows * T::kRowBytes / 2;
+  DeviceBuffer<uint16_t> d_out(kElems);
+  ASSERT_TRUE(d_out.get());
+  CUDA_ASSERT(cudaMemset(d_out.get(), 0, d_out.bytes()));
+  stmatrix_kernel<<<1, 32>>>(d_out.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<uint16_t> out(kElems);
+  CUDA_ASSERT(cudaMemcpy(out.data(), d_out.get(), d_out.bytes(), cudaMemcpyDeviceToHost));
+  for (uint32_t l = 0; l < T::kRows; ++l) {
+    for (uint32_t b = 0; b < T::kRowBytes; b += 2) {
+      const uint16_t got = out[(l * T::kRowBytes + b) / 2];
+      const bool stored = b >= T::kRowOffset && b < T::kRowOffset + 16;
+      const uint16_t want = stored ? stmatrix_code(l / 8, l % 8, (b - T::kRowOffset) / 2) : TestTraits::kSentinel;
+      EXPECT_EQ(got, want) << "row " << l << ", byte " << b;
+    }
   }
 }
 
