@@ -182,6 +182,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/** log2(x) for a positive finite x (a softmax row sum): the exponent exactly, the mantissa in
+ *  [1, 2) through the hardware approximation (MUFU.LG2, absolute error <= 2^-22 there), so the
+ *  error stays below 2^-22 whatever the magnitude. log2f's software polynomial is ~30 dependent
+ *  instructions, which sat in the sm90 epilogue's chain twice per thread (~500 cycles a tile). */
+__device__ __forceinline__ float log2_positive(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  const float mantissa = __uint_as_float((bits & 0x007FFFFFu) | 0x3F800000u);
+  return static_cast<float>(static_cast<int>(bits >> 23) - 127) + __log2f(mantissa);
+}
+
 /** Barrier among the kThreads threads (whole warps) that use named barrier `id` (1 .. 15; 0 belongs
  *  to __syncthreads). Like __syncthreads, it also orders shared-memory accesses and, after
  *  cp.async.wait_group, publishes the participating threads' completed copies. */

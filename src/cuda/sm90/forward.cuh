@@ -676,7 +676,7 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
       const int64_t row = row_base + 8 * r;
       if (row >= out.seqlen_q) continue;
       const float lse =
-          sums[r] > 0.f ? (st.max[r] * args.exp2_scale + log2f(sums[r])) * kLn2 : -INFINITY;
+          sums[r] > 0.f ? (st.max[r] * args.exp2_scale + sm80::log2_positive(sums[r])) * kLn2 : -INFINITY;
       p.lse.data[out.batch * p.lse.batch_stride + out.head * p.lse.head_stride +
                  (out.q_start + row) * p.lse.row_stride] = lse;
     }
