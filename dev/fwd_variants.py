@@ -1,7 +1,8 @@
 """A/B of sm90 forward (or, with --bwd, fwd+bwd) variants next to SDPA cuDNN, in one process,
 interleaved rounds.
 
-The library under test reads FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an
+Rounds alternate the order of the variants (cuDNN always first). The library under test reads
+FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an
 experiment adds to src/cuda/sm90/forward.cuh or backward.cuh and removes before its commit); this
 script sets it before each timed call. Every variant's output (with --bwd: dq, dk, dv) is first
 compared with cuDNN's (max abs difference, a sanity check only: the GPU test grids are what decide
@@ -93,9 +94,11 @@ for d, s, causal in cells:
         set_variant(var)
         errs[var] = max((a - b).abs().max().item() for a, b in zip(result(ours), ref))
     best = {"cudnn": 1e9, **{var: 1e9 for var in variants}}
-    for _ in range(args.rounds):
+    for rnd in range(args.rounds):
         best["cudnn"] = min(best["cudnn"], bench_ms(run(cudnn), rep=7, warm_s=0.15))
-        for var in variants:
+        # Odd rounds time the variants in reverse order: on long cells the variant timed last read
+        # 4-11% low, whichever it was (d64 causal 16k, docs/PERF.md session 21).
+        for var in (variants if rnd % 2 == 0 else variants[::-1]):
             set_variant(var)
             best[var] = min(best[var], bench_ms(run(ours), rep=7, warm_s=0.15))
     set_variant(0)

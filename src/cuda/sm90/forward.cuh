@@ -25,6 +25,11 @@
 // under a causal mask, in order otherwise (TileWalker). Key blocks run from the last to the first, so
 // the tiles that need per-element masks (the causal diagonal, the partial last block) come first
 // and the rest take the branch-free body.
+// Every consumer warp walks the tiles itself (TileWalker, ~800-970 cycles a tile at d128) although
+// the producer has the same walk: what steers a consumer's control flow (the key loop's bounds,
+// the mask choices) must come from kernel parameters, blockIdx or global memory. Read from shared
+// memory, ptxas cannot take it as warp-uniform and guards the softmax's shuffles with divergent-
+// path copies (BRA.DIV, WARPSYNC): a producer-published tile cost 3-11% (docs/PERF.md, session 21).
 //
 // ---- Pipeline (mbarriers; the n-th use of a ring slot waits for parity (n / slots) & 1) -------
 //  q_full[q] / q_empty[q]: Q of a tile (kQStages buffers); every consumer warp arrives on
