@@ -1,5 +1,5 @@
 // Unit tests of the sm_90a primitives under src/cuda/ptx (mbarrier, TMA loads, stores and
-// reductions, wgmma, setmaxnreg, named barriers, stmatrix) and of the host tensor-map builder, each alone
+// reductions, wgmma, setmaxnreg, named barriers, stmatrix, the epilogue's log2) and of the host tensor-map builder, each alone
 // before any kernel relies on it.
 //
 // Every test is skipped unless a compute-capability 9.0 GPU is present (the binary holds sm_90a
@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -30,6 +31,7 @@
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm80/tile_common.cuh"  // log2_positive
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace {
@@ -974,6 +976,45 @@ TEST(Sm90Stmatrix, FragmentsLandInTheirLanesRows) {
       const uint16_t want = stored ? stmatrix_code(l / 8, l % 8, (b - T::kRowOffset) / 2) : TestTraits::kSentinel;
       EXPECT_EQ(got, want) << "row " << l << ", byte " << b;
     }
+  }
+}
+
+// ---- log2_positive: the forward epilogue's lse, against log2 in double -------------------------
+__global__ void log2_positive_kernel(const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = flashcore::cuda::sm80::log2_positive(x[i]);
+}
+
+TEST(Sm90Epilogue, Log2PositiveWithin2PowMinus22) {
+  SKIP_UNLESS_SM90();
+  // Row sums: from 1 (one key) to far past any softmax sum, powers of two and their neighbours
+  // (where the exponent split changes), and random values in between.
+  std::vector<float> x;
+  for (int e = -4; e <= 40; ++e) {
+    const float p = std::ldexp(1.0f, e);
+    x.insert(x.end(), {p, std::nextafter(p, 0.0f), std::nextafter(p, 2 * p), 1.5f * p});
+  }
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(0, 40);
+  for (int i = 0; i < 4096; ++i) x.push_back(std::ldexp(mantissa(rng), exponent(rng)));
+  const int n = static_cast<int>(x.size());
+  DeviceBuffer<float> d_x(n), d_y(n);
+  ASSERT_TRUE(d_x.get() && d_y.get());
+  CUDA_ASSERT(cudaMemcpy(d_x.get(), x.data(), d_x.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemset(d_y.get(), 0xFF, d_y.bytes()));  // NaN: an unwritten result fails
+  log2_positive_kernel<<<(n + 255) / 256, 256>>>(d_x.get(), d_y.get(), n);
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<float> y(n);
+  CUDA_ASSERT(cudaMemcpy(y.data(), d_y.get(), d_y.bytes(), cudaMemcpyDeviceToHost));
+  // lg2.approx's absolute error on [1, 2) is at most 2^-22; adding the exponent rounds once more
+  // (half an ulp of a result below 41: 2^-19 at most, 2^-24 below 2).
+  for (int i = 0; i < n; ++i) {
+    const double want = std::log2(static_cast<double>(x[i]));
+    const double ulp_half = std::ldexp(1.0, std::ilogb(std::max(std::fabs(want), 1.0)) - 24);
+    EXPECT_LE(std::fabs(static_cast<double>(y[i]) - want), std::ldexp(1.0, -22) + ulp_half)
+        << "x = " << x[i];
   }
 }
 
