@@ -2,9 +2,9 @@
 interleaved rounds.
 
 Rounds alternate the order of the variants (cuDNN always first). The library under test reads
-FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an
-experiment adds to src/cuda/sm90/forward.cuh or backward.cuh and removes before its commit); this
-script sets it before each timed call. Every variant's output (with --bwd: dq, dk, dv) is first
+FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an experiment adds to
+src/cuda/sm90/forward.cuh or backward.cuh and removes before its commit); this script sets it
+before each timed call. Every variant's output (with --bwd: dq, dk, dv) is first
 compared with cuDNN's (max abs difference, a sanity check only: the GPU test grids are what decide
 correctness).
 

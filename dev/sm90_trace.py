@@ -12,8 +12,8 @@ import struct
 
 # forward_trace.cuh's and backward_trace.cuh's event codes
 FWD_NAMES = {1: "tile_begin", 2: "q_ready", 3: "k_ready", 4: "v_ready", 5: "turn_taken", 6: "s_ready",
-         7: "softmax_done", 8: "pv_done", 9: "epilogue_done", 10: "epi_enter", 11: "epi_staged", 20: "q_slot_free", 21: "k_slot_free",
-         22: "v_slot_free"}
+         7: "softmax_done", 8: "pv_done", 9: "epilogue_done", 10: "epi_enter", 11: "epi_staged",
+         20: "q_slot_free", 21: "k_slot_free", 22: "v_slot_free"}
 BWD_NAMES = {1: "tile_begin", 2: "step_begin", 3: "s_ready", 4: "dv_issued", 5: "ds_stored", 6: "ds_shared",
              7: "dq_ready", 8: "dq_sent", 9: "step_end", 10: "tile_end", 20: "stage_free", 21: "kv_free"}
 

@@ -182,9 +182,9 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-/** log2(x) for a positive finite x (a softmax row sum): the exponent exactly, the mantissa in
- *  [1, 2) through the hardware approximation (MUFU.LG2, absolute error <= 2^-22 there), so the
- *  error stays below 2^-22 whatever the magnitude. log2f's software polynomial is ~30 dependent
+/** log2(x) for a positive finite normal x (a softmax row sum): the exponent exactly, the mantissa
+ *  in [1, 2) through the hardware approximation (MUFU.LG2, absolute error <= 2^-22 there), so the
+ *  error is 2^-22 plus the final add's rounding whatever the magnitude. log2f's software polynomial is ~30 dependent
  *  instructions, which sat in the sm90 epilogue's chain twice per thread (~500 cycles a tile). */
 __device__ __forceinline__ float log2_positive(float x) {
   const uint32_t bits = __float_as_uint(x);

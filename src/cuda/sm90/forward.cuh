@@ -576,7 +576,7 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
 /** The staged epilogue of one consumer: O / l rounded to 16 bits into its shared-memory box
  *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: ptx::swizzled_box_offset), with
  *  one stmatrix per 16 x 16 block (a quarter of the store instructions of 4-byte st.shared: d256
- *  S = 512 / 1k +1% to +4%, d64 / d128 within -1% to +2%, docs/PERF.md session 21), then
+ *  S = 512 / 1k +1% to +4%, d64 / d128 -1% to +4%, docs/PERF.md session 21), then
  *  one TMA store per chunk by thread 0; kOChunksStaged chunks per round where the box holds fewer than all of them
  *  (d256). The buffer is reused (by the next round or tile) only after that thread has seen the
  *  previous stores finish reading it (bulk async-group), which the round's first barrier publishes.
@@ -594,15 +594,15 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+  // stmatrix: lane l supplies the row address of matrix m = l / 8 of each 16 x 16 block, which is
+  // (column group j + m / 2, row half m % 2).
+  const int lane = t % 32, m = lane / 8;
+  const int row = warp * 16 + lane % 8 + 8 * (m % 2);
+  const uint32_t buf_addr = ptx::smem_addr(buf);
 #pragma unroll
   for (int c0 = 0; c0 < T::kChunks; c0 += T::kOChunksStaged) {
     if (t == 0) ptx::tma_store_wait_group_read<0>();
     epilogue_barrier<T>(consumer);
-    // stmatrix: lane l supplies the row address of matrix l / 8 = (column group j + m / 2, row
-    // half m % 2) of each 16 x 16 block.
-    const int lane = t % 32, m = lane / 8;
-    const int row = warp * 16 + lane % 8 + 8 * (m % 2);
-    const uint32_t buf_addr = ptx::smem_addr(buf);
 #pragma unroll
     for (int j = 8 * c0; j < 8 * (c0 + T::kOChunksStaged); j += 2) {
       uint32_t frag[4];
