@@ -254,12 +254,14 @@ def cpu_path():
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
 
             f = flops(b, h, s, d, causal, "fwd")
+            fc_fwd = lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads)
             with torch.no_grad():
-                ms_fc, ms_pt = _interleaved_ms(
-                    [lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads),
-                     lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)])
+                # On a CPU with AMX the forward runs on the tile unit; its AVX path is timed beside it.
+                fns = [fc_fwd, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)]
+                ms = _interleaved_ms(fns + ([lambda: _without_amx(fc_fwd)] if CPU_HAS_AMX else []))
+            extra = {"flashcore_avx_gflops": f / ms[2] / 1e6} if CPU_HAS_AMX else {}
             emit(kind="cpu", mode="fwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
-                 flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+                 flashcore_gflops=f / ms[0] / 1e6, torch_sdpa_gflops=f / ms[1] / 1e6, **extra)
             if args.no_backward or left() < 30:
                 continue
             # Training steps: flash_attn_func's autograd (its CPU path honours torch.set_num_threads)
@@ -274,10 +276,49 @@ def cpu_path():
             f = flops(b, h, s, d, causal, "fwd+bwd")
             emit(kind="cpu", mode="fwd+bwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
                  flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+        for (b, h, s, d, causal) in [] if args.quick else shapes:
+            if left() < 20:
+                return
+            _cpu_bf16_forward_cell(threads, b, h, s, d, causal)
         for (b, kv_len) in [] if args.quick else [(1, 8192), (4, 4096)]:
             if left() < 20:
                 return
             _cpu_decode_cell(threads, b, kv_len)
+
+
+def _cpu_bf16_forward_cell(threads, b, h, s, d, causal):
+    """The forward on bf16 tensors against torch's CPU SDPA on bf16 (not part of #2's fp32 target;
+    where the CPU has AMX flashcore runs it on the tile unit, and its AVX path is timed beside)."""
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    fc_fwd = lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads)
+    with torch.no_grad():
+        fns = [fc_fwd, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)]
+        ms = _interleaved_ms(fns + ([lambda: _without_amx(fc_fwd)] if CPU_HAS_AMX else []))
+    f = flops(b, h, s, d, causal, "fwd")
+    extra = {"flashcore_avx_gflops": f / ms[2] / 1e6} if CPU_HAS_AMX else {}
+    emit(kind="cpu", mode="fwd", dtype="bf16", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+         flashcore_gflops=f / ms[0] / 1e6, torch_sdpa_gflops=f / ms[1] / 1e6, **extra)
+
+
+def _cpu_has_amx():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+CPU_HAS_AMX = _cpu_has_amx()
+
+
+def _without_amx(fn):
+    """fn() with cpu_flash's AMX forward switched off (FLASHCORE_CPU_AMX is read at every call)."""
+    os.environ["FLASHCORE_CPU_AMX"] = "0"
+    try:
+        return fn()
+    finally:
+        del os.environ["FLASHCORE_CPU_AMX"]
 
 
 def _cpu_decode_cell(threads, b, kv_len, hq=32, hk=8, d=128):
@@ -385,10 +426,13 @@ def summary():
             print("memory fwd S=16k: flashcore extra %.1f MiB vs naive %.1f MiB" % (r["flashcore_extra_bytes"] / 2**20,
                                                                                     r["naive_bytes"] / 2**20))
         if r["kind"] == "cpu":
-            print("cpu %-7s %2d threads s=%d d=%d %s: flashcore %.1f GFLOP/s, torch SDPA %.1f GFLOP/s (%.2fx)" % (
+            print("cpu %-7s %2d threads s=%d d=%d %s%s: flashcore %.1f GFLOP/s, torch SDPA %.1f GFLOP/s (%.2fx)" % (
                 r.get("mode", "fwd"), r["threads"], r["seqlen"], r["hdim"], "causal" if r["causal"] else "full",
+                " " + r["dtype"] if "dtype" in r else "",
                 r["flashcore_gflops"],
-                r["torch_sdpa_gflops"], r["flashcore_gflops"] / r["torch_sdpa_gflops"]))
+                r["torch_sdpa_gflops"], r["flashcore_gflops"] / r["torch_sdpa_gflops"])
+                + ("; AVX path %.1f (%.2fx)" % (r["flashcore_avx_gflops"], r["flashcore_avx_gflops"] / r["torch_sdpa_gflops"])
+                   if "flashcore_avx_gflops" in r else ""))
         if r["kind"] == "cpu_decode":
             print("cpu decode %2d threads %dx%d (GQA %d/%d, d=%d, fp32): flashcore %.1f GB/s, torch SDPA %.1f GB/s "
                   "(%.2fx)" % (r["threads"], r["batch"], r["kv_len"], r["heads_q"], r["heads_kv"], r["hdim"],

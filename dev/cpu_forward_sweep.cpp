@@ -10,13 +10,15 @@
 // the first too), and timed in rounds that run every variant once (so a slow spell of a shared
 // machine hits all alike), median per variant.
 //
-// Build (from the repository root; the shapes are those of bench/peers.py's CPU section):
-//   g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_forward_sweep.cpp
-//       src/cpu/worker_pool.cpp -o /tmp/cpu_forward_sweep
+// Build (from the repository root; the shapes are those of bench/peers.py's CPU section; with
+// -mamx-tile -mamx-bf16 on an AMX CPU the AMX forward joins as variant 1):
+//   g++ -std=c++17 -O3 -march=native [-mamx-tile -mamx-bf16] -pthread -I include -I src
+//       dev/cpu_forward_sweep.cpp src/cpu/worker_pool.cpp src/cpu/amx_forward.cpp -o /tmp/cpu_forward_sweep
 // Run: /tmp/cpu_forward_sweep [threads ...]        (default: 2)
 //      ROUNDS=n (default 7), SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
 //      ONLY=1,8 (time only those variants beside the first, by their index in the list),
-//      PHASES=1 (instead: where the shipped configuration's thread time goes, per phase of a task)
+//      PHASES=1 (instead: where the shipped configuration's thread time goes, per phase of a task),
+//      DTYPE=bf16|f16 (inputs and output in that dtype; default fp32)
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -28,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu/amx_forward.hpp"
+#include "cpu/amx_forward_kernel.hpp"
 #include "cpu/flash_forward_kernel.hpp"
 
 using namespace flashcore;
@@ -132,24 +136,56 @@ std::vector<Entry> variants() {
   };
 }
 
+/** The AMX forward (src/cpu/amx_forward_kernel.hpp) where this build and CPU have it. */
+std::vector<Entry> amx_variants() {
+#if FLASHCORE_AMX_BUILT
+  if (amx_usable()) return {{"amx: 32 rows, 64 keys, split bf16 tiles", &amx_detail::amx_flash_forward_with<>}};
+#endif
+  return {};
+}
+
 struct Shape {
   int64_t seqlen, head_dim;
   bool causal;
 };
 
 struct Problem {
-  std::vector<float> q, k, v, out;
+  std::vector<float> q, k, v, out;  // fp32 data, or 16-bit elements two per float (DTYPE=bf16|f16)
+  DType dtype = DType::F32;
   AttentionParams p;
+  /** Output element i as a float. */
+  float out_at(size_t i) const {
+    if (dtype == DType::F32) return out[i];
+    const uint16_t h = reinterpret_cast<const uint16_t*>(out.data())[i];
+    return dtype == DType::BF16 ? bf16_to_float(h) : half_to_float(h);
+  }
+  size_t out_count() const { return out.size(); }  // n elements either way (16-bit ones use half the buffer)
 };
+
+/** DTYPE from the environment: f32 (default), bf16 or f16. */
+DType sweep_dtype() {
+  const char* d = std::getenv("DTYPE");
+  if (d && std::string(d) == "bf16") return DType::BF16;
+  if (d && std::string(d) == "f16") return DType::F16;
+  return DType::F32;
+}
 
 void build(Problem& pr, const Shape& s, int threads) {
   constexpr int64_t kHeads = 16;
   const int64_t n = s.seqlen * kHeads * s.head_dim;
+  pr.dtype = sweep_dtype();
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   for (auto* t : {&pr.q, &pr.k, &pr.v}) {
     t->resize(static_cast<size_t>(n));
     for (float& x : *t) x = normal(rng);
+    if (pr.dtype != DType::F32) {  // convert in place into the first half of the buffer
+      uint16_t* h = reinterpret_cast<uint16_t*>(t->data());
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = (*t)[static_cast<size_t>(i)];
+        h[i] = pr.dtype == DType::BF16 ? float_to_bf16(x) : float_to_half(x);
+      }
+    }
   }
   pr.out.assign(static_cast<size_t>(n), 0.f);
   AttentionParams& p = pr.p;
@@ -163,7 +199,7 @@ void build(Problem& pr, const Shape& s, int threads) {
   view(p.k, pr.k.data());
   view(p.v, pr.v.data());
   view(p.out, pr.out.data());
-  p.dtype = DType::F32;
+  p.dtype = pr.dtype;
   p.batch = 1;
   p.seqlen_q = p.seqlen_k = s.seqlen;
   p.total_q = p.total_k = s.seqlen;
@@ -201,6 +237,8 @@ int main(int argc, char** argv) {
     shapes.push_back({2048, 256, false});
   }
   std::vector<Entry> all = variants();
+  const std::vector<Entry> amx = amx_variants();
+  all.insert(all.begin() + 1, amx.begin(), amx.end());  // index 1 when present
   if (const char* only = std::getenv("ONLY")) {  // the first variant stays first
     std::vector<Entry> picked = {all[0]};
     for (const char* c = only; *c;) {
@@ -216,11 +254,14 @@ int main(int argc, char** argv) {
     std::printf("cpu_flash forward, shipped configuration, %% of thread time (wall x threads) per phase, "
                 "summed over %d calls\n", rounds);
     const char* names[] = {"between tasks", "q pack + out", "k/v copy", "S gemm", "softmax", "O gemm"};
+    std::vector<Entry> timed_entries = {entry<TimedConfig>("avx")};
+#if FLASHCORE_AMX_BUILT
+    if (amx_usable()) timed_entries.push_back({"amx", &amx_detail::amx_flash_forward_with<TimedPhases>});
+#endif
     for (int threads : thread_counts) {
-      for (const Shape& s : shapes) {
+      for (const Shape& s : shapes) for (const Entry& timed : timed_entries) {
         Problem pr;
         build(pr, s, threads);
-        const Entry timed = entry<TimedConfig>("timed");
         seconds_of(timed, pr.p);
         TimedPhases::reset();
         double wall = 0;
@@ -230,8 +271,9 @@ int main(int argc, char** argv) {
         }
         const double thread_ns = wall * 1e9 * threads;
         const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
-        std::printf("%2d threads, S=%lld d=%lld%s: %.1f GFLOP/s |", threads, static_cast<long long>(s.seqlen),
-                    static_cast<long long>(s.head_dim), s.causal ? " causal" : "", flops * rounds / wall * 1e-9);
+        std::printf("%s %2d threads, S=%lld d=%lld%s: %.1f GFLOP/s |", timed.name.c_str(), threads,
+                    static_cast<long long>(s.seqlen), static_cast<long long>(s.head_dim), s.causal ? " causal" : "",
+                    flops * rounds / wall * 1e-9);
         double charged = 0;
         for (int i = 0; i < TimedPhases::kCount; ++i) {
           const double x = static_cast<double>(TimedPhases::ns[static_cast<size_t>(i)].load());
@@ -243,7 +285,8 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  std::printf("cpu_flash forward variants (%s), fp32, B=1 H=16, median of %d rounds, GFLOP/s\n", Simd::kName, rounds);
+  std::printf("cpu_flash forward variants (%s), %s, B=1 H=16, median of %d rounds, GFLOP/s\n", Simd::kName,
+              std::getenv("DTYPE") ? std::getenv("DTYPE") : "fp32", rounds);
   for (int threads : thread_counts) {
     for (const Shape& s : shapes) {
       Problem pr;
@@ -251,13 +294,16 @@ int main(int argc, char** argv) {
       const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
       // Reference output of the first configuration, then each variant checked against it.
       seconds_of(all[0], pr.p);
-      const std::vector<float> shipped = pr.out;
+      // Variants round differently: a few output ulps apart is expected (bf16: 2^-8 relative).
+      const double wrong_above = pr.dtype == DType::BF16 ? 2e-2 : pr.dtype == DType::F16 ? 4e-3 : 1e-4;
+      std::vector<float> shipped(pr.out_count());
+      for (size_t j = 0; j < shipped.size(); ++j) shipped[j] = pr.out_at(j);
       std::vector<double> max_diff(all.size(), 0.0);
       for (size_t i = 0; i < all.size(); ++i) {
         std::fill(pr.out.begin(), pr.out.end(), std::nanf(""));
         seconds_of(all[i], pr.p);
         for (size_t j = 0; j < shipped.size(); ++j) {
-          const double d = std::fabs(static_cast<double>(pr.out[j]) - shipped[j]);
+          const double d = std::fabs(static_cast<double>(pr.out_at(j)) - shipped[j]);
           max_diff[i] = std::max(max_diff[i], std::isnan(d) ? INFINITY : d);
         }
       }
@@ -274,7 +320,7 @@ int main(int argc, char** argv) {
         const double gflops = flops / t[t.size() / 2] * 1e-9;
         if (i == 0) base = gflops;
         std::printf("  %-44s %8.1f  %5.2fx  max|diff| %.1e%s\n", all[i].name.c_str(), gflops, gflops / base,
-                    max_diff[i], max_diff[i] > 1e-4 ? "  WRONG" : "");
+                    max_diff[i], max_diff[i] > wrong_above ? "  WRONG" : "");
       }
     }
   }

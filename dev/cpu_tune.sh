@@ -21,8 +21,9 @@ BIN=$(mktemp -d)
 { lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L1d|L2|L3|Flags" | sed 's/Flags:.*avx512/Flags: ... avx512/' | cut -c1-160; } >"$OUT/cpu.txt"
 
 g++ -std=c++17 -O2 -march=native -fopenmp dev/fma_peak.cpp -o "$BIN/fma_peak" &
-g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_forward_sweep.cpp src/cpu/worker_pool.cpp \
-  -o "$BIN/cpu_forward_sweep" &
+AMX_FLAGS=$(grep -qw amx_bf16 /proc/cpuinfo && echo "-mamx-tile -mamx-bf16")
+g++ -std=c++17 -O3 -march=native $AMX_FLAGS -pthread -I include -I src dev/cpu_forward_sweep.cpp src/cpu/worker_pool.cpp \
+  src/cpu/amx_forward.cpp -o "$BIN/cpu_forward_sweep" &
 g++ -std=c++17 -O3 -march=native -pthread -I include -I src dev/cpu_gemm_rate.cpp -o "$BIN/cpu_gemm_rate" &
 wait
 "$BIN/fma_peak" 1 "${THREADS[@]}" >"$OUT/fma_peak.txt" 2>&1

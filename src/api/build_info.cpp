@@ -1,6 +1,7 @@
 // Version and build configuration strings (what `flashcore info` prints).
 #include <string>
 
+#include "cpu/amx_forward.hpp"
 #include "flashcore/flashcore.h"
 
 extern "C" {
@@ -25,7 +26,9 @@ FC_API const char* fc_build_info(void) {
 #else
                                   "\n  cpu simd: portable"
 #endif
-      ;
+                                  + (flashcore::cpu::amx_usable()
+                                         ? "\n  cpu amx: yes (cpu_flash forward on AMX tiles for bf16, and fp16 from d = 128)"
+                                         : "\n  cpu amx: no (this CPU or build has none; FLASHCORE_CPU_AMX is ignored)");
   return info.c_str();
 }
 

@@ -1,7 +1,8 @@
 // cpu_flash forward: the entry point. The kernel (tiled online softmax, fp32 accumulation) is
 // flash_forward_kernel.hpp, a template over its tile configuration; this file instantiates the one
-// the library ships.
+// the library ships. On CPUs with AMX the forward runs on the tile unit instead (amx_forward.cpp).
 #include "api/backends.hpp"
+#include "cpu/amx_forward.hpp"
 #include "cpu/flash_forward_kernel.hpp"
 
 namespace flashcore {
@@ -9,6 +10,7 @@ namespace cpu {
 
 Status flash_forward(const AttentionParams& p) {
   using namespace forward_detail;
+  if (amx_forward_enabled(p.dtype, p.head_dim)) return amx_flash_forward(p);
   return flash_forward_with<ForwardConfig>(p);
 }
 

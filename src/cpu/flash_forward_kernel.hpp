@@ -180,6 +180,20 @@ inline void queue_kv_tile(const AttentionParams& p, int64_t b, int64_t first_row
   queue.add(element_ptr(p.v, p.dtype, b, first_row, kv_head), rows, p.v.row_stride * elem, p.head_dim * elem);
 }
 
+/** Queues the rows of `t` (q or out) that a task covers: for each query head of its KV head,
+ *  its query rows (a superset by at most one row per head at each end, all in bounds). */
+inline void queue_task_rows(const AttentionParams& p, const ForwardTask& task, const TensorRef& t, bool for_write,
+                            PrefetchQueue& queue) {
+  const SeqInfo seq = seq_info(p, task.batch);
+  const int64_t group = p.group_size();
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const int64_t first_q = task.first_row / group, last_q = (task.first_row + task.rows - 1) / group;
+  for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
+    queue.add(element_ptr(t, p.dtype, task.batch, seq.q_start + first_q, h), last_q - first_q + 1,
+              t.row_stride * elem, p.head_dim * elem, for_write);
+  }
+}
+
 template <class Config>
 class ForwardTaskRunner {
   static_assert(Config::kBlockRows % kSimdWidth == 0, "row block must fill whole vectors");
@@ -251,8 +265,8 @@ class ForwardTaskRunner {
       if (n0 + kN < keys.end) {
         queue_kv_tile(p_, task.batch, seq.k_start + n0 + kN, std::min(kN, keys.end - n0 - kN), task.kv_head, prefetch);
       } else {
-        queue_task_rows(task, p_.out, /*for_write=*/true);
-        if (next) queue_task_rows(*next, p_.q, /*for_write=*/false);
+        queue_task_rows(p_, task, p_.out, /*for_write=*/true, prefetch);
+        if (next) queue_task_rows(p_, *next, p_.q, /*for_write=*/false, prefetch);
       }
       prefetch.pace(Config::kPacedPrefetch ? active_blocks * micro_tiles_per_block(n_valid) : 1);
       Phases::lap(ForwardPhase::kCopy);
@@ -297,19 +311,6 @@ class ForwardTaskRunner {
   }
 
  private:
-  /** Queues the rows of `t` (q or out) that a task covers: for each query head of its KV head,
-   *  its query rows (a superset by at most one row per head at each end, all in bounds). */
-  void queue_task_rows(const ForwardTask& task, const TensorRef& t, bool for_write) {
-    const SeqInfo seq = seq_info(p_, task.batch);
-    const int64_t group = p_.group_size();
-    const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
-    const int64_t first_q = task.first_row / group, last_q = (task.first_row + task.rows - 1) / group;
-    for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
-      w_.prefetch.add(element_ptr(t, p_.dtype, task.batch, seq.q_start + first_q, h), last_q - first_q + 1,
-                      t.row_stride * elem, p_.head_dim * elem, for_write);
-    }
-  }
-
   /** GEMM micro-tiles of one block on a tile of n keys (the turns PrefetchQueue gets). */
   int64_t micro_tiles_per_block(int64_t n) const {
     const int64_t score_passes = ceil_div(Config::kBlockRows, kSimdWidth * ScoreGemm::kVecs);
@@ -486,23 +487,38 @@ std::vector<ForwardTask> make_forward_tasks(const AttentionParams& p) {
   return ordered;
 }
 
-/** The forward with configuration Config (see ForwardConfig). */
-template <class Config>
-Status flash_forward_with(const AttentionParams& p) {
+/** Runs the forward's tasks (make_forward_tasks<Config>) on the worker pool: every worker calls
+ *  worker(queue, tasks) once, which drains the shared queue (see drain_tasks). */
+template <class Config, class Worker>
+Status run_forward_tasks(const AttentionParams& p, Worker&& worker) {
   std::vector<ForwardTask> tasks;
   try {
     tasks = make_forward_tasks<Config>(p);
   } catch (const std::bad_alloc&) {
     return Status::internal("cpu_flash forward: out of host memory for the task list");
   }
-  return run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](TaskQueue& queue) {
+  return run_workers(static_cast<int64_t>(tasks.size()), p.num_threads,
+                     [&](TaskQueue& queue) { worker(queue, static_cast<const std::vector<ForwardTask>&>(tasks)); });
+}
+
+/** Feeds `runner` the queue's tasks, each with a guess at this worker's next task, whose query rows
+ *  the runner prefetches during its last key tile. */
+template <class Runner>
+void drain_tasks(Runner& runner, TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
+  for (int64_t t = queue.next(); t >= 0; t = queue.next()) {
+    const int64_t ahead = t + queue.workers();  // a fair guess at this worker's next task
+    runner.run(tasks[static_cast<size_t>(t)], ahead < queue.size() ? &tasks[static_cast<size_t>(ahead)] : nullptr);
+  }
+}
+
+/** The forward with configuration Config (see ForwardConfig). */
+template <class Config>
+Status flash_forward_with(const AttentionParams& p) {
+  return run_forward_tasks<Config>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
     ForwardScratch scratch;
     scratch.reserve<Config>(p.head_dim);
     ForwardTaskRunner<Config> runner(p, scratch);
-    for (int64_t t = queue.next(); t >= 0; t = queue.next()) {
-      const int64_t ahead = t + queue.workers();  // a fair guess at this worker's next task
-      runner.run(tasks[static_cast<size_t>(t)], ahead < queue.size() ? &tasks[static_cast<size_t>(ahead)] : nullptr);
-    }
+    drain_tasks(runner, queue, tasks);
   });
 }
 

@@ -253,7 +253,13 @@ ErrorReport compare(const std::string& what, const std::vector<float>& x, const 
     r.max_err = rel;  // reported as relative for fp32
     // Near-zero references (e.g. dq with a single key, where dS cancels exactly) make the
     // relative norm meaningless: an absolute error of kFp32RelTol at unit magnitude passes too.
-    if (rel > kFp32RelTol && !(max_err <= k * same_err) && !(max_err <= kFp32RelTol * std::max(1.0, max_ref))) {
+    // Gradients carry each element's score-error allowance here too (harness.hpp): a backward
+    // that recomputes P from an lse whose scores were rounded differently (cpu_flash's AMX
+    // forward sums its scores in another order than the AVX backward) moves them by that much at
+    // scores near 1e4, where one fp32 score is coarser than the bound.
+    const bool within_allowance = max_allowance > 0 && excess <= k * same_err;
+    if (rel > kFp32RelTol && !(max_err <= k * same_err) && !within_allowance &&
+        !(max_err <= kFp32RelTol * std::max(1.0, max_ref))) {
       r.ok = false;
       if (detail.str().empty())
         detail << what << ": relative error " << rel << " > " << kFp32RelTol << " and max error " << max_err

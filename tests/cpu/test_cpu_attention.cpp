@@ -2,8 +2,11 @@
 // cpu_flash backend (fp32, fp16, bf16), plus race hunting (bit-identical repeats).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "common/grids.hpp"
 #include "common/harness.hpp"
+#include "cpu/amx_forward.hpp"
 
 namespace flashcore::testing {
 namespace {
@@ -60,6 +63,38 @@ GridOptions small_grid() {
   g.head_dims = {32, 64};
   g.odd_head_dims = {1, 40, 59, 96, 128};
   return g;
+}
+
+// On a CPU with AMX the forward tests above ran cpu_flash's AMX path (src/cpu/amx_forward.cpp)
+// for bf16 (and fp16 from d = 128) and the AVX path for the rest. Both paths must pass every dtype there: each test
+// below forces one of them for its calls (FLASHCORE_CPU_AMX, read at every call).
+struct ScopedAmxSetting {
+  explicit ScopedAmxSetting(const char* value) { setenv("FLASHCORE_CPU_AMX", value, 1); }
+  ~ScopedAmxSetting() { unsetenv("FLASHCORE_CPU_AMX"); }
+};
+
+void expect_forward_grids() {
+  const GridOptions g = cpu_grid();
+  for (const auto& cases : {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g)}) {
+    expect_forward(cases, FC_BACKEND_CPU_FLASH);
+  }
+}
+
+TEST(CpuFlashForward, AvxPathWhereAmxIsUsed) {
+  if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build): the tests above ran the AVX path";
+  ScopedAmxSetting off("0");
+  ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16, 64));
+  expect_forward_grids();
+}
+
+TEST(CpuFlashForward, AmxPathForEveryDtype) {
+  if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build)";
+  ScopedAmxSetting on("1");
+  ASSERT_TRUE(cpu::amx_forward_enabled(DType::F32, 64));
+  expect_forward_grids();
+  // The backward recomputes P from the forward's lse: with the AMX forward's lse too.
+  expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH);
+  expect_backward(grid_masks(small_grid()), FC_BACKEND_CPU_FLASH);
 }
 
 TEST(CpuFlashBackward, SeqlenGrid) { expect_backward(grid_seqlens(small_grid()), FC_BACKEND_CPU_FLASH); }

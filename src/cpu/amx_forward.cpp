@@ -1,0 +1,61 @@
+// cpu_flash forward on Intel AMX: whether this process can use it, and the entry point. The kernel
+// and how it stays exact are in amx_forward_kernel.hpp.
+#include "cpu/amx_forward.hpp"
+
+#include <cstdlib>
+
+#include "cpu/amx_forward_kernel.hpp"
+
+#if FLASHCORE_AMX_BUILT
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace flashcore {
+namespace cpu {
+
+bool amx_forward_enabled(DType dtype, int64_t head_dim) {
+  if (!amx_usable()) return false;
+  const char* env = std::getenv("FLASHCORE_CPU_AMX");
+  if (env && env[0] == '0') return false;
+  if (env && env[0] == '1') return true;
+  return dtype == DType::BF16 || (dtype == DType::F16 && head_dim >= 128);
+}
+
+#if !FLASHCORE_AMX_BUILT
+
+bool amx_usable() { return false; }
+
+Status amx_flash_forward(const AttentionParams&) {
+  return Status::unsupported("cpu_flash: this build has no AMX forward (needs an -march=native build on an "
+                             "AVX512-BF16 machine and a compiler with -mamx-tile / -mamx-bf16)");
+}
+
+#else
+
+bool amx_usable() {
+#if defined(FLASHCORE_AMX_EMULATE)
+  return true;
+#endif
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
+    if (!amx_bf16 || !amx_tile) return false;
+    __get_cpuid_count(7, 1, &a, &b, &c, &d);
+    if (!(a & (1u << 5))) return false;  // AVX512-BF16 (the conversions into parts)
+    // Linux keeps the 8 KiB of tile data out of a thread's state until the process asks for it;
+    // the first tile instruction without this permission is a SIGILL. Granted process-wide.
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+Status amx_flash_forward(const AttentionParams& p) { return amx_detail::amx_flash_forward_with<>(p); }
+
+#endif  // FLASHCORE_AMX_BUILT
+
+}  // namespace cpu
+}  // namespace flashcore

@@ -1,0 +1,28 @@
+// cpu_flash forward on Intel AMX tiles (amx_forward.cpp): fp32-exact scores and outputs from bf16
+// tile products of split operands. cpu::flash_forward takes it on CPUs that have AMX-BF16.
+#pragma once
+
+#include "api/params.hpp"
+#include "api/status.hpp"
+
+namespace flashcore {
+namespace cpu {
+
+/** Whether this process can run the AMX forward: the library was built with AMX support (an
+ *  -march=native build on an AVX-512 + AVX512-BF16 machine), this CPU has AMX-TILE and AMX-BF16,
+ *  and Linux granted the process the tile state (arch_prctl, asked once). */
+bool amx_usable();
+
+/** Whether cpu_flash's forward takes the AMX path for inputs of `dtype` and `head_dim`: only where
+ *  amx_usable(), and then as the environment variable FLASHCORE_CPU_AMX says (read at every call,
+ *  so that a benchmark or a test can compare both paths): "0" never, "1" always, unset where it
+ *  measured faster than the AVX-512 path on the GPU machine's Xeon (docs/PERF.md, session 22):
+ *  bf16 (1.45-2.26x) and fp16 from head_dim 128 (1.11-1.34x; at d = 64 0.94-1.11x). fp32 needs
+ *  six tile products per GEMM and ran at 0.65-0.81x of the AVX-512 path. */
+bool amx_forward_enabled(DType dtype, int64_t head_dim);
+
+/** The forward on AMX; call only when amx_usable(). Same contract as cpu::flash_forward. */
+Status amx_flash_forward(const AttentionParams& p);
+
+}  // namespace cpu
+}  // namespace flashcore

@@ -1,0 +1,524 @@
+// The cpu_flash forward on Intel AMX (Sapphire Rapids and later): the same tiled online softmax as
+// flash_forward_kernel.hpp, with both GEMMs on the tile unit instead of AVX-512 FMAs.
+//
+// Exactness. AMX multiplies bf16 (8 significant bits) and accumulates in fp32. Each fp32 operand
+// is split into three bf16 parts, x = x0 + x1 + x2 (x0 = bf16(x), x1 = bf16(x - x0), ...: 24
+// significant bits, x itself for every normal fp32 whose parts stay normal), and a product is
+// the sum of the part products whose indices add up to at most 2: (0,0), (0,1), (1,0), (0,2),
+// (1,1), (2,0). What is dropped is below 2^-24 of the product, so scores and outputs are as
+// accurate as an fp32 dot product (dev/amx_probe.cpp: S = Q K^T at d = 128, relative error 5e-8
+// with six products against 2e-7 for fp32 FMAs; 4e-6 with three, too close to TESTING.md's 1e-5).
+// fp16 inputs need two parts (11 bits), bf16 inputs one, so S = Q K^T takes 6 / 4 / 1 products
+// (fp32 / fp16 / bf16), all exact. P gets as many parts as the inputs: three for fp32; two for
+// fp16 (16 bits, finer than fp16), with the products of index sum <= 1; one for bf16, P rounded
+// to bf16 as TESTING.md's X_same for bf16 does. So P V takes 6 / 3 / 1 products.
+//
+// Layout (per block of 32 stacked rows and tile of 64 keys; rows as in flash_forward_kernel.hpp):
+//   S = Q K^T: A = Q's parts, row-major [32 x d_pad] bf16, straight from the rows; B = K's parts
+//   in the tile unit's pair-interleaved ("VNNI") layout: for each 32-wide slice of d and 16 keys,
+//   16 rows of (k[d], k[d+1]) pairs, one per key: a 16 x 16 transposition of 32-bit pairs.
+//   O += P V: A = P's parts, row-major [32 x 64]; B = V's parts with rows 2r and 2r+1
+//   interleaved per 16 columns of d. O stays fp32 in memory, [32 x d_pad], loaded into the
+//   accumulator tiles and stored back per 32 columns.
+// Eight tile registers: four 16 x 16 fp32 accumulators (32 rows x 32 columns), two A and two B
+// tiles, every tile 16 rows of 64 bytes (one configuration for the whole call). d is padded to a
+// multiple of 32 with zeros in Q, K and V; padding rows and keys past the tile's end are zero.
+// The softmax between the GEMMs runs on AVX-512 over S in row-major order (a horizontal max
+// and sum per row) and writes P's three parts.
+//
+// The kernel is a template over its phase timer so that dev/cpu_forward_sweep.cpp can split its
+// time; amx_forward.cpp instantiates it. Built only where FLASHCORE_AMX_BUILT ends up 1: code
+// compiled with -march=native plus -mamx-tile -mamx-bf16 (CMakeLists.txt) on a machine whose
+// native target has AVX-512 and AVX512-BF16, or with FLASHCORE_AMX_EMULATE.
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__linux__) && ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(FLASHCORE_AMX_EMULATE))
+#define FLASHCORE_AMX_BUILT 1
+#endif
+
+#if FLASHCORE_AMX_BUILT
+#include "cpu/flash_forward_kernel.hpp"  // and through cpu_common.hpp <immintrin.h>, AMX intrinsics too
+
+#if defined(FLASHCORE_AMX_EMULATE)
+// A software model of the tile instructions (cpu/amx_emulation.hpp), for checking this file's
+// layouts with the test grids on a CPU without AMX (CMake option FLASHCORE_AMX_EMULATION).
+#include "cpu/amx_emulation.hpp"
+#define FC_TILE_CONFIGURE(cfg) amx_emulation::configure(cfg)
+#define FC_TILE_RELEASE() amx_emulation::release()
+#define FC_TILE_ZERO(t) amx_emulation::zero(t)
+#define FC_TILE_LOAD(t, base, stride) amx_emulation::load(t, base, stride)
+#define FC_TILE_STORE(t, base, stride) amx_emulation::store(t, base, stride)
+#define FC_TILE_DPBF16PS(c, a, b) amx_emulation::dpbf16ps(c, a, b)
+#else
+#define FC_TILE_CONFIGURE(cfg) _tile_loadconfig(cfg)
+#define FC_TILE_RELEASE() _tile_release()
+#define FC_TILE_ZERO(t) _tile_zero(t)
+#define FC_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define FC_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define FC_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
+
+namespace flashcore {
+namespace cpu {
+
+namespace amx_detail {
+
+using namespace forward_detail;
+
+constexpr int64_t kM = 32;  // stacked rows per block: two accumulator tiles tall
+constexpr int64_t kN = 64;  // keys per K/V tile
+constexpr int64_t kDSlice = 32;  // d per A tile of S (16 rows x 64 bytes of bf16)
+constexpr int kMaxParts = 3;
+constexpr int64_t kTileUnits = 256;  // 16 x 16 32-bit units: one 1 KiB tile
+
+/** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, 8 per task. */
+struct AmxTaskConfig {
+  static constexpr int64_t kBlockRows = kM;
+  static constexpr int64_t kBlockKeys = kN;
+  static constexpr int64_t kMaxBlocksPerTask = 8;
+  static constexpr int64_t kMinTasks = 32;
+  static constexpr int64_t kTasksPerThread = 2;
+};
+
+/** Tiles 0-3: fp32 accumulators (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a 32 x 32 block);
+ *  4-5: A tiles (rows 0-15, 16-31); 6-7: B tiles (columns 0-15, 16-31). All 16 x 64 bytes. */
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+
+/** Significant parts of an input dtype's values in bf16 (see the file comment). */
+inline int parts_of(DType dtype) {
+  switch (dtype) {
+    case DType::BF16: return 1;
+    case DType::F16: return 2;
+    default: return 3;
+  }
+}
+
+/** The pairs (i, j) of parts with i + j <= max_sum whose products make up a GEMM, the smallest
+ *  terms first so they are not lost against the large ones. max_sum 2 drops only terms below
+ *  2^-24 of the product (fp32-exact). */
+struct Products {
+  int count = 0;
+  int a[6], b[6];
+  Products(int a_parts, int b_parts, int max_sum) {
+    for (int sum = max_sum; sum >= 0; --sum)
+      for (int i = std::min(sum, a_parts - 1); i >= 0; --i)
+        if (sum - i < b_parts) a[count] = i, b[count] = sum - i, ++count;
+  }
+};
+
+inline __m512 widen(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h)), 16));
+}
+
+/** The `parts` bf16 parts of 16 floats: part s goes to dst + s * part_stride (16 bf16 each). */
+inline void split16(__m512 x, int parts, uint16_t* dst, int64_t part_stride) {
+  for (int s = 0; s < parts; ++s) {
+    __m256bh h = _mm512_cvtneps_pbh(x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + s * part_stride), reinterpret_cast<__m256i&>(h));
+    if (s + 1 < parts) x = _mm512_sub_ps(x, widen(h));  // exact: x - round(x) is representable
+  }
+}
+
+/** Lanes [lo, hi) of a 16-lane vector, for lo, hi in any range. */
+inline __mmask16 lane_range(int64_t lo, int64_t hi) {
+  const int64_t l = std::clamp<int64_t>(lo, 0, 16), h = std::clamp<int64_t>(hi, 0, 16);
+  const uint32_t upto_h = (1u << h) - 1, upto_l = (1u << l) - 1;
+  return static_cast<__mmask16>(upto_h & ~upto_l);
+}
+
+/** 16 floats of a row from column c on, zeros past `valid` columns. */
+inline __m512 load_padded(const float* row, int64_t c, int64_t valid) {
+  return _mm512_maskz_loadu_ps(lane_range(0, valid - c), row + c);
+}
+
+/** Accumulator tiles 0-3 (a 32 x 32 fp32 block: rows 0-15 / 16-31, columns 0-15 / 16-31) from or
+ *  to memory with rows `ld` floats apart. */
+inline void load_accumulators(const float* c, int64_t ld) {
+  FC_TILE_LOAD(0, c, ld * 4);
+  FC_TILE_LOAD(1, c + 16, ld * 4);
+  FC_TILE_LOAD(2, c + 16 * ld, ld * 4);
+  FC_TILE_LOAD(3, c + 16 * ld + 16, ld * 4);
+}
+inline void store_accumulators(float* c, int64_t ld) {
+  FC_TILE_STORE(0, c, ld * 4);
+  FC_TILE_STORE(1, c + 16, ld * 4);
+  FC_TILE_STORE(2, c + 16 * ld, ld * 4);
+  FC_TILE_STORE(3, c + 16 * ld + 16, ld * 4);
+}
+
+/** Accumulators += A B for A's 32 rows (16-row tiles at a and a + 16 rows, rows `a_ld` bf16
+ *  apart) and B's two 16-column tiles, stored back to back from b. */
+inline void multiply_accumulate(const uint16_t* a, int64_t a_ld, const uint16_t* b) {
+  FC_TILE_LOAD(4, a, a_ld * 2);
+  FC_TILE_LOAD(5, a + 16 * a_ld, a_ld * 2);
+  FC_TILE_LOAD(6, b, 64);
+  FC_TILE_LOAD(7, b + kTileUnits * 2, 64);
+  FC_TILE_DPBF16PS(0, 4, 6);
+  FC_TILE_DPBF16PS(1, 4, 7);
+  FC_TILE_DPBF16PS(2, 5, 6);
+  FC_TILE_DPBF16PS(3, 5, 7);
+}
+
+/** Per-thread buffers, sized once per call. bf16 arrays live in AlignedFloats (two per float). */
+struct AmxScratch {
+  int64_t d_pad = 0;
+  AlignedFloats q_parts;   // [blocks][parts][kM x d_pad] bf16
+  AlignedFloats o_acc;     // [blocks][kM x d_pad] fp32, unnormalized
+  AlignedFloats row_max;   // [blocks][kM]
+  AlignedFloats row_sum;   // [blocks][kM]
+  AlignedFloats k_rows;    // [kN x D] fp32 rows of the K tile
+  AlignedFloats v_rows;    // [kN x D]
+  AlignedFloats k_stage;   // [parts][d_pad / 32][kN][16 pairs]: K's parts before the transposition
+  AlignedFloats k_pack;    // [parts][d_pad / 32][kN / 16] B tiles of K
+  AlignedFloats v_pack;    // [parts][kN / 32][d_pad / 16] B tiles of V
+  AlignedFloats s_buf;     // [kM x kN] fp32 scores
+  AlignedFloats p_parts;   // [3][kM x kN] bf16 probabilities
+  AlignedFloats out_row;   // [d_pad] one output row on its way out
+  std::vector<KeyRange> row_keys;  // [blocks][kM]
+  PrefetchQueue prefetch;
+
+  void reserve(int64_t head_dim) {
+    d_pad = round_up(head_dim, kDSlice);
+    const int64_t blocks = AmxTaskConfig::kMaxBlocksPerTask, slices = d_pad / kDSlice;
+    q_parts.reserve(blocks * kMaxParts * kM * d_pad / 2);
+    o_acc.reserve(blocks * kM * d_pad);
+    row_max.reserve(blocks * kM);
+    row_sum.reserve(blocks * kM);
+    k_rows.reserve(kN * head_dim);
+    v_rows.reserve(kN * head_dim);
+    k_stage.reserve(kMaxParts * slices * kN * 16);
+    k_pack.reserve(kMaxParts * slices * (kN / 16) * kTileUnits);
+    v_pack.reserve(kMaxParts * (kN / 32) * (d_pad / 16) * kTileUnits);
+    s_buf.reserve(kM * kN);
+    p_parts.reserve(kMaxParts * kM * kN / 2);
+    out_row.reserve(d_pad);
+    row_keys.resize(static_cast<size_t>(blocks * kM));
+  }
+};
+
+struct AmxBlock {
+  int64_t first_row, rows;
+  int64_t first_q, last_q;
+  KeyRange keys;
+  uint16_t* q_parts;
+  float* o;
+  float* row_max;
+  float* row_sum;
+  KeyRange* row_keys;
+
+  bool overlaps(int64_t n_begin, int64_t n_end) const {
+    return !keys.empty() && n_begin < keys.end && keys.begin < n_end;
+  }
+};
+
+template <class PhaseTimer = NoPhaseTimer>
+class AmxTaskRunner {
+ public:
+  AmxTaskRunner(const AttentionParams& p, AmxScratch& w)
+      : p_(p), w_(w), in_parts_(parts_of(p.dtype)), score_products_(in_parts_, in_parts_, 2),
+        output_products_(in_parts_, in_parts_, in_parts_ - 1), prescale_(in_parts_ == kMaxParts) {}
+
+  void run(const ForwardTask& task, const ForwardTask* next) {
+    PhaseTimer::lap(ForwardPhase::kBetweenTasks);
+    const SeqInfo seq = seq_info(p_, task.batch);
+    const MaskInfo mask = mask_info(p_, seq);
+    const int64_t group = p_.group_size(), d_pad = w_.d_pad;
+
+    AmxBlock blocks[AmxTaskConfig::kMaxBlocksPerTask];
+    int64_t num_blocks = 0;
+    KeyRange keys{0, 0};
+    for (int64_t first = 0; first < task.rows; first += kM, ++num_blocks) {
+      AmxBlock& bl = blocks[num_blocks];
+      const int64_t slot = num_blocks;
+      bl.first_row = task.first_row + first;
+      bl.rows = std::min(kM, task.rows - first);
+      bl.first_q = bl.first_row / group;
+      bl.last_q = (bl.first_row + bl.rows - 1) / group;
+      bl.keys = mask.keys_for_rows(bl.first_q, bl.last_q + 1);
+      bl.q_parts = reinterpret_cast<uint16_t*>(w_.q_parts.data()) + slot * kMaxParts * kM * d_pad;
+      bl.o = w_.o_acc.data() + slot * kM * d_pad;
+      bl.row_max = w_.row_max.data() + slot * kM;
+      bl.row_sum = w_.row_sum.data() + slot * kM;
+      bl.row_keys = w_.row_keys.data() + slot * kM;
+      pack_queries(task, seq, bl);
+      StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+      for (int64_t r = 0; r < kM; ++r, at.advance(group, task.kv_head)) {
+        bl.row_keys[r] = r < bl.rows ? mask.keys_for_row(at.q_row) : KeyRange{0, 0};
+        bl.row_max[r] = kNegInf;
+        bl.row_sum[r] = 0.f;
+      }
+      std::fill(bl.o, bl.o + kM * d_pad, 0.f);
+      if (!bl.keys.empty()) {
+        keys = keys.empty() ? bl.keys
+                            : KeyRange{std::min(keys.begin, bl.keys.begin), std::max(keys.end, bl.keys.end)};
+      }
+    }
+
+    PhaseTimer::lap(ForwardPhase::kRows);
+    keys.begin = keys.begin / kN * kN;  // tiles on a fixed grid: results independent of the task split
+    PrefetchQueue& prefetch = w_.prefetch;
+    for (int64_t n0 = keys.begin; n0 < keys.end; n0 += kN) {
+      const int64_t n_valid = std::min(kN, keys.end - n0);
+      load_kv_tile(p_, p_.k, task.batch, seq.k_start + n0, n_valid, task.kv_head, w_.k_rows.data());
+      load_kv_tile(p_, p_.v, task.batch, seq.k_start + n0, n_valid, task.kv_head, w_.v_rows.data());
+      pack_keys(n_valid);
+      pack_values(n_valid);
+      int64_t active_blocks = 0;
+      for (int64_t bi = 0; bi < num_blocks; ++bi) active_blocks += blocks[bi].overlaps(n0, n0 + n_valid);
+      if (n0 + kN < keys.end) {
+        queue_kv_tile(p_, task.batch, seq.k_start + n0 + kN, std::min(kN, keys.end - n0 - kN), task.kv_head, prefetch);
+      } else {
+        queue_task_rows(p_, task, p_.out, /*for_write=*/true, prefetch);
+        if (next) queue_task_rows(p_, *next, p_.q, /*for_write=*/false, prefetch);
+      }
+      prefetch.pace(active_blocks * (kN / 32 + d_pad / 32));
+      PhaseTimer::lap(ForwardPhase::kCopy);
+      for (int64_t bi = 0; bi < num_blocks; ++bi) {
+        AmxBlock& bl = blocks[bi];
+        if (!bl.overlaps(n0, n0 + n_valid)) continue;
+        const int64_t n_block = std::min(n_valid, bl.keys.end - n0);
+        const int64_t key_chunks = ceil_div(n_block, int64_t{32});
+        scores(bl, key_chunks);
+        PhaseTimer::lap(ForwardPhase::kScores);
+        const bool full = n_block == kN && mask.tile_fully_visible(bl.first_q, bl.last_q + 1, n0, n0 + n_block);
+        softmax(bl, n0, n_block, full);
+        PhaseTimer::lap(ForwardPhase::kSoftmax);
+        accumulate_output(bl, key_chunks);
+        PhaseTimer::lap(ForwardPhase::kOutput);
+      }
+      prefetch.drain();
+      PhaseTimer::lap(ForwardPhase::kCopy);
+    }
+    for (int64_t bi = 0; bi < num_blocks; ++bi) write_outputs(task, seq, blocks[bi]);
+    PhaseTimer::lap(ForwardPhase::kRows);
+  }
+
+ private:
+  /** Q's parts, row-major [kM x d_pad] each; padding rows and columns zero. */
+  void pack_queries(const ForwardTask& task, const SeqInfo& seq, const AmxBlock& bl) {
+    const int64_t group = p_.group_size(), head_dim = p_.head_dim, d_pad = w_.d_pad;
+    float* row = w_.out_row.data();
+    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+    for (int64_t r = 0; r < kM; ++r) {
+      if (r < bl.rows) {
+        load_row(p_.dtype, element_ptr(p_.q, p_.dtype, task.batch, seq.q_start + at.q_row, at.head), head_dim, row);
+        at.advance(group, task.kv_head);
+        if (prescale_) {
+          for (int64_t d = 0; d < head_dim; ++d) row[d] *= p_.softmax_scale;
+        }
+      }
+      for (int64_t c = 0; c < d_pad; c += 16) {
+        const __m512 x = r < bl.rows ? load_padded(row, c, head_dim) : _mm512_setzero_ps();
+        split16(x, in_parts_, bl.q_parts + r * d_pad + c, kM * d_pad);
+      }
+    }
+  }
+
+  /** K's parts as B tiles: per 32-wide slice of d and 16 keys, row i holds the pairs
+   *  (k[2i], k[2i + 1]) of the 16 keys. Built row-major first, then transposed as 32-bit units. */
+  void pack_keys(int64_t n_valid) {
+    const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, slices = d_pad / kDSlice;
+    uint16_t* stage = reinterpret_cast<uint16_t*>(w_.k_stage.data());
+    const int64_t part_stride = slices * kN * 32;  // bf16 per part
+    for (int64_t n = 0; n < kN; ++n) {
+      const float* row = w_.k_rows.data() + n * head_dim;
+      for (int64_t c = 0; c < d_pad; c += 16) {
+        const __m512 x = n < n_valid ? load_padded(row, c, head_dim) : _mm512_setzero_ps();
+        const int64_t slice = c / kDSlice, half = (c % kDSlice) / 16;
+        split16(x, in_parts_, stage + (slice * kN + n) * 32 + half * 16, part_stride);
+      }
+    }
+    for (int s = 0; s < in_parts_; ++s)
+      for (int64_t slice = 0; slice < slices; ++slice)
+        for (int64_t t = 0; t < kN / 16; ++t) {
+          const float* src = w_.k_stage.data() + ((s * slices + slice) * kN + t * 16) * 16;
+          float* dst = w_.k_pack.data() + ((s * slices + slice) * (kN / 16) + t) * kTileUnits;
+          transpose_block(src, 16, dst, 16);
+        }
+  }
+
+  /** V's parts as B tiles: per 32 keys and 16 columns of d, row i interleaves keys 2i, 2i + 1. */
+  void pack_values(int64_t n_valid) {
+    const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, col_tiles = d_pad / 16;
+    const int64_t part_stride = (kN / 32) * col_tiles * kTileUnits;  // 32-bit units per part
+    uint32_t* pack = reinterpret_cast<uint32_t*>(w_.v_pack.data());
+    for (int64_t n = 0; n < kN; n += 2) {
+      const float* row0 = w_.v_rows.data() + n * head_dim;
+      const float* row1 = row0 + head_dim;
+      for (int64_t ct = 0; ct < col_tiles; ++ct) {
+        __m512 x0 = n < n_valid ? load_padded(row0, ct * 16, head_dim) : _mm512_setzero_ps();
+        __m512 x1 = n + 1 < n_valid ? load_padded(row1, ct * 16, head_dim) : _mm512_setzero_ps();
+        uint32_t* dst = pack + ((n / 32) * col_tiles + ct) * kTileUnits + ((n % 32) / 2) * 16;
+        for (int s = 0; s < in_parts_; ++s) {
+          __m256bh h0 = _mm512_cvtneps_pbh(x0), h1 = _mm512_cvtneps_pbh(x1);
+          const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h0));
+          const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h1));
+          _mm512_storeu_si512(dst + s * part_stride, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+          if (s + 1 < in_parts_) {
+            x0 = _mm512_sub_ps(x0, widen(h0));
+            x1 = _mm512_sub_ps(x1, widen(h1));
+          }
+        }
+      }
+    }
+  }
+
+  /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
+  void scores(const AmxBlock& bl, int64_t key_chunks) {
+    const int64_t d_pad = w_.d_pad, slices = d_pad / kDSlice;
+    const uint16_t* k_pack = reinterpret_cast<const uint16_t*>(w_.k_pack.data());
+    float* s = w_.s_buf.data();
+    for (int64_t kc = 0; kc < key_chunks; ++kc) {
+      FC_TILE_ZERO(0);
+      FC_TILE_ZERO(1);
+      FC_TILE_ZERO(2);
+      FC_TILE_ZERO(3);
+      for (int pi = 0; pi < score_products_.count; ++pi) {
+        const uint16_t* q = bl.q_parts + score_products_.a[pi] * kM * d_pad;
+        const uint16_t* k = k_pack + score_products_.b[pi] * slices * (kN / 16) * kTileUnits * 2;
+        for (int64_t slice = 0; slice < slices; ++slice) {
+          multiply_accumulate(q + slice * kDSlice, d_pad, k + (slice * (kN / 16) + 2 * kc) * kTileUnits * 2);
+        }
+      }
+      store_accumulators(s + kc * 32, kN);
+      w_.prefetch.issue();
+    }
+  }
+
+  /** Scores into probabilities against the updated running max; updates (row_max, row_sum),
+   *  rescales the rows of O whose max moved, and writes P's parts. */
+  void softmax(AmxBlock& bl, int64_t n0, int64_t n_block, bool full) {
+    const int64_t d_pad = w_.d_pad;
+    const bool capped = p_.softcap > 0.f;
+    const __m512 scale = _mm512_set1_ps(prescale_ ? 1.f : p_.softmax_scale);
+    const __m512 cap = _mm512_set1_ps(p_.softcap), inv_cap = _mm512_set1_ps(capped ? 1.f / p_.softcap : 0.f);
+    const __m512 log2e = _mm512_set1_ps(kLog2e), neg_inf = _mm512_set1_ps(kNegInf);
+    const int64_t chunks = ceil_div(n_block, int64_t{16});
+    uint16_t* p_parts = reinterpret_cast<uint16_t*>(w_.p_parts.data());
+    for (int64_t r = 0; r < kM; ++r) {
+      float* s = w_.s_buf.data() + r * kN;
+      int64_t lo = 0, hi = n_block;
+      if (!full) {
+        const KeyRange kr = bl.row_keys[r];
+        lo = std::clamp(kr.begin - n0, int64_t{0}, n_block);
+        hi = std::clamp(kr.end - n0, int64_t{0}, n_block);
+      }
+      __m512 x[kN / 16];
+      __m512 vmax = neg_inf;
+      for (int64_t k = 0; k < chunks; ++k) {
+        x[k] = _mm512_loadu_ps(s + k * 16);
+        if (!prescale_) x[k] = _mm512_mul_ps(x[k], scale);
+        if (capped) x[k] = _mm512_mul_ps(cap, vtanh(_mm512_mul_ps(x[k], inv_cap)));
+        if (!full) x[k] = _mm512_mask_blend_ps(lane_range(lo - k * 16, hi - k * 16), neg_inf, x[k]);
+        vmax = _mm512_max_ps(vmax, x[k]);
+      }
+      const float old_max = bl.row_max[r];
+      const float new_max = std::max(old_max, _mm512_reduce_max_ps(vmax));
+      // A row with no allowed key so far keeps max -inf; subtracting 0 instead keeps exp() at
+      // exactly 0 for it rather than producing NaN from (-inf) - (-inf).
+      const float safe_max = new_max == kNegInf ? 0.f : new_max;
+      const __m512 vsafe = _mm512_set1_ps(safe_max);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < chunks; ++k) {
+        const __m512 prob = vexp2_softmax(_mm512_mul_ps(_mm512_sub_ps(x[k], vsafe), log2e));
+        vsum = _mm512_add_ps(vsum, prob);
+        split16(prob, in_parts_, p_parts + r * kN + k * 16, kM * kN);
+      }
+      for (int64_t k = chunks; k < round_up(chunks, 2); ++k) {  // a half-used key chunk: zero the rest
+        split16(_mm512_setzero_ps(), in_parts_, p_parts + r * kN + k * 16, kM * kN);
+      }
+      if (new_max > old_max && old_max != kNegInf) {
+        const float alpha = std::exp2((old_max - safe_max) * kLog2e);
+        bl.row_sum[r] *= alpha;
+        float* o = bl.o + r * d_pad;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t c = 0; c < d_pad; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), va));
+      }
+      bl.row_sum[r] += _mm512_reduce_add_ps(vsum);
+      bl.row_max[r] = new_max;
+    }
+  }
+
+  /** O[32 x d_pad] += P V over key_chunks chunks of 32 keys. */
+  void accumulate_output(const AmxBlock& bl, int64_t key_chunks) {
+    const int64_t d_pad = w_.d_pad, col_tiles = d_pad / 16;
+    const uint16_t* p_parts = reinterpret_cast<const uint16_t*>(w_.p_parts.data());
+    const uint16_t* v_pack = reinterpret_cast<const uint16_t*>(w_.v_pack.data());
+    const int64_t v_part_stride = (kN / 32) * col_tiles * kTileUnits * 2;  // bf16 per part
+    for (int64_t c = 0; c < d_pad; c += 32) {
+      float* o = bl.o + c;
+      load_accumulators(o, d_pad);
+      for (int pi = 0; pi < output_products_.count; ++pi) {
+        const uint16_t* pp = p_parts + output_products_.a[pi] * kM * kN;
+        const uint16_t* vp = v_pack + output_products_.b[pi] * v_part_stride;
+        for (int64_t kc = 0; kc < key_chunks; ++kc) {
+          multiply_accumulate(pp + kc * 32, kN, vp + (kc * col_tiles + c / 16) * kTileUnits * 2);
+        }
+      }
+      store_accumulators(o, d_pad);
+      w_.prefetch.issue();
+    }
+  }
+
+  /** out = O / l, lse = m + log l; rows without any allowed key get 0 and -inf. */
+  void write_outputs(const ForwardTask& task, const SeqInfo& seq, const AmxBlock& bl) {
+    const int64_t group = p_.group_size(), head_dim = p_.head_dim, d_pad = w_.d_pad;
+    float* row = w_.out_row.data();
+    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+    for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
+      const int64_t q_row = seq.q_start + at.q_row;
+      const float l = bl.row_sum[r];
+      const bool any = l > 0.f;
+      const __m512 inv_l = _mm512_set1_ps(any ? 1.f / l : 0.f);
+      for (int64_t c = 0; c < d_pad; c += 16) {
+        _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(bl.o + r * d_pad + c), inv_l));
+      }
+      store_row(p_.dtype, row, head_dim, element_ptr_mut(p_.out, p_.dtype, task.batch, q_row, at.head));
+      if (p_.lse.data) {
+        const int64_t off = task.batch * p_.lse.batch_stride + at.head * p_.lse.head_stride + q_row * p_.lse.row_stride;
+        p_.lse.data[off] = any ? bl.row_max[r] + std::log(l) : kNegInf;
+      }
+    }
+  }
+
+  const AttentionParams& p_;
+  AmxScratch& w_;
+  const int in_parts_;
+  const Products score_products_;
+  const Products output_products_;
+  // fp32 queries are multiplied by softmax_scale before the split, as the AVX forward and the
+  // backward do: the backward recomputes P from the lse with scores of the scaled queries, and
+  // at scores near 1e4 an lse from differently rounded scores moves the gradients past their
+  // bound (CpuFlashBackward.Edges, magnitude 100 and 1500). fp16 / bf16 queries keep their one or
+  // two exact parts, and their scores are scaled in the softmax.
+  const bool prescale_;
+};
+
+/** The forward; PhaseTimer::lap(phase) marks the end of each phase of a task (see NoPhaseTimer). */
+template <class PhaseTimer = NoPhaseTimer>
+Status amx_flash_forward_with(const AttentionParams& p) {
+  return run_forward_tasks<AmxTaskConfig>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
+    AmxScratch scratch;
+    scratch.reserve(p.head_dim);
+    const TileConfig config;
+    FC_TILE_CONFIGURE(&config);  // per thread; released before the worker returns to the pool
+    AmxTaskRunner<PhaseTimer> runner(p, scratch);
+    drain_tasks(runner, queue, tasks);
+    FC_TILE_RELEASE();
+  });
+}
+
+}  // namespace amx_detail
+
+}  // namespace cpu
+}  // namespace flashcore
+
+#endif  // FLASHCORE_AMX_BUILT
