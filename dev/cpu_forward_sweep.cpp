@@ -139,7 +139,11 @@ std::vector<Entry> variants() {
 /** The AMX forward (src/cpu/amx_forward_kernel.hpp) where this build and CPU have it. */
 std::vector<Entry> amx_variants() {
 #if FLASHCORE_AMX_BUILT
-  if (amx_usable()) return {{"amx: 32 rows, 64 keys, split bf16 tiles", &amx_detail::amx_flash_forward_with<>}};
+  if (amx_usable()) {
+    return {{"amx: 32 rows, 64 keys, split bf16 tiles", &amx_detail::amx_flash_forward_with<64>},
+            {"amx: 32 rows, 128 keys", &amx_detail::amx_flash_forward_with<128>},
+            {"amx: 32 rows, 256 keys", &amx_detail::amx_flash_forward_with<256>}};
+  }
 #endif
   return {};
 }
@@ -238,7 +242,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Entry> all = variants();
   const std::vector<Entry> amx = amx_variants();
-  all.insert(all.begin() + 1, amx.begin(), amx.end());  // index 1 when present
+  all.insert(all.begin() + 1, amx.begin(), amx.end());  // indices 1-3 when present
   if (const char* only = std::getenv("ONLY")) {  // the first variant stays first
     std::vector<Entry> picked = {all[0]};
     for (const char* c = only; *c;) {
@@ -256,7 +260,10 @@ int main(int argc, char** argv) {
     const char* names[] = {"between tasks", "q pack + out", "k/v copy", "S gemm", "softmax", "O gemm"};
     std::vector<Entry> timed_entries = {entry<TimedConfig>("avx")};
 #if FLASHCORE_AMX_BUILT
-    if (amx_usable()) timed_entries.push_back({"amx", &amx_detail::amx_flash_forward_with<TimedPhases>});
+    if (amx_usable()) {
+      timed_entries.push_back({"amx 64", &amx_detail::amx_flash_forward_with<64, TimedPhases>});
+      timed_entries.push_back({"amx 256", &amx_detail::amx_flash_forward_with<256, TimedPhases>});
+    }
 #endif
     for (int threads : thread_counts) {
       for (const Shape& s : shapes) for (const Entry& timed : timed_entries) {

@@ -27,7 +27,7 @@ FC_API const char* fc_build_info(void) {
                                   "\n  cpu simd: portable"
 #endif
                                   + (flashcore::cpu::amx_usable()
-                                         ? "\n  cpu amx: yes (cpu_flash forward on AMX tiles for bf16, and fp16 from d = 128)"
+                                         ? "\n  cpu amx: yes (cpu_flash forward on AMX tiles for bf16 and fp16)"
                                          : "\n  cpu amx: no (this CPU or build has none; FLASHCORE_CPU_AMX is ignored)");
   return info.c_str();
 }

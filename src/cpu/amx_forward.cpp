@@ -20,7 +20,8 @@ bool amx_forward_enabled(DType dtype, int64_t head_dim) {
   const char* env = std::getenv("FLASHCORE_CPU_AMX");
   if (env && env[0] == '0') return false;
   if (env && env[0] == '1') return true;
-  return dtype == DType::BF16 || (dtype == DType::F16 && head_dim >= 128);
+  (void)head_dim;
+  return dtype != DType::F32;
 }
 
 #if !FLASHCORE_AMX_BUILT
@@ -53,7 +54,13 @@ bool amx_usable() {
   return usable;
 }
 
-Status amx_flash_forward(const AttentionParams& p) { return amx_detail::amx_flash_forward_with<>(p); }
+Status amx_flash_forward(const AttentionParams& p) {
+  // Tiles of 256 keys move O's fp32 accumulator through the tile registers a quarter as often as
+  // 64-key tiles: +13-27% for bf16 on the GPU machine's Xeon (docs/PERF.md, session 22). fp32,
+  // bound by its six products per GEMM, did not gain and keeps 64.
+  if (p.dtype == DType::F32) return amx_detail::amx_flash_forward_with<64>(p);
+  return amx_detail::amx_flash_forward_with<256>(p);
+}
 
 #endif  // FLASHCORE_AMX_BUILT
 

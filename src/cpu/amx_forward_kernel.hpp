@@ -33,6 +33,7 @@
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__) && \
     defined(__linux__) && ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(FLASHCORE_AMX_EMULATE))
 #define FLASHCORE_AMX_BUILT 1
 #endif
@@ -67,15 +68,16 @@ namespace amx_detail {
 using namespace forward_detail;
 
 constexpr int64_t kM = 32;  // stacked rows per block: two accumulator tiles tall
-constexpr int64_t kN = 64;  // keys per K/V tile
 constexpr int64_t kDSlice = 32;  // d per A tile of S (16 rows x 64 bytes of bf16)
 constexpr int kMaxParts = 3;
 constexpr int64_t kTileUnits = 256;  // 16 x 16 32-bit units: one 1 KiB tile
 
-/** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, 8 per task. */
+/** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, 8 per task, and
+ *  tiles of Keys keys. */
+template <int64_t Keys>
 struct AmxTaskConfig {
   static constexpr int64_t kBlockRows = kM;
-  static constexpr int64_t kBlockKeys = kN;
+  static constexpr int64_t kBlockKeys = Keys;
   static constexpr int64_t kMaxBlocksPerTask = 8;
   static constexpr int64_t kMinTasks = 32;
   static constexpr int64_t kTasksPerThread = 2;
@@ -134,9 +136,14 @@ inline __mmask16 lane_range(int64_t lo, int64_t hi) {
   return static_cast<__mmask16>(upto_h & ~upto_l);
 }
 
-/** 16 floats of a row from column c on, zeros past `valid` columns. */
-inline __m512 load_padded(const float* row, int64_t c, int64_t valid) {
-  return _mm512_maskz_loadu_ps(lane_range(0, valid - c), row + c);
+/** 16 elements of a `dtype` row from column c on as floats, zeros past `valid` columns (masked
+ *  loads: nothing past the row's end is touched). */
+inline __m512 load16(DType dtype, const void* row, int64_t c, int64_t valid) {
+  const __mmask16 mask = lane_range(0, valid - c);
+  if (dtype == DType::F32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row) + c);
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row) + c);
+  if (dtype == DType::F16) return _mm512_cvtph_ps(bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 /** Accumulator tiles 0-3 (a 32 x 32 fp32 block: rows 0-15 / 16-31, columns 0-15 / 16-31) from or
@@ -167,15 +174,15 @@ inline void multiply_accumulate(const uint16_t* a, int64_t a_ld, const uint16_t*
   FC_TILE_DPBF16PS(3, 5, 7);
 }
 
-/** Per-thread buffers, sized once per call. bf16 arrays live in AlignedFloats (two per float). */
+/** Per-thread buffers for tiles of kN keys, sized once per call. bf16 arrays live in AlignedFloats
+ *  (two per float). */
+template <int64_t kN>
 struct AmxScratch {
   int64_t d_pad = 0;
   AlignedFloats q_parts;   // [blocks][parts][kM x d_pad] bf16
   AlignedFloats o_acc;     // [blocks][kM x d_pad] fp32, unnormalized
   AlignedFloats row_max;   // [blocks][kM]
   AlignedFloats row_sum;   // [blocks][kM]
-  AlignedFloats k_rows;    // [kN x D] fp32 rows of the K tile
-  AlignedFloats v_rows;    // [kN x D]
   AlignedFloats k_stage;   // [parts][d_pad / 32][kN][16 pairs]: K's parts before the transposition
   AlignedFloats k_pack;    // [parts][d_pad / 32][kN / 16] B tiles of K
   AlignedFloats v_pack;    // [parts][kN / 32][d_pad / 16] B tiles of V
@@ -187,13 +194,11 @@ struct AmxScratch {
 
   void reserve(int64_t head_dim) {
     d_pad = round_up(head_dim, kDSlice);
-    const int64_t blocks = AmxTaskConfig::kMaxBlocksPerTask, slices = d_pad / kDSlice;
+    const int64_t blocks = AmxTaskConfig<kN>::kMaxBlocksPerTask, slices = d_pad / kDSlice;
     q_parts.reserve(blocks * kMaxParts * kM * d_pad / 2);
     o_acc.reserve(blocks * kM * d_pad);
     row_max.reserve(blocks * kM);
     row_sum.reserve(blocks * kM);
-    k_rows.reserve(kN * head_dim);
-    v_rows.reserve(kN * head_dim);
     k_stage.reserve(kMaxParts * slices * kN * 16);
     k_pack.reserve(kMaxParts * slices * (kN / 16) * kTileUnits);
     v_pack.reserve(kMaxParts * (kN / 32) * (d_pad / 16) * kTileUnits);
@@ -219,10 +224,10 @@ struct AmxBlock {
   }
 };
 
-template <class PhaseTimer = NoPhaseTimer>
+template <int64_t kN, class PhaseTimer>
 class AmxTaskRunner {
  public:
-  AmxTaskRunner(const AttentionParams& p, AmxScratch& w)
+  AmxTaskRunner(const AttentionParams& p, AmxScratch<kN>& w)
       : p_(p), w_(w), in_parts_(parts_of(p.dtype)), score_products_(in_parts_, in_parts_, 2),
         output_products_(in_parts_, in_parts_, in_parts_ - 1), prescale_(in_parts_ == kMaxParts) {}
 
@@ -232,7 +237,7 @@ class AmxTaskRunner {
     const MaskInfo mask = mask_info(p_, seq);
     const int64_t group = p_.group_size(), d_pad = w_.d_pad;
 
-    AmxBlock blocks[AmxTaskConfig::kMaxBlocksPerTask];
+    AmxBlock blocks[AmxTaskConfig<kN>::kMaxBlocksPerTask];
     int64_t num_blocks = 0;
     KeyRange keys{0, 0};
     for (int64_t first = 0; first < task.rows; first += kM, ++num_blocks) {
@@ -267,10 +272,8 @@ class AmxTaskRunner {
     PrefetchQueue& prefetch = w_.prefetch;
     for (int64_t n0 = keys.begin; n0 < keys.end; n0 += kN) {
       const int64_t n_valid = std::min(kN, keys.end - n0);
-      load_kv_tile(p_, p_.k, task.batch, seq.k_start + n0, n_valid, task.kv_head, w_.k_rows.data());
-      load_kv_tile(p_, p_.v, task.batch, seq.k_start + n0, n_valid, task.kv_head, w_.v_rows.data());
-      pack_keys(n_valid);
-      pack_values(n_valid);
+      pack_keys(task, seq.k_start + n0, n_valid);
+      pack_values(task, seq.k_start + n0, n_valid);
       int64_t active_blocks = 0;
       for (int64_t bi = 0; bi < num_blocks; ++bi) active_blocks += blocks[bi].overlaps(n0, n0 + n_valid);
       if (n0 + kN < keys.end) {
@@ -305,33 +308,33 @@ class AmxTaskRunner {
   /** Q's parts, row-major [kM x d_pad] each; padding rows and columns zero. */
   void pack_queries(const ForwardTask& task, const SeqInfo& seq, const AmxBlock& bl) {
     const int64_t group = p_.group_size(), head_dim = p_.head_dim, d_pad = w_.d_pad;
-    float* row = w_.out_row.data();
+    const __m512 scale = _mm512_set1_ps(p_.softmax_scale);
     StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
     for (int64_t r = 0; r < kM; ++r) {
+      const void* row = nullptr;
       if (r < bl.rows) {
-        load_row(p_.dtype, element_ptr(p_.q, p_.dtype, task.batch, seq.q_start + at.q_row, at.head), head_dim, row);
+        row = element_ptr(p_.q, p_.dtype, task.batch, seq.q_start + at.q_row, at.head);
         at.advance(group, task.kv_head);
-        if (prescale_) {
-          for (int64_t d = 0; d < head_dim; ++d) row[d] *= p_.softmax_scale;
-        }
       }
       for (int64_t c = 0; c < d_pad; c += 16) {
-        const __m512 x = r < bl.rows ? load_padded(row, c, head_dim) : _mm512_setzero_ps();
+        __m512 x = row ? load16(p_.dtype, row, c, head_dim) : _mm512_setzero_ps();
+        if (prescale_) x = _mm512_mul_ps(x, scale);
         split16(x, in_parts_, bl.q_parts + r * d_pad + c, kM * d_pad);
       }
     }
   }
 
-  /** K's parts as B tiles: per 32-wide slice of d and 16 keys, row i holds the pairs
-   *  (k[2i], k[2i + 1]) of the 16 keys. Built row-major first, then transposed as 32-bit units. */
-  void pack_keys(int64_t n_valid) {
+  /** K's parts as B tiles, for the n_valid keys from packed row `first` on (zeros after): per
+   *  32-wide slice of d and 16 keys, row i holds the pairs (k[2i], k[2i + 1]) of the 16 keys.
+   *  Built row-major first, then transposed as 32-bit units. */
+  void pack_keys(const ForwardTask& task, int64_t first, int64_t n_valid) {
     const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, slices = d_pad / kDSlice;
     uint16_t* stage = reinterpret_cast<uint16_t*>(w_.k_stage.data());
     const int64_t part_stride = slices * kN * 32;  // bf16 per part
     for (int64_t n = 0; n < kN; ++n) {
-      const float* row = w_.k_rows.data() + n * head_dim;
+      const void* row = n < n_valid ? element_ptr(p_.k, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
       for (int64_t c = 0; c < d_pad; c += 16) {
-        const __m512 x = n < n_valid ? load_padded(row, c, head_dim) : _mm512_setzero_ps();
+        const __m512 x = row ? load16(p_.dtype, row, c, head_dim) : _mm512_setzero_ps();
         const int64_t slice = c / kDSlice, half = (c % kDSlice) / 16;
         split16(x, in_parts_, stage + (slice * kN + n) * 32 + half * 16, part_stride);
       }
@@ -345,17 +348,18 @@ class AmxTaskRunner {
         }
   }
 
-  /** V's parts as B tiles: per 32 keys and 16 columns of d, row i interleaves keys 2i, 2i + 1. */
-  void pack_values(int64_t n_valid) {
+  /** V's parts as B tiles (rows as pack_keys): per 32 keys and 16 columns of d, row i
+   *  interleaves keys 2i and 2i + 1. */
+  void pack_values(const ForwardTask& task, int64_t first, int64_t n_valid) {
     const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, col_tiles = d_pad / 16;
     const int64_t part_stride = (kN / 32) * col_tiles * kTileUnits;  // 32-bit units per part
     uint32_t* pack = reinterpret_cast<uint32_t*>(w_.v_pack.data());
     for (int64_t n = 0; n < kN; n += 2) {
-      const float* row0 = w_.v_rows.data() + n * head_dim;
-      const float* row1 = row0 + head_dim;
+      const void* row0 = n < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
+      const void* row1 = n + 1 < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n + 1, task.kv_head) : nullptr;
       for (int64_t ct = 0; ct < col_tiles; ++ct) {
-        __m512 x0 = n < n_valid ? load_padded(row0, ct * 16, head_dim) : _mm512_setzero_ps();
-        __m512 x1 = n + 1 < n_valid ? load_padded(row1, ct * 16, head_dim) : _mm512_setzero_ps();
+        __m512 x0 = row0 ? load16(p_.dtype, row0, ct * 16, head_dim) : _mm512_setzero_ps();
+        __m512 x1 = row1 ? load16(p_.dtype, row1, ct * 16, head_dim) : _mm512_setzero_ps();
         uint32_t* dst = pack + ((n / 32) * col_tiles + ct) * kTileUnits + ((n % 32) / 2) * 16;
         for (int s = 0; s < in_parts_; ++s) {
           __m256bh h0 = _mm512_cvtneps_pbh(x0), h1 = _mm512_cvtneps_pbh(x1);
@@ -490,7 +494,7 @@ class AmxTaskRunner {
   }
 
   const AttentionParams& p_;
-  AmxScratch& w_;
+  AmxScratch<kN>& w_;
   const int in_parts_;
   const Products score_products_;
   const Products output_products_;
@@ -502,15 +506,16 @@ class AmxTaskRunner {
   const bool prescale_;
 };
 
-/** The forward; PhaseTimer::lap(phase) marks the end of each phase of a task (see NoPhaseTimer). */
-template <class PhaseTimer = NoPhaseTimer>
+/** The forward on tiles of Keys keys (a multiple of 32); PhaseTimer::lap(phase) marks the end of
+ *  each phase of a task (see NoPhaseTimer). */
+template <int64_t Keys = 64, class PhaseTimer = NoPhaseTimer>
 Status amx_flash_forward_with(const AttentionParams& p) {
-  return run_forward_tasks<AmxTaskConfig>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
-    AmxScratch scratch;
+  return run_forward_tasks<AmxTaskConfig<Keys>>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
+    AmxScratch<Keys> scratch;
     scratch.reserve(p.head_dim);
     const TileConfig config;
     FC_TILE_CONFIGURE(&config);  // per thread; released before the worker returns to the pool
-    AmxTaskRunner<PhaseTimer> runner(p, scratch);
+    AmxTaskRunner<Keys, PhaseTimer> runner(p, scratch);
     drain_tasks(runner, queue, tasks);
     FC_TILE_RELEASE();
   });

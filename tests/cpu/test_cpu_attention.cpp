@@ -66,7 +66,7 @@ GridOptions small_grid() {
 }
 
 // On a CPU with AMX the forward tests above ran cpu_flash's AMX path (src/cpu/amx_forward.cpp)
-// for bf16 (and fp16 from d = 128) and the AVX path for the rest. Both paths must pass every dtype there: each test
+// for bf16 and fp16 (256-key tiles) and the AVX path for fp32. Both paths must pass every dtype there: each test
 // below forces one of them for its calls (FLASHCORE_CPU_AMX, read at every call).
 struct ScopedAmxSetting {
   explicit ScopedAmxSetting(const char* value) { setenv("FLASHCORE_CPU_AMX", value, 1); }
@@ -91,7 +91,7 @@ TEST(CpuFlashForward, AmxPathForEveryDtype) {
   if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build)";
   ScopedAmxSetting on("1");
   ASSERT_TRUE(cpu::amx_forward_enabled(DType::F32, 64));
-  expect_forward_grids();
+  expect_forward_grids();  // fp32 on 64-key tiles
   // The backward recomputes P from the forward's lse: with the AMX forward's lse too.
   expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH);
   expect_backward(grid_masks(small_grid()), FC_BACKEND_CPU_FLASH);
