@@ -103,16 +103,16 @@ inline int parts_of(DType dtype) {
   }
 }
 
-/** The pairs (i, j) of parts with i + j <= max_sum whose products make up a GEMM, the smallest
- *  terms first so they are not lost against the large ones. max_sum 2 drops only terms below
- *  2^-24 of the product (fp32-exact). */
+/** The pairs (i, j) of parts with i + j <= max_sum whose products make up a GEMM, grouped by i
+ *  (so an A tile serves consecutive products) and roughly smallest first. max_sum 2 drops only
+ *  terms below 2^-24 of the product (fp32-exact). */
 struct Products {
   int count = 0;
   int a[6], b[6];
   Products(int a_parts, int b_parts, int max_sum) {
-    for (int sum = max_sum; sum >= 0; --sum)
-      for (int i = std::min(sum, a_parts - 1); i >= 0; --i)
-        if (sum - i < b_parts) a[count] = i, b[count] = sum - i, ++count;
+    for (int i = a_parts - 1; i >= 0; --i)
+      for (int j = b_parts - 1; j >= 0; --j)
+        if (i + j <= max_sum) a[count] = i, b[count] = j, ++count;
   }
 };
 
@@ -161,11 +161,15 @@ inline void store_accumulators(float* c, int64_t ld) {
   FC_TILE_STORE(3, c + 16 * ld + 16, ld * 4);
 }
 
-/** Accumulators += A B for A's 32 rows (16-row tiles at a and a + 16 rows, rows `a_ld` bf16
- *  apart) and B's two 16-column tiles, stored back to back from b. */
-inline void multiply_accumulate(const uint16_t* a, int64_t a_ld, const uint16_t* b) {
+/** A tiles 4-5: A's 32 rows (16-row tiles at a and a + 16 rows, rows `a_ld` bf16 apart). */
+inline void load_a(const uint16_t* a, int64_t a_ld) {
   FC_TILE_LOAD(4, a, a_ld * 2);
   FC_TILE_LOAD(5, a + 16 * a_ld, a_ld * 2);
+}
+
+/** Accumulators += A B for the A in tiles 4-5 (load_a) and B's two 16-column tiles, stored back
+ *  to back from b. */
+inline void multiply_accumulate(const uint16_t* b) {
   FC_TILE_LOAD(6, b, 64);
   FC_TILE_LOAD(7, b + kTileUnits * 2, 64);
   FC_TILE_DPBF16PS(0, 4, 6);
@@ -385,11 +389,15 @@ class AmxTaskRunner {
       FC_TILE_ZERO(1);
       FC_TILE_ZERO(2);
       FC_TILE_ZERO(3);
-      for (int pi = 0; pi < score_products_.count; ++pi) {
-        const uint16_t* q = bl.q_parts + score_products_.a[pi] * kM * d_pad;
-        const uint16_t* k = k_pack + score_products_.b[pi] * slices * (kN / 16) * kTileUnits * 2;
-        for (int64_t slice = 0; slice < slices; ++slice) {
-          multiply_accumulate(q + slice * kDSlice, d_pad, k + (slice * (kN / 16) + 2 * kc) * kTileUnits * 2);
+      // Slices outer, products inner: one slice's parts of Q and K (12 KiB for fp32) stay in L1
+      // across its products, and an A tile serves the products that share it.
+      for (int64_t slice = 0; slice < slices; ++slice) {
+        for (int pi = 0; pi < score_products_.count; ++pi) {
+          if (pi == 0 || score_products_.a[pi] != score_products_.a[pi - 1]) {
+            load_a(bl.q_parts + score_products_.a[pi] * kM * d_pad + slice * kDSlice, d_pad);
+          }
+          const uint16_t* k = k_pack + score_products_.b[pi] * slices * (kN / 16) * kTileUnits * 2;
+          multiply_accumulate(k + (slice * (kN / 16) + 2 * kc) * kTileUnits * 2);
         }
       }
       store_accumulators(s + kc * 32, kN);
@@ -460,11 +468,13 @@ class AmxTaskRunner {
     for (int64_t c = 0; c < d_pad; c += 32) {
       float* o = bl.o + c;
       load_accumulators(o, d_pad);
-      for (int pi = 0; pi < output_products_.count; ++pi) {
-        const uint16_t* pp = p_parts + output_products_.a[pi] * kM * kN;
-        const uint16_t* vp = v_pack + output_products_.b[pi] * v_part_stride;
-        for (int64_t kc = 0; kc < key_chunks; ++kc) {
-          multiply_accumulate(pp + kc * 32, kN, vp + (kc * col_tiles + c / 16) * kTileUnits * 2);
+      for (int64_t kc = 0; kc < key_chunks; ++kc) {  // key chunks outer, as the slices in scores()
+        for (int pi = 0; pi < output_products_.count; ++pi) {
+          if (pi == 0 || output_products_.a[pi] != output_products_.a[pi - 1]) {
+            load_a(p_parts + output_products_.a[pi] * kM * kN + kc * 32, kN);
+          }
+          const uint16_t* vp = v_pack + output_products_.b[pi] * v_part_stride;
+          multiply_accumulate(vp + (kc * col_tiles + c / 16) * kTileUnits * 2);
         }
       }
       store_accumulators(o, d_pad);
