@@ -140,9 +140,9 @@ std::vector<Entry> variants() {
 std::vector<Entry> amx_variants() {
 #if FLASHCORE_AMX_BUILT
   if (amx_usable()) {
-    return {{"amx: 32 rows, 64 keys, split bf16 tiles", &amx_detail::amx_flash_forward_with<64>},
-            {"amx: 32 rows, 128 keys", &amx_detail::amx_flash_forward_with<128>},
-            {"amx: 32 rows, 256 keys", &amx_detail::amx_flash_forward_with<256>}};
+    return {{"amx: 64 keys, 8 blocks (fp32's)", &amx_detail::amx_flash_forward_with<64, NoPhaseTimer, 8>},
+            {"amx: 256 keys, 8 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 8>},
+            {"amx: 256 keys, 16 blocks (fp16 / bf16's)", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>}};
   }
 #endif
   return {};
@@ -261,8 +261,8 @@ int main(int argc, char** argv) {
     std::vector<Entry> timed_entries = {entry<TimedConfig>("avx")};
 #if FLASHCORE_AMX_BUILT
     if (amx_usable()) {
-      timed_entries.push_back({"amx 64", &amx_detail::amx_flash_forward_with<64, TimedPhases>});
-      timed_entries.push_back({"amx 256", &amx_detail::amx_flash_forward_with<256, TimedPhases>});
+      timed_entries.push_back({"amx 64 x 8", &amx_detail::amx_flash_forward_with<64, TimedPhases, 8>});
+      timed_entries.push_back({"amx 256 x 16", &amx_detail::amx_flash_forward_with<256, TimedPhases, 16>});
     }
 #endif
     for (int threads : thread_counts) {

@@ -55,11 +55,14 @@ bool amx_usable() {
 }
 
 Status amx_flash_forward(const AttentionParams& p) {
+  using amx_detail::amx_flash_forward_with;
+  using forward_detail::NoPhaseTimer;
   // Tiles of 256 keys move O's fp32 accumulator through the tile registers a quarter as often as
-  // 64-key tiles: +13-27% for bf16 on the GPU machine's Xeon (docs/PERF.md, session 22). fp32,
-  // bound by its six products per GEMM, did not gain and keeps 64.
-  if (p.dtype == DType::F32) return amx_detail::amx_flash_forward_with<64>(p);
-  return amx_detail::amx_flash_forward_with<256>(p);
+  // 64-key tiles (+13-27% for bf16 on the GPU machine's Xeon), and 16 blocks per task share each
+  // packed K/V tile twice as widely as 8 (+5-33%; docs/PERF.md, session 22). fp32, bound by its six
+  // products per GEMM, did not gain from 256 keys and keeps 64 keys and 8 blocks.
+  if (p.dtype == DType::F32) return amx_flash_forward_with<64, NoPhaseTimer, 8>(p);
+  return amx_flash_forward_with<256, NoPhaseTimer, 16>(p);
 }
 
 #endif  // FLASHCORE_AMX_BUILT

@@ -72,13 +72,13 @@ constexpr int64_t kDSlice = 32;  // d per A tile of S (16 rows x 64 bytes of bf1
 constexpr int kMaxParts = 3;
 constexpr int64_t kTileUnits = 256;  // 16 x 16 32-bit units: one 1 KiB tile
 
-/** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, 8 per task, and
- *  tiles of Keys keys. */
-template <int64_t Keys>
+/** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, up to Blocks per
+ *  task, and tiles of Keys keys. */
+template <int64_t Keys, int64_t Blocks>
 struct AmxTaskConfig {
   static constexpr int64_t kBlockRows = kM;
   static constexpr int64_t kBlockKeys = Keys;
-  static constexpr int64_t kMaxBlocksPerTask = 8;
+  static constexpr int64_t kMaxBlocksPerTask = Blocks;
   static constexpr int64_t kMinTasks = 32;
   static constexpr int64_t kTasksPerThread = 2;
 };
@@ -180,7 +180,7 @@ inline void multiply_accumulate(const uint16_t* b) {
 
 /** Per-thread buffers for tiles of kN keys, sized once per call. bf16 arrays live in AlignedFloats
  *  (two per float). */
-template <int64_t kN>
+template <int64_t kN, int64_t kBlocks>
 struct AmxScratch {
   int64_t d_pad = 0;
   AlignedFloats q_parts;   // [blocks][parts][kM x d_pad] bf16
@@ -198,7 +198,7 @@ struct AmxScratch {
 
   void reserve(int64_t head_dim) {
     d_pad = round_up(head_dim, kDSlice);
-    const int64_t blocks = AmxTaskConfig<kN>::kMaxBlocksPerTask, slices = d_pad / kDSlice;
+    const int64_t blocks = kBlocks, slices = d_pad / kDSlice;
     q_parts.reserve(blocks * kMaxParts * kM * d_pad / 2);
     o_acc.reserve(blocks * kM * d_pad);
     row_max.reserve(blocks * kM);
@@ -228,10 +228,10 @@ struct AmxBlock {
   }
 };
 
-template <int64_t kN, class PhaseTimer>
+template <int64_t kN, class PhaseTimer, int64_t kBlocks>
 class AmxTaskRunner {
  public:
-  AmxTaskRunner(const AttentionParams& p, AmxScratch<kN>& w)
+  AmxTaskRunner(const AttentionParams& p, AmxScratch<kN, kBlocks>& w)
       : p_(p), w_(w), in_parts_(parts_of(p.dtype)), score_products_(in_parts_, in_parts_, 2),
         output_products_(in_parts_, in_parts_, in_parts_ - 1), prescale_(in_parts_ == kMaxParts) {}
 
@@ -241,7 +241,7 @@ class AmxTaskRunner {
     const MaskInfo mask = mask_info(p_, seq);
     const int64_t group = p_.group_size(), d_pad = w_.d_pad;
 
-    AmxBlock blocks[AmxTaskConfig<kN>::kMaxBlocksPerTask];
+    AmxBlock blocks[kBlocks];
     int64_t num_blocks = 0;
     KeyRange keys{0, 0};
     for (int64_t first = 0; first < task.rows; first += kM, ++num_blocks) {
@@ -504,7 +504,7 @@ class AmxTaskRunner {
   }
 
   const AttentionParams& p_;
-  AmxScratch<kN>& w_;
+  AmxScratch<kN, kBlocks>& w_;
   const int in_parts_;
   const Products score_products_;
   const Products output_products_;
@@ -516,16 +516,16 @@ class AmxTaskRunner {
   const bool prescale_;
 };
 
-/** The forward on tiles of Keys keys (a multiple of 32); PhaseTimer::lap(phase) marks the end of
- *  each phase of a task (see NoPhaseTimer). */
-template <int64_t Keys = 64, class PhaseTimer = NoPhaseTimer>
+/** The forward on tiles of Keys keys (a multiple of 32), up to Blocks blocks of 32 rows per task;
+ *  PhaseTimer::lap(phase) marks the end of each phase of a task (see NoPhaseTimer). */
+template <int64_t Keys, class PhaseTimer, int64_t Blocks>
 Status amx_flash_forward_with(const AttentionParams& p) {
-  return run_forward_tasks<AmxTaskConfig<Keys>>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
-    AmxScratch<Keys> scratch;
+  return run_forward_tasks<AmxTaskConfig<Keys, Blocks>>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
+    AmxScratch<Keys, Blocks> scratch;
     scratch.reserve(p.head_dim);
     const TileConfig config;
     FC_TILE_CONFIGURE(&config);  // per thread; released before the worker returns to the pool
-    AmxTaskRunner<Keys, PhaseTimer> runner(p, scratch);
+    AmxTaskRunner<Keys, PhaseTimer, Blocks> runner(p, scratch);
     drain_tasks(runner, queue, tasks);
     FC_TILE_RELEASE();
   });
