@@ -17,7 +17,7 @@ bool amx_usable();
  *  amx_usable(), and then as the environment variable FLASHCORE_CPU_AMX says (read at every call,
  *  so that a benchmark or a test can compare both paths): "0" never, "1" always, unset where it
  *  measured faster than the AVX-512 path on the GPU machine's Xeon (docs/PERF.md, session 22):
- *  bf16 (1.8-3.5x) and fp16 (1.09-1.20x, measured with 8 blocks per task). fp32 needs six tile
+ *  bf16 (1.8-3.5x) and fp16 (1.03-1.75x). fp32 needs six tile
  *  products per GEMM and ran at 0.69-0.81x of the AVX-512 path. (head_dim: every size measured so
  *  far follows the dtype.) */
 bool amx_forward_enabled(DType dtype, int64_t head_dim);
