@@ -13,23 +13,28 @@
 // fp16 (16 bits, finer than fp16), with the products of index sum <= 1; one for bf16, P rounded
 // to bf16 as TESTING.md's X_same for bf16 does. So P V takes 6 / 3 / 1 products.
 //
-// Layout (per block of 32 stacked rows and tile of 64 keys; rows as in flash_forward_kernel.hpp):
+// Layout (per block of 32 stacked rows and tile of kN keys; rows as in flash_forward_kernel.hpp):
 //   S = Q K^T: A = Q's parts, row-major [32 x d_pad] bf16, straight from the rows; B = K's parts
 //   in the tile unit's pair-interleaved ("VNNI") layout: for each 32-wide slice of d and 16 keys,
 //   16 rows of (k[d], k[d+1]) pairs, one per key: a 16 x 16 transposition of 32-bit pairs.
-//   O += P V: A = P's parts, row-major [32 x 64]; B = V's parts with rows 2r and 2r+1
+//   O += P V: A = P's parts, row-major [32 x kN]; B = V's parts with rows 2r and 2r+1
 //   interleaved per 16 columns of d. O stays fp32 in memory, [32 x d_pad], loaded into the
-//   accumulator tiles and stored back per 32 columns.
+//   accumulator tiles and stored back per 32 columns and key tile.
 // Eight tile registers: four 16 x 16 fp32 accumulators (32 rows x 32 columns), two A and two B
-// tiles, every tile 16 rows of 64 bytes (one configuration for the whole call). d is padded to a
-// multiple of 32 with zeros in Q, K and V; padding rows and keys past the tile's end are zero.
+// tiles, every tile 16 rows of 64 bytes (one configuration per worker). d is padded to a multiple
+// of 32 with zeros in Q, K and V; padding rows and keys past the tile's end are zero. Inside each
+// GEMM the slices of d (S) or chunks of 32 keys (P V) run outside the products, so one slice's
+// parts stay in L1 across its products.
 // The softmax between the GEMMs runs on AVX-512 over S in row-major order (a horizontal max
-// and sum per row) and writes P's three parts.
+// and sum per row) and writes P's parts.
+// Shipped (amx_forward.cpp): fp16 / bf16 on 256-key tiles with up to 16 blocks per task sharing
+// each packed K/V tile; fp32, when asked for, on 64-key tiles with 8.
 //
-// The kernel is a template over its phase timer so that dev/cpu_forward_sweep.cpp can split its
-// time; amx_forward.cpp instantiates it. Built only where FLASHCORE_AMX_BUILT ends up 1: code
-// compiled with -march=native plus -mamx-tile -mamx-bf16 (CMakeLists.txt) on a machine whose
-// native target has AVX-512 and AVX512-BF16, or with FLASHCORE_AMX_EMULATE.
+// The kernel is a template over its tile size, blocks per task and phase timer so that
+// dev/cpu_forward_sweep.cpp can compare and split them; amx_forward.cpp instantiates it. Built only
+// where FLASHCORE_AMX_BUILT ends up 1: code compiled with -march=native plus -mamx-tile
+// -mamx-bf16 (CMakeLists.txt) on a machine whose native target has AVX-512 (F, BW, DQ, VL) and
+// AVX512-BF16, or with FLASHCORE_AMX_EMULATE.
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
@@ -335,7 +340,8 @@ class AmxTaskRunner {
     const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, slices = d_pad / kDSlice;
     uint16_t* stage = reinterpret_cast<uint16_t*>(w_.k_stage.data());
     const int64_t part_stride = slices * kN * 32;  // bf16 per part
-    for (int64_t n = 0; n < kN; ++n) {
+    const int64_t n_pack = round_up(n_valid, 32);  // the GEMMs read whole chunks of 32 keys, no more
+    for (int64_t n = 0; n < n_pack; ++n) {
       const void* row = n < n_valid ? element_ptr(p_.k, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
       for (int64_t c = 0; c < d_pad; c += 16) {
         const __m512 x = row ? load16(p_.dtype, row, c, head_dim) : _mm512_setzero_ps();
@@ -345,7 +351,7 @@ class AmxTaskRunner {
     }
     for (int s = 0; s < in_parts_; ++s)
       for (int64_t slice = 0; slice < slices; ++slice)
-        for (int64_t t = 0; t < kN / 16; ++t) {
+        for (int64_t t = 0; t < n_pack / 16; ++t) {
           const float* src = w_.k_stage.data() + ((s * slices + slice) * kN + t * 16) * 16;
           float* dst = w_.k_pack.data() + ((s * slices + slice) * (kN / 16) + t) * kTileUnits;
           transpose_block(src, 16, dst, 16);
@@ -358,7 +364,7 @@ class AmxTaskRunner {
     const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, col_tiles = d_pad / 16;
     const int64_t part_stride = (kN / 32) * col_tiles * kTileUnits;  // 32-bit units per part
     uint32_t* pack = reinterpret_cast<uint32_t*>(w_.v_pack.data());
-    for (int64_t n = 0; n < kN; n += 2) {
+    for (int64_t n = 0; n < round_up(n_valid, 32); n += 2) {  // whole chunks of 32 keys, as pack_keys
       const void* row0 = n < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
       const void* row1 = n + 1 < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n + 1, task.kv_head) : nullptr;
       for (int64_t ct = 0; ct < col_tiles; ++ct) {
