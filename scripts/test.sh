@@ -3,8 +3,11 @@
 #  1. the default build (CUDA kernels compiled when nvcc is present) and all its C++ tests
 #     (CUDA tests skip themselves with a message when no GPU is present);
 #  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
-#  3. the Python package (pip install .) and its pytest suite.
-# Set SKIP_SANITIZE=1 or SKIP_PYTHON=1 to leave a stage out while iterating.
+#  3. on a CPU with AVX512-BF16 but no AMX: the cpu_flash tests again with the AMX forward running
+#     on a software model of the tile unit (FLASHCORE_AMX_EMULATION), so that the AMX path, which
+#     only runs natively on Sapphire Rapids and later, is checked on every machine that can;
+#  4. the Python package (pip install .) and its pytest suite.
+# Set SKIP_SANITIZE=1, SKIP_AMX_MODEL=1 or SKIP_PYTHON=1 to leave a stage out while iterating.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -23,6 +26,15 @@ if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   cmake --build build-asan -j "$JOBS"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L cpu
+fi
+
+if [ "${SKIP_AMX_MODEL:-0}" != 1 ] && grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null &&
+   ! grep -qw amx_bf16 /proc/cpuinfo; then
+  step "cpu_flash tests with the AMX forward on a software tile model"
+  cmake -S . -B build-amx-model "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=OFF \
+    -DFLASHCORE_AMX_EMULATION=ON -DFLASHCORE_BUILD_CLI=OFF
+  cmake --build build-amx-model -j "$JOBS" --target flashcore_cpu_tests
+  build-amx-model/tests/flashcore_cpu_tests --gtest_filter='CpuFlash*' --gtest_brief=1
 fi
 
 if [ "${SKIP_PYTHON:-0}" != 1 ] && [ -f pyproject.toml ]; then

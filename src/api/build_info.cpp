@@ -26,9 +26,11 @@ FC_API const char* fc_build_info(void) {
 #else
                                   "\n  cpu simd: portable"
 #endif
-                                  + (flashcore::cpu::amx_usable()
-                                         ? "\n  cpu amx: yes (cpu_flash forward on AMX tiles for bf16 and fp16)"
-                                         : "\n  cpu amx: no (this CPU or build has none; FLASHCORE_CPU_AMX is ignored)");
+                                  + (flashcore::cpu::amx_is_software_model()
+                                         ? "\n  cpu amx: software model of the tile unit (a test build)"
+                                         : flashcore::cpu::amx_usable()
+                                               ? "\n  cpu amx: yes (cpu_flash forward on AMX tiles for bf16 and fp16)"
+                                               : "\n  cpu amx: no (this CPU or build has none; FLASHCORE_CPU_AMX is ignored)");
   return info.c_str();
 }
 

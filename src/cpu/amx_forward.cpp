@@ -15,6 +15,14 @@
 namespace flashcore {
 namespace cpu {
 
+bool amx_is_software_model() {
+#if defined(FLASHCORE_AMX_EMULATE) && FLASHCORE_AMX_BUILT
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool amx_forward_enabled(DType dtype, int64_t head_dim) {
   if (!amx_usable()) return false;
   const char* env = std::getenv("FLASHCORE_CPU_AMX");

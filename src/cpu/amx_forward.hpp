@@ -13,6 +13,10 @@ namespace cpu {
  *  and Linux granted the process the tile state (arch_prctl, asked once). */
 bool amx_usable();
 
+/** Whether this build runs the AMX forward on a software model of the tile unit instead of the
+ *  hardware (FLASHCORE_AMX_EMULATION: a test build; amx_usable() is then true on any CPU). */
+bool amx_is_software_model();
+
 /** Whether cpu_flash's forward takes the AMX path for inputs of `dtype` and `head_dim`: only where
  *  amx_usable(), and then as the environment variable FLASHCORE_CPU_AMX says (read at every call,
  *  so that a benchmark or a test can compare both paths): "0" never, "1" always, unset where it
