@@ -142,7 +142,8 @@ std::vector<Entry> amx_variants() {
   if (amx_usable()) {
     return {{"amx: 64 keys, 8 blocks (fp32's)", &amx_detail::amx_flash_forward_with<64, NoPhaseTimer, 8>},
             {"amx: 256 keys, 8 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 8>},
-            {"amx: 256 keys, 16 blocks (fp16 / bf16's)", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>}};
+            {"amx: 256 keys, 16 blocks (fp16 / bf16's)", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>},
+            {"amx: 256 keys, 32 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 32>}};
   }
 #endif
   return {};
