@@ -253,15 +253,7 @@ def cpu_path():
             q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
             qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
 
-            f = flops(b, h, s, d, causal, "fwd")
-            fc_fwd = lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads)
-            with torch.no_grad():
-                # On a CPU with AMX the forward runs on the tile unit; its AVX path is timed beside it.
-                fns = [fc_fwd, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)]
-                ms = _interleaved_ms(fns + ([lambda: _without_amx(fc_fwd)] if CPU_HAS_AMX else []))
-            extra = {"flashcore_avx_gflops": f / ms[2] / 1e6} if CPU_HAS_AMX else {}
-            emit(kind="cpu", mode="fwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
-                 flashcore_gflops=f / ms[0] / 1e6, torch_sdpa_gflops=f / ms[1] / 1e6, **extra)
+            _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal)
             if args.no_backward or left() < 30:
                 continue
             # Training steps: flash_attn_func's autograd (its CPU path honours torch.set_num_threads)
@@ -286,19 +278,26 @@ def cpu_path():
             _cpu_decode_cell(threads, b, kv_len)
 
 
-def _cpu_bf16_forward_cell(threads, b, h, s, d, causal):
-    """The forward on bf16 tensors against torch's CPU SDPA on bf16 (not part of #2's fp32 target;
-    where the CPU has AMX flashcore runs it on the tile unit, and its AVX path is timed beside)."""
-    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+def _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal, **tags):
+    """One forward cell against torch's CPU SDPA on the same tensors ((b, s, h, d) and its (b, h, s, d)
+    copies). On a CPU with AMX, where flashcore's 16-bit forward (or fp32 with FLASHCORE_CPU_AMX=1)
+    runs on the tile unit, its AVX path is timed beside it."""
+    b, s, h, d = q.shape
     fc_fwd = lambda: flashcore.attention_forward(q, k, v, causal=causal, num_threads=threads)
     with torch.no_grad():
         fns = [fc_fwd, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)]
         ms = _interleaved_ms(fns + ([lambda: _without_amx(fc_fwd)] if CPU_HAS_AMX else []))
     f = flops(b, h, s, d, causal, "fwd")
     extra = {"flashcore_avx_gflops": f / ms[2] / 1e6} if CPU_HAS_AMX else {}
-    emit(kind="cpu", mode="fwd", dtype="bf16", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+    emit(kind="cpu", mode="fwd", **tags, threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
          flashcore_gflops=f / ms[0] / 1e6, torch_sdpa_gflops=f / ms[1] / 1e6, **extra)
+
+
+def _cpu_bf16_forward_cell(threads, b, h, s, d, causal):
+    """The forward on bf16 tensors (not part of #2's fp32 target)."""
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal, dtype="bf16")
 
 
 def _cpu_has_amx():

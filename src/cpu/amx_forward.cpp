@@ -23,12 +23,11 @@ bool amx_is_software_model() {
 #endif
 }
 
-bool amx_forward_enabled(DType dtype, int64_t head_dim) {
+bool amx_forward_enabled(DType dtype) {
   if (!amx_usable()) return false;
   const char* env = std::getenv("FLASHCORE_CPU_AMX");
   if (env && env[0] == '0') return false;
   if (env && env[0] == '1') return true;
-  (void)head_dim;
   return dtype != DType::F32;
 }
 
@@ -44,9 +43,7 @@ Status amx_flash_forward(const AttentionParams&) {
 #else
 
 bool amx_usable() {
-#if defined(FLASHCORE_AMX_EMULATE)
-  return true;
-#endif
+  if (amx_is_software_model()) return true;  // the model needs no CPU support
   static const bool usable = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;

@@ -17,14 +17,14 @@ bool amx_usable();
  *  hardware (FLASHCORE_AMX_EMULATION: a test build; amx_usable() is then true on any CPU). */
 bool amx_is_software_model();
 
-/** Whether cpu_flash's forward takes the AMX path for inputs of `dtype` and `head_dim`: only where
+/** Whether cpu_flash's forward takes the AMX path for inputs of `dtype`: only where
  *  amx_usable(), and then as the environment variable FLASHCORE_CPU_AMX says (read at every call,
  *  so that a benchmark or a test can compare both paths): "0" never, "1" always, unset where it
  *  measured faster than the AVX-512 path on the GPU machine's Xeon (docs/PERF.md, session 22):
  *  bf16 (1.8-3.5x) and fp16 (1.03-1.75x). fp32 needs six tile
- *  products per GEMM and ran at 0.69-0.81x of the AVX-512 path. (head_dim: every size measured so
- *  far follows the dtype.) */
-bool amx_forward_enabled(DType dtype, int64_t head_dim);
+ *  products per GEMM and ran at 0.69-0.81x of the AVX-512 path. Every head_dim measured so far
+ *  follows the dtype. */
+bool amx_forward_enabled(DType dtype);
 
 /** The forward on AMX; call only when amx_usable(). Same contract as cpu::flash_forward. */
 Status amx_flash_forward(const AttentionParams& p);

@@ -218,19 +218,10 @@ struct AmxScratch {
   }
 };
 
-struct AmxBlock {
-  int64_t first_row, rows;
-  int64_t first_q, last_q;
-  KeyRange keys;
+/** One block of 32 stacked rows of the AMX forward: its Q parts and its fp32 O accumulator. */
+struct AmxBlock : BlockRows {
   uint16_t* q_parts;
   float* o;
-  float* row_max;
-  float* row_sum;
-  KeyRange* row_keys;
-
-  bool overlaps(int64_t n_begin, int64_t n_end) const {
-    return !keys.empty() && n_begin < keys.end && keys.begin < n_end;
-  }
 };
 
 template <int64_t kN, class PhaseTimer, int64_t kBlocks>
@@ -252,28 +243,14 @@ class AmxTaskRunner {
     for (int64_t first = 0; first < task.rows; first += kM, ++num_blocks) {
       AmxBlock& bl = blocks[num_blocks];
       const int64_t slot = num_blocks;
-      bl.first_row = task.first_row + first;
-      bl.rows = std::min(kM, task.rows - first);
-      bl.first_q = bl.first_row / group;
-      bl.last_q = (bl.first_row + bl.rows - 1) / group;
-      bl.keys = mask.keys_for_rows(bl.first_q, bl.last_q + 1);
-      bl.q_parts = reinterpret_cast<uint16_t*>(w_.q_parts.data()) + slot * kMaxParts * kM * d_pad;
-      bl.o = w_.o_acc.data() + slot * kM * d_pad;
       bl.row_max = w_.row_max.data() + slot * kM;
       bl.row_sum = w_.row_sum.data() + slot * kM;
       bl.row_keys = w_.row_keys.data() + slot * kM;
+      bl.start(task, first, kM, kM, mask, group, keys);
+      bl.q_parts = reinterpret_cast<uint16_t*>(w_.q_parts.data()) + slot * kMaxParts * kM * d_pad;
+      bl.o = w_.o_acc.data() + slot * kM * d_pad;
       pack_queries(task, seq, bl);
-      StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
-      for (int64_t r = 0; r < kM; ++r, at.advance(group, task.kv_head)) {
-        bl.row_keys[r] = r < bl.rows ? mask.keys_for_row(at.q_row) : KeyRange{0, 0};
-        bl.row_max[r] = kNegInf;
-        bl.row_sum[r] = 0.f;
-      }
       std::fill(bl.o, bl.o + kM * d_pad, 0.f);
-      if (!bl.keys.empty()) {
-        keys = keys.empty() ? bl.keys
-                            : KeyRange{std::min(keys.begin, bl.keys.begin), std::max(keys.end, bl.keys.end)};
-      }
     }
 
     PhaseTimer::lap(ForwardPhase::kRows);

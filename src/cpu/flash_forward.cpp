@@ -10,7 +10,7 @@ namespace cpu {
 
 Status flash_forward(const AttentionParams& p) {
   using namespace forward_detail;
-  if (amx_forward_enabled(p.dtype, p.head_dim)) return amx_flash_forward(p);
+  if (amx_forward_enabled(p.dtype)) return amx_flash_forward(p);
   return flash_forward_with<ForwardConfig>(p);
 }
 

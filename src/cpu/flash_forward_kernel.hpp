@@ -144,16 +144,13 @@ struct ForwardScratch {
   }
 };
 
-/** One block of up to kBlockRows stacked rows of a task, and where its state lives. */
-struct Block {
+/** The stacked rows of one block of a task, the keys they may see, and where their softmax state
+ *  lives: shared by the AVX-512 and AMX forwards (amx_forward_kernel.hpp). */
+struct BlockRows {
   int64_t first_row;  // stacked row
   int64_t rows;
-  int64_t m_pad;
   int64_t first_q, last_q;  // query rows covered (inclusive)
   KeyRange keys;            // keys any of its rows may see
-  bool started;             // O^T holds a partial sum
-  float* q_t;
-  float* o_t;
   float* row_max;
   float* row_sum;
   KeyRange* row_keys;
@@ -162,6 +159,37 @@ struct Block {
   bool overlaps(int64_t n_begin, int64_t n_end) const {
     return !keys.empty() && n_begin < keys.end && keys.begin < n_end;
   }
+
+  /** Places the block at `first` (relative to the task) with up to `max_rows` rows, resets the
+   *  state of its first `state_rows` rows (padding rows see no key), and widens `task_keys` to
+   *  the keys it may see. The state pointers must be set. */
+  void start(const ForwardTask& task, int64_t first, int64_t max_rows, int64_t state_rows, const MaskInfo& mask,
+             int64_t group, KeyRange& task_keys) {
+    first_row = task.first_row + first;
+    rows = std::min(max_rows, task.rows - first);
+    first_q = first_row / group;
+    last_q = (first_row + rows - 1) / group;
+    keys = mask.keys_for_rows(first_q, last_q + 1);
+    StackedRow at = StackedRow::first_of(first_row, task.kv_head, group);
+    for (int64_t r = 0; r < state_rows; ++r, at.advance(group, task.kv_head)) {
+      row_keys[r] = r < rows ? mask.keys_for_row(at.q_row) : KeyRange{0, 0};
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.f;
+    }
+    if (!keys.empty()) {
+      task_keys = task_keys.empty()
+                      ? keys
+                      : KeyRange{std::min(task_keys.begin, keys.begin), std::max(task_keys.end, keys.end)};
+    }
+  }
+};
+
+/** One block of up to kBlockRows stacked rows of the AVX-512 forward. */
+struct Block : BlockRows {
+  int64_t m_pad;
+  bool started;  // O^T holds a partial sum
+  float* q_t;
+  float* o_t;
 };
 
 /** Copies (fp32) or converts (fp16/bf16) `rows` K or V rows into contiguous fp32 [rows x D]. */
@@ -221,28 +249,15 @@ class ForwardTaskRunner {
     for (int64_t first = 0; first < task.rows; first += kM, ++num_blocks) {
       Block& bl = blocks[num_blocks];
       const int64_t slot = num_blocks;
-      bl.first_row = task.first_row + first;
-      bl.rows = std::min(kM, task.rows - first);
-      bl.m_pad = round_up(bl.rows, kSimdWidth);
-      bl.first_q = bl.first_row / group;
-      bl.last_q = (bl.first_row + bl.rows - 1) / group;
-      bl.keys = mask.keys_for_rows(bl.first_q, bl.last_q + 1);
-      bl.started = false;
-      bl.q_t = w_.q_t.data() + slot * head_dim * kM;
-      bl.o_t = w_.o_t.data() + slot * head_dim * kM;
       bl.row_max = w_.row_max.data() + slot * kM;
       bl.row_sum = w_.row_sum.data() + slot * kM;
       bl.row_keys = w_.row_keys.data() + slot * kM;
+      bl.start(task, first, kM, round_up(std::min(kM, task.rows - first), kSimdWidth), mask, group, keys);
+      bl.m_pad = round_up(bl.rows, kSimdWidth);
+      bl.started = false;
+      bl.q_t = w_.q_t.data() + slot * head_dim * kM;
+      bl.o_t = w_.o_t.data() + slot * head_dim * kM;
       pack_queries(task, seq, bl);
-      StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
-      for (int64_t r = 0; r < bl.m_pad; ++r, at.advance(group, task.kv_head)) {
-        bl.row_keys[r] = r < bl.rows ? mask.keys_for_row(at.q_row) : KeyRange{0, 0};
-        bl.row_max[r] = kNegInf;
-        bl.row_sum[r] = 0.f;
-      }
-      if (!bl.keys.empty()) {
-        keys = keys.empty() ? bl.keys : KeyRange{std::min(keys.begin, bl.keys.begin), std::max(keys.end, bl.keys.end)};
-      }
     }
     Phases::lap(ForwardPhase::kRows);
 

@@ -83,14 +83,14 @@ void expect_forward_grids() {
 TEST(CpuFlashForward, AvxPathWhereAmxIsUsed) {
   if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build): the tests above ran the AVX path";
   ScopedAmxSetting off("0");
-  ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16, 64));
+  ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16));
   expect_forward_grids();
 }
 
 TEST(CpuFlashForward, AmxPathForEveryDtype) {
   if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build)";
   ScopedAmxSetting on("1");
-  ASSERT_TRUE(cpu::amx_forward_enabled(DType::F32, 64));
+  ASSERT_TRUE(cpu::amx_forward_enabled(DType::F32));
   expect_forward_grids();  // fp32 on 64-key tiles
   // The backward recomputes P from the forward's lse: with the AMX forward's lse too.
   expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH);
