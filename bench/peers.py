@@ -256,22 +256,11 @@ def cpu_path():
             _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal)
             if args.no_backward or left() < 30:
                 continue
-            # Training steps: flash_attn_func's autograd (its CPU path honours torch.set_num_threads)
-            # against SDPA's, each with the gradient of a fixed dout.
-            for x in (q, k, v, qt, kt, vt):
-                x.requires_grad_(True)
-            dout = torch.randn_like(q)
-            dout_t = dout.transpose(1, 2).contiguous()
-            ms_fc, ms_pt = _interleaved_ms(
-                [lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout),
-                 lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dout_t)])
-            f = flops(b, h, s, d, causal, "fwd+bwd")
-            emit(kind="cpu", mode="fwd+bwd", threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
-                 flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+            _cpu_training_cell(threads, q, k, v, qt, kt, vt, causal)
         for (b, h, s, d, causal) in [] if args.quick else shapes:
             if left() < 20:
                 return
-            _cpu_bf16_forward_cell(threads, b, h, s, d, causal)
+            _cpu_bf16_cells(threads, b, h, s, d, causal)
         for (b, kv_len) in [] if args.quick else [(1, 8192), (4, 4096)]:
             if left() < 20:
                 return
@@ -293,11 +282,32 @@ def _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal, **tags):
          flashcore_gflops=f / ms[0] / 1e6, torch_sdpa_gflops=f / ms[1] / 1e6, **extra)
 
 
-def _cpu_bf16_forward_cell(threads, b, h, s, d, causal):
-    """The forward on bf16 tensors (not part of #2's fp32 target)."""
+def _cpu_training_cell(threads, q, k, v, qt, kt, vt, causal, **tags):
+    """One training step (forward + backward of a fixed dout): flash_attn_func's autograd (its CPU
+    path honours torch.set_num_threads) against SDPA's, on the same tensors as _cpu_forward_cell."""
+    b, s, h, d = q.shape
+    for x in (q, k, v, qt, kt, vt):
+        x.requires_grad_(True)
+    dout = torch.randn_like(q)
+    dout_t = dout.transpose(1, 2).contiguous()
+    ms_fc, ms_pt = _interleaved_ms(
+        [lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout),
+         lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dout_t)])
+    for x in (q, k, v, qt, kt, vt):
+        x.requires_grad_(False)
+        x.grad = None
+    f = flops(b, h, s, d, causal, "fwd+bwd")
+    emit(kind="cpu", mode="fwd+bwd", **tags, threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
+         flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+
+
+def _cpu_bf16_cells(threads, b, h, s, d, causal):
+    """The forward and the training step on bf16 tensors (not part of #2's fp32 target)."""
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal, dtype="bf16")
+    if not args.no_backward and left() >= 30:
+        _cpu_training_cell(threads, q, k, v, qt, kt, vt, causal, dtype="bf16")
 
 
 def _cpu_has_amx():

@@ -20,8 +20,7 @@
 //   O += P V: A = P's parts, row-major [32 x kN]; B = V's parts with rows 2r and 2r+1
 //   interleaved per 16 columns of d. O stays fp32 in memory, [32 x d_pad], loaded into the
 //   accumulator tiles and stored back per 32 columns and key tile.
-// Eight tile registers: four 16 x 16 fp32 accumulators (32 rows x 32 columns), two A and two B
-// tiles, every tile 16 rows of 64 bytes (one configuration per worker). d is padded to a multiple
+// Tiles as amx_tiles.hpp says (one configuration per worker). d is padded to a multiple
 // of 32 with zeros in Q, K and V; padding rows and keys past the tile's end are zero. Inside each
 // GEMM the slices of d (S) or chunks of 32 keys (P V) run outside the products, so one slice's
 // parts stay in L1 across its products.
@@ -37,33 +36,10 @@
 // AVX512-BF16, or with FLASHCORE_AMX_EMULATE.
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VL__) && \
-    defined(__linux__) && ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(FLASHCORE_AMX_EMULATE))
-#define FLASHCORE_AMX_BUILT 1
-#endif
+#include "cpu/amx_tiles.hpp"
 
 #if FLASHCORE_AMX_BUILT
-#include "cpu/flash_forward_kernel.hpp"  // and through cpu_common.hpp <immintrin.h>, AMX intrinsics too
-
-#if defined(FLASHCORE_AMX_EMULATE)
-// A software model of the tile instructions (cpu/amx_emulation.hpp), for checking this file's
-// layouts with the test grids on a CPU without AMX (CMake option FLASHCORE_AMX_EMULATION).
-#include "cpu/amx_emulation.hpp"
-#define FC_TILE_CONFIGURE(cfg) amx_emulation::configure(cfg)
-#define FC_TILE_RELEASE() amx_emulation::release()
-#define FC_TILE_ZERO(t) amx_emulation::zero(t)
-#define FC_TILE_LOAD(t, base, stride) amx_emulation::load(t, base, stride)
-#define FC_TILE_STORE(t, base, stride) amx_emulation::store(t, base, stride)
-#define FC_TILE_DPBF16PS(c, a, b) amx_emulation::dpbf16ps(c, a, b)
-#else
-#define FC_TILE_CONFIGURE(cfg) _tile_loadconfig(cfg)
-#define FC_TILE_RELEASE() _tile_release()
-#define FC_TILE_ZERO(t) _tile_zero(t)
-#define FC_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#define FC_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
-#define FC_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
-#endif
+#include "cpu/flash_forward_kernel.hpp"
 
 namespace flashcore {
 namespace cpu {
@@ -71,11 +47,11 @@ namespace cpu {
 namespace amx_detail {
 
 using namespace forward_detail;
+using namespace amx_tiles;
 
 constexpr int64_t kM = 32;  // stacked rows per block: two accumulator tiles tall
-constexpr int64_t kDSlice = 32;  // d per A tile of S (16 rows x 64 bytes of bf16)
+constexpr int64_t kDSlice = kSlice;  // d per A tile of S (16 rows x 64 bytes of bf16)
 constexpr int kMaxParts = 3;
-constexpr int64_t kTileUnits = 256;  // 16 x 16 32-bit units: one 1 KiB tile
 
 /** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, up to Blocks per
  *  task, and tiles of Keys keys. */
@@ -88,101 +64,6 @@ struct AmxTaskConfig {
   static constexpr int64_t kTasksPerThread = 2;
 };
 
-/** Tiles 0-3: fp32 accumulators (rows 0-15 / 16-31 x columns 0-15 / 16-31 of a 32 x 32 block);
- *  4-5: A tiles (rows 0-15, 16-31); 6-7: B tiles (columns 0-15, 16-31). All 16 x 64 bytes. */
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
-
-/** Significant parts of an input dtype's values in bf16 (see the file comment). */
-inline int parts_of(DType dtype) {
-  switch (dtype) {
-    case DType::BF16: return 1;
-    case DType::F16: return 2;
-    default: return 3;
-  }
-}
-
-/** The pairs (i, j) of parts with i + j <= max_sum whose products make up a GEMM, grouped by i
- *  (so an A tile serves consecutive products) and roughly smallest first. max_sum 2 drops only
- *  terms below 2^-24 of the product (fp32-exact). */
-struct Products {
-  int count = 0;
-  int a[6], b[6];
-  Products(int a_parts, int b_parts, int max_sum) {
-    for (int i = a_parts - 1; i >= 0; --i)
-      for (int j = b_parts - 1; j >= 0; --j)
-        if (i + j <= max_sum) a[count] = i, b[count] = j, ++count;
-  }
-};
-
-inline __m512 widen(__m256bh h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h)), 16));
-}
-
-/** The `parts` bf16 parts of 16 floats: part s goes to dst + s * part_stride (16 bf16 each). */
-inline void split16(__m512 x, int parts, uint16_t* dst, int64_t part_stride) {
-  for (int s = 0; s < parts; ++s) {
-    __m256bh h = _mm512_cvtneps_pbh(x);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + s * part_stride), reinterpret_cast<__m256i&>(h));
-    if (s + 1 < parts) x = _mm512_sub_ps(x, widen(h));  // exact: x - round(x) is representable
-  }
-}
-
-/** Lanes [lo, hi) of a 16-lane vector, for lo, hi in any range. */
-inline __mmask16 lane_range(int64_t lo, int64_t hi) {
-  const int64_t l = std::clamp<int64_t>(lo, 0, 16), h = std::clamp<int64_t>(hi, 0, 16);
-  const uint32_t upto_h = (1u << h) - 1, upto_l = (1u << l) - 1;
-  return static_cast<__mmask16>(upto_h & ~upto_l);
-}
-
-/** 16 elements of a `dtype` row from column c on as floats, zeros past `valid` columns (masked
- *  loads: nothing past the row's end is touched). */
-inline __m512 load16(DType dtype, const void* row, int64_t c, int64_t valid) {
-  const __mmask16 mask = lane_range(0, valid - c);
-  if (dtype == DType::F32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row) + c);
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row) + c);
-  if (dtype == DType::F16) return _mm512_cvtph_ps(bits);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-/** Accumulator tiles 0-3 (a 32 x 32 fp32 block: rows 0-15 / 16-31, columns 0-15 / 16-31) from or
- *  to memory with rows `ld` floats apart. */
-inline void load_accumulators(const float* c, int64_t ld) {
-  FC_TILE_LOAD(0, c, ld * 4);
-  FC_TILE_LOAD(1, c + 16, ld * 4);
-  FC_TILE_LOAD(2, c + 16 * ld, ld * 4);
-  FC_TILE_LOAD(3, c + 16 * ld + 16, ld * 4);
-}
-inline void store_accumulators(float* c, int64_t ld) {
-  FC_TILE_STORE(0, c, ld * 4);
-  FC_TILE_STORE(1, c + 16, ld * 4);
-  FC_TILE_STORE(2, c + 16 * ld, ld * 4);
-  FC_TILE_STORE(3, c + 16 * ld + 16, ld * 4);
-}
-
-/** A tiles 4-5: A's 32 rows (16-row tiles at a and a + 16 rows, rows `a_ld` bf16 apart). */
-inline void load_a(const uint16_t* a, int64_t a_ld) {
-  FC_TILE_LOAD(4, a, a_ld * 2);
-  FC_TILE_LOAD(5, a + 16 * a_ld, a_ld * 2);
-}
-
-/** Accumulators += A B for the A in tiles 4-5 (load_a) and B's two 16-column tiles, stored back
- *  to back from b. */
-inline void multiply_accumulate(const uint16_t* b) {
-  FC_TILE_LOAD(6, b, 64);
-  FC_TILE_LOAD(7, b + kTileUnits * 2, 64);
-  FC_TILE_DPBF16PS(0, 4, 6);
-  FC_TILE_DPBF16PS(1, 4, 7);
-  FC_TILE_DPBF16PS(2, 5, 6);
-  FC_TILE_DPBF16PS(3, 5, 7);
-}
-
 /** Per-thread buffers for tiles of kN keys, sized once per call. bf16 arrays live in AlignedFloats
  *  (two per float). */
 template <int64_t kN, int64_t kBlocks>
@@ -192,7 +73,7 @@ struct AmxScratch {
   AlignedFloats o_acc;     // [blocks][kM x d_pad] fp32, unnormalized
   AlignedFloats row_max;   // [blocks][kM]
   AlignedFloats row_sum;   // [blocks][kM]
-  AlignedFloats k_stage;   // [parts][d_pad / 32][kN][16 pairs]: K's parts before the transposition
+  AlignedFloats k_stage;   // [parts][d_pad / 32][16 keys][16 pairs]: 16 keys' parts before the transposition
   AlignedFloats k_pack;    // [parts][d_pad / 32][kN / 16] B tiles of K
   AlignedFloats v_pack;    // [parts][kN / 32][d_pad / 16] B tiles of V
   AlignedFloats s_buf;     // [kM x kN] fp32 scores
@@ -208,7 +89,7 @@ struct AmxScratch {
     o_acc.reserve(blocks * kM * d_pad);
     row_max.reserve(blocks * kM);
     row_sum.reserve(blocks * kM);
-    k_stage.reserve(kMaxParts * slices * kN * 16);
+    k_stage.reserve(kMaxParts * slices * kTileUnits);
     k_pack.reserve(kMaxParts * slices * (kN / 16) * kTileUnits);
     v_pack.reserve(kMaxParts * (kN / 32) * (d_pad / 16) * kTileUnits);
     s_buf.reserve(kM * kN);
@@ -293,8 +174,7 @@ class AmxTaskRunner {
  private:
   /** Q's parts, row-major [kM x d_pad] each; padding rows and columns zero. */
   void pack_queries(const ForwardTask& task, const SeqInfo& seq, const AmxBlock& bl) {
-    const int64_t group = p_.group_size(), head_dim = p_.head_dim, d_pad = w_.d_pad;
-    const __m512 scale = _mm512_set1_ps(p_.softmax_scale);
+    const int64_t group = p_.group_size(), d_pad = w_.d_pad;
     StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
     for (int64_t r = 0; r < kM; ++r) {
       const void* row = nullptr;
@@ -302,64 +182,29 @@ class AmxTaskRunner {
         row = element_ptr(p_.q, p_.dtype, task.batch, seq.q_start + at.q_row, at.head);
         at.advance(group, task.kv_head);
       }
-      for (int64_t c = 0; c < d_pad; c += 16) {
-        __m512 x = row ? load16(p_.dtype, row, c, head_dim) : _mm512_setzero_ps();
-        if (prescale_) x = _mm512_mul_ps(x, scale);
-        split16(x, in_parts_, bl.q_parts + r * d_pad + c, kM * d_pad);
-      }
+      split_row(p_.dtype, row, p_.head_dim, d_pad, in_parts_, bl.q_parts + r * d_pad, kM * d_pad, prescale_,
+                p_.softmax_scale);
     }
   }
 
-  /** K's parts as B tiles, for the n_valid keys from packed row `first` on (zeros after): per
-   *  32-wide slice of d and 16 keys, row i holds the pairs (k[2i], k[2i + 1]) of the 16 keys.
-   *  Built row-major first, then transposed as 32-bit units. */
+  /** K's parts as B tiles (pack_column_pairs), for the n_valid keys from packed row `first` on
+   *  (zeros after, up to the whole chunks of 32 keys the GEMMs read): [parts][d_pad / 32][kN / 16]. */
   void pack_keys(const ForwardTask& task, int64_t first, int64_t n_valid) {
-    const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, slices = d_pad / kDSlice;
-    uint16_t* stage = reinterpret_cast<uint16_t*>(w_.k_stage.data());
-    const int64_t part_stride = slices * kN * 32;  // bf16 per part
-    const int64_t n_pack = round_up(n_valid, 32);  // the GEMMs read whole chunks of 32 keys, no more
-    for (int64_t n = 0; n < n_pack; ++n) {
-      const void* row = n < n_valid ? element_ptr(p_.k, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
-      for (int64_t c = 0; c < d_pad; c += 16) {
-        const __m512 x = row ? load16(p_.dtype, row, c, head_dim) : _mm512_setzero_ps();
-        const int64_t slice = c / kDSlice, half = (c % kDSlice) / 16;
-        split16(x, in_parts_, stage + (slice * kN + n) * 32 + half * 16, part_stride);
-      }
-    }
-    for (int s = 0; s < in_parts_; ++s)
-      for (int64_t slice = 0; slice < slices; ++slice)
-        for (int64_t t = 0; t < n_pack / 16; ++t) {
-          const float* src = w_.k_stage.data() + ((s * slices + slice) * kN + t * 16) * 16;
-          float* dst = w_.k_pack.data() + ((s * slices + slice) * (kN / 16) + t) * kTileUnits;
-          transpose_block(src, 16, dst, 16);
-        }
+    const int64_t slices = w_.d_pad / kDSlice;
+    auto row_at = [&](int64_t n) -> const void* {
+      return n < n_valid ? element_ptr(p_.k, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
+    };
+    pack_column_pairs(p_.dtype, row_at, round_up(n_valid, 32), p_.head_dim, w_.d_pad, in_parts_, w_.k_stage.data(),
+                      w_.k_pack.data(), kN / 16, slices * (kN / 16));
   }
 
-  /** V's parts as B tiles (rows as pack_keys): per 32 keys and 16 columns of d, row i
-   *  interleaves keys 2i and 2i + 1. */
+  /** V's parts as B tiles (pack_row_pairs): [parts][kN / 32][d_pad / 16]. */
   void pack_values(const ForwardTask& task, int64_t first, int64_t n_valid) {
-    const int64_t head_dim = p_.head_dim, d_pad = w_.d_pad, col_tiles = d_pad / 16;
-    const int64_t part_stride = (kN / 32) * col_tiles * kTileUnits;  // 32-bit units per part
-    uint32_t* pack = reinterpret_cast<uint32_t*>(w_.v_pack.data());
-    for (int64_t n = 0; n < round_up(n_valid, 32); n += 2) {  // whole chunks of 32 keys, as pack_keys
-      const void* row0 = n < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
-      const void* row1 = n + 1 < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n + 1, task.kv_head) : nullptr;
-      for (int64_t ct = 0; ct < col_tiles; ++ct) {
-        __m512 x0 = row0 ? load16(p_.dtype, row0, ct * 16, head_dim) : _mm512_setzero_ps();
-        __m512 x1 = row1 ? load16(p_.dtype, row1, ct * 16, head_dim) : _mm512_setzero_ps();
-        uint32_t* dst = pack + ((n / 32) * col_tiles + ct) * kTileUnits + ((n % 32) / 2) * 16;
-        for (int s = 0; s < in_parts_; ++s) {
-          __m256bh h0 = _mm512_cvtneps_pbh(x0), h1 = _mm512_cvtneps_pbh(x1);
-          const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h0));
-          const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h1));
-          _mm512_storeu_si512(dst + s * part_stride, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-          if (s + 1 < in_parts_) {
-            x0 = _mm512_sub_ps(x0, widen(h0));
-            x1 = _mm512_sub_ps(x1, widen(h1));
-          }
-        }
-      }
-    }
+    auto row_at = [&](int64_t n) -> const void* {
+      return n < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
+    };
+    pack_row_pairs(p_.dtype, row_at, round_up(n_valid, 32), p_.head_dim, w_.d_pad, in_parts_, w_.v_pack.data(),
+                   (kN / 32) * (w_.d_pad / 16));
   }
 
   /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
@@ -368,10 +213,7 @@ class AmxTaskRunner {
     const uint16_t* k_pack = reinterpret_cast<const uint16_t*>(w_.k_pack.data());
     float* s = w_.s_buf.data();
     for (int64_t kc = 0; kc < key_chunks; ++kc) {
-      FC_TILE_ZERO(0);
-      FC_TILE_ZERO(1);
-      FC_TILE_ZERO(2);
-      FC_TILE_ZERO(3);
+      zero_accumulators();
       // Slices outer, products inner: one slice's parts of Q and K (12 KiB for fp32) stay in L1
       // across its products, and an A tile serves the products that share it.
       for (int64_t slice = 0; slice < slices; ++slice) {
@@ -506,11 +348,9 @@ Status amx_flash_forward_with(const AttentionParams& p) {
   return run_forward_tasks<AmxTaskConfig<Keys, Blocks>>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
     AmxScratch<Keys, Blocks> scratch;
     scratch.reserve(p.head_dim);
-    const TileConfig config;
-    FC_TILE_CONFIGURE(&config);  // per thread; released before the worker returns to the pool
+    const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
     AmxTaskRunner<Keys, PhaseTimer, Blocks> runner(p, scratch);
     drain_tasks(runner, queue, tasks);
-    FC_TILE_RELEASE();
   });
 }
 
