@@ -284,21 +284,25 @@ def _cpu_forward_cell(threads, q, k, v, qt, kt, vt, causal, **tags):
 
 def _cpu_training_cell(threads, q, k, v, qt, kt, vt, causal, **tags):
     """One training step (forward + backward of a fixed dout): flash_attn_func's autograd (its CPU
-    path honours torch.set_num_threads) against SDPA's, on the same tensors as _cpu_forward_cell."""
+    path honours torch.set_num_threads) against SDPA's, on the same tensors as _cpu_forward_cell.
+    For 16-bit inputs on a CPU with AMX, flashcore's AVX path is timed beside."""
     b, s, h, d = q.shape
     for x in (q, k, v, qt, kt, vt):
         x.requires_grad_(True)
     dout = torch.randn_like(q)
     dout_t = dout.transpose(1, 2).contiguous()
-    ms_fc, ms_pt = _interleaved_ms(
-        [lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout),
-         lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dout_t)])
+    fc_step = lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout)
+    avx_beside = CPU_HAS_AMX and q.dtype != torch.float32
+    ms = _interleaved_ms(
+        [fc_step, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).backward(dout_t)]
+        + ([lambda: _without_amx(fc_step)] if avx_beside else []))
     for x in (q, k, v, qt, kt, vt):
         x.requires_grad_(False)
         x.grad = None
     f = flops(b, h, s, d, causal, "fwd+bwd")
+    extra = {"flashcore_avx_gflops": f / ms[2] / 1e6} if avx_beside else {}
     emit(kind="cpu", mode="fwd+bwd", **tags, threads=threads, batch=b, heads=h, seqlen=s, hdim=d, causal=causal,
-         flashcore_gflops=f / ms_fc / 1e6, torch_sdpa_gflops=f / ms_pt / 1e6)
+         flashcore_gflops=f / ms[0] / 1e6, torch_sdpa_gflops=f / ms[1] / 1e6, **extra)
 
 
 def _cpu_bf16_cells(threads, b, h, s, d, causal):
@@ -322,7 +326,7 @@ CPU_HAS_AMX = _cpu_has_amx()
 
 
 def _without_amx(fn):
-    """fn() with cpu_flash's AMX forward switched off (FLASHCORE_CPU_AMX is read at every call)."""
+    """fn() with cpu_flash's AMX paths switched off (FLASHCORE_CPU_AMX is read at every call)."""
     os.environ["FLASHCORE_CPU_AMX"] = "0"
     try:
         return fn()

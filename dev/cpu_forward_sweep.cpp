@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/amx_forward.hpp"
+#include "cpu/amx.hpp"
 #include "cpu/amx_forward_kernel.hpp"
 #include "cpu/flash_forward_kernel.hpp"
 

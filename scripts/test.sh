@@ -3,9 +3,10 @@
 #  1. the default build (CUDA kernels compiled when nvcc is present) and all its C++ tests
 #     (CUDA tests skip themselves with a message when no GPU is present);
 #  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
-#  3. on a CPU with AVX512-BF16 but no AMX: the cpu_flash tests again with the AMX forward running
-#     on a software model of the tile unit (FLASHCORE_AMX_EMULATION), so that the AMX path, which
-#     only runs natively on Sapphire Rapids and later, is checked on every machine that can;
+#  3. on a CPU with AVX512-BF16 but no AMX: the cpu_flash tests again with the AMX forward and
+#     backward running on a software model of the tile unit (FLASHCORE_AMX_EMULATION), so that the
+#     AMX paths, which only run natively on Sapphire Rapids and later, are checked on every machine
+#     that can;
 #  4. the Python package (pip install .) and its pytest suite.
 # Set SKIP_SANITIZE=1, SKIP_AMX_MODEL=1 or SKIP_PYTHON=1 to leave a stage out while iterating.
 set -euo pipefail
@@ -30,7 +31,7 @@ fi
 
 if [ "${SKIP_AMX_MODEL:-0}" != 1 ] && grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null &&
    ! grep -qw amx_bf16 /proc/cpuinfo; then
-  step "cpu_flash tests with the AMX forward on a software tile model"
+  step "cpu_flash tests with the AMX forward and backward on a software tile model"
   cmake -S . -B build-amx-model "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=OFF \
     -DFLASHCORE_AMX_EMULATION=ON -DFLASHCORE_BUILD_CLI=OFF
   cmake --build build-amx-model -j "$JOBS" --target flashcore_cpu_tests

@@ -1,7 +1,7 @@
 // Version and build configuration strings (what `flashcore info` prints).
 #include <string>
 
-#include "cpu/amx_forward.hpp"
+#include "cpu/amx.hpp"
 #include "flashcore/flashcore.h"
 
 extern "C" {

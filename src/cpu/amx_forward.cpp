@@ -1,6 +1,7 @@
-// cpu_flash forward on Intel AMX: whether this process can use it, and the entry point. The kernel
-// and how it stays exact are in amx_forward_kernel.hpp.
-#include "cpu/amx_forward.hpp"
+// cpu_flash on Intel AMX: whether this process can use it and which calls take it, and the
+// forward's entry point. The kernel and how it stays exact are in amx_forward_kernel.hpp; the
+// backward is amx_backward.cpp.
+#include "cpu/amx.hpp"
 
 #include <cstdlib>
 
@@ -29,6 +30,12 @@ bool amx_forward_enabled(DType dtype) {
   if (env && env[0] == '0') return false;
   if (env && env[0] == '1') return true;
   return dtype != DType::F32;
+}
+
+bool amx_backward_enabled(DType dtype) {
+  if (dtype == DType::F32 || !amx_usable()) return false;
+  const char* env = std::getenv("FLASHCORE_CPU_AMX");
+  return !(env && env[0] == '0');
 }
 
 #if !FLASHCORE_AMX_BUILT

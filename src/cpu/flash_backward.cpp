@@ -5,12 +5,9 @@
 //   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
 //   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
 //   dK^T += (scale Q)^T dS               dQ += dS K  (times scale once, when dQ is written)
-// with D_i = rowsum(dO_i * O_i) computed first. The task owns its query head, so dQ accumulates
-// in a per-thread fp32 buffer [seqlen_q x D] with no sharing; dK/dV of a key block are complete
-// when the block's loop ends. With GQA several tasks feed one KV head: each writes fp32 partial
-// dK/dV for its own query head, and a second pass sums the group's partials in head order.
-// Every sum therefore runs in a fixed order: results are bit-identical run to run and for any
-// thread count, without locks or atomics on data.
+// with D_i = rowsum(dO_i * O_i) computed first. dQ accumulates in a per-thread fp32 buffer
+// [seqlen_q x D]. Tasks (one per batch and query head) and the GQA reduction: backward_tasks.hpp.
+// On CPUs with AMX, fp16 / bf16 take the AMX backward instead (amx_backward_kernel.hpp).
 //
 // Tiles are [rows x keys] with keys along the SIMD lanes (64 keys = 4 AVX-512 vectors); all five
 // products are the gemm_bcast micro-kernel of cpu_common.hpp with different operand strides.
@@ -20,6 +17,8 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/amx.hpp"
+#include "cpu/backward_tasks.hpp"
 #include "cpu/cpu_common.hpp"
 
 namespace flashcore {
@@ -27,6 +26,7 @@ namespace cpu {
 namespace {
 
 using namespace flash_detail;
+using namespace backward_detail;
 
 struct BackwardTraits {
   static constexpr int64_t kBlockKeys = 64;   // keys per tile (a multiple of kSimdWidth)
@@ -34,12 +34,6 @@ struct BackwardTraits {
   static constexpr int64_t kReduceRows = 256; // key rows per task of the GQA reduction pass
   static constexpr int64_t kPrefetchRows = 8; // how far ahead strided input rows are prefetched
   static_assert(kBlockKeys % kSimdWidth == 0, "key block must fill whole vectors");
-};
-
-struct BackwardTask {
-  int64_t batch;
-  int64_t head;  // query head
-  int64_t cost;
 };
 
 /** Per-thread buffers; the per-head ones are sized for the longest sequence. */
@@ -73,18 +67,6 @@ struct BackwardScratch {
     for (AlignedFloats* a : {&probs, &dscores, &tanh_grad}) a->reserve(m * n);
     row_a.reserve(d_pad);
   }
-};
-
-/** fp32 partial dK / dV per query head, [heads_q][key row][D], used when heads_q > heads_kv. */
-struct GqaPartials {
-  std::vector<float> dk, dv;
-  int64_t rows = 0;  // key rows per head: batch * seqlen_k (dense) or total packed keys (varlen)
-
-  int64_t row_index(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t key) const {
-    return p.is_varlen() ? s.k_start + key : b * p.seqlen_k + key;
-  }
-  float* dk_row(const AttentionParams& p, int64_t head, int64_t row) { return dk.data() + (head * rows + row) * p.head_dim; }
-  float* dv_row(const AttentionParams& p, int64_t head, int64_t row) { return dv.data() + (head * rows + row) * p.head_dim; }
 };
 
 class BackwardTaskRunner {
@@ -334,6 +316,12 @@ class BackwardTaskRunner {
   SeqInfo seq_{};
 };
 
+}  // namespace
+
+namespace backward_detail {
+
+using namespace flash_detail;
+
 std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p) {
   std::vector<BackwardTask> tasks;
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -347,7 +335,6 @@ std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p) {
   return tasks;
 }
 
-/** Sums the group's fp32 partials in head order and writes dK / dV in the output dtype. */
 Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
   struct ReduceTask { int64_t batch, kv_head, first_key; };
   std::vector<ReduceTask> tasks;
@@ -384,31 +371,16 @@ Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
   });
 }
 
-}  // namespace
+}  // namespace backward_detail
 
 Status flash_backward(const BackwardParams& p) {
-  std::vector<BackwardTask> tasks;
-  GqaPartials partials;
-  const bool grouped = p.heads_q != p.heads_kv;
-  try {
-    tasks = make_backward_tasks(p);
-    if (grouped) {
-      partials.rows = p.is_varlen() ? p.cu_seqlens_k[p.batch] : p.batch * p.seqlen_k;
-      const size_t count = static_cast<size_t>(p.heads_q * partials.rows * p.head_dim);
-      partials.dk.resize(count);
-      partials.dv.resize(count);
-    }
-  } catch (const std::bad_alloc&) {
-    return Status::internal("cpu_flash backward: out of host memory for the task list or GQA partials");
-  }
-  Status st = run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](TaskQueue& queue) {
+  if (amx_backward_enabled(p.dtype)) return amx_flash_backward(p);
+  return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
     BackwardScratch scratch;
     scratch.reserve(p.seqlen_q, p.head_dim);
-    BackwardTaskRunner runner(p, scratch, grouped ? &partials : nullptr);
+    BackwardTaskRunner runner(p, scratch, partials);
     for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
   });
-  if (!st.is_ok() || !grouped) return st;
-  return reduce_gqa_partials(p, partials);
 }
 
 }  // namespace cpu

@@ -2,7 +2,7 @@
 // flash_forward_kernel.hpp, a template over its tile configuration; this file instantiates the one
 // the library ships. On CPUs with AMX the forward runs on the tile unit instead (amx_forward.cpp).
 #include "api/backends.hpp"
-#include "cpu/amx_forward.hpp"
+#include "cpu/amx.hpp"
 #include "cpu/flash_forward_kernel.hpp"
 
 namespace flashcore {

@@ -6,7 +6,7 @@
 
 #include "common/grids.hpp"
 #include "common/harness.hpp"
-#include "cpu/amx_forward.hpp"
+#include "cpu/amx.hpp"
 
 namespace flashcore::testing {
 namespace {
@@ -65,9 +65,10 @@ GridOptions small_grid() {
   return g;
 }
 
-// On a CPU with AMX the forward tests above ran cpu_flash's AMX path (src/cpu/amx_forward.cpp)
-// for bf16 and fp16 (256-key tiles) and the AVX path for fp32. Both paths must pass every dtype there: each test
-// below forces one of them for its calls (FLASHCORE_CPU_AMX, read at every call).
+// On a CPU with AMX the tests of cpu_flash ran its AMX paths (src/cpu/amx_forward.cpp,
+// amx_backward.cpp) for bf16 and fp16 and the AVX-512 paths for fp32. Both paths must pass every
+// dtype there: each test below forces one of them for its calls (FLASHCORE_CPU_AMX, read at every
+// call; "1" moves the fp32 forward onto AMX, and the fp32 backward, which has no AMX path, stays).
 struct ScopedAmxSetting {
   explicit ScopedAmxSetting(const char* value) { setenv("FLASHCORE_CPU_AMX", value, 1); }
   ~ScopedAmxSetting() { unsetenv("FLASHCORE_CPU_AMX"); }
@@ -80,11 +81,26 @@ void expect_forward_grids() {
   }
 }
 
+void expect_backward_grids() {
+  const GridOptions g = small_grid();
+  for (const auto& cases : {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g)}) {
+    expect_backward(cases, FC_BACKEND_CPU_FLASH);
+  }
+}
+
 TEST(CpuFlashForward, AvxPathWhereAmxIsUsed) {
   if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build): the tests above ran the AVX path";
   ScopedAmxSetting off("0");
   ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16));
   expect_forward_grids();
+}
+
+TEST(CpuFlashBackward, AvxPathWhereAmxIsUsed) {
+  if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build): the tests above ran the AVX path";
+  ScopedAmxSetting off("0");
+  ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16));
+  ASSERT_FALSE(cpu::amx_backward_enabled(DType::BF16));
+  expect_backward_grids();
 }
 
 TEST(CpuFlashForward, AmxPathForEveryDtype) {

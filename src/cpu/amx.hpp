@@ -1,5 +1,7 @@
-// cpu_flash forward on Intel AMX tiles (amx_forward.cpp): fp32-exact scores and outputs from bf16
-// tile products of split operands. cpu::flash_forward takes it on CPUs that have AMX-BF16.
+// cpu_flash on Intel AMX tiles: whether this process can use them, and the forward
+// (amx_forward.cpp: fp32-exact scores and outputs from bf16 tile products of split operands) and
+// backward (amx_backward.cpp: fp16 / bf16) entry points. cpu::flash_forward / flash_backward take
+// them on CPUs that have AMX-BF16.
 #pragma once
 
 #include "api/params.hpp"
@@ -28,6 +30,15 @@ bool amx_forward_enabled(DType dtype);
 
 /** The forward on AMX; call only when amx_usable(). Same contract as cpu::flash_forward. */
 Status amx_flash_forward(const AttentionParams& p);
+
+/** Whether cpu_flash's backward takes the AMX path for inputs of `dtype`: fp16 and bf16 where
+ *  amx_usable(), unless FLASHCORE_CPU_AMX is "0" (read at every call). fp32 has no AMX backward:
+ *  its GEMMs would take six tile products each, which made the fp32 forward slower than AVX-512. */
+bool amx_backward_enabled(DType dtype);
+
+/** The backward on AMX (fp16 / bf16); call only when amx_backward_enabled(). Same contract as
+ *  cpu::flash_backward. */
+Status amx_flash_backward(const BackwardParams& p);
 
 }  // namespace cpu
 }  // namespace flashcore

@@ -1,0 +1,26 @@
+// cpu_flash backward on Intel AMX: the entry point. The kernel is amx_backward_kernel.hpp; which
+// calls take it, amx_backward_enabled (amx_forward.cpp).
+#include "cpu/amx.hpp"
+#include "cpu/amx_backward_kernel.hpp"
+
+namespace flashcore {
+namespace cpu {
+
+#if FLASHCORE_AMX_BUILT
+
+Status amx_flash_backward(const BackwardParams& p) {
+  if (p.dtype == DType::F32) return Status::unsupported("cpu_flash: the AMX backward takes fp16 and bf16 only");
+  return amx_backward_detail::amx_flash_backward_run(p);
+}
+
+#else
+
+Status amx_flash_backward(const BackwardParams&) {
+  return Status::unsupported("cpu_flash: this build has no AMX backward (needs an -march=native build on an "
+                             "AVX512-BF16 machine and a compiler with -mamx-tile / -mamx-bf16)");
+}
+
+#endif  // FLASHCORE_AMX_BUILT
+
+}  // namespace cpu
+}  // namespace flashcore
