@@ -10,7 +10,9 @@ namespace cpu {
 
 Status amx_flash_backward(const BackwardParams& p) {
   if (p.dtype == DType::F32) return Status::unsupported("cpu_flash: the AMX backward takes fp16 and bf16 only");
-  return amx_backward_detail::amx_flash_backward_run(p);
+  // 64-key tiles against 128-row query groups: per key tile and group, dK / dV (64 x d) and the
+  // group's dQ^T (d x 128) pass through the accumulator tiles once for 2 x 4 blocks of products.
+  return amx_backward_detail::amx_flash_backward_with<64, 128>(p);
 }
 
 #else

@@ -20,7 +20,8 @@
 // fp16 / bf16 queries are not prescaled (their parts stay exact): scores are scaled in the
 // softmax, and dK, dQ are multiplied by softmax_scale when written.
 //
-// Built only where FLASHCORE_AMX_BUILT (amx_tiles.hpp); amx_backward.cpp instantiates it.
+// Built only where FLASHCORE_AMX_BUILT (amx_tiles.hpp); amx_backward.cpp instantiates it with the
+// shipped tile sizes.
 #pragma once
 
 #include "cpu/amx_tiles.hpp"
@@ -38,14 +39,14 @@ using namespace flash_detail;
 using namespace amx_tiles;
 using namespace backward_detail;
 
-constexpr int64_t kKeys = 64;    // keys per key tile: two 32-key chunks
-constexpr int64_t kGroup = 128;  // query rows per group: four 32-row blocks
-constexpr int kMaxParts = 2;     // fp16
-static_assert(kKeys % 32 == 0 && kGroup % 32 == 0, "tiles come in 32 x 32 accumulator blocks");
+constexpr int kMaxParts = 2;  // fp16
 
-/** Per-thread buffers, sized once per call for the longest query sequence. bf16 arrays live in
- *  AlignedFloats (two per float); "tiles" are amx_tiles.hpp's 1 KiB B tiles. */
+/** Per-thread buffers for key tiles of kKeys keys and query groups of kGroup rows, sized once per
+ *  call for the longest query sequence. bf16 arrays live in AlignedFloats (two per float);
+ *  "tiles" are amx_tiles.hpp's 1 KiB B tiles. */
+template <int64_t kKeys, int64_t kGroup>
 struct AmxBackwardScratch {
+  static_assert(kKeys % 32 == 0 && kGroup % 32 == 0, "tiles come in 32 x 32 accumulator blocks");
   int64_t d_pad = 0;
   // Per task (rows_pad = the head's query rows rounded up to 32):
   AlignedFloats q_cols;      // B of S^T = K Q^T: [parts][d_pad / 32][rows_pad / 16] tiles
@@ -98,9 +99,10 @@ struct AmxBackwardScratch {
 
 inline uint16_t* bf16_of(AlignedFloats& a) { return reinterpret_cast<uint16_t*>(a.data()); }
 
+template <int64_t kKeys, int64_t kGroup>
 class AmxBackwardRunner {
  public:
-  AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch& w, GqaPartials* partials)
+  AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch<kKeys, kGroup>& w, GqaPartials* partials)
       : p_(p), w_(w), partials_(partials), d_pad_(w.d_pad), parts_(parts_of(p.dtype)),
         score_products_(parts_, parts_, 2), grad_products_(parts_, parts_, parts_ - 1) {}
 
@@ -361,7 +363,7 @@ class AmxBackwardRunner {
   }
 
   const BackwardParams& p_;
-  AmxBackwardScratch& w_;
+  AmxBackwardScratch<kKeys, kGroup>& w_;
   GqaPartials* partials_;
   const int64_t d_pad_;
   const int parts_;
@@ -371,13 +373,15 @@ class AmxBackwardRunner {
   SeqInfo seq_{};
 };
 
-/** The backward on AMX for fp16 / bf16 inputs. */
-inline Status amx_flash_backward_run(const BackwardParams& p) {
+/** The backward on AMX for fp16 / bf16 inputs, on tiles of Keys keys and groups of Group query
+ *  rows (both multiples of 32; a template so that dev/cpu_backward_sweep.cpp can compare them). */
+template <int64_t Keys, int64_t Group>
+Status amx_flash_backward_with(const BackwardParams& p) {
   return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
-    AmxBackwardScratch scratch;
+    AmxBackwardScratch<Keys, Group> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim);
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
-    AmxBackwardRunner runner(p, scratch, partials);
+    AmxBackwardRunner<Keys, Group> runner(p, scratch, partials);
     for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
   });
 }
