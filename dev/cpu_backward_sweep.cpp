@@ -50,12 +50,12 @@ std::vector<Entry> variants() {
 #if FLASHCORE_AMX_BUILT
   if (amx_usable()) {
     using namespace amx_backward_detail;
-    all.push_back({"amx 64 keys x 128 rows (shipped)", &amx_flash_backward_with<64, 128>});
-    all.push_back({"amx 64 keys x 64 rows", &amx_flash_backward_with<64, 64>});
-    all.push_back({"amx 64 keys x 256 rows", &amx_flash_backward_with<64, 256>});
-    all.push_back({"amx 128 keys x 128 rows", &amx_flash_backward_with<128, 128>});
+    all.push_back({"amx 128 keys x 128 rows (shipped)", &amx_flash_backward_with<128, 128>});
+    all.push_back({"amx 64 keys x 128 rows", &amx_flash_backward_with<64, 128>});
     all.push_back({"amx 128 keys x 64 rows", &amx_flash_backward_with<128, 64>});
-    all.push_back({"amx 32 keys x 256 rows", &amx_flash_backward_with<32, 256>});
+    all.push_back({"amx 128 keys x 256 rows", &amx_flash_backward_with<128, 256>});
+    all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128>});
+    all.push_back({"amx 256 keys x 64 rows", &amx_flash_backward_with<256, 64>});
   }
 #endif
   return all;

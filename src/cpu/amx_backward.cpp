@@ -10,9 +10,11 @@ namespace cpu {
 
 Status amx_flash_backward(const BackwardParams& p) {
   if (p.dtype == DType::F32) return Status::unsupported("cpu_flash: the AMX backward takes fp16 and bf16 only");
-  // 64-key tiles against 128-row query groups: per key tile and group, dK / dV (64 x d) and the
-  // group's dQ^T (d x 128) pass through the accumulator tiles once for 2 x 4 blocks of products.
-  return amx_backward_detail::amx_flash_backward_with<64, 128>(p);
+  // 128-key tiles against 128-row query groups: per key tile and group, dK / dV (128 x d) and the
+  // group's dQ^T (d x 128) pass through the accumulator tiles once for 4 x 4 blocks of products.
+  // The fastest of six sizes in 11 of 12 bf16 cells on the GPU machine's Xeon (+4-24% over 64 x
+  // 128; docs/PERF.md, session 23).
+  return amx_backward_detail::amx_flash_backward_with<128, 128>(p);
 }
 
 #else

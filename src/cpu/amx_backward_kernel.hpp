@@ -10,7 +10,9 @@
 // rows]), and dQ^T += K^T dS^T takes dS^T with its key rows paired, which the same pass writes.
 // So no score tile is ever transposed. The B operands come from per-task packs of Q and dO (both
 // pair layouts) and the A operands from per-key-tile packs of K, V and K^T. dK and dV accumulate
-// in fp32 [keys x d] per key tile; dQ^T in fp32 [d x rows] per task, transposed once at the end.
+// in fp32 [keys x d] per key tile; dQ^T in fp32 [d x 32] panels, one per 32 query rows of the
+// task (a [d x rows] matrix would put an accumulator tile's 16 rows a whole sequence apart, all
+// in one L1 set), transposed once at the end.
 //
 // Exactness, as amx_forward_kernel.hpp: fp16 values take two bf16 parts, bf16 one.
 //   S^T, dP^T: parts of inputs, products with index sum <= 2 (fp16: 4, all of them): exact.
@@ -53,7 +55,7 @@ struct AmxBackwardScratch {
   AlignedFloats dout_cols;   // B of dP^T = V dO^T: the same for dO
   AlignedFloats q_pairs;     // B of dK += dS^T Q: [parts][rows_pad / 32][d_pad / 16] tiles
   AlignedFloats dout_pairs;  // B of dV += P^T dO: the same for dO
-  AlignedFloats dq_t;        // [d_pad x rows_pad] fp32, dQ^T unscaled
+  AlignedFloats dq_t;        // [rows_pad / 32][d_pad x 32] fp32: dQ^T unscaled, in panels of 32 rows
   AlignedFloats lse, delta;  // [rows_pad] the forward's lse, D = rowsum(dO * O)
   AlignedFloats dout_row, out_row;  // [d_pad] rows on their way into D
   // Per key tile:
@@ -246,12 +248,12 @@ class AmxBackwardRunner {
     uint16_t* p_t = bf16_of(w_.p_t);
     uint16_t* ds_t = bf16_of(w_.ds_t);
     uint32_t* ds_pairs = reinterpret_cast<uint32_t*>(w_.ds_pairs.data());
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __m512 lse = _mm512_loadu_ps(w_.lse.data() + g0 + c);
-      const __m512 delta = _mm512_loadu_ps(w_.delta.data() + g0 + c);
-      const __m512i lo = _mm512_loadu_si512(w_.first_key.data() + c);
-      const __m512i hi = _mm512_loadu_si512(w_.end_key.data() + c);
-      for (int64_t j = 0; j < key_chunks * 32; j += 2) {
+    for (int64_t j = 0; j < key_chunks * 32; j += 2) {  // rows of S^T in order, two at a time
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __m512 lse = _mm512_loadu_ps(w_.lse.data() + g0 + c);
+        const __m512 delta = _mm512_loadu_ps(w_.delta.data() + g0 + c);
+        const __m512i lo = _mm512_loadu_si512(w_.first_key.data() + c);
+        const __m512i hi = _mm512_loadu_si512(w_.end_key.data() + c);
         __m512 ds[2];
         for (int64_t h = 0; h < 2; ++h) {
           const int64_t at = (j + h) * kGroup + c;
@@ -301,15 +303,15 @@ class AmxBackwardRunner {
     }
   }
 
-  /** dQ^T[:, g0 .. ] += K^T dS^T. */
+  /** dQ^T[:, g0 .. ] += K^T dS^T, in the group's panels. */
   void accumulate_dq(int64_t g0, int64_t key_chunks, int64_t row_blocks) {
     const uint16_t* kt = bf16_of(w_.kt_parts);
     const uint16_t* ds_pairs = bf16_of(w_.ds_pairs);
     const int64_t pair_part = (kKeys / 32) * (kGroup / 16) * kTileUnits * 2;  // bf16 per part
     for (int64_t dc = 0; dc < d_pad_; dc += 32) {
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        float* out = w_.dq_t.data() + dc * rows_pad_ + g0 + rb * 32;
-        load_accumulators(out, rows_pad_);
+        float* out = w_.dq_t.data() + (g0 / 32 + rb) * d_pad_ * 32 + dc * 32;
+        load_accumulators(out, 32);
         for (int64_t kc = 0; kc < key_chunks; ++kc) {
           for (int pi = 0; pi < grad_products_.count; ++pi) {
             if (pi == 0 || grad_products_.a[pi] != grad_products_.a[pi - 1]) {
@@ -319,7 +321,7 @@ class AmxBackwardRunner {
             multiply_accumulate(ds_pairs + grad_products_.b[pi] * pair_part + tile * kTileUnits * 2);
           }
         }
-        store_accumulators(out, rows_pad_);
+        store_accumulators(out, 32);
       }
     }
   }
@@ -353,7 +355,7 @@ class AmxBackwardRunner {
     const __m512 scale = _mm512_set1_ps(p_.softmax_scale);
     float* rows = w_.rows16.data();
     for (int64_t i0 = 0; i0 < seq_.seqlen_q; i0 += 16) {
-      transpose(w_.dq_t.data() + i0, rows_pad_, d_pad_, 16, rows, d_pad_);
+      transpose(w_.dq_t.data() + (i0 / 32) * d_pad_ * 32 + i0 % 32, 32, d_pad_, 16, rows, d_pad_);
       for (int64_t i = i0; i < std::min(i0 + 16, seq_.seqlen_q); ++i) {
         float* row = rows + (i - i0) * d_pad_;
         for (int64_t c = 0; c < d_pad_; c += 16) _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), scale));
