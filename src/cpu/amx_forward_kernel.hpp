@@ -99,6 +99,84 @@ struct AmxScratch {
   }
 };
 
+/** K and V of every (batch, KV head) packed once per call into the B tiles the GEMMs read, tile by
+ *  tile of kN keys (each tile laid out as AmxScratch's k_pack / v_pack). Without it every task
+ *  packs the key tiles it reads: a head's rows span group * seqlen_q / (32 * blocks per task)
+ *  tasks, and packing took 27% of the bf16 forward at S = 2048 with four tasks per head
+ *  (docs/PERF.md, session 22). Built only when a head spans more than one task and the copy stays
+ *  under kMaxBytes; otherwise the tasks pack as before. */
+template <int64_t kN>
+class PackedKv {
+ public:
+  static constexpr int64_t kMaxBytes = int64_t{1} << 30;
+
+  /** Packs K and V when worth it; false when the tasks should pack for themselves. */
+  bool build(const AttentionParams& p, int parts, int64_t d_pad, int64_t task_rows) {
+    const int64_t group = p.group_size();
+    bool spans = false;
+    int64_t tiles = 0;
+    first_tile_.resize(static_cast<size_t>(p.batch * p.heads_kv));
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const SeqInfo seq = seq_info(p, b);
+      spans = spans || group * seq.seqlen_q > task_rows;
+      for (int64_t kvh = 0; kvh < p.heads_kv; ++kvh) {
+        first_tile_[static_cast<size_t>(b * p.heads_kv + kvh)] = tiles;
+        tiles += ceil_div(seq.seqlen_k, kN);
+      }
+    }
+    tile_floats_ = parts * kN * d_pad / 2;  // parts x kN x d_pad bf16
+    if (!spans || tiles == 0 || 2 * tiles * tile_floats_ * 4 > kMaxBytes) return false;
+    k_.reserve(tiles * tile_floats_);
+    v_.reserve(tiles * tile_floats_);
+    struct Unit { int64_t batch, kv_head, n0; };
+    std::vector<Unit> units;
+    units.reserve(static_cast<size_t>(tiles));
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t kvh = 0; kvh < p.heads_kv; ++kvh)
+        for (int64_t n0 = 0; n0 < seq_info(p, b).seqlen_k; n0 += kN) units.push_back({b, kvh, n0});
+    const Status st = run_workers(static_cast<int64_t>(units.size()), p.num_threads, [&](TaskQueue& queue) {
+      AlignedFloats stage;
+      stage.reserve(parts * (d_pad / kSlice) * kTileUnits);
+      for (int64_t u = queue.next(); u >= 0; u = queue.next()) {
+        const Unit& at = units[static_cast<size_t>(u)];
+        const SeqInfo seq = seq_info(p, at.batch);
+        const int64_t n_valid = std::min(kN, seq.seqlen_k - at.n0), first = seq.k_start + at.n0;
+        auto k_row = [&](int64_t n) -> const void* {
+          return n < n_valid ? element_ptr(p.k, p.dtype, at.batch, first + n, at.kv_head) : nullptr;
+        };
+        auto v_row = [&](int64_t n) -> const void* {
+          return n < n_valid ? element_ptr(p.v, p.dtype, at.batch, first + n, at.kv_head) : nullptr;
+        };
+        const int64_t slices = d_pad / kSlice;
+        pack_column_pairs(p.dtype, k_row, round_up(n_valid, 32), p.head_dim, d_pad, parts, stage.data(),
+                          k_.data() + tile_of(at.batch, at.kv_head, at.n0, p.heads_kv) * tile_floats_, kN / 16,
+                          slices * (kN / 16));
+        pack_row_pairs(p.dtype, v_row, round_up(n_valid, 32), p.head_dim, d_pad, parts,
+                       v_.data() + tile_of(at.batch, at.kv_head, at.n0, p.heads_kv) * tile_floats_,
+                       (kN / 32) * (d_pad / 16));
+      }
+    });
+    return st.is_ok();
+  }
+
+  /** The packed tile of keys n0 .. n0 + kN (n0 a multiple of kN) of (batch, kv_head). */
+  const float* keys(int64_t batch, int64_t kv_head, int64_t n0, int64_t heads_kv) const {
+    return k_.data() + tile_of(batch, kv_head, n0, heads_kv) * tile_floats_;
+  }
+  const float* values(int64_t batch, int64_t kv_head, int64_t n0, int64_t heads_kv) const {
+    return v_.data() + tile_of(batch, kv_head, n0, heads_kv) * tile_floats_;
+  }
+
+ private:
+  int64_t tile_of(int64_t batch, int64_t kv_head, int64_t n0, int64_t heads_kv) const {
+    return first_tile_[static_cast<size_t>(batch * heads_kv + kv_head)] + n0 / kN;
+  }
+
+  AlignedFloats k_, v_;
+  std::vector<int64_t> first_tile_;  // per (batch, kv head): index of its first tile
+  int64_t tile_floats_ = 0;
+};
+
 /** One block of 32 stacked rows of the AMX forward: its Q parts and its fp32 O accumulator. */
 struct AmxBlock : BlockRows {
   uint16_t* q_parts;
@@ -108,8 +186,8 @@ struct AmxBlock : BlockRows {
 template <int64_t kN, class PhaseTimer, int64_t kBlocks>
 class AmxTaskRunner {
  public:
-  AmxTaskRunner(const AttentionParams& p, AmxScratch<kN, kBlocks>& w)
-      : p_(p), w_(w), in_parts_(parts_of(p.dtype)), score_products_(in_parts_, in_parts_, 2),
+  AmxTaskRunner(const AttentionParams& p, AmxScratch<kN, kBlocks>& w, const PackedKv<kN>* packed)
+      : p_(p), w_(w), packed_(packed), in_parts_(parts_of(p.dtype)), score_products_(in_parts_, in_parts_, 2),
         output_products_(in_parts_, in_parts_, in_parts_ - 1), prescale_(in_parts_ == kMaxParts) {}
 
   void run(const ForwardTask& task, const ForwardTask* next) {
@@ -139,12 +217,23 @@ class AmxTaskRunner {
     PrefetchQueue& prefetch = w_.prefetch;
     for (int64_t n0 = keys.begin; n0 < keys.end; n0 += kN) {
       const int64_t n_valid = std::min(kN, keys.end - n0);
-      pack_keys(task, seq.k_start + n0, n_valid);
-      pack_values(task, seq.k_start + n0, n_valid);
+      if (packed_) {
+        k_tiles_ = reinterpret_cast<const uint16_t*>(packed_->keys(task.batch, task.kv_head, n0, p_.heads_kv));
+        v_tiles_ = reinterpret_cast<const uint16_t*>(packed_->values(task.batch, task.kv_head, n0, p_.heads_kv));
+      } else {
+        pack_keys(task, seq.k_start + n0, n_valid);
+        pack_values(task, seq.k_start + n0, n_valid);
+        k_tiles_ = reinterpret_cast<const uint16_t*>(w_.k_pack.data());
+        v_tiles_ = reinterpret_cast<const uint16_t*>(w_.v_pack.data());
+      }
       int64_t active_blocks = 0;
       for (int64_t bi = 0; bi < num_blocks; ++bi) active_blocks += blocks[bi].overlaps(n0, n0 + n_valid);
       if (n0 + kN < keys.end) {
-        queue_kv_tile(p_, task.batch, seq.k_start + n0 + kN, std::min(kN, keys.end - n0 - kN), task.kv_head, prefetch);
+        // The next tile's input rows (packed tiles are contiguous: the hardware prefetcher has them).
+        if (!packed_) {
+          queue_kv_tile(p_, task.batch, seq.k_start + n0 + kN, std::min(kN, keys.end - n0 - kN), task.kv_head,
+                        prefetch);
+        }
       } else {
         queue_task_rows(p_, task, p_.out, /*for_write=*/true, prefetch);
         if (next) queue_task_rows(p_, *next, p_.q, /*for_write=*/false, prefetch);
@@ -210,7 +299,7 @@ class AmxTaskRunner {
   /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
   void scores(const AmxBlock& bl, int64_t key_chunks) {
     const int64_t d_pad = w_.d_pad, slices = d_pad / kDSlice;
-    const uint16_t* k_pack = reinterpret_cast<const uint16_t*>(w_.k_pack.data());
+    const uint16_t* k_pack = k_tiles_;
     float* s = w_.s_buf.data();
     for (int64_t kc = 0; kc < key_chunks; ++kc) {
       zero_accumulators();
@@ -288,7 +377,7 @@ class AmxTaskRunner {
   void accumulate_output(const AmxBlock& bl, int64_t key_chunks) {
     const int64_t d_pad = w_.d_pad, col_tiles = d_pad / 16;
     const uint16_t* p_parts = reinterpret_cast<const uint16_t*>(w_.p_parts.data());
-    const uint16_t* v_pack = reinterpret_cast<const uint16_t*>(w_.v_pack.data());
+    const uint16_t* v_pack = v_tiles_;
     const int64_t v_part_stride = (kN / 32) * col_tiles * kTileUnits * 2;  // bf16 per part
     for (int64_t c = 0; c < d_pad; c += 32) {
       float* o = bl.o + c;
@@ -330,6 +419,9 @@ class AmxTaskRunner {
 
   const AttentionParams& p_;
   AmxScratch<kN, kBlocks>& w_;
+  const PackedKv<kN>* packed_;  // null: each task packs its key tiles into w_
+  const uint16_t* k_tiles_ = nullptr;  // the current key tile's K and V B tiles
+  const uint16_t* v_tiles_ = nullptr;
   const int in_parts_;
   const Products score_products_;
   const Products output_products_;
@@ -345,11 +437,20 @@ class AmxTaskRunner {
  *  PhaseTimer::lap(phase) marks the end of each phase of a task (see NoPhaseTimer). */
 template <int64_t Keys, class PhaseTimer, int64_t Blocks>
 Status amx_flash_forward_with(const AttentionParams& p) {
-  return run_forward_tasks<AmxTaskConfig<Keys, Blocks>>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
+  using Config = AmxTaskConfig<Keys, Blocks>;
+  PackedKv<Keys> packed;
+  bool prepacked = false;
+  try {
+    prepacked = packed.build(p, parts_of(p.dtype), round_up(p.head_dim, kDSlice),
+                             Config::kBlockRows * blocks_per_task<Config>(p));
+  } catch (const std::bad_alloc&) {
+    prepacked = false;  // the tasks pack for themselves
+  }
+  return run_forward_tasks<Config>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
     AmxScratch<Keys, Blocks> scratch;
     scratch.reserve(p.head_dim);
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
-    AmxTaskRunner<Keys, PhaseTimer, Blocks> runner(p, scratch);
+    AmxTaskRunner<Keys, PhaseTimer, Blocks> runner(p, scratch, prepacked ? &packed : nullptr);
     drain_tasks(runner, queue, tasks);
   });
 }
