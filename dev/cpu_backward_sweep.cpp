@@ -13,8 +13,11 @@
 //       src/cpu/amx_forward.cpp src/cpu/amx_backward.cpp src/cpu/worker_pool.cpp -o /tmp/cpu_backward_sweep
 // Run: /tmp/cpu_backward_sweep [threads ...]   (default: 2)
 //      DTYPE=bf16 (default) | f16, ROUNDS=n (default 5), ONLY=1,3 (those variants beside 0),
-//      SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256)
+//      SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
+//      PHASES=1 (instead: where the shipped AMX backward's thread time goes, per phase of a task)
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +39,30 @@ namespace {
 struct Entry {
   std::string name;
   Status (*run)(const BackwardParams&);
+};
+
+/** The AMX backward's PhaseTimer for PHASES=1: each lap charges the steady_clock time since this
+ *  thread's previous lap in the same call to the phase (new_call() before every call). */
+struct TimedPhases {
+  static constexpr int kCount = static_cast<int>(amx_backward_detail::BackwardPhase::kCount);
+  static inline std::array<std::atomic<int64_t>, kCount> ns{};
+  static inline std::atomic<int> epoch{0};
+  static void reset() {
+    for (auto& x : ns) x.store(0);
+  }
+  static void new_call() { epoch.fetch_add(1); }
+  static void lap(amx_backward_detail::BackwardPhase phase) {
+    thread_local int seen = -1;
+    thread_local std::chrono::steady_clock::time_point last;
+    const auto now = std::chrono::steady_clock::now();
+    const int e = epoch.load(std::memory_order_relaxed);
+    if (seen == e) {
+      ns[static_cast<size_t>(phase)].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
+                                                std::memory_order_relaxed);
+    }
+    seen = e;
+    last = now;
+  }
 };
 
 Status avx_backward(const BackwardParams& p) {
@@ -168,6 +195,37 @@ int main(int argc, char** argv) {
       c = *end ? end + 1 : end;
     }
     all = picked;
+  }
+  if (std::getenv("PHASES")) {
+#if FLASHCORE_AMX_BUILT
+    const char* names[] = {"between tasks", "pack Q/dO", "pack K/V", "S^T+dP^T", "softmax", "dV+dK", "dQ", "write"};
+    for (int threads : thread_counts) {
+      for (const Shape& s : shapes) {
+        Problem pr;
+        build(pr, s, threads);
+        const Entry timed{"amx (shipped sizes)", &amx_backward_detail::amx_flash_backward_with<128, 128, TimedPhases>};
+        seconds_of(timed, pr.p);
+        TimedPhases::reset();
+        double wall = 0;
+        for (int r = 0; r < rounds; ++r) {
+          TimedPhases::new_call();
+          wall += seconds_of(timed, pr.p);
+        }
+        const double thread_ns = wall * 1e9 * threads;
+        const double flops = 2.5 * 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
+        std::printf("%2d threads, S=%lld d=%lld%s: %.1f GFLOP/s |", threads, static_cast<long long>(s.seqlen),
+                    static_cast<long long>(s.head_dim), s.causal ? " causal" : "", flops * rounds / wall * 1e-9);
+        double charged = 0;
+        for (int i = 0; i < TimedPhases::kCount; ++i) {
+          const double x = static_cast<double>(TimedPhases::ns[static_cast<size_t>(i)].load());
+          charged += x;
+          std::printf(" %s %.1f%%", names[i], 100.0 * x / thread_ns);
+        }
+        std::printf(" | untimed %.1f%%\n", 100.0 * (1.0 - charged / thread_ns));
+      }
+    }
+#endif
+    return 0;
   }
   std::printf("cpu_flash backward variants, %s, B=1 H=16, median of %d rounds, GFLOP/s (2.5 x forward FLOPs)\n",
               std::getenv("DTYPE") ? std::getenv("DTYPE") : "bf16", rounds);

@@ -43,6 +43,13 @@ using namespace backward_detail;
 
 constexpr int kMaxParts = 2;  // fp16
 
+/** Where a task's time goes, for dev/cpu_backward_sweep.cpp's PHASES=1: PhaseTimer::lap(phase)
+ *  ends each phase (the shipped kernel's NoBackwardTimer compiles every lap away). */
+enum class BackwardPhase { kBetweenTasks, kPackHead, kPackKeys, kScores, kSoftmax, kKeyGrads, kQueryGrads, kWrite, kCount };
+struct NoBackwardTimer {
+  static void lap(BackwardPhase) {}
+};
+
 /** Per-thread buffers for key tiles of kKeys keys and query groups of kGroup rows, sized once per
  *  call for the longest query sequence. bf16 arrays live in AlignedFloats (two per float);
  *  "tiles" are amx_tiles.hpp's 1 KiB B tiles. */
@@ -101,7 +108,7 @@ struct AmxBackwardScratch {
 
 inline uint16_t* bf16_of(AlignedFloats& a) { return reinterpret_cast<uint16_t*>(a.data()); }
 
-template <int64_t kKeys, int64_t kGroup>
+template <int64_t kKeys, int64_t kGroup, class PhaseTimer>
 class AmxBackwardRunner {
  public:
   AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch<kKeys, kGroup>& w, GqaPartials* partials)
@@ -109,6 +116,7 @@ class AmxBackwardRunner {
         score_products_(parts_, parts_, 2), grad_products_(parts_, parts_, parts_ - 1) {}
 
   void run(const BackwardTask& task) {
+    PhaseTimer::lap(BackwardPhase::kBetweenTasks);
     b_ = task.batch;
     head_ = task.head;
     kv_head_ = task.head / p_.group_size();
@@ -116,9 +124,11 @@ class AmxBackwardRunner {
     rows_pad_ = round_up(std::max<int64_t>(seq_.seqlen_q, 1), 32);
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
+    PhaseTimer::lap(BackwardPhase::kPackHead);
     for (int64_t n0 = 0; n0 < seq_.seqlen_k; n0 += kKeys) {
       const int64_t n_valid = std::min(kKeys, seq_.seqlen_k - n0);
       pack_key_tile(n0, n_valid);
+      PhaseTimer::lap(BackwardPhase::kPackKeys);
       for (int64_t g0 = 0; g0 < seq_.seqlen_q; g0 += kGroup) {
         const int64_t g_end = std::min(g0 + kGroup, seq_.seqlen_q);
         const KeyRange keys = mask.keys_for_rows(g0, g_end);
@@ -126,8 +136,10 @@ class AmxBackwardRunner {
         process_group(mask, n0, n_valid, g0, g_end);
       }
       write_key_grads(n0, n_valid);
+      PhaseTimer::lap(BackwardPhase::kWrite);
     }
     write_dq();
+    PhaseTimer::lap(BackwardPhase::kWrite);
   }
 
  private:
@@ -194,6 +206,7 @@ class AmxBackwardRunner {
     const int64_t row_blocks = ceil_div(g_end - g0, int64_t{32});
     transposed_scores(bf16_of(w_.k_parts), bf16_of(w_.q_cols), w_.s_t.data(), g0, key_chunks, row_blocks);
     transposed_scores(bf16_of(w_.v_parts), bf16_of(w_.dout_cols), w_.dp_t.data(), g0, key_chunks, row_blocks);
+    PhaseTimer::lap(BackwardPhase::kScores);
     for (int64_t r = 0; r < row_blocks * 32; ++r) {
       const int64_t row = g0 + r;
       int64_t lo = 0, hi = 0;  // rows past the sequence and rows without any key see nothing
@@ -205,13 +218,25 @@ class AmxBackwardRunner {
       w_.first_key[static_cast<size_t>(r)] = static_cast<int32_t>(lo);
       w_.end_key[static_cast<size_t>(r)] = static_cast<int32_t>(std::max(lo, hi));
     }
-    probabilities_and_gradients(g0, key_chunks, row_blocks);
+    // Every row of the group sees every key of the tile, and no chunk has padding keys: no mask.
+    const bool unmasked = n_valid == key_chunks * 32 && g0 + row_blocks * 32 == g_end &&
+                          mask.tile_fully_visible(g0, g_end, n0, n0 + n_valid);
+    if (parts_ == 1) {
+      unmasked ? probabilities_and_gradients<false, 1>(g0, key_chunks, row_blocks)
+               : probabilities_and_gradients<true, 1>(g0, key_chunks, row_blocks);
+    } else {
+      unmasked ? probabilities_and_gradients<false, 2>(g0, key_chunks, row_blocks)
+               : probabilities_and_gradients<true, 2>(g0, key_chunks, row_blocks);
+    }
+    PhaseTimer::lap(BackwardPhase::kSoftmax);
     const int64_t pairs_part = (rows_pad_ / 32) * (d_pad_ / 16);
     accumulate_key_grads(bf16_of(w_.p_t), bf16_of(w_.dout_pairs), pairs_part, w_.dv_acc.data(), g0, key_chunks,
                          row_blocks);
     accumulate_key_grads(bf16_of(w_.ds_t), bf16_of(w_.q_pairs), pairs_part, w_.dk_acc.data(), g0, key_chunks,
                          row_blocks);
+    PhaseTimer::lap(BackwardPhase::kKeyGrads);
     accumulate_dq(g0, key_chunks, row_blocks);
+    PhaseTimer::lap(BackwardPhase::kQueryGrads);
   }
 
   /** out[kKeys x kGroup] (the first key_chunks x row_blocks 32 x 32 blocks) = A B^T for A a key
@@ -237,7 +262,10 @@ class AmxBackwardRunner {
   }
 
   /** P^T and dS^T from S^T and dP^T, as the row-major parts p_t / ds_t and, for dQ^T, dS^T's
-   *  parts with key rows paired (ds_pairs). Keys are visited two at a time for the pairing. */
+   *  parts with key rows paired (ds_pairs). Keys are visited two at a time for the pairing.
+   *  kMasked: apply each row's key range (first_key / end_key); kParts: parts_ (1 for bf16, whose
+   *  one rounding of dS serves both layouts). */
+  template <bool kMasked, int kParts>
   void probabilities_and_gradients(int64_t g0, int64_t key_chunks, int64_t row_blocks) {
     const bool capped = p_.softcap > 0.f;
     const __m512 scale = _mm512_set1_ps(p_.softmax_scale), log2e = _mm512_set1_ps(ExpConstants::kLog2e);
@@ -252,8 +280,6 @@ class AmxBackwardRunner {
       for (int64_t c = 0; c < cols; c += 16) {
         const __m512 lse = _mm512_loadu_ps(w_.lse.data() + g0 + c);
         const __m512 delta = _mm512_loadu_ps(w_.delta.data() + g0 + c);
-        const __m512i lo = _mm512_loadu_si512(w_.first_key.data() + c);
-        const __m512i hi = _mm512_loadu_si512(w_.end_key.data() + c);
         __m512 ds[2];
         for (int64_t h = 0; h < 2; ++h) {
           const int64_t at = (j + h) * kGroup + c;
@@ -264,18 +290,30 @@ class AmxBackwardRunner {
             x = _mm512_mul_ps(cap, t);
             tanh_grad = _mm512_sub_ps(one, _mm512_mul_ps(t, t));
           }
-          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j + h));
-          const __mmask16 visible =
-              _mm512_cmple_epi32_mask(lo, key) & _mm512_cmplt_epi32_mask(key, hi);
-          const __m512 prob =
-              _mm512_maskz_mov_ps(visible, vexp2_softmax(_mm512_mul_ps(_mm512_sub_ps(x, lse), log2e)));
+          __m512 prob = vexp2_softmax(_mm512_mul_ps(_mm512_sub_ps(x, lse), log2e));
+          if (kMasked) {
+            const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j + h));
+            const __m512i lo = _mm512_loadu_si512(w_.first_key.data() + c);
+            const __m512i hi = _mm512_loadu_si512(w_.end_key.data() + c);
+            prob = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(lo, key) & _mm512_cmplt_epi32_mask(key, hi), prob);
+          }
           ds[h] = _mm512_mul_ps(prob, _mm512_sub_ps(_mm512_loadu_ps(w_.dp_t.data() + at), delta));
           if (capped) ds[h] = _mm512_mul_ps(ds[h], tanh_grad);
-          split16(prob, parts_, p_t + at, part);
-          split16(ds[h], parts_, ds_t + at, part);
+          split16(prob, kParts, p_t + at, part);
+          if (kParts > 1) split16(ds[h], kParts, ds_t + at, part);
         }
         const int64_t tile = (j / 32) * (kGroup / 16) + c / 16;
-        split_pairs16(ds[0], ds[1], parts_, ds_pairs + tile * kTileUnits + ((j % 32) / 2) * 16, pair_part);
+        uint32_t* pair_row = ds_pairs + tile * kTileUnits + ((j % 32) / 2) * 16;
+        if (kParts == 1) {  // dS rounded once, stored row-major and paired
+          __m256bh h0 = _mm512_cvtneps_pbh(ds[0]), h1 = _mm512_cvtneps_pbh(ds[1]);
+          const __m256i b0 = reinterpret_cast<__m256i&>(h0), b1 = reinterpret_cast<__m256i&>(h1);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_t + j * kGroup + c), b0);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_t + (j + 1) * kGroup + c), b1);
+          _mm512_storeu_si512(pair_row, _mm512_or_si512(_mm512_cvtepu16_epi32(b0),
+                                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16)));
+        } else {
+          split_pairs16(ds[0], ds[1], kParts, pair_row, pair_part);
+        }
       }
     }
   }
@@ -376,14 +414,15 @@ class AmxBackwardRunner {
 };
 
 /** The backward on AMX for fp16 / bf16 inputs, on tiles of Keys keys and groups of Group query
- *  rows (both multiples of 32; a template so that dev/cpu_backward_sweep.cpp can compare them). */
-template <int64_t Keys, int64_t Group>
+ *  rows (both multiples of 32; a template so that dev/cpu_backward_sweep.cpp can compare them and
+ *  time their phases). */
+template <int64_t Keys, int64_t Group, class PhaseTimer = NoBackwardTimer>
 Status amx_flash_backward_with(const BackwardParams& p) {
   return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
     AmxBackwardScratch<Keys, Group> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim);
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
-    AmxBackwardRunner<Keys, Group> runner(p, scratch, partials);
+    AmxBackwardRunner<Keys, Group, PhaseTimer> runner(p, scratch, partials);
     for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
   });
 }
