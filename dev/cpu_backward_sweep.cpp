@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "phase_timer.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/amx_backward_kernel.hpp"
 
@@ -41,29 +42,7 @@ struct Entry {
   Status (*run)(const BackwardParams&);
 };
 
-/** The AMX backward's PhaseTimer for PHASES=1: each lap charges the steady_clock time since this
- *  thread's previous lap in the same call to the phase (new_call() before every call). */
-struct TimedPhases {
-  static constexpr int kCount = static_cast<int>(amx_backward_detail::BackwardPhase::kCount);
-  static inline std::array<std::atomic<int64_t>, kCount> ns{};
-  static inline std::atomic<int> epoch{0};
-  static void reset() {
-    for (auto& x : ns) x.store(0);
-  }
-  static void new_call() { epoch.fetch_add(1); }
-  static void lap(amx_backward_detail::BackwardPhase phase) {
-    thread_local int seen = -1;
-    thread_local std::chrono::steady_clock::time_point last;
-    const auto now = std::chrono::steady_clock::now();
-    const int e = epoch.load(std::memory_order_relaxed);
-    if (seen == e) {
-      ns[static_cast<size_t>(phase)].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
-                                                std::memory_order_relaxed);
-    }
-    seen = e;
-    last = now;
-  }
-};
+using TimedPhases = SweepPhaseTimer<amx_backward_detail::BackwardPhase>;  // dev/phase_timer.hpp
 
 Status avx_backward(const BackwardParams& p) {
   setenv("FLASHCORE_CPU_AMX", "0", 1);

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "phase_timer.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/amx_forward_kernel.hpp"
 #include "cpu/flash_forward_kernel.hpp"
@@ -58,30 +59,7 @@ struct Variant : ForwardConfig {
   static constexpr int64_t kMaxBlocksPerTask = MaxBlocks;
 };
 
-/** ForwardConfig's PhaseTimer for PHASES=1: each lap charges the steady_clock time since this
- *  thread's previous lap (in this call) to the phase. new_call() before every call: a thread's
- *  first lap in a call only starts its clock, so the time between calls is not charged. */
-struct TimedPhases {
-  static constexpr int kCount = static_cast<int>(ForwardPhase::kCount);
-  static inline std::array<std::atomic<int64_t>, kCount> ns{};
-  static inline std::atomic<int> epoch{0};
-  static void reset() {
-    for (auto& x : ns) x.store(0);
-  }
-  static void new_call() { epoch.fetch_add(1); }
-  static void lap(ForwardPhase phase) {
-    thread_local int seen = -1;
-    thread_local std::chrono::steady_clock::time_point last;
-    const auto now = std::chrono::steady_clock::now();
-    const int e = epoch.load(std::memory_order_relaxed);
-    if (seen == e) {
-      ns[static_cast<size_t>(phase)].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count(),
-                                                std::memory_order_relaxed);
-    }
-    seen = e;
-    last = now;
-  }
-};
+using TimedPhases = SweepPhaseTimer<ForwardPhase>;  // dev/phase_timer.hpp
 
 struct TimedConfig : ForwardConfig {
   using PhaseTimer = TimedPhases;
