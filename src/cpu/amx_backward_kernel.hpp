@@ -42,6 +42,9 @@ using namespace amx_tiles;
 using namespace backward_detail;
 
 constexpr int kMaxParts = 2;  // fp16
+// Input rows of one head sit heads * head_dim elements apart, a stride the hardware prefetcher
+// does not follow: rows read or written in order are prefetched this many rows ahead.
+constexpr int64_t kPrefetchRows = 8;
 
 /** Where a task's time goes, for dev/cpu_backward_sweep.cpp's PHASES=1: PhaseTimer::lap(phase)
  *  ends each phase (the shipped kernel's NoBackwardTimer compiles every lap away). */
@@ -79,6 +82,7 @@ struct AmxBackwardScratch {
   std::vector<int32_t> first_key, end_key;  // [kGroup] each row's allowed keys in the tile
   AlignedFloats stage;       // pack_column_pairs' 16 rows: [parts][d_pad / 32] tiles
   AlignedFloats rows16;      // [16 x d_pad] dQ rows on their way out
+  PrefetchQueue prefetch;    // the next key tile's K / V rows and this tile's dK / dV rows
 
   void reserve(int64_t max_seqlen_q, int64_t head_dim) {
     d_pad = round_up(head_dim, kSlice);
@@ -128,13 +132,18 @@ class AmxBackwardRunner {
     for (int64_t n0 = 0; n0 < seq_.seqlen_k; n0 += kKeys) {
       const int64_t n_valid = std::min(kKeys, seq_.seqlen_k - n0);
       pack_key_tile(n0, n_valid);
+      auto sees_tile = [&](int64_t g0) {
+        const KeyRange keys = mask.keys_for_rows(g0, std::min(g0 + kGroup, seq_.seqlen_q));
+        return !keys.empty() && keys.end > n0 && keys.begin < n0 + n_valid;
+      };
+      int64_t groups = 0;
+      for (int64_t g0 = 0; g0 < seq_.seqlen_q; g0 += kGroup) groups += sees_tile(g0);
+      queue_prefetches(n0, n_valid, groups);
       PhaseTimer::lap(BackwardPhase::kPackKeys);
       for (int64_t g0 = 0; g0 < seq_.seqlen_q; g0 += kGroup) {
-        const int64_t g_end = std::min(g0 + kGroup, seq_.seqlen_q);
-        const KeyRange keys = mask.keys_for_rows(g0, g_end);
-        if (keys.empty() || keys.end <= n0 || keys.begin >= n0 + n_valid) continue;
-        process_group(mask, n0, n_valid, g0, g_end);
+        if (sees_tile(g0)) process_group(mask, n0, n_valid, g0, std::min(g0 + kGroup, seq_.seqlen_q));
       }
+      w_.prefetch.drain();
       write_key_grads(n0, n_valid);
       PhaseTimer::lap(BackwardPhase::kWrite);
     }
@@ -151,9 +160,28 @@ class AmxBackwardRunner {
   }
 
   /** The task's B operands from Q and dO (zero rows up to rows_pad), the lse and D per row, and
-   *  a zeroed dQ^T. */
+   *  a zeroed dQ^T. The D pass reads dO and O first, with Q, dO and O prefetched a few rows
+   *  ahead, so that the packs after it find Q and dO in cache. */
   void load_head() {
     const int64_t slices = d_pad_ / kSlice, head_dim = p_.head_dim;
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
+    for (int64_t i = 0; i < rows_pad_; ++i) {
+      if (i >= seq_.seqlen_q) {
+        w_.lse.data()[i] = 0.f;
+        w_.delta.data()[i] = 0.f;
+        continue;
+      }
+      const int64_t row = seq_.q_start + i;
+      if (i + kPrefetchRows < seq_.seqlen_q) {
+        for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
+          prefetch_rows(element_ptr(*t, p_.dtype, b_, row + kPrefetchRows, head_), 1, 0, row_bytes);
+        }
+      }
+      load_row(p_.dtype, element_ptr(p_.dout, p_.dtype, b_, row, head_), head_dim, w_.dout_row.data());
+      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, w_.out_row.data());
+      w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
+      w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
+    }
     auto q_at = [&](int64_t i) { return q_row(i); };
     auto dout_at = [&](int64_t i) { return dout_row(i); };
     pack_column_pairs(p_.dtype, q_at, rows_pad_, head_dim, d_pad_, parts_, w_.stage.data(), w_.q_cols.data(),
@@ -163,18 +191,6 @@ class AmxBackwardRunner {
     const int64_t pairs_part = (rows_pad_ / 32) * (d_pad_ / 16);
     pack_row_pairs(p_.dtype, q_at, rows_pad_, head_dim, d_pad_, parts_, w_.q_pairs.data(), pairs_part);
     pack_row_pairs(p_.dtype, dout_at, rows_pad_, head_dim, d_pad_, parts_, w_.dout_pairs.data(), pairs_part);
-    for (int64_t i = 0; i < rows_pad_; ++i) {
-      if (i >= seq_.seqlen_q) {
-        w_.lse.data()[i] = 0.f;
-        w_.delta.data()[i] = 0.f;
-        continue;
-      }
-      const int64_t row = seq_.q_start + i;
-      load_row(p_.dtype, element_ptr(p_.dout, p_.dtype, b_, row, head_), head_dim, w_.dout_row.data());
-      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, w_.out_row.data());
-      w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
-      w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
-    }
     std::fill(w_.dq_t.data(), w_.dq_t.data() + d_pad_ * rows_pad_, 0.f);
   }
 
@@ -199,6 +215,28 @@ class AmxBackwardRunner {
     }
     std::fill(w_.dk_acc.data(), w_.dk_acc.data() + kKeys * d_pad_, 0.f);
     std::fill(w_.dv_acc.data(), w_.dv_acc.data() + kKeys * d_pad_, 0.f);
+  }
+
+  /** Queues the next key tile's K and V rows (read by the next pack_key_tile) and, without GQA
+   *  partials, this tile's dK and dV rows (written at its end) on the prefetch queue, paced over
+   *  the accumulator stores of the tile's `groups` query groups (PrefetchQueue::issue). */
+  void queue_prefetches(int64_t n0, int64_t n_valid, int64_t groups) {
+    const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes = p_.head_dim * elem;
+    const int64_t next_rows = std::min(kKeys, seq_.seqlen_k - n0 - kKeys);
+    if (next_rows > 0) {
+      for (const TensorRef* t : {&p_.k, &p_.v}) {
+        w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kKeys, kv_head_), next_rows,
+                        t->row_stride * elem, row_bytes);
+      }
+    }
+    if (!partials_) {
+      for (const TensorRef* t : {&p_.dk, &p_.dv}) {
+        w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0, kv_head_), n_valid, t->row_stride * elem,
+                        row_bytes, /*for_write=*/true);
+      }
+    }
+    const int64_t kc = kKeys / 32, rb = kGroup / 32, dc = d_pad_ / 32;
+    w_.prefetch.pace(groups * (2 * kc * rb + 2 * kc * dc + dc * rb));
   }
 
   void process_group(const MaskInfo& mask, int64_t n0, int64_t n_valid, int64_t g0, int64_t g_end) {
@@ -257,6 +295,7 @@ class AmxBackwardRunner {
           }
         }
         store_accumulators(out + kc * 32 * kGroup + rb * 32, kGroup);
+        w_.prefetch.issue();
       }
     }
   }
@@ -337,6 +376,7 @@ class AmxBackwardRunner {
           }
         }
         store_accumulators(out, d_pad_);
+        w_.prefetch.issue();
       }
     }
   }
@@ -360,6 +400,7 @@ class AmxBackwardRunner {
           }
         }
         store_accumulators(out, 32);
+        w_.prefetch.issue();
       }
     }
   }
@@ -392,7 +433,13 @@ class AmxBackwardRunner {
   void write_dq() {
     const __m512 scale = _mm512_set1_ps(p_.softmax_scale);
     float* rows = w_.rows16.data();
+    const int64_t row_bytes = p_.head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
     for (int64_t i0 = 0; i0 < seq_.seqlen_q; i0 += 16) {
+      const int64_t ahead = std::min<int64_t>(16, seq_.seqlen_q - i0 - 16);  // the next 16 rows, for writing
+      if (ahead > 0) {
+        prefetch_rows(element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i0 + 16, head_), ahead,
+                      p_.dq.row_stride * static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes, /*for_write=*/true);
+      }
       transpose(w_.dq_t.data() + (i0 / 32) * d_pad_ * 32 + i0 % 32, 32, d_pad_, 16, rows, d_pad_);
       for (int64_t i = i0; i < std::min(i0 + 16, seq_.seqlen_q); ++i) {
         float* row = rows + (i - i0) * d_pad_;
