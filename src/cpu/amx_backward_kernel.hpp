@@ -29,6 +29,7 @@
 #include "cpu/amx_tiles.hpp"
 
 #if FLASHCORE_AMX_BUILT
+#include <cstring>
 #include <vector>
 
 #include "cpu/backward_tasks.hpp"
@@ -68,6 +69,7 @@ struct AmxBackwardScratch {
   AlignedFloats dq_t;        // [rows_pad / 32][d_pad x 32] fp32: dQ^T unscaled, in panels of 32 rows
   AlignedFloats lse, delta;  // [rows_pad] the forward's lse, D = rowsum(dO * O)
   AlignedFloats dout_row, out_row;  // [d_pad] rows on their way into D
+  AlignedFloats q_stage, dout_stage;  // [32 x head_dim] input rows (input dtype) on their way into the packs
   // Per key tile:
   AlignedFloats k_rows;      // [kKeys x d_pad] fp32 K, zeros past the keys and head_dim
   AlignedFloats kt_rows;     // [d_pad x kKeys] fp32 K^T
@@ -93,6 +95,8 @@ struct AmxBackwardScratch {
     delta.reserve(rows_pad);
     dout_row.reserve(d_pad);
     out_row.reserve(d_pad);
+    q_stage.reserve(32 * d_pad);  // 32 rows of any dtype
+    dout_stage.reserve(32 * d_pad);
     k_rows.reserve(kKeys * d_pad);
     kt_rows.reserve(d_pad * kKeys);
     for (AlignedFloats* a : {&k_parts, &v_parts, &kt_parts}) a->reserve(kMaxParts * kKeys * d_pad / 2);
@@ -152,45 +156,48 @@ class AmxBackwardRunner {
   }
 
  private:
-  const void* q_row(int64_t i) const {
-    return i < seq_.seqlen_q ? element_ptr(p_.q, p_.dtype, b_, seq_.q_start + i, head_) : nullptr;
-  }
-  const void* dout_row(int64_t i) const {
-    return i < seq_.seqlen_q ? element_ptr(p_.dout, p_.dtype, b_, seq_.q_start + i, head_) : nullptr;
-  }
-
   /** The task's B operands from Q and dO (zero rows up to rows_pad), the lse and D per row, and
-   *  a zeroed dQ^T. The D pass reads dO and O first, with Q, dO and O prefetched a few rows
-   *  ahead, so that the packs after it find Q and dO in cache. */
+   *  a zeroed dQ^T. 32 rows at a time, each input row is read once: Q and dO rows are copied
+   *  into contiguous stages (prefetched a few rows ahead), from which both packs of each are
+   *  built. Reading the strided rows once per pack instead found them evicted: rows of one head
+   *  sit heads * head_dim elements apart (4 KiB at H = 16, d = 128), all in a few sets of L2. */
   void load_head() {
     const int64_t slices = d_pad_ / kSlice, head_dim = p_.head_dim;
-    const int64_t row_bytes = head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
-    for (int64_t i = 0; i < rows_pad_; ++i) {
-      if (i >= seq_.seqlen_q) {
-        w_.lse.data()[i] = 0.f;
-        w_.delta.data()[i] = 0.f;
-        continue;
-      }
-      const int64_t row = seq_.q_start + i;
-      if (i + kPrefetchRows < seq_.seqlen_q) {
-        for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
-          prefetch_rows(element_ptr(*t, p_.dtype, b_, row + kPrefetchRows, head_), 1, 0, row_bytes);
+    const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes = head_dim * elem;
+    const int64_t pairs_part = (rows_pad_ / 32) * (d_pad_ / 16), col_tiles = d_pad_ / 16;
+    char* q_stage = reinterpret_cast<char*>(w_.q_stage.data());
+    char* dout_stage = reinterpret_cast<char*>(w_.dout_stage.data());
+    for (int64_t r0 = 0; r0 < rows_pad_; r0 += 32) {
+      for (int64_t r = 0; r < 32; ++r) {
+        const int64_t i = r0 + r, row = seq_.q_start + i;
+        if (i >= seq_.seqlen_q) {
+          w_.lse.data()[i] = 0.f;
+          w_.delta.data()[i] = 0.f;
+          continue;
         }
+        if (i + kPrefetchRows < seq_.seqlen_q) {
+          for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
+            prefetch_rows(element_ptr(*t, p_.dtype, b_, row + kPrefetchRows, head_), 1, 0, row_bytes);
+          }
+        }
+        std::memcpy(q_stage + r * row_bytes, element_ptr(p_.q, p_.dtype, b_, row, head_), row_bytes);
+        std::memcpy(dout_stage + r * row_bytes, element_ptr(p_.dout, p_.dtype, b_, row, head_), row_bytes);
+        load_row(p_.dtype, dout_stage + r * row_bytes, head_dim, w_.dout_row.data());
+        load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, w_.out_row.data());
+        w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
+        w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
       }
-      load_row(p_.dtype, element_ptr(p_.dout, p_.dtype, b_, row, head_), head_dim, w_.dout_row.data());
-      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, w_.out_row.data());
-      w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
-      w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
+      const int64_t valid = std::min<int64_t>(32, seq_.seqlen_q - r0);
+      auto q_at = [&](int64_t r) -> const void* { return r < valid ? q_stage + r * row_bytes : nullptr; };
+      auto dout_at = [&](int64_t r) -> const void* { return r < valid ? dout_stage + r * row_bytes : nullptr; };
+      const int64_t col_tile = (r0 / 16) * kTileUnits, pair_tile = (r0 / 32) * col_tiles * kTileUnits;
+      pack_column_pairs(p_.dtype, q_at, 32, head_dim, d_pad_, parts_, w_.stage.data(), w_.q_cols.data() + col_tile,
+                        rows_pad_ / 16, slices * (rows_pad_ / 16));
+      pack_column_pairs(p_.dtype, dout_at, 32, head_dim, d_pad_, parts_, w_.stage.data(),
+                        w_.dout_cols.data() + col_tile, rows_pad_ / 16, slices * (rows_pad_ / 16));
+      pack_row_pairs(p_.dtype, q_at, 32, head_dim, d_pad_, parts_, w_.q_pairs.data() + pair_tile, pairs_part);
+      pack_row_pairs(p_.dtype, dout_at, 32, head_dim, d_pad_, parts_, w_.dout_pairs.data() + pair_tile, pairs_part);
     }
-    auto q_at = [&](int64_t i) { return q_row(i); };
-    auto dout_at = [&](int64_t i) { return dout_row(i); };
-    pack_column_pairs(p_.dtype, q_at, rows_pad_, head_dim, d_pad_, parts_, w_.stage.data(), w_.q_cols.data(),
-                      rows_pad_ / 16, slices * (rows_pad_ / 16));
-    pack_column_pairs(p_.dtype, dout_at, rows_pad_, head_dim, d_pad_, parts_, w_.stage.data(), w_.dout_cols.data(),
-                      rows_pad_ / 16, slices * (rows_pad_ / 16));
-    const int64_t pairs_part = (rows_pad_ / 32) * (d_pad_ / 16);
-    pack_row_pairs(p_.dtype, q_at, rows_pad_, head_dim, d_pad_, parts_, w_.q_pairs.data(), pairs_part);
-    pack_row_pairs(p_.dtype, dout_at, rows_pad_, head_dim, d_pad_, parts_, w_.dout_pairs.data(), pairs_part);
     std::fill(w_.dq_t.data(), w_.dq_t.data() + d_pad_ * rows_pad_, 0.f);
   }
 
