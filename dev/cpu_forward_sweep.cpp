@@ -11,7 +11,7 @@
 // machine hits all alike), median per variant.
 //
 // Build (from the repository root; the shapes are those of bench/peers.py's CPU section; with
-// -mamx-tile -mamx-bf16 on an AMX CPU the AMX forward joins as variants 1-5):
+// -mamx-tile -mamx-bf16 on an AMX CPU the AMX forward joins as variant 1):
 //   g++ -std=c++17 -O3 -march=native [-mamx-tile -mamx-bf16] -pthread -I include -I src
 //       dev/cpu_forward_sweep.cpp src/cpu/worker_pool.cpp src/cpu/amx_forward.cpp -o /tmp/cpu_forward_sweep
 // Run: /tmp/cpu_forward_sweep [threads ...]        (default: 2)
@@ -121,9 +121,7 @@ std::vector<Entry> amx_variants() {
     return {{"amx: 64 keys, 8 blocks (fp32's)", &amx_detail::amx_flash_forward_with<64, NoPhaseTimer, 8>},
             {"amx: 256 keys, 8 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 8>},
             {"amx: 256 keys, 16 blocks (fp16 / bf16's)", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>},
-            {"amx: 256 keys, 32 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 32>},
-            {"amx: 256 x 16, S not interleaved with softmax",
-             &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16, false>}};
+            {"amx: 256 keys, 32 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 32>}};
   }
 #endif
   return {};
@@ -223,7 +221,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Entry> all = variants();
   const std::vector<Entry> amx = amx_variants();
-  all.insert(all.begin() + 1, amx.begin(), amx.end());  // indices 1-5 when present
+  all.insert(all.begin() + 1, amx.begin(), amx.end());  // indices 1-3 when present
   if (const char* only = std::getenv("ONLY")) {  // the first variant stays first
     std::vector<Entry> picked = {all[0]};
     for (const char* c = only; *c;) {

@@ -76,7 +76,7 @@ struct AmxScratch {
   AlignedFloats k_stage;   // [parts][d_pad / 32][16 keys][16 pairs]: 16 keys' parts before the transposition
   AlignedFloats k_pack;    // [parts][d_pad / 32][kN / 16] B tiles of K
   AlignedFloats v_pack;    // [parts][kN / 32][d_pad / 16] B tiles of V
-  AlignedFloats s_buf[2];  // [kM x kN] fp32 scores: one block's in the softmax, the next block's filling
+  AlignedFloats s_buf;     // [kM x kN] fp32 scores
   AlignedFloats p_parts;   // [3][kM x kN] bf16 probabilities
   AlignedFloats out_row;   // [d_pad] one output row on its way out
   std::vector<KeyRange> row_keys;  // [blocks][kM]
@@ -92,8 +92,7 @@ struct AmxScratch {
     k_stage.reserve(kMaxParts * slices * kTileUnits);
     k_pack.reserve(kMaxParts * slices * (kN / 16) * kTileUnits);
     v_pack.reserve(kMaxParts * (kN / 32) * (d_pad / 16) * kTileUnits);
-    s_buf[0].reserve(kM * kN);
-    s_buf[1].reserve(kM * kN);
+    s_buf.reserve(kM * kN);
     p_parts.reserve(kMaxParts * kM * kN / 2);
     out_row.reserve(d_pad);
     row_keys.resize(static_cast<size_t>(blocks * kM));
@@ -184,7 +183,7 @@ struct AmxBlock : BlockRows {
   float* o;
 };
 
-template <int64_t kN, class PhaseTimer, int64_t kBlocks, bool kInterleave>
+template <int64_t kN, class PhaseTimer, int64_t kBlocks>
 class AmxTaskRunner {
  public:
   AmxTaskRunner(const AttentionParams& p, AmxScratch<kN, kBlocks>& w, const PackedKv<kN>* packed)
@@ -241,30 +240,17 @@ class AmxTaskRunner {
       }
       prefetch.pace(active_blocks * (kN / 32 + d_pad / 32));
       PhaseTimer::lap(ForwardPhase::kCopy);
-      // The blocks that see this tile, in order. Block t's softmax (AVX-512) runs with block
-      // t + 1's S GEMM (tile unit) interleaved in its instruction stream, so that the two units
-      // work at once; block t + 1's scores fill the other score buffer.
-      AmxBlock* active[kBlocks];
-      int64_t count = 0;
       for (int64_t bi = 0; bi < num_blocks; ++bi) {
-        if (blocks[bi].overlaps(n0, n0 + n_valid)) active[count++] = &blocks[bi];
-      }
-      auto chunks_of = [&](const AmxBlock& bl) { return ceil_div(std::min(n_valid, bl.keys.end - n0), int64_t{32}); };
-      if (count > 0) {
-        ScoreSteps first{active[0], chunks_of(*active[0]), 0, w_.s_buf[0].data()};
-        finish_scores(first);
-      }
-      PhaseTimer::lap(ForwardPhase::kScores);
-      for (int64_t t = 0; t < count; ++t) {
-        AmxBlock& bl = *active[t];
+        AmxBlock& bl = blocks[bi];
+        if (!bl.overlaps(n0, n0 + n_valid)) continue;
         const int64_t n_block = std::min(n_valid, bl.keys.end - n0);
+        const int64_t key_chunks = ceil_div(n_block, int64_t{32});
+        scores(bl, key_chunks);
+        PhaseTimer::lap(ForwardPhase::kScores);
         const bool full = n_block == kN && mask.tile_fully_visible(bl.first_q, bl.last_q + 1, n0, n0 + n_block);
-        ScoreSteps next{t + 1 < count ? active[t + 1] : nullptr, t + 1 < count ? chunks_of(*active[t + 1]) : 0, 0,
-                        w_.s_buf[(t + 1) % 2].data()};
-        softmax(bl, n0, n_block, full, w_.s_buf[t % 2].data(), next);
-        finish_scores(next);
+        softmax(bl, n0, n_block, full);
         PhaseTimer::lap(ForwardPhase::kSoftmax);
-        accumulate_output(bl, ceil_div(n_block, int64_t{32}));
+        accumulate_output(bl, key_chunks);
         PhaseTimer::lap(ForwardPhase::kOutput);
       }
       prefetch.drain();
@@ -310,43 +296,32 @@ class AmxTaskRunner {
                    (kN / 32) * (w_.d_pad / 16));
   }
 
-  /** A block's S = Q K^T [32 x 32 * key_chunks], row-major into `out`, one chunk of 32 keys at a
-   *  time: `done` chunks so far. */
-  struct ScoreSteps {
-    const AmxBlock* bl;  // null: nothing to compute
-    int64_t key_chunks, done;
-    float* out;
-  };
-
-  /** The chunks of `steps` not computed yet. */
-  void finish_scores(ScoreSteps& steps) {
-    for (; steps.done < steps.key_chunks; ++steps.done) score_chunk(*steps.bl, steps.done, steps.out);
-  }
-
-  /** S's 32 x 32 block of key chunk kc into out + kc * 32 (rows kN apart). */
-  void score_chunk(const AmxBlock& bl, int64_t kc, float* s) {
+  /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
+  void scores(const AmxBlock& bl, int64_t key_chunks) {
     const int64_t d_pad = w_.d_pad, slices = d_pad / kDSlice;
     const uint16_t* k_pack = k_tiles_;
-    zero_accumulators();
-    // Slices outer, products inner: one slice's parts of Q and K (12 KiB for fp32) stay in L1
-    // across its products, and an A tile serves the products that share it.
-    for (int64_t slice = 0; slice < slices; ++slice) {
-      for (int pi = 0; pi < score_products_.count; ++pi) {
-        if (pi == 0 || score_products_.a[pi] != score_products_.a[pi - 1]) {
-          load_a(bl.q_parts + score_products_.a[pi] * kM * d_pad + slice * kDSlice, d_pad);
+    float* s = w_.s_buf.data();
+    for (int64_t kc = 0; kc < key_chunks; ++kc) {
+      zero_accumulators();
+      // Slices outer, products inner: one slice's parts of Q and K (12 KiB for fp32) stay in L1
+      // across its products, and an A tile serves the products that share it.
+      for (int64_t slice = 0; slice < slices; ++slice) {
+        for (int pi = 0; pi < score_products_.count; ++pi) {
+          if (pi == 0 || score_products_.a[pi] != score_products_.a[pi - 1]) {
+            load_a(bl.q_parts + score_products_.a[pi] * kM * d_pad + slice * kDSlice, d_pad);
+          }
+          const uint16_t* k = k_pack + score_products_.b[pi] * slices * (kN / 16) * kTileUnits * 2;
+          multiply_accumulate(k + (slice * (kN / 16) + 2 * kc) * kTileUnits * 2);
         }
-        const uint16_t* k = k_pack + score_products_.b[pi] * slices * (kN / 16) * kTileUnits * 2;
-        multiply_accumulate(k + (slice * (kN / 16) + 2 * kc) * kTileUnits * 2);
       }
+      store_accumulators(s + kc * 32, kN);
+      w_.prefetch.issue();
     }
-    store_accumulators(s + kc * 32, kN);
-    w_.prefetch.issue();
   }
 
-  /** Scores (s_in) into probabilities against the updated running max; updates (row_max,
-   *  row_sum), rescales the rows of O whose max moved, and writes P's parts. Between its rows it
-   *  computes the chunks of `next` (with kInterleave), spread evenly over the 32 rows. */
-  void softmax(AmxBlock& bl, int64_t n0, int64_t n_block, bool full, const float* s_in, ScoreSteps& next) {
+  /** Scores into probabilities against the updated running max; updates (row_max, row_sum),
+   *  rescales the rows of O whose max moved, and writes P's parts. */
+  void softmax(AmxBlock& bl, int64_t n0, int64_t n_block, bool full) {
     const int64_t d_pad = w_.d_pad;
     const bool capped = p_.softcap > 0.f;
     const __m512 scale = _mm512_set1_ps(prescale_ ? 1.f : p_.softmax_scale);
@@ -355,11 +330,7 @@ class AmxTaskRunner {
     const int64_t chunks = ceil_div(n_block, int64_t{16});
     uint16_t* p_parts = reinterpret_cast<uint16_t*>(w_.p_parts.data());
     for (int64_t r = 0; r < kM; ++r) {
-      if (kInterleave) {
-        const int64_t due = ceil_div((r + 1) * next.key_chunks, kM);  // chunks due by the end of row r
-        for (; next.done < due; ++next.done) score_chunk(*next.bl, next.done, next.out);
-      }
-      const float* s = s_in + r * kN;
+      float* s = w_.s_buf.data() + r * kN;
       int64_t lo = 0, hi = n_block;
       if (!full) {
         const KeyRange kr = bl.row_keys[r];
@@ -464,7 +435,7 @@ class AmxTaskRunner {
 
 /** The forward on tiles of Keys keys (a multiple of 32), up to Blocks blocks of 32 rows per task;
  *  PhaseTimer::lap(phase) marks the end of each phase of a task (see NoPhaseTimer). */
-template <int64_t Keys, class PhaseTimer, int64_t Blocks, bool Interleave = true>
+template <int64_t Keys, class PhaseTimer, int64_t Blocks>
 Status amx_flash_forward_with(const AttentionParams& p) {
   using Config = AmxTaskConfig<Keys, Blocks>;
   PackedKv<Keys> packed;
@@ -479,7 +450,7 @@ Status amx_flash_forward_with(const AttentionParams& p) {
     AmxScratch<Keys, Blocks> scratch;
     scratch.reserve(p.head_dim);
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
-    AmxTaskRunner<Keys, PhaseTimer, Blocks, Interleave> runner(p, scratch, prepacked ? &packed : nullptr);
+    AmxTaskRunner<Keys, PhaseTimer, Blocks> runner(p, scratch, prepacked ? &packed : nullptr);
     drain_tasks(runner, queue, tasks);
   });
 }
