@@ -42,7 +42,6 @@ using namespace flash_detail;
 using namespace amx_tiles;
 using namespace backward_detail;
 
-constexpr int kMaxParts = 2;  // fp16
 // Input rows of one head sit heads * head_dim elements apart, a stride the hardware prefetcher
 // does not follow: rows read or written in order are prefetched this many rows ahead.
 constexpr int64_t kPrefetchRows = 8;
@@ -86,10 +85,12 @@ struct AmxBackwardScratch {
   AlignedFloats rows16;      // [16 x d_pad] dQ rows on their way out
   PrefetchQueue prefetch;    // the next key tile's K / V rows and this tile's dK / dV rows
 
-  void reserve(int64_t max_seqlen_q, int64_t head_dim) {
+  /** For `parts` bf16 parts per value (amx_tiles::parts_of the dtype): the per-task packs grow
+   *  with the sequence, and bf16 needs half of fp16's. */
+  void reserve(int64_t max_seqlen_q, int64_t head_dim, int parts) {
     d_pad = round_up(head_dim, kSlice);
     const int64_t rows_pad = round_up(std::max<int64_t>(max_seqlen_q, 1), 32);
-    for (AlignedFloats* a : {&q_cols, &dout_cols, &q_pairs, &dout_pairs}) a->reserve(kMaxParts * rows_pad * d_pad / 2);
+    for (AlignedFloats* a : {&q_cols, &dout_cols, &q_pairs, &dout_pairs}) a->reserve(parts * rows_pad * d_pad / 2);
     dq_t.reserve(d_pad * rows_pad);
     lse.reserve(rows_pad);
     delta.reserve(rows_pad);
@@ -99,17 +100,17 @@ struct AmxBackwardScratch {
     dout_stage.reserve(32 * d_pad);
     k_rows.reserve(kKeys * d_pad);
     kt_rows.reserve(d_pad * kKeys);
-    for (AlignedFloats* a : {&k_parts, &v_parts, &kt_parts}) a->reserve(kMaxParts * kKeys * d_pad / 2);
+    for (AlignedFloats* a : {&k_parts, &v_parts, &kt_parts}) a->reserve(parts * kKeys * d_pad / 2);
     dk_acc.reserve(kKeys * d_pad);
     dv_acc.reserve(kKeys * d_pad);
     s_t.reserve(kKeys * kGroup);
     dp_t.reserve(kKeys * kGroup);
-    p_t.reserve(kMaxParts * kKeys * kGroup / 2);
-    ds_t.reserve(kMaxParts * kKeys * kGroup / 2);
-    ds_pairs.reserve(kMaxParts * kKeys * kGroup / 2);
+    p_t.reserve(parts * kKeys * kGroup / 2);
+    ds_t.reserve(parts * kKeys * kGroup / 2);
+    ds_pairs.reserve(parts * kKeys * kGroup / 2);
     first_key.resize(kGroup);
     end_key.resize(kGroup);
-    stage.reserve(kMaxParts * (d_pad / kSlice) * kTileUnits);
+    stage.reserve(parts * (d_pad / kSlice) * kTileUnits);
     rows16.reserve(16 * d_pad);
   }
 };
@@ -474,7 +475,7 @@ template <int64_t Keys, int64_t Group, class PhaseTimer = NoBackwardTimer>
 Status amx_flash_backward_with(const BackwardParams& p) {
   return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
     AmxBackwardScratch<Keys, Group> scratch;
-    scratch.reserve(p.seqlen_q, p.head_dim);
+    scratch.reserve(p.seqlen_q, p.head_dim, parts_of(p.dtype));
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
     AmxBackwardRunner<Keys, Group, PhaseTimer> runner(p, scratch, partials);
     for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
