@@ -29,7 +29,7 @@ FC_API const char* fc_build_info(void) {
                                   + (flashcore::cpu::amx_is_software_model()
                                          ? "\n  cpu amx: software model of the tile unit (a test build)"
                                          : flashcore::cpu::amx_usable()
-                                               ? "\n  cpu amx: yes (cpu_flash forward on AMX tiles for bf16 and fp16)"
+                                               ? "\n  cpu amx: yes (cpu_flash forward and backward on AMX tiles for bf16 and fp16)"
                                                : "\n  cpu amx: no (this CPU or build has none; FLASHCORE_CPU_AMX is ignored)");
   return info.c_str();
 }
