@@ -14,7 +14,8 @@
 // Run: /tmp/cpu_backward_sweep [threads ...]   (default: 2)
 //      DTYPE=bf16 (default) | f16, ROUNDS=n (default 5), ONLY=1,3 (those variants beside 0),
 //      SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
-//      PHASES=1 (instead: where the shipped AMX backward's thread time goes, per phase of a task)
+//      PHASES=1 (instead: where the shipped AMX backward's thread time goes, per phase of a task),
+//      GQA=g (16 query heads on 16 / g KV heads; default 1)
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -62,6 +63,7 @@ std::vector<Entry> variants() {
     all.push_back({"amx 128 keys x 256 rows", &amx_flash_backward_with<128, 256>});
     all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128>});
     all.push_back({"amx 256 keys x 64 rows", &amx_flash_backward_with<256, 64>});
+    all.push_back({"amx 128 x 128, GQA key tiles per task", &amx_flash_backward_with<128, 128, NoBackwardTimer, false>});
   }
 #endif
   return all;
@@ -75,7 +77,7 @@ struct Shape {
 /** One problem in 16-bit storage (two elements per float of each buffer) plus the fp32 lse. */
 struct Problem {
   DType dtype = DType::BF16;
-  int64_t n = 0;
+  int64_t n = 0, n_kv = 0;  // elements of Q (dQ, out, dout) and of K (V, dK, dV)
   std::vector<float> q, k, v, out, dout, dq, dk, dv, lse;
   BackwardParams p;
 
@@ -90,6 +92,8 @@ void build(Problem& pr, const Shape& s, int threads) {
   const char* d = std::getenv("DTYPE");
   pr.dtype = d && std::string(d) == "f16" ? DType::F16 : DType::BF16;
   pr.n = s.seqlen * kHeads * s.head_dim;
+  const int64_t group = std::getenv("GQA") ? std::max(1, std::atoi(std::getenv("GQA"))) : 1;
+  const int64_t heads_kv = kHeads / group, n_kv = s.seqlen * heads_kv * s.head_dim;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   for (auto* t : {&pr.q, &pr.k, &pr.v, &pr.dout}) {
@@ -103,20 +107,21 @@ void build(Problem& pr, const Shape& s, int threads) {
   for (auto* t : {&pr.out, &pr.dq, &pr.dk, &pr.dv}) t->assign(static_cast<size_t>(pr.n / 2 + 1), 0.f);
   pr.lse.assign(static_cast<size_t>(kHeads * s.seqlen), 0.f);
   BackwardParams& p = pr.p;
-  auto view = [&](TensorRef& t, std::vector<float>& data) {  // (1, seqlen, heads, head_dim)
+  auto view = [&](TensorRef& t, std::vector<float>& data, int64_t heads) {  // (1, seqlen, heads, head_dim)
     t.data = data.data();
-    t.batch_stride = pr.n;
-    t.row_stride = kHeads * s.head_dim;
+    t.batch_stride = s.seqlen * heads * s.head_dim;
+    t.row_stride = heads * s.head_dim;
     t.head_stride = s.head_dim;
   };
-  view(p.q, pr.q);
-  view(p.k, pr.k);
-  view(p.v, pr.v);
-  view(p.out, pr.out);
-  view(p.dout, pr.dout);
-  view(p.dq, pr.dq);
-  view(p.dk, pr.dk);
-  view(p.dv, pr.dv);
+  view(p.q, pr.q, kHeads);
+  view(p.k, pr.k, heads_kv);  // the first n_kv elements of the buffer
+  view(p.v, pr.v, heads_kv);
+  view(p.out, pr.out, kHeads);
+  view(p.dout, pr.dout, kHeads);
+  view(p.dq, pr.dq, kHeads);
+  view(p.dk, pr.dk, heads_kv);
+  view(p.dv, pr.dv, heads_kv);
+  pr.n_kv = n_kv;
   p.lse.data = pr.lse.data();
   p.lse.batch_stride = kHeads * s.seqlen;
   p.lse.head_stride = s.seqlen;
@@ -125,7 +130,8 @@ void build(Problem& pr, const Shape& s, int threads) {
   p.batch = 1;
   p.seqlen_q = p.seqlen_k = s.seqlen;
   p.total_q = p.total_k = s.seqlen;
-  p.heads_q = p.heads_kv = kHeads;
+  p.heads_q = kHeads;
+  p.heads_kv = heads_kv;
   p.head_dim = s.head_dim;
   p.softmax_scale = 1.f / std::sqrt(static_cast<float>(s.head_dim));
   p.causal = s.causal;
@@ -206,8 +212,9 @@ int main(int argc, char** argv) {
 #endif
     return 0;
   }
-  std::printf("cpu_flash backward variants, %s, B=1 H=16, median of %d rounds, GFLOP/s (2.5 x forward FLOPs)\n",
-              std::getenv("DTYPE") ? std::getenv("DTYPE") : "bf16", rounds);
+  std::printf("cpu_flash backward variants, %s, B=1 H=16 (GQA %s), median of %d rounds, GFLOP/s (2.5 x forward "
+              "FLOPs)\n", std::getenv("DTYPE") ? std::getenv("DTYPE") : "bf16", std::getenv("GQA") ? std::getenv("GQA") : "1",
+              rounds);
   for (int threads : thread_counts) {
     for (const Shape& s : shapes) {
       Problem pr;
@@ -219,8 +226,9 @@ int main(int argc, char** argv) {
         seconds_of(all[i], pr.p);
         int t = 0;
         for (const std::vector<float>* g : {&pr.dq, &pr.dk, &pr.dv}) {
-          std::vector<float> x(static_cast<size_t>(pr.n));
-          for (int64_t j = 0; j < pr.n; ++j) x[static_cast<size_t>(j)] = pr.at(*g, j);
+          const int64_t count = g == &pr.dq ? pr.n : pr.n_kv;
+          std::vector<float> x(static_cast<size_t>(count));
+          for (int64_t j = 0; j < count; ++j) x[static_cast<size_t>(j)] = pr.at(*g, j);
           if (i == 0) {
             first.push_back(x);
           } else {
