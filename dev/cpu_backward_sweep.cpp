@@ -63,7 +63,6 @@ std::vector<Entry> variants() {
     all.push_back({"amx 128 keys x 256 rows", &amx_flash_backward_with<128, 256>});
     all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128>});
     all.push_back({"amx 256 keys x 64 rows", &amx_flash_backward_with<256, 64>});
-    all.push_back({"amx 128 x 128, GQA key tiles per task", &amx_flash_backward_with<128, 128, NoBackwardTimer, false>});
   }
 #endif
   return all;

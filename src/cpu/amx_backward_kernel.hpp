@@ -117,92 +117,11 @@ struct AmxBackwardScratch {
 
 inline uint16_t* bf16_of(AlignedFloats& a) { return reinterpret_cast<uint16_t*>(a.data()); }
 
-/** One key tile's A operands: K and V rows first .. first + n_valid of (batch, kv_head) as
- *  row-major parts [parts][kKeys x d_pad] (zeros past the keys and head_dim) and K^T's parts
- *  [parts][d_pad x kKeys]. k_rows [kKeys x d_pad] and kt_rows [d_pad x kKeys] are fp32 scratch. */
-template <int64_t kKeys>
-void pack_key_tile_parts(const BackwardParams& p, int64_t batch, int64_t kv_head, int64_t first, int64_t n_valid,
-                         int parts, int64_t d_pad, float* k_rows, float* kt_rows, uint16_t* k_parts,
-                         uint16_t* v_parts, uint16_t* kt_parts) {
-  const int64_t head_dim = p.head_dim;
-  for (int64_t n = 0; n < kKeys; ++n) {
-    float* k = k_rows + n * d_pad;
-    const bool valid = n < n_valid;
-    if (valid) load_row(p.dtype, element_ptr(p.k, p.dtype, batch, first + n, kv_head), head_dim, k);
-    std::fill(k + (valid ? head_dim : 0), k + d_pad, 0.f);
-    const void* v = valid ? element_ptr(p.v, p.dtype, batch, first + n, kv_head) : nullptr;
-    split_row(p.dtype, v, head_dim, d_pad, parts, v_parts + n * d_pad, kKeys * d_pad);
-    split_row(DType::F32, k, d_pad, d_pad, parts, k_parts + n * d_pad, kKeys * d_pad);
-  }
-  transpose(k_rows, d_pad, kKeys, d_pad, kt_rows, kKeys);
-  for (int64_t c = 0; c < d_pad; ++c) {
-    split_row(DType::F32, kt_rows + c * kKeys, kKeys, kKeys, parts, kt_parts + c * kKeys, d_pad * kKeys);
-  }
-}
-
-/** With GQA, every key tile's A operands packed once per call for all the query heads that read
- *  it (each head's task would pack them again: group times the packing, which is 3-10% of an MHA
- *  backward at 2 threads; docs/PERF.md, session 23). Built only for GQA and under kMaxBytes. */
-template <int64_t kKeys>
-class PackedKeyTiles {
- public:
-  static constexpr int64_t kMaxBytes = int64_t{1} << 30;
-
-  bool build(const BackwardParams& p, int parts, int64_t d_pad) {
-    if (p.group_size() == 1) return false;
-    int64_t tiles = 0;
-    first_tile_.resize(static_cast<size_t>(p.batch * p.heads_kv));
-    for (int64_t b = 0; b < p.batch; ++b) {
-      for (int64_t kvh = 0; kvh < p.heads_kv; ++kvh) {
-        first_tile_[static_cast<size_t>(b * p.heads_kv + kvh)] = tiles;
-        tiles += ceil_div(seq_info(p, b).seqlen_k, kKeys);
-      }
-    }
-    operand_ = parts * kKeys * d_pad;  // bf16 per operand of a tile
-    if (tiles == 0 || 3 * tiles * operand_ * 2 > kMaxBytes) return false;
-    data_.reserve(3 * tiles * operand_ / 2);
-    struct Unit { int64_t batch, kv_head, n0; };
-    std::vector<Unit> units;
-    for (int64_t b = 0; b < p.batch; ++b)
-      for (int64_t kvh = 0; kvh < p.heads_kv; ++kvh)
-        for (int64_t n0 = 0; n0 < seq_info(p, b).seqlen_k; n0 += kKeys) units.push_back({b, kvh, n0});
-    return run_workers(static_cast<int64_t>(units.size()), p.num_threads, [&](TaskQueue& queue) {
-      AlignedFloats k_rows, kt_rows;
-      k_rows.reserve(kKeys * d_pad);
-      kt_rows.reserve(d_pad * kKeys);
-      for (int64_t u = queue.next(); u >= 0; u = queue.next()) {
-        const Unit& at = units[static_cast<size_t>(u)];
-        const SeqInfo seq = seq_info(p, at.batch);
-        uint16_t* tile = reinterpret_cast<uint16_t*>(data_.data()) + 3 * tile_of(at.batch, at.kv_head, at.n0, p.heads_kv) * operand_;
-        pack_key_tile_parts<kKeys>(p, at.batch, at.kv_head, seq.k_start + at.n0, std::min(kKeys, seq.seqlen_k - at.n0),
-                                   parts, d_pad, k_rows.data(), kt_rows.data(), tile, tile + operand_,
-                                   tile + 2 * operand_);
-      }
-    }).is_ok();
-  }
-
-  /** The tile of keys n0 .. n0 + kKeys of (batch, kv_head): K's parts, then V's, then K^T's. */
-  const uint16_t* tile(int64_t batch, int64_t kv_head, int64_t n0, int64_t heads_kv) const {
-    return reinterpret_cast<const uint16_t*>(data_.data()) + 3 * tile_of(batch, kv_head, n0, heads_kv) * operand_;
-  }
-  int64_t operand() const { return operand_; }
-
- private:
-  int64_t tile_of(int64_t batch, int64_t kv_head, int64_t n0, int64_t heads_kv) const {
-    return first_tile_[static_cast<size_t>(batch * heads_kv + kv_head)] + n0 / kKeys;
-  }
-
-  AlignedFloats data_;
-  std::vector<int64_t> first_tile_;  // per (batch, kv head): index of its first tile
-  int64_t operand_ = 0;
-};
-
 template <int64_t kKeys, int64_t kGroup, class PhaseTimer>
 class AmxBackwardRunner {
  public:
-  AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch<kKeys, kGroup>& w, GqaPartials* partials,
-                    const PackedKeyTiles<kKeys>* packed)
-      : p_(p), w_(w), partials_(partials), packed_(packed), d_pad_(w.d_pad), parts_(parts_of(p.dtype)),
+  AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch<kKeys, kGroup>& w, GqaPartials* partials)
+      : p_(p), w_(w), partials_(partials), d_pad_(w.d_pad), parts_(parts_of(p.dtype)),
         score_products_(parts_, parts_, 2), grad_products_(parts_, parts_, parts_ - 1) {}
 
   void run(const BackwardTask& task) {
@@ -286,17 +205,21 @@ class AmxBackwardRunner {
   /** K and V rows n0 .. n0 + n_valid as the tile's A operands (K, V row-major; K^T row-major),
    *  zeros past the keys; dK, dV accumulators zeroed. */
   void pack_key_tile(int64_t n0, int64_t n_valid) {
-    if (packed_) {
-      const uint16_t* tile = packed_->tile(b_, kv_head_, n0, p_.heads_kv);
-      k_parts_ = tile;
-      v_parts_ = tile + packed_->operand();
-      kt_parts_ = tile + 2 * packed_->operand();
-    } else {
-      pack_key_tile_parts<kKeys>(p_, b_, kv_head_, seq_.k_start + n0, n_valid, parts_, d_pad_, w_.k_rows.data(),
-                                 w_.kt_rows.data(), bf16_of(w_.k_parts), bf16_of(w_.v_parts), bf16_of(w_.kt_parts));
-      k_parts_ = bf16_of(w_.k_parts);
-      v_parts_ = bf16_of(w_.v_parts);
-      kt_parts_ = bf16_of(w_.kt_parts);
+    const int64_t head_dim = p_.head_dim;
+    float* k_rows = w_.k_rows.data();
+    for (int64_t n = 0; n < kKeys; ++n) {
+      float* k = k_rows + n * d_pad_;
+      const bool valid = n < n_valid;
+      if (valid) load_row(p_.dtype, element_ptr(p_.k, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, k);
+      std::fill(k + (valid ? head_dim : 0), k + d_pad_, 0.f);
+      const void* v = valid ? element_ptr(p_.v, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_) : nullptr;
+      split_row(p_.dtype, v, head_dim, d_pad_, parts_, bf16_of(w_.v_parts) + n * d_pad_, kKeys * d_pad_);
+      split_row(DType::F32, k, d_pad_, d_pad_, parts_, bf16_of(w_.k_parts) + n * d_pad_, kKeys * d_pad_);
+    }
+    transpose(k_rows, d_pad_, kKeys, d_pad_, w_.kt_rows.data(), kKeys);
+    for (int64_t c = 0; c < d_pad_; ++c) {
+      split_row(DType::F32, w_.kt_rows.data() + c * kKeys, kKeys, kKeys, parts_, bf16_of(w_.kt_parts) + c * kKeys,
+                d_pad_ * kKeys);
     }
     std::fill(w_.dk_acc.data(), w_.dk_acc.data() + kKeys * d_pad_, 0.f);
     std::fill(w_.dv_acc.data(), w_.dv_acc.data() + kKeys * d_pad_, 0.f);
@@ -308,7 +231,7 @@ class AmxBackwardRunner {
   void queue_prefetches(int64_t n0, int64_t n_valid, int64_t groups) {
     const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes = p_.head_dim * elem;
     const int64_t next_rows = std::min(kKeys, seq_.seqlen_k - n0 - kKeys);
-    if (next_rows > 0 && !packed_) {  // packed tiles are contiguous: the hardware prefetcher has them
+    if (next_rows > 0) {
       for (const TensorRef* t : {&p_.k, &p_.v}) {
         w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kKeys, kv_head_), next_rows,
                         t->row_stride * elem, row_bytes);
@@ -327,8 +250,8 @@ class AmxBackwardRunner {
   void process_group(const MaskInfo& mask, int64_t n0, int64_t n_valid, int64_t g0, int64_t g_end) {
     const int64_t key_chunks = ceil_div(n_valid, int64_t{32});
     const int64_t row_blocks = ceil_div(g_end - g0, int64_t{32});
-    transposed_scores(k_parts_, bf16_of(w_.q_cols), w_.s_t.data(), g0, key_chunks, row_blocks);
-    transposed_scores(v_parts_, bf16_of(w_.dout_cols), w_.dp_t.data(), g0, key_chunks, row_blocks);
+    transposed_scores(bf16_of(w_.k_parts), bf16_of(w_.q_cols), w_.s_t.data(), g0, key_chunks, row_blocks);
+    transposed_scores(bf16_of(w_.v_parts), bf16_of(w_.dout_cols), w_.dp_t.data(), g0, key_chunks, row_blocks);
     PhaseTimer::lap(BackwardPhase::kScores);
     for (int64_t r = 0; r < row_blocks * 32; ++r) {
       const int64_t row = g0 + r;
@@ -468,7 +391,7 @@ class AmxBackwardRunner {
 
   /** dQ^T[:, g0 .. ] += K^T dS^T, in the group's panels. */
   void accumulate_dq(int64_t g0, int64_t key_chunks, int64_t row_blocks) {
-    const uint16_t* kt = kt_parts_;
+    const uint16_t* kt = bf16_of(w_.kt_parts);
     const uint16_t* ds_pairs = bf16_of(w_.ds_pairs);
     const int64_t pair_part = (kKeys / 32) * (kGroup / 16) * kTileUnits * 2;  // bf16 per part
     for (int64_t dc = 0; dc < d_pad_; dc += 32) {
@@ -537,10 +460,6 @@ class AmxBackwardRunner {
   const BackwardParams& p_;
   AmxBackwardScratch<kKeys, kGroup>& w_;
   GqaPartials* partials_;
-  const PackedKeyTiles<kKeys>* packed_;  // null: each task packs its key tiles into w_
-  const uint16_t* k_parts_ = nullptr;    // the current key tile's A operands
-  const uint16_t* v_parts_ = nullptr;
-  const uint16_t* kt_parts_ = nullptr;
   const int64_t d_pad_;
   const int parts_;
   const Products score_products_;  // S^T, dP^T: exact
@@ -551,21 +470,14 @@ class AmxBackwardRunner {
 
 /** The backward on AMX for fp16 / bf16 inputs, on tiles of Keys keys and groups of Group query
  *  rows (both multiples of 32; a template so that dev/cpu_backward_sweep.cpp can compare them and
- *  time their phases). PackOnce: with GQA, key tiles packed once per call (PackedKeyTiles). */
-template <int64_t Keys, int64_t Group, class PhaseTimer = NoBackwardTimer, bool PackOnce = true>
+ *  time their phases). */
+template <int64_t Keys, int64_t Group, class PhaseTimer = NoBackwardTimer>
 Status amx_flash_backward_with(const BackwardParams& p) {
-  PackedKeyTiles<Keys> packed;
-  bool prepacked = false;
-  try {
-    prepacked = PackOnce && packed.build(p, parts_of(p.dtype), round_up(p.head_dim, kSlice));
-  } catch (const std::bad_alloc&) {
-    prepacked = false;  // the tasks pack for themselves
-  }
   return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
     AmxBackwardScratch<Keys, Group> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim, parts_of(p.dtype));
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
-    AmxBackwardRunner<Keys, Group, PhaseTimer> runner(p, scratch, partials, prepacked ? &packed : nullptr);
+    AmxBackwardRunner<Keys, Group, PhaseTimer> runner(p, scratch, partials);
     for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
   });
 }
