@@ -345,7 +345,14 @@ inline void load_row(DType dtype, const void* src, int64_t n, float* dst) {
     for (; i < n; ++i) dst[i] = half_to_float(s[i]);
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {  // bf16 is fp32's upper half
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+      _mm512_storeu_si512(dst + i, _mm512_slli_epi32(bits, 16));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = bf16_to_float(s[i]);
   }
 }
 
@@ -366,7 +373,22 @@ inline void store_row(DType dtype, const float* src, int64_t n, void* dst) {
     for (; i < n; ++i) d[i] = float_to_half(src[i]);
   } else {
     uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    // float_to_bf16 on 16 lanes: the same rounding (nearest even) and quiet NaNs, bit for bit.
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i half_minus_one = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    for (; i + 16 <= n; i += 16) {
+      const __m512i x = _mm512_loadu_si512(src + i);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, abs_mask), inf);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(half_minus_one, odd)), 16);
+      const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                          _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+    }
+#endif
+    for (; i < n; ++i) d[i] = float_to_bf16(src[i]);
   }
 }
 
