@@ -121,7 +121,9 @@ std::vector<Entry> amx_variants() {
     return {{"amx: 64 keys, 8 blocks (fp32's)", &amx_detail::amx_flash_forward_with<64, NoPhaseTimer, 8>},
             {"amx: 256 keys, 8 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 8>},
             {"amx: 256 keys, 16 blocks (fp16 / bf16's)", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>},
-            {"amx: 256 keys, 32 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 32>}};
+            {"amx: 256 keys, 32 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 32>},
+            {"amx: 256 x 16, 4 tasks per thread", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16, 4>},
+            {"amx: 256 x 16, 8 tasks per thread", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16, 8>}};
   }
 #endif
   return {};
@@ -221,7 +223,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Entry> all = variants();
   const std::vector<Entry> amx = amx_variants();
-  all.insert(all.begin() + 1, amx.begin(), amx.end());  // indices 1-3 when present
+  all.insert(all.begin() + 1, amx.begin(), amx.end());  // indices 1-6 when present
   if (const char* only = std::getenv("ONLY")) {  // the first variant stays first
     std::vector<Entry> picked = {all[0]};
     for (const char* c = only; *c;) {

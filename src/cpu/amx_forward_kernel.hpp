@@ -54,14 +54,14 @@ constexpr int64_t kDSlice = kSlice;  // d per A tile of S (16 rows x 64 bytes of
 constexpr int kMaxParts = 3;
 
 /** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, up to Blocks per
- *  task, and tiles of Keys keys. */
-template <int64_t Keys, int64_t Blocks>
+ *  task, at least TasksPerThread tasks per thread where the blocks allow, and tiles of Keys keys. */
+template <int64_t Keys, int64_t Blocks, int64_t TasksPerThread = 2>
 struct AmxTaskConfig {
   static constexpr int64_t kBlockRows = kM;
   static constexpr int64_t kBlockKeys = Keys;
   static constexpr int64_t kMaxBlocksPerTask = Blocks;
   static constexpr int64_t kMinTasks = 32;
-  static constexpr int64_t kTasksPerThread = 2;
+  static constexpr int64_t kTasksPerThread = TasksPerThread;
 };
 
 /** Per-thread buffers for tiles of kN keys, sized once per call. bf16 arrays live in AlignedFloats
@@ -435,9 +435,9 @@ class AmxTaskRunner {
 
 /** The forward on tiles of Keys keys (a multiple of 32), up to Blocks blocks of 32 rows per task;
  *  PhaseTimer::lap(phase) marks the end of each phase of a task (see NoPhaseTimer). */
-template <int64_t Keys, class PhaseTimer, int64_t Blocks>
+template <int64_t Keys, class PhaseTimer, int64_t Blocks, int64_t TasksPerThread = 2>
 Status amx_flash_forward_with(const AttentionParams& p) {
-  using Config = AmxTaskConfig<Keys, Blocks>;
+  using Config = AmxTaskConfig<Keys, Blocks, TasksPerThread>;
   PackedKv<Keys> packed;
   bool prepacked = false;
   try {
