@@ -120,10 +120,11 @@ std::vector<Entry> amx_variants() {
   if (amx_usable()) {
     return {{"amx: 64 keys, 8 blocks (fp32's)", &amx_detail::amx_flash_forward_with<64, NoPhaseTimer, 8>},
             {"amx: 256 keys, 8 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 8>},
-            {"amx: 256 keys, 16 blocks (fp16 / bf16's)", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>},
+            {"amx: 256 keys, 16 blocks, 2 tasks per thread", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16>},
             {"amx: 256 keys, 32 blocks", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 32>},
             {"amx: 256 x 16, 4 tasks per thread", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16, 4>},
-            {"amx: 256 x 16, 8 tasks per thread", &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16, 8>}};
+            {"amx: 256 x 16, 8 tasks per thread (fp16 / bf16's)",
+             &amx_detail::amx_flash_forward_with<256, NoPhaseTimer, 16, 8>}};
   }
 #endif
   return {};
@@ -243,7 +244,7 @@ int main(int argc, char** argv) {
 #if FLASHCORE_AMX_BUILT
     if (amx_usable()) {
       timed_entries.push_back({"amx 64 x 8", &amx_detail::amx_flash_forward_with<64, TimedPhases, 8>});
-      timed_entries.push_back({"amx 256 x 16", &amx_detail::amx_flash_forward_with<256, TimedPhases, 16>});
+      timed_entries.push_back({"amx 256 x 16 x 8", &amx_detail::amx_flash_forward_with<256, TimedPhases, 16, 8>});
     }
 #endif
     for (int threads : thread_counts) {

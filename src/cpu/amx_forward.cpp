@@ -71,10 +71,13 @@ Status amx_flash_forward(const AttentionParams& p) {
   using forward_detail::NoPhaseTimer;
   // Tiles of 256 keys move O's fp32 accumulator through the tile registers a quarter as often as
   // 64-key tiles (+13-27% for bf16 on the GPU machine's Xeon), and 16 blocks per task share each
-  // packed K/V tile twice as widely as 8 (+5-33%; docs/PERF.md, session 22). fp32, bound by its six
-  // products per GEMM, did not gain from 256 keys and keeps 64 keys and 8 blocks.
+  // packed K/V tile twice as widely as 8 (+5-33%; docs/PERF.md, session 22). Since K/V are packed
+  // once per call (PackedKv), smaller tasks cost little: at least 8 per thread where the blocks
+  // allow balanced 16 threads better (+3% to +101% in 5 of 6 bf16 cells, -2% in one; session 23).
+  // fp32, bound by its six products per GEMM, did not gain from 256 keys and keeps 64 keys and 8
+  // blocks.
   if (p.dtype == DType::F32) return amx_flash_forward_with<64, NoPhaseTimer, 8>(p);
-  return amx_flash_forward_with<256, NoPhaseTimer, 16>(p);
+  return amx_flash_forward_with<256, NoPhaseTimer, 16, 8>(p);
 }
 
 #endif  // FLASHCORE_AMX_BUILT
