@@ -17,9 +17,6 @@
 //      PHASES=1 (instead: where the shipped AMX backward's thread time goes, per phase of a task),
 //      GQA=g (16 query heads on 16 / g KV heads; default 1)
 #include <algorithm>
-#include <array>
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -28,7 +25,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "phase_timer.hpp"
+#include "sweep_common.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/amx_backward_kernel.hpp"
 
@@ -43,7 +40,7 @@ struct Entry {
   Status (*run)(const BackwardParams&);
 };
 
-using TimedPhases = SweepPhaseTimer<amx_backward_detail::BackwardPhase>;  // dev/phase_timer.hpp
+using TimedPhases = SweepPhaseTimer<amx_backward_detail::BackwardPhase>;  // dev/sweep_common.hpp
 
 Status avx_backward(const BackwardParams& p) {
   setenv("FLASHCORE_CPU_AMX", "0", 1);
@@ -68,10 +65,7 @@ std::vector<Entry> variants() {
   return all;
 }
 
-struct Shape {
-  int64_t seqlen, head_dim;
-  bool causal;
-};
+using Shape = SweepShape;
 
 /** One problem in 16-bit storage (two elements per float of each buffer) plus the fp32 lse. */
 struct Problem {
@@ -143,43 +137,14 @@ void build(Problem& pr, const Shape& s, int threads) {
   }
 }
 
-double seconds_of(const Entry& e, const BackwardParams& p) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const Status st = e.run(p);
-  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "%s failed: %s\n", e.name.c_str(), st.message.c_str());
-    std::exit(1);
-  }
-  return dt;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  std::vector<int> thread_counts;
-  for (int i = 1; i < argc; ++i) thread_counts.push_back(std::atoi(argv[i]));
-  if (thread_counts.empty()) thread_counts.push_back(2);
-  const int rounds = std::getenv("ROUNDS") ? std::max(1, std::atoi(std::getenv("ROUNDS"))) : 5;
-  std::vector<Shape> shapes = {{1024, 64, false}, {2048, 64, true}, {2048, 128, false}};
-  if (std::getenv("SHAPES") && std::string(std::getenv("SHAPES")) == "all") {
-    shapes.push_back({4096, 128, false});
-    shapes.push_back({1024, 128, true});
-    shapes.push_back({2048, 256, false});
-  }
-  std::vector<Entry> all = variants();
-  if (const char* only = std::getenv("ONLY")) {
-    std::vector<Entry> picked = {all[0]};
-    for (const char* c = only; *c;) {
-      char* end = nullptr;
-      const long i = std::strtol(c, &end, 10);
-      if (end == c) break;
-      if (i > 0 && i < static_cast<long>(all.size())) picked.push_back(all[static_cast<size_t>(i)]);
-      c = *end ? end + 1 : end;
-    }
-    all = picked;
-  }
+  const std::vector<int> thread_counts = sweep_thread_counts(argc, argv);
+  const int rounds = sweep_rounds(5);
+  const std::vector<Shape> shapes = sweep_shapes();
+  const std::vector<Entry> all = sweep_picked(variants());
   if (std::getenv("PHASES")) {
 #if FLASHCORE_AMX_BUILT
     const char* names[] = {"between tasks", "pack Q/dO", "pack K/V", "S^T+dP^T", "softmax", "dV+dK", "dQ", "write"};
@@ -188,24 +153,8 @@ int main(int argc, char** argv) {
         Problem pr;
         build(pr, s, threads);
         const Entry timed{"amx (shipped sizes)", &amx_backward_detail::amx_flash_backward_with<128, 128, TimedPhases>};
-        seconds_of(timed, pr.p);
-        TimedPhases::reset();
-        double wall = 0;
-        for (int r = 0; r < rounds; ++r) {
-          TimedPhases::new_call();
-          wall += seconds_of(timed, pr.p);
-        }
-        const double thread_ns = wall * 1e9 * threads;
-        const double flops = 2.5 * 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
-        std::printf("%2d threads, S=%lld d=%lld%s: %.1f GFLOP/s |", threads, static_cast<long long>(s.seqlen),
-                    static_cast<long long>(s.head_dim), s.causal ? " causal" : "", flops * rounds / wall * 1e-9);
-        double charged = 0;
-        for (int i = 0; i < TimedPhases::kCount; ++i) {
-          const double x = static_cast<double>(TimedPhases::ns[static_cast<size_t>(i)].load());
-          charged += x;
-          std::printf(" %s %.1f%%", names[i], 100.0 * x / thread_ns);
-        }
-        std::printf(" | untimed %.1f%%\n", 100.0 * (1.0 - charged / thread_ns));
+        TimedPhases::report(sweep_cell(threads, s).c_str(), timed, pr.p, rounds, threads, 2.5 * s.forward_flops(),
+                            names);
       }
     }
 #endif
@@ -218,7 +167,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : shapes) {
       Problem pr;
       build(pr, s, threads);
-      const double flops = 2.5 * 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
+      const double flops = 2.5 * s.forward_flops();
       std::vector<std::vector<float>> first;  // variant 0's dq, dk, dv as floats
       std::vector<double> max_rel(all.size(), 0.0);
       for (size_t i = 0; i < all.size(); ++i) {
@@ -242,17 +191,11 @@ int main(int argc, char** argv) {
           ++t;
         }
       }
-      std::vector<std::vector<double>> times(all.size());
-      for (int r = 0; r < rounds; ++r) {
-        for (size_t i = 0; i < all.size(); ++i) times[i].push_back(seconds_of(all[i], pr.p));
-      }
-      std::printf("\n%d threads, S=%lld d=%lld%s\n", threads, static_cast<long long>(s.seqlen),
-                  static_cast<long long>(s.head_dim), s.causal ? " causal" : "");
+      const std::vector<double> medians = sweep_medians(all, pr.p, rounds);
+      std::printf("\n%s\n", sweep_cell(threads, s).c_str());
       double base = 0.0;
       for (size_t i = 0; i < all.size(); ++i) {
-        std::vector<double>& t = times[i];
-        std::sort(t.begin(), t.end());
-        const double gflops = flops / t[t.size() / 2] * 1e-9;
+        const double gflops = flops / medians[i] * 1e-9;
         if (i == 0) base = gflops;
         // Variants round P and dS differently: bf16 gradients a few bf16 ulps apart are expected.
         std::printf("  %-36s %8.1f  %5.2fx  max|diff| / max|grad| %.1e%s\n", all[i].name.c_str(), gflops,

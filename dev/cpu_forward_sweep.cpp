@@ -20,9 +20,6 @@
 //      PHASES=1 (instead: where the shipped configuration's thread time goes, per phase of a task),
 //      DTYPE=bf16|f16 (inputs and output in that dtype; default fp32)
 #include <algorithm>
-#include <array>
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -30,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "phase_timer.hpp"
+#include "sweep_common.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/amx_forward_kernel.hpp"
 #include "cpu/flash_forward_kernel.hpp"
@@ -59,7 +56,7 @@ struct Variant : ForwardConfig {
   static constexpr int64_t kMaxBlocksPerTask = MaxBlocks;
 };
 
-using TimedPhases = SweepPhaseTimer<ForwardPhase>;  // dev/phase_timer.hpp
+using TimedPhases = SweepPhaseTimer<ForwardPhase>;  // dev/sweep_common.hpp
 
 struct TimedConfig : ForwardConfig {
   using PhaseTimer = TimedPhases;
@@ -130,10 +127,7 @@ std::vector<Entry> amx_variants() {
   return {};
 }
 
-struct Shape {
-  int64_t seqlen, head_dim;
-  bool causal;
-};
+using Shape = SweepShape;
 
 struct Problem {
   std::vector<float> q, k, v, out;  // fp32 data, or 16-bit elements two per float (DTYPE=bf16|f16)
@@ -197,45 +191,17 @@ void build(Problem& pr, const Shape& s, int threads) {
   p.num_threads = threads;
 }
 
-double seconds_of(const Entry& e, const AttentionParams& p) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const Status st = e.run(p);
-  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "%s failed: %s\n", e.name.c_str(), st.message.c_str());
-    std::exit(1);
-  }
-  return dt;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  std::vector<int> thread_counts;
-  for (int i = 1; i < argc; ++i) thread_counts.push_back(std::atoi(argv[i]));
-  if (thread_counts.empty()) thread_counts.push_back(2);
-  const int rounds = std::getenv("ROUNDS") ? std::max(1, std::atoi(std::getenv("ROUNDS"))) : 7;
-  std::vector<Shape> shapes = {{1024, 64, false}, {2048, 64, true}, {2048, 128, false}};
-  if (std::getenv("SHAPES") && std::string(std::getenv("SHAPES")) == "all") {
-    shapes.push_back({4096, 128, false});
-    shapes.push_back({1024, 128, true});
-    shapes.push_back({2048, 256, false});
-  }
+  const std::vector<int> thread_counts = sweep_thread_counts(argc, argv);
+  const int rounds = sweep_rounds(7);
+  const std::vector<Shape> shapes = sweep_shapes();
   std::vector<Entry> all = variants();
   const std::vector<Entry> amx = amx_variants();
   all.insert(all.begin() + 1, amx.begin(), amx.end());  // indices 1-6 when present
-  if (const char* only = std::getenv("ONLY")) {  // the first variant stays first
-    std::vector<Entry> picked = {all[0]};
-    for (const char* c = only; *c;) {
-      char* end = nullptr;
-      const long i = std::strtol(c, &end, 10);
-      if (end == c) break;
-      if (i > 0 && i < static_cast<long>(all.size())) picked.push_back(all[static_cast<size_t>(i)]);
-      c = *end ? end + 1 : end;
-    }
-    all = picked;
-  }
+  all = sweep_picked(all);  // the first variant stays first
   if (std::getenv("PHASES")) {
     std::printf("cpu_flash forward, shipped configuration, %% of thread time (wall x threads) per phase, "
                 "summed over %d calls\n", rounds);
@@ -251,25 +217,8 @@ int main(int argc, char** argv) {
       for (const Shape& s : shapes) for (const Entry& timed : timed_entries) {
         Problem pr;
         build(pr, s, threads);
-        seconds_of(timed, pr.p);
-        TimedPhases::reset();
-        double wall = 0;
-        for (int r = 0; r < rounds; ++r) {
-          TimedPhases::new_call();
-          wall += seconds_of(timed, pr.p);
-        }
-        const double thread_ns = wall * 1e9 * threads;
-        const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
-        std::printf("%s %2d threads, S=%lld d=%lld%s: %.1f GFLOP/s |", timed.name.c_str(), threads,
-                    static_cast<long long>(s.seqlen), static_cast<long long>(s.head_dim), s.causal ? " causal" : "",
-                    flops * rounds / wall * 1e-9);
-        double charged = 0;
-        for (int i = 0; i < TimedPhases::kCount; ++i) {
-          const double x = static_cast<double>(TimedPhases::ns[static_cast<size_t>(i)].load());
-          charged += x;
-          std::printf(" %s %.1f%%", names[i], 100.0 * x / thread_ns);
-        }
-        std::printf(" | untimed (a thread's start and end of a call, idle) %.1f%%\n", 100.0 * (1.0 - charged / thread_ns));
+        const std::string label = timed.name + " " + sweep_cell(threads, s);
+        TimedPhases::report(label.c_str(), timed, pr.p, rounds, threads, s.forward_flops(), names);
       }
     }
     return 0;
@@ -280,7 +229,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : shapes) {
       Problem pr;
       build(pr, s, threads);
-      const double flops = 4.0 * 16 * s.seqlen * s.seqlen * s.head_dim * (s.causal ? 0.5 : 1.0);
+      const double flops = s.forward_flops();
       // Reference output of the first configuration, then each variant checked against it.
       seconds_of(all[0], pr.p);
       // Variants round differently: a few output ulps apart is expected (bf16: 2^-8 relative).
@@ -296,17 +245,11 @@ int main(int argc, char** argv) {
           max_diff[i] = std::max(max_diff[i], std::isnan(d) ? INFINITY : d);
         }
       }
-      std::vector<std::vector<double>> times(all.size());
-      for (int r = 0; r < rounds; ++r) {
-        for (size_t i = 0; i < all.size(); ++i) times[i].push_back(seconds_of(all[i], pr.p));
-      }
-      std::printf("\n%d threads, S=%lld d=%lld%s\n", threads, static_cast<long long>(s.seqlen),
-                  static_cast<long long>(s.head_dim), s.causal ? " causal" : "");
+      const std::vector<double> medians = sweep_medians(all, pr.p, rounds);
+      std::printf("\n%s\n", sweep_cell(threads, s).c_str());
       double base = 0.0;
       for (size_t i = 0; i < all.size(); ++i) {
-        std::vector<double>& t = times[i];
-        std::sort(t.begin(), t.end());
-        const double gflops = flops / t[t.size() / 2] * 1e-9;
+        const double gflops = flops / medians[i] * 1e-9;
         if (i == 0) base = gflops;
         std::printf("  %-44s %8.1f  %5.2fx  max|diff| %.1e%s\n", all[i].name.c_str(), gflops, gflops / base,
                     max_diff[i], max_diff[i] > wrong_above ? "  WRONG" : "");
