@@ -138,8 +138,7 @@ class AmxBackwardRunner {
       const int64_t n_valid = std::min(kKeys, seq_.seqlen_k - n0);
       pack_key_tile(n0, n_valid);
       auto sees_tile = [&](int64_t g0) {
-        const KeyRange keys = mask.keys_for_rows(g0, std::min(g0 + kGroup, seq_.seqlen_q));
-        return !keys.empty() && keys.end > n0 && keys.begin < n0 + n_valid;
+        return rows_see_keys(mask, g0, std::min(g0 + kGroup, seq_.seqlen_q), n0, n0 + n_valid);
       };
       int64_t groups = 0;
       for (int64_t g0 = 0; g0 < seq_.seqlen_q; g0 += kGroup) groups += sees_tile(g0);

@@ -24,19 +24,25 @@ bool amx_is_software_model() {
 #endif
 }
 
+namespace {
+
+/** FLASHCORE_CPU_AMX's first character ('0': never, '1': always), 0 when unset; read at every
+ *  call so that a benchmark or a test can switch paths. */
+char amx_setting() {
+  const char* env = std::getenv("FLASHCORE_CPU_AMX");
+  return env ? env[0] : 0;
+}
+
+}  // namespace
+
 bool amx_forward_enabled(DType dtype) {
   if (!amx_usable()) return false;
-  const char* env = std::getenv("FLASHCORE_CPU_AMX");
-  if (env && env[0] == '0') return false;
-  if (env && env[0] == '1') return true;
+  const char setting = amx_setting();
+  if (setting == '0' || setting == '1') return setting == '1';
   return dtype != DType::F32;
 }
 
-bool amx_backward_enabled(DType dtype) {
-  if (dtype == DType::F32 || !amx_usable()) return false;
-  const char* env = std::getenv("FLASHCORE_CPU_AMX");
-  return !(env && env[0] == '0');
-}
+bool amx_backward_enabled(DType dtype) { return dtype != DType::F32 && amx_usable() && amx_setting() != '0'; }
 
 #if !FLASHCORE_AMX_BUILT
 

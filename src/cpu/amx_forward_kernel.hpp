@@ -50,7 +50,6 @@ using namespace forward_detail;
 using namespace amx_tiles;
 
 constexpr int64_t kM = 32;  // stacked rows per block: two accumulator tiles tall
-constexpr int64_t kDSlice = kSlice;  // d per A tile of S (16 rows x 64 bytes of bf16)
 constexpr int kMaxParts = 3;
 
 /** Task shapes for make_forward_tasks (flash_forward_kernel.hpp): 32-row blocks, up to Blocks per
@@ -83,8 +82,8 @@ struct AmxScratch {
   PrefetchQueue prefetch;
 
   void reserve(int64_t head_dim) {
-    d_pad = round_up(head_dim, kDSlice);
-    const int64_t blocks = kBlocks, slices = d_pad / kDSlice;
+    d_pad = round_up(head_dim, kSlice);
+    const int64_t blocks = kBlocks, slices = d_pad / kSlice;
     q_parts.reserve(blocks * kMaxParts * kM * d_pad / 2);
     o_acc.reserve(blocks * kM * d_pad);
     row_max.reserve(blocks * kM);
@@ -98,6 +97,24 @@ struct AmxScratch {
     row_keys.resize(static_cast<size_t>(blocks * kM));
   }
 };
+
+/** One tile of kN keys as the GEMMs' B operands: K rows first .. first + n_valid of (batch,
+ *  kv_head) through pack_column_pairs into k_pack [parts][d_pad / 32][kN / 16] tiles, V through
+ *  pack_row_pairs into v_pack [parts][kN / 32][d_pad / 16] tiles; zero rows after n_valid, up to
+ *  the whole chunks of 32 keys the GEMMs read. stage: pack_column_pairs' scratch. */
+template <int64_t kN>
+void pack_kv_tile(const AttentionParams& p, int64_t batch, int64_t kv_head, int64_t first, int64_t n_valid, int parts,
+                  int64_t d_pad, float* stage, float* k_pack, float* v_pack) {
+  auto k_row = [&](int64_t n) -> const void* {
+    return n < n_valid ? element_ptr(p.k, p.dtype, batch, first + n, kv_head) : nullptr;
+  };
+  auto v_row = [&](int64_t n) -> const void* {
+    return n < n_valid ? element_ptr(p.v, p.dtype, batch, first + n, kv_head) : nullptr;
+  };
+  const int64_t n_pack = round_up(n_valid, int64_t{32}), slices = d_pad / kSlice;
+  pack_column_pairs(p.dtype, k_row, n_pack, p.head_dim, d_pad, parts, stage, k_pack, kN / 16, slices * (kN / 16));
+  pack_row_pairs(p.dtype, v_row, n_pack, p.head_dim, d_pad, parts, v_pack, (kN / 32) * (d_pad / 16));
+}
 
 /** K and V of every (batch, KV head) packed once per call into the B tiles the GEMMs read, tile by
  *  tile of kN keys (each tile laid out as AmxScratch's k_pack / v_pack). Without it every task
@@ -140,20 +157,9 @@ class PackedKv {
       for (int64_t u = queue.next(); u >= 0; u = queue.next()) {
         const Unit& at = units[static_cast<size_t>(u)];
         const SeqInfo seq = seq_info(p, at.batch);
-        const int64_t n_valid = std::min(kN, seq.seqlen_k - at.n0), first = seq.k_start + at.n0;
-        auto k_row = [&](int64_t n) -> const void* {
-          return n < n_valid ? element_ptr(p.k, p.dtype, at.batch, first + n, at.kv_head) : nullptr;
-        };
-        auto v_row = [&](int64_t n) -> const void* {
-          return n < n_valid ? element_ptr(p.v, p.dtype, at.batch, first + n, at.kv_head) : nullptr;
-        };
-        const int64_t slices = d_pad / kSlice;
-        pack_column_pairs(p.dtype, k_row, round_up(n_valid, 32), p.head_dim, d_pad, parts, stage.data(),
-                          k_.data() + tile_of(at.batch, at.kv_head, at.n0, p.heads_kv) * tile_floats_, kN / 16,
-                          slices * (kN / 16));
-        pack_row_pairs(p.dtype, v_row, round_up(n_valid, 32), p.head_dim, d_pad, parts,
-                       v_.data() + tile_of(at.batch, at.kv_head, at.n0, p.heads_kv) * tile_floats_,
-                       (kN / 32) * (d_pad / 16));
+        const int64_t tile = tile_of(at.batch, at.kv_head, at.n0, p.heads_kv) * tile_floats_;
+        pack_kv_tile<kN>(p, at.batch, at.kv_head, seq.k_start + at.n0, std::min(kN, seq.seqlen_k - at.n0), parts, d_pad,
+                         stage.data(), k_.data() + tile, v_.data() + tile);
       }
     });
     return st.is_ok();
@@ -221,8 +227,8 @@ class AmxTaskRunner {
         k_tiles_ = reinterpret_cast<const uint16_t*>(packed_->keys(task.batch, task.kv_head, n0, p_.heads_kv));
         v_tiles_ = reinterpret_cast<const uint16_t*>(packed_->values(task.batch, task.kv_head, n0, p_.heads_kv));
       } else {
-        pack_keys(task, seq.k_start + n0, n_valid);
-        pack_values(task, seq.k_start + n0, n_valid);
+        pack_kv_tile<kN>(p_, task.batch, task.kv_head, seq.k_start + n0, n_valid, in_parts_, w_.d_pad,
+                         w_.k_stage.data(), w_.k_pack.data(), w_.v_pack.data());
         k_tiles_ = reinterpret_cast<const uint16_t*>(w_.k_pack.data());
         v_tiles_ = reinterpret_cast<const uint16_t*>(w_.v_pack.data());
       }
@@ -276,29 +282,9 @@ class AmxTaskRunner {
     }
   }
 
-  /** K's parts as B tiles (pack_column_pairs), for the n_valid keys from packed row `first` on
-   *  (zeros after, up to the whole chunks of 32 keys the GEMMs read): [parts][d_pad / 32][kN / 16]. */
-  void pack_keys(const ForwardTask& task, int64_t first, int64_t n_valid) {
-    const int64_t slices = w_.d_pad / kDSlice;
-    auto row_at = [&](int64_t n) -> const void* {
-      return n < n_valid ? element_ptr(p_.k, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
-    };
-    pack_column_pairs(p_.dtype, row_at, round_up(n_valid, 32), p_.head_dim, w_.d_pad, in_parts_, w_.k_stage.data(),
-                      w_.k_pack.data(), kN / 16, slices * (kN / 16));
-  }
-
-  /** V's parts as B tiles (pack_row_pairs): [parts][kN / 32][d_pad / 16]. */
-  void pack_values(const ForwardTask& task, int64_t first, int64_t n_valid) {
-    auto row_at = [&](int64_t n) -> const void* {
-      return n < n_valid ? element_ptr(p_.v, p_.dtype, task.batch, first + n, task.kv_head) : nullptr;
-    };
-    pack_row_pairs(p_.dtype, row_at, round_up(n_valid, 32), p_.head_dim, w_.d_pad, in_parts_, w_.v_pack.data(),
-                   (kN / 32) * (w_.d_pad / 16));
-  }
-
   /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
   void scores(const AmxBlock& bl, int64_t key_chunks) {
-    const int64_t d_pad = w_.d_pad, slices = d_pad / kDSlice;
+    const int64_t d_pad = w_.d_pad, slices = d_pad / kSlice;
     const uint16_t* k_pack = k_tiles_;
     float* s = w_.s_buf.data();
     for (int64_t kc = 0; kc < key_chunks; ++kc) {
@@ -308,7 +294,7 @@ class AmxTaskRunner {
       for (int64_t slice = 0; slice < slices; ++slice) {
         for (int pi = 0; pi < score_products_.count; ++pi) {
           if (pi == 0 || score_products_.a[pi] != score_products_.a[pi - 1]) {
-            load_a(bl.q_parts + score_products_.a[pi] * kM * d_pad + slice * kDSlice, d_pad);
+            load_a(bl.q_parts + score_products_.a[pi] * kM * d_pad + slice * kSlice, d_pad);
           }
           const uint16_t* k = k_pack + score_products_.b[pi] * slices * (kN / 16) * kTileUnits * 2;
           multiply_accumulate(k + (slice * (kN / 16) + 2 * kc) * kTileUnits * 2);
@@ -441,7 +427,7 @@ Status amx_flash_forward_with(const AttentionParams& p) {
   PackedKv<Keys> packed;
   bool prepacked = false;
   try {
-    prepacked = packed.build(p, parts_of(p.dtype), round_up(p.head_dim, kDSlice),
+    prepacked = packed.build(p, parts_of(p.dtype), round_up(p.head_dim, kSlice),
                              Config::kBlockRows * blocks_per_task<Config>(p));
   } catch (const std::bad_alloc&) {
     prepacked = false;  // the tasks pack for themselves

@@ -36,6 +36,14 @@ struct GqaPartials {
   float* dv_row(const AttentionParams& p, int64_t head, int64_t row) { return dv.data() + (head * rows + row) * p.head_dim; }
 };
 
+/** Whether any query row of [row_begin, row_end) may see a key of [key_begin, key_end): the
+ *  query blocks a backward runs against a key tile. */
+inline bool rows_see_keys(const MaskInfo& mask, int64_t row_begin, int64_t row_end, int64_t key_begin,
+                          int64_t key_end) {
+  const KeyRange keys = mask.keys_for_rows(row_begin, row_end);
+  return !keys.empty() && keys.end > key_begin && keys.begin < key_end;
+}
+
 /** The tasks, heaviest first. */
 std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p);
 

@@ -88,8 +88,7 @@ class BackwardTaskRunner {
       const int64_t n_valid = std::min(kN, seq_.seqlen_k - n0);
       pack_keys(n0, n_valid);
       auto sees_keys = [&](int64_t m0) {
-        const KeyRange keys = mask.keys_for_rows(m0, std::min(m0 + kM, seq_.seqlen_q));
-        return !keys.empty() && keys.end > n0 && keys.begin < n0 + n_valid;
+        return rows_see_keys(mask, m0, std::min(m0 + kM, seq_.seqlen_q), n0, n0 + n_valid);
       };
       int64_t query_blocks = 0;
       for (int64_t m0 = 0; m0 < seq_.seqlen_q; m0 += kM) query_blocks += sees_keys(m0);

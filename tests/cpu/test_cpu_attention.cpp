@@ -74,17 +74,10 @@ struct ScopedAmxSetting {
   ~ScopedAmxSetting() { unsetenv("FLASHCORE_CPU_AMX"); }
 };
 
-void expect_forward_grids() {
-  const GridOptions g = cpu_grid();
+/** Every TESTING.md grid of `g` through `expect` (expect_forward or expect_backward). */
+void expect_every_grid(const GridOptions& g, void (*expect)(const std::vector<Case>&, fc_backend)) {
   for (const auto& cases : {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g)}) {
-    expect_forward(cases, FC_BACKEND_CPU_FLASH);
-  }
-}
-
-void expect_backward_grids() {
-  const GridOptions g = small_grid();
-  for (const auto& cases : {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g)}) {
-    expect_backward(cases, FC_BACKEND_CPU_FLASH);
+    expect(cases, FC_BACKEND_CPU_FLASH);
   }
 }
 
@@ -92,7 +85,7 @@ TEST(CpuFlashForward, AvxPathWhereAmxIsUsed) {
   if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build): the tests above ran the AVX path";
   ScopedAmxSetting off("0");
   ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16));
-  expect_forward_grids();
+  expect_every_grid(cpu_grid(), expect_forward);
 }
 
 TEST(CpuFlashBackward, AvxPathWhereAmxIsUsed) {
@@ -100,14 +93,14 @@ TEST(CpuFlashBackward, AvxPathWhereAmxIsUsed) {
   ScopedAmxSetting off("0");
   ASSERT_FALSE(cpu::amx_forward_enabled(DType::BF16));
   ASSERT_FALSE(cpu::amx_backward_enabled(DType::BF16));
-  expect_backward_grids();
+  expect_every_grid(small_grid(), expect_backward);
 }
 
 TEST(CpuFlashForward, AmxPathForEveryDtype) {
   if (!cpu::amx_usable()) GTEST_SKIP() << "no AMX on this CPU (or in this build)";
   ScopedAmxSetting on("1");
   ASSERT_TRUE(cpu::amx_forward_enabled(DType::F32));
-  expect_forward_grids();  // fp32 on 64-key tiles
+  expect_every_grid(cpu_grid(), expect_forward);  // fp32 on 64-key tiles
   // The backward recomputes P from the forward's lse: with the AMX forward's lse too.
   expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH);
   expect_backward(grid_masks(small_grid()), FC_BACKEND_CPU_FLASH);
