@@ -1,6 +1,7 @@
-// Times the cpu_flash backward side by side in one process: the AVX-512 path (variant 0, what
-// FLASHCORE_CPU_AMX=0 runs) and the AMX backward (src/cpu/amx_backward_kernel.hpp) on several key
-// tile / query group sizes. The tool for choosing the AMX backward's tile sizes on a CPU.
+// Times the cpu_flash backward side by side in one process: the AVX-512 path (variant 0: one task
+// per head, as before session 24's key chunks; then 256-key chunks as shipped, and 512) and the AMX
+// backward (src/cpu/amx_backward_kernel.hpp) with and without the key split and on several key
+// tile / query group sizes. The tool for choosing the backwards' task split and the AMX tile sizes.
 //
 // Every variant's dQ, dK, dV are checked against variant 0's first (max |difference| relative to
 // the largest gradient, printed), then all are timed in rounds that run each variant once (a slow
@@ -12,7 +13,8 @@
 //       dev/cpu_backward_sweep.cpp src/cpu/flash_forward.cpp src/cpu/flash_backward.cpp
 //       src/cpu/amx_forward.cpp src/cpu/amx_backward.cpp src/cpu/worker_pool.cpp -o /tmp/cpu_backward_sweep
 // Run: /tmp/cpu_backward_sweep [threads ...]   (default: 2)
-//      DTYPE=bf16 (default) | f16, ROUNDS=n (default 5), ONLY=1,3 (those variants beside 0),
+//      DTYPE=bf16 (default) | f16 | f32 (AVX-512 variants only), ROUNDS=n (default 5),
+//      ONLY=1,3 (those variants beside 0),
 //      SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
 //      PHASES=1 (instead: where the shipped AMX backward's thread time goes, per phase of a task),
 //      GQA=g (16 query heads on 16 / g KV heads; default 1)
@@ -42,24 +44,31 @@ struct Entry {
 
 using TimedPhases = SweepPhaseTimer<amx_backward_detail::BackwardPhase>;  // dev/sweep_common.hpp
 
+template <int64_t kMinChunkKeys>
 Status avx_backward(const BackwardParams& p) {
-  setenv("FLASHCORE_CPU_AMX", "0", 1);
-  const Status st = flash_backward(p);
-  unsetenv("FLASHCORE_CPU_AMX");
-  return st;
+  return backward_detail::avx_flash_backward_with(p, kMinChunkKeys);
+}
+
+DType sweep_dtype() {
+  const char* d = std::getenv("DTYPE");
+  if (d && std::string(d) == "f16") return DType::F16;
+  if (d && std::string(d) == "f32") return DType::F32;
+  return DType::BF16;
 }
 
 std::vector<Entry> variants() {
-  std::vector<Entry> all = {{"avx-512 backward", &avx_backward}};
+  std::vector<Entry> all = {{"avx-512, one task per head", &avx_backward<0>},
+                            {"avx-512, chunks >= 256 keys (shipped)", &avx_backward<256>},
+                            {"avx-512, chunks >= 512 keys", &avx_backward<512>}};
 #if FLASHCORE_AMX_BUILT
-  if (amx_usable()) {
+  if (amx_usable() && sweep_dtype() != DType::F32) {
     using namespace amx_backward_detail;
-    all.push_back({"amx 128 keys x 128 rows (shipped)", &amx_flash_backward_with<128, 128>});
-    all.push_back({"amx 64 keys x 128 rows", &amx_flash_backward_with<64, 128>});
-    all.push_back({"amx 128 keys x 64 rows", &amx_flash_backward_with<128, 64>});
-    all.push_back({"amx 128 keys x 256 rows", &amx_flash_backward_with<128, 256>});
-    all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128>});
-    all.push_back({"amx 256 keys x 64 rows", &amx_flash_backward_with<256, 64>});
+    all.push_back({"amx 128 x 128, one task per head (shipped)", &amx_flash_backward_with<128, 128, 0>});
+    all.push_back({"amx 128 x 128, chunks >= 1024 keys", &amx_flash_backward_with<128, 128, 1024>});
+    all.push_back({"amx 128 x 128, chunks >= 512 keys", &amx_flash_backward_with<128, 128, 512>});
+    all.push_back({"amx 64 keys x 128 rows", &amx_flash_backward_with<64, 128, 0>});
+    all.push_back({"amx 128 keys x 64 rows", &amx_flash_backward_with<128, 64, 0>});
+    all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128, 0>});
   }
 #endif
   return all;
@@ -67,7 +76,8 @@ std::vector<Entry> variants() {
 
 using Shape = SweepShape;
 
-/** One problem in 16-bit storage (two elements per float of each buffer) plus the fp32 lse. */
+/** One problem in the storage dtype (16-bit types: two elements per float of each buffer) plus
+ *  the fp32 lse. */
 struct Problem {
   DType dtype = DType::BF16;
   int64_t n = 0, n_kv = 0;  // elements of Q (dQ, out, dout) and of K (V, dK, dV)
@@ -75,29 +85,33 @@ struct Problem {
   BackwardParams p;
 
   float at(const std::vector<float>& t, int64_t i) const {
+    if (dtype == DType::F32) return t[static_cast<size_t>(i)];
     const uint16_t h = reinterpret_cast<const uint16_t*>(t.data())[i];
     return dtype == DType::BF16 ? bf16_to_float(h) : half_to_float(h);
+  }
+  size_t floats() const { return static_cast<size_t>(dtype == DType::F32 ? n : n / 2 + 1); }
+  void set(std::vector<float>& t, int64_t i, float x) const {
+    if (dtype == DType::F32) {
+      t[static_cast<size_t>(i)] = x;
+    } else {
+      reinterpret_cast<uint16_t*>(t.data())[i] = dtype == DType::BF16 ? float_to_bf16(x) : float_to_half(x);
+    }
   }
 };
 
 void build(Problem& pr, const Shape& s, int threads) {
   constexpr int64_t kHeads = 16;
-  const char* d = std::getenv("DTYPE");
-  pr.dtype = d && std::string(d) == "f16" ? DType::F16 : DType::BF16;
+  pr.dtype = sweep_dtype();
   pr.n = s.seqlen * kHeads * s.head_dim;
   const int64_t group = std::getenv("GQA") ? std::max(1, std::atoi(std::getenv("GQA"))) : 1;
   const int64_t heads_kv = kHeads / group, n_kv = s.seqlen * heads_kv * s.head_dim;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   for (auto* t : {&pr.q, &pr.k, &pr.v, &pr.dout}) {
-    t->assign(static_cast<size_t>(pr.n / 2 + 1), 0.f);
-    uint16_t* h = reinterpret_cast<uint16_t*>(t->data());
-    for (int64_t i = 0; i < pr.n; ++i) {
-      const float x = normal(rng);
-      h[i] = pr.dtype == DType::BF16 ? float_to_bf16(x) : float_to_half(x);
-    }
+    t->assign(pr.floats(), 0.f);
+    for (int64_t i = 0; i < pr.n; ++i) pr.set(*t, i, normal(rng));
   }
-  for (auto* t : {&pr.out, &pr.dq, &pr.dk, &pr.dv}) t->assign(static_cast<size_t>(pr.n / 2 + 1), 0.f);
+  for (auto* t : {&pr.out, &pr.dq, &pr.dk, &pr.dv}) t->assign(pr.floats(), 0.f);
   pr.lse.assign(static_cast<size_t>(kHeads * s.seqlen), 0.f);
   BackwardParams& p = pr.p;
   auto view = [&](TensorRef& t, std::vector<float>& data, int64_t heads) {  // (1, seqlen, heads, head_dim)
@@ -152,7 +166,7 @@ int main(int argc, char** argv) {
       for (const Shape& s : shapes) {
         Problem pr;
         build(pr, s, threads);
-        const Entry timed{"amx (shipped sizes)", &amx_backward_detail::amx_flash_backward_with<128, 128, TimedPhases>};
+        const Entry timed{"amx (shipped)", &amx_backward_detail::amx_flash_backward_with<128, 128, 0, TimedPhases>};
         TimedPhases::report(sweep_cell(threads, s).c_str(), timed, pr.p, rounds, threads, 2.5 * s.forward_flops(),
                             names);
       }
@@ -197,7 +211,8 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < all.size(); ++i) {
         const double gflops = flops / medians[i] * 1e-9;
         if (i == 0) base = gflops;
-        // Variants round P and dS differently: bf16 gradients a few bf16 ulps apart are expected.
+        // Variants round P and dS differently, and a split sums dQ in another order: gradients a
+        // few ulps of the dtype apart are expected.
         std::printf("  %-36s %8.1f  %5.2fx  max|diff| / max|grad| %.1e%s\n", all[i].name.c_str(), gflops,
                     gflops / base, max_rel[i], max_rel[i] > 5e-2 ? "  WRONG" : "");
       }

@@ -120,8 +120,8 @@ inline uint16_t* bf16_of(AlignedFloats& a) { return reinterpret_cast<uint16_t*>(
 template <int64_t kKeys, int64_t kGroup, class PhaseTimer>
 class AmxBackwardRunner {
  public:
-  AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch<kKeys, kGroup>& w, GqaPartials* partials)
-      : p_(p), w_(w), partials_(partials), d_pad_(w.d_pad), parts_(parts_of(p.dtype)),
+  AmxBackwardRunner(const BackwardParams& p, AmxBackwardScratch<kKeys, kGroup>& w, const TaskSinks& sinks)
+      : p_(p), w_(w), partials_(sinks.gqa), dq_partials_(sinks.dq), d_pad_(w.d_pad), parts_(parts_of(p.dtype)),
         score_products_(parts_, parts_, 2), grad_products_(parts_, parts_, parts_ - 1) {}
 
   void run(const BackwardTask& task) {
@@ -130,34 +130,37 @@ class AmxBackwardRunner {
     head_ = task.head;
     kv_head_ = task.head / p_.group_size();
     seq_ = seq_info(p_, b_);
-    rows_pad_ = round_up(std::max<int64_t>(seq_.seqlen_q, 1), 32);
+    row0_ = task.row_begin;
+    row_end_ = task.row_end;
+    key_end_ = task.key_end;
+    rows_pad_ = round_up(std::max<int64_t>(row_end_ - row0_, 1), 32);
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
     PhaseTimer::lap(BackwardPhase::kPackHead);
-    for (int64_t n0 = 0; n0 < seq_.seqlen_k; n0 += kKeys) {
-      const int64_t n_valid = std::min(kKeys, seq_.seqlen_k - n0);
+    for (int64_t n0 = task.key_begin; n0 < key_end_; n0 += kKeys) {
+      const int64_t n_valid = std::min(kKeys, key_end_ - n0);
       pack_key_tile(n0, n_valid);
       auto sees_tile = [&](int64_t g0) {
-        return rows_see_keys(mask, g0, std::min(g0 + kGroup, seq_.seqlen_q), n0, n0 + n_valid);
+        return rows_see_keys(mask, g0, std::min(g0 + kGroup, row_end_), n0, n0 + n_valid);
       };
       int64_t groups = 0;
-      for (int64_t g0 = 0; g0 < seq_.seqlen_q; g0 += kGroup) groups += sees_tile(g0);
+      for (int64_t g0 = row0_; g0 < row_end_; g0 += kGroup) groups += sees_tile(g0);
       queue_prefetches(n0, n_valid, groups);
       PhaseTimer::lap(BackwardPhase::kPackKeys);
-      for (int64_t g0 = 0; g0 < seq_.seqlen_q; g0 += kGroup) {
-        if (sees_tile(g0)) process_group(mask, n0, n_valid, g0, std::min(g0 + kGroup, seq_.seqlen_q));
+      for (int64_t g0 = row0_; g0 < row_end_; g0 += kGroup) {
+        if (sees_tile(g0)) process_group(mask, n0, n_valid, g0, std::min(g0 + kGroup, row_end_));
       }
       w_.prefetch.drain();
       write_key_grads(n0, n_valid);
       PhaseTimer::lap(BackwardPhase::kWrite);
     }
-    write_dq();
+    write_dq(task);
     PhaseTimer::lap(BackwardPhase::kWrite);
   }
 
  private:
-  /** The task's B operands from Q and dO (zero rows up to rows_pad), the lse and D per row, and
-   *  a zeroed dQ^T. 32 rows at a time, each input row is read once: Q and dO rows are copied
+  /** The task's B operands from Q and dO (its rows row0_ .. row_end_ at local indices from 0, zero
+   *  rows up to rows_pad), the lse and D per row, and a zeroed dQ^T. 32 rows at a time, each input row is read once: Q and dO rows are copied
    *  into contiguous stages (prefetched a few rows ahead), from which both packs of each are
    *  built. Reading the strided rows once per pack instead found them evicted: rows of one head
    *  sit heads * head_dim elements apart (4 KiB at H = 16, d = 128), all in a few sets of L2. */
@@ -169,13 +172,13 @@ class AmxBackwardRunner {
     char* dout_stage = reinterpret_cast<char*>(w_.dout_stage.data());
     for (int64_t r0 = 0; r0 < rows_pad_; r0 += 32) {
       for (int64_t r = 0; r < 32; ++r) {
-        const int64_t i = r0 + r, row = seq_.q_start + i;
-        if (i >= seq_.seqlen_q) {
+        const int64_t i = r0 + r, row = seq_.q_start + row0_ + i;
+        if (i >= row_end_ - row0_) {
           w_.lse.data()[i] = 0.f;
           w_.delta.data()[i] = 0.f;
           continue;
         }
-        if (i + kPrefetchRows < seq_.seqlen_q) {
+        if (i + kPrefetchRows < row_end_ - row0_) {
           for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
             prefetch_rows(element_ptr(*t, p_.dtype, b_, row + kPrefetchRows, head_), 1, 0, row_bytes);
           }
@@ -187,7 +190,7 @@ class AmxBackwardRunner {
         w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
         w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
       }
-      const int64_t valid = std::min<int64_t>(32, seq_.seqlen_q - r0);
+      const int64_t valid = std::min<int64_t>(32, row_end_ - row0_ - r0);
       auto q_at = [&](int64_t r) -> const void* { return r < valid ? q_stage + r * row_bytes : nullptr; };
       auto dout_at = [&](int64_t r) -> const void* { return r < valid ? dout_stage + r * row_bytes : nullptr; };
       const int64_t col_tile = (r0 / 16) * kTileUnits, pair_tile = (r0 / 32) * col_tiles * kTileUnits;
@@ -229,7 +232,7 @@ class AmxBackwardRunner {
    *  the accumulator stores of the tile's `groups` query groups (PrefetchQueue::issue). */
   void queue_prefetches(int64_t n0, int64_t n_valid, int64_t groups) {
     const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes = p_.head_dim * elem;
-    const int64_t next_rows = std::min(kKeys, seq_.seqlen_k - n0 - kKeys);
+    const int64_t next_rows = std::min(kKeys, key_end_ - n0 - kKeys);
     if (next_rows > 0) {
       for (const TensorRef* t : {&p_.k, &p_.v}) {
         w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kKeys, kv_head_), next_rows,
@@ -246,16 +249,19 @@ class AmxBackwardRunner {
     w_.prefetch.pace(groups * (2 * kc * rb + 2 * kc * dc + dc * rb));
   }
 
+  /** The group of query rows g0 .. g_end (rows of the sequence; the task's buffers hold them from
+   *  l0 = g0 - row0_) against the key tile n0 .. n0 + n_valid. */
   void process_group(const MaskInfo& mask, int64_t n0, int64_t n_valid, int64_t g0, int64_t g_end) {
     const int64_t key_chunks = ceil_div(n_valid, int64_t{32});
     const int64_t row_blocks = ceil_div(g_end - g0, int64_t{32});
-    transposed_scores(bf16_of(w_.k_parts), bf16_of(w_.q_cols), w_.s_t.data(), g0, key_chunks, row_blocks);
-    transposed_scores(bf16_of(w_.v_parts), bf16_of(w_.dout_cols), w_.dp_t.data(), g0, key_chunks, row_blocks);
+    const int64_t l0 = g0 - row0_;
+    transposed_scores(bf16_of(w_.k_parts), bf16_of(w_.q_cols), w_.s_t.data(), l0, key_chunks, row_blocks);
+    transposed_scores(bf16_of(w_.v_parts), bf16_of(w_.dout_cols), w_.dp_t.data(), l0, key_chunks, row_blocks);
     PhaseTimer::lap(BackwardPhase::kScores);
     for (int64_t r = 0; r < row_blocks * 32; ++r) {
       const int64_t row = g0 + r;
       int64_t lo = 0, hi = 0;  // rows past the sequence and rows without any key see nothing
-      if (row < g_end && w_.lse.data()[row] != kNegInf) {
+      if (row < g_end && w_.lse.data()[l0 + r] != kNegInf) {
         const KeyRange keys = mask.keys_for_row(row);
         lo = std::clamp<int64_t>(keys.begin - n0, 0, n_valid);
         hi = std::clamp<int64_t>(keys.end - n0, 0, n_valid);
@@ -267,26 +273,26 @@ class AmxBackwardRunner {
     const bool unmasked = n_valid == key_chunks * 32 && g0 + row_blocks * 32 == g_end &&
                           mask.tile_fully_visible(g0, g_end, n0, n0 + n_valid);
     if (parts_ == 1) {
-      unmasked ? probabilities_and_gradients<false, 1>(g0, key_chunks, row_blocks)
-               : probabilities_and_gradients<true, 1>(g0, key_chunks, row_blocks);
+      unmasked ? probabilities_and_gradients<false, 1>(l0, key_chunks, row_blocks)
+               : probabilities_and_gradients<true, 1>(l0, key_chunks, row_blocks);
     } else {
-      unmasked ? probabilities_and_gradients<false, 2>(g0, key_chunks, row_blocks)
-               : probabilities_and_gradients<true, 2>(g0, key_chunks, row_blocks);
+      unmasked ? probabilities_and_gradients<false, 2>(l0, key_chunks, row_blocks)
+               : probabilities_and_gradients<true, 2>(l0, key_chunks, row_blocks);
     }
     PhaseTimer::lap(BackwardPhase::kSoftmax);
     const int64_t pairs_part = (rows_pad_ / 32) * (d_pad_ / 16);
-    accumulate_key_grads(bf16_of(w_.p_t), bf16_of(w_.dout_pairs), pairs_part, w_.dv_acc.data(), g0, key_chunks,
+    accumulate_key_grads(bf16_of(w_.p_t), bf16_of(w_.dout_pairs), pairs_part, w_.dv_acc.data(), l0, key_chunks,
                          row_blocks);
-    accumulate_key_grads(bf16_of(w_.ds_t), bf16_of(w_.q_pairs), pairs_part, w_.dk_acc.data(), g0, key_chunks,
+    accumulate_key_grads(bf16_of(w_.ds_t), bf16_of(w_.q_pairs), pairs_part, w_.dk_acc.data(), l0, key_chunks,
                          row_blocks);
     PhaseTimer::lap(BackwardPhase::kKeyGrads);
-    accumulate_dq(g0, key_chunks, row_blocks);
+    accumulate_dq(l0, key_chunks, row_blocks);
     PhaseTimer::lap(BackwardPhase::kQueryGrads);
   }
 
   /** out[kKeys x kGroup] (the first key_chunks x row_blocks 32 x 32 blocks) = A B^T for A a key
-   *  tile's row-major parts (K or V) and B the task's column-pair tiles (Q or dO) from row g0. */
-  void transposed_scores(const uint16_t* a_parts, const uint16_t* b_cols, float* out, int64_t g0, int64_t key_chunks,
+   *  tile's row-major parts (K or V) and B the task's column-pair tiles (Q or dO) from its row l0. */
+  void transposed_scores(const uint16_t* a_parts, const uint16_t* b_cols, float* out, int64_t l0, int64_t key_chunks,
                          int64_t row_blocks) {
     const int64_t slices = d_pad_ / kSlice, b_part = slices * (rows_pad_ / 16) * kTileUnits * 2;
     for (int64_t kc = 0; kc < key_chunks; ++kc) {
@@ -297,7 +303,7 @@ class AmxBackwardRunner {
             if (pi == 0 || score_products_.a[pi] != score_products_.a[pi - 1]) {
               load_a(a_parts + score_products_.a[pi] * kKeys * d_pad_ + kc * 32 * d_pad_ + slice * kSlice, d_pad_);
             }
-            const int64_t tile = slice * (rows_pad_ / 16) + (g0 + rb * 32) / 16;
+            const int64_t tile = slice * (rows_pad_ / 16) + (l0 + rb * 32) / 16;
             multiply_accumulate(b_cols + score_products_.b[pi] * b_part + tile * kTileUnits * 2);
           }
         }
@@ -312,7 +318,7 @@ class AmxBackwardRunner {
    *  kMasked: apply each row's key range (first_key / end_key); kParts: parts_ (1 for bf16, whose
    *  one rounding of dS serves both layouts). */
   template <bool kMasked, int kParts>
-  void probabilities_and_gradients(int64_t g0, int64_t key_chunks, int64_t row_blocks) {
+  void probabilities_and_gradients(int64_t l0, int64_t key_chunks, int64_t row_blocks) {
     const bool capped = p_.softcap > 0.f;
     const __m512 scale = _mm512_set1_ps(p_.softmax_scale), log2e = _mm512_set1_ps(ExpConstants::kLog2e);
     const __m512 cap = _mm512_set1_ps(p_.softcap), inv_cap = _mm512_set1_ps(capped ? 1.f / p_.softcap : 0.f);
@@ -324,8 +330,8 @@ class AmxBackwardRunner {
     uint32_t* ds_pairs = reinterpret_cast<uint32_t*>(w_.ds_pairs.data());
     for (int64_t j = 0; j < key_chunks * 32; j += 2) {  // rows of S^T in order, two at a time
       for (int64_t c = 0; c < cols; c += 16) {
-        const __m512 lse = _mm512_loadu_ps(w_.lse.data() + g0 + c);
-        const __m512 delta = _mm512_loadu_ps(w_.delta.data() + g0 + c);
+        const __m512 lse = _mm512_loadu_ps(w_.lse.data() + l0 + c);
+        const __m512 delta = _mm512_loadu_ps(w_.delta.data() + l0 + c);
         __m512 ds[2];
         for (int64_t h = 0; h < 2; ++h) {
           const int64_t at = (j + h) * kGroup + c;
@@ -365,9 +371,9 @@ class AmxBackwardRunner {
   }
 
   /** acc[kKeys x d_pad] += A B over the group's rows, for A the row-major parts of P^T or dS^T
-   *  and B the task's row-pair tiles of dO or Q. */
+   *  and B the task's row-pair tiles of dO or Q from its row l0. */
   void accumulate_key_grads(const uint16_t* a_parts, const uint16_t* b_pairs, int64_t b_part_tiles, float* acc,
-                            int64_t g0, int64_t key_chunks, int64_t row_blocks) {
+                            int64_t l0, int64_t key_chunks, int64_t row_blocks) {
     const int64_t col_tiles = d_pad_ / 16;
     for (int64_t kc = 0; kc < key_chunks; ++kc) {
       for (int64_t c = 0; c < d_pad_; c += 32) {
@@ -378,7 +384,7 @@ class AmxBackwardRunner {
             if (pi == 0 || grad_products_.a[pi] != grad_products_.a[pi - 1]) {
               load_a(a_parts + grad_products_.a[pi] * kKeys * kGroup + kc * 32 * kGroup + rb * 32, kGroup);
             }
-            const int64_t tile = ((g0 / 32) + rb) * col_tiles + c / 16;
+            const int64_t tile = ((l0 / 32) + rb) * col_tiles + c / 16;
             multiply_accumulate(b_pairs + (grad_products_.b[pi] * b_part_tiles + tile) * kTileUnits * 2);
           }
         }
@@ -388,14 +394,14 @@ class AmxBackwardRunner {
     }
   }
 
-  /** dQ^T[:, g0 .. ] += K^T dS^T, in the group's panels. */
-  void accumulate_dq(int64_t g0, int64_t key_chunks, int64_t row_blocks) {
+  /** dQ^T[:, l0 .. ] += K^T dS^T, in the group's panels (l0: the group's first row in the task). */
+  void accumulate_dq(int64_t l0, int64_t key_chunks, int64_t row_blocks) {
     const uint16_t* kt = bf16_of(w_.kt_parts);
     const uint16_t* ds_pairs = bf16_of(w_.ds_pairs);
     const int64_t pair_part = (kKeys / 32) * (kGroup / 16) * kTileUnits * 2;  // bf16 per part
     for (int64_t dc = 0; dc < d_pad_; dc += 32) {
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        float* out = w_.dq_t.data() + (g0 / 32 + rb) * d_pad_ * 32 + dc * 32;
+        float* out = w_.dq_t.data() + (l0 / 32 + rb) * d_pad_ * 32 + dc * 32;
         load_accumulators(out, 32);
         for (int64_t kc = 0; kc < key_chunks; ++kc) {
           for (int pi = 0; pi < grad_products_.count; ++pi) {
@@ -436,12 +442,23 @@ class AmxBackwardRunner {
     }
   }
 
-  /** dQ = softmax_scale * (dQ^T)^T, 16 rows at a time. */
-  void write_dq() {
-    const __m512 scale = _mm512_set1_ps(p_.softmax_scale);
+  /** dQ = softmax_scale * (dQ^T)^T, 16 rows at a time; with several key chunks per head, the
+   *  unscaled rows to the task's partials instead. */
+  void write_dq(const BackwardTask& task) {
     float* rows = w_.rows16.data();
+    if (dq_partials_) {
+      float* out = dq_partials_->rows_of(task);
+      for (int64_t i0 = 0; i0 < row_end_ - row0_; i0 += 16) {
+        transpose(w_.dq_t.data() + (i0 / 32) * d_pad_ * 32 + i0 % 32, 32, d_pad_, 16, rows, d_pad_);
+        for (int64_t i = i0; i < std::min(i0 + 16, row_end_ - row0_); ++i) {
+          std::copy(rows + (i - i0) * d_pad_, rows + (i - i0) * d_pad_ + p_.head_dim, out + i * p_.head_dim);
+        }
+      }
+      return;
+    }
+    const __m512 scale = _mm512_set1_ps(p_.softmax_scale);
     const int64_t row_bytes = p_.head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
-    for (int64_t i0 = 0; i0 < seq_.seqlen_q; i0 += 16) {
+    for (int64_t i0 = 0; i0 < seq_.seqlen_q; i0 += 16) {  // one chunk: the task's rows are the head's
       const int64_t ahead = std::min<int64_t>(16, seq_.seqlen_q - i0 - 16);  // the next 16 rows, for writing
       if (ahead > 0) {
         prefetch_rows(element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i0 + 16, head_), ahead,
@@ -459,26 +476,36 @@ class AmxBackwardRunner {
   const BackwardParams& p_;
   AmxBackwardScratch<kKeys, kGroup>& w_;
   GqaPartials* partials_;
+  DqPartials* dq_partials_;
   const int64_t d_pad_;
   const int parts_;
   const Products score_products_;  // S^T, dP^T: exact
   const Products grad_products_;   // dV, dK, dQ^T: P / dS as fine as the input dtype
   int64_t b_ = 0, head_ = 0, kv_head_ = 0, rows_pad_ = 0;
+  int64_t row0_ = 0, row_end_ = 0, key_end_ = 0;  // the task's query rows [row0_, row_end_) and key end
   SeqInfo seq_{};
 };
 
 /** The backward on AMX for fp16 / bf16 inputs, on tiles of Keys keys and groups of Group query
- *  rows (both multiples of 32; a template so that dev/cpu_backward_sweep.cpp can compare them and
- *  time their phases). */
+ *  rows (both multiples of 32), heads split into key chunks of at least min_chunk_keys
+ *  (backward_tasks.hpp; 0 = one task per head). Templates so that dev/cpu_backward_sweep.cpp can
+ *  compare sizes and time their phases. */
 template <int64_t Keys, int64_t Group, class PhaseTimer = NoBackwardTimer>
-Status amx_flash_backward_with(const BackwardParams& p) {
-  return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
+Status amx_flash_backward_split(const BackwardParams& p, int64_t min_chunk_keys) {
+  return run_backward_tasks(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/false,
+                            [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, const TaskSinks& sinks) {
     AmxBackwardScratch<Keys, Group> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim, parts_of(p.dtype));
     const ScopedTiles tiles;  // per thread; released before the worker returns to the pool
-    AmxBackwardRunner<Keys, Group, PhaseTimer> runner(p, scratch, partials);
+    AmxBackwardRunner<Keys, Group, PhaseTimer> runner(p, scratch, sinks);
     for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
   });
+}
+
+/** The same with the chunks' minimum as a template argument (a plain function pointer for the sweep). */
+template <int64_t Keys, int64_t Group, int64_t MinChunkKeys, class PhaseTimer = NoBackwardTimer>
+Status amx_flash_backward_with(const BackwardParams& p) {
+  return amx_flash_backward_split<Keys, Group, PhaseTimer>(p, MinChunkKeys);
 }
 
 }  // namespace amx_backward_detail

@@ -1,11 +1,20 @@
-// cpu_flash backward: the work split and the GQA reduction that the AVX-512 backward
+// cpu_flash backward: the work split and the reductions that the AVX-512 backward
 // (flash_backward.cpp) and the AMX backward (amx_backward_kernel.hpp) share.
 //
-// One task per (batch, query head). The task owns its query head, so dQ needs no sharing; dK / dV
-// of a key block are complete when the task's loop over query rows ends. With GQA several tasks
-// feed one KV head: each writes fp32 partial dK / dV for its own query head, and a second pass sums
-// the group's partials in head order. Every sum therefore runs in a fixed order: results are
-// bit-identical run to run and for any thread count, without locks or atomics on data.
+// Tasks. A task is one (batch, query head) and a chunk of that sequence's keys. It owns dK / dV of
+// its keys (complete when its loop over query rows ends) and computes dQ of the query rows that
+// can see any of them. With one chunk per head (KeySplit::chunks == 1) the task writes dQ itself.
+// With more, each task leaves its rows' unscaled fp32 dQ in DqPartials and a second pass sums the
+// chunks of each row in chunk order. Why split: the backward used to run one task per (batch,
+// head), so B x H = 16 tasks met 16 threads with nothing to balance a slow core; measured in
+// docs/PERF.md (CPU, session 24).
+//
+// With GQA several tasks feed one KV head: each writes fp32 partial dK / dV for its own query
+// head, and a second pass sums the group's partials in head order.
+//
+// Every sum therefore runs in a fixed order, and the split follows from the shapes alone (never
+// from the thread count): results are bit-identical run to run and for any thread count, without
+// locks or atomics on data.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +22,7 @@
 
 #include "api/backends.hpp"
 #include "cpu/cpu_common.hpp"
+#include "cpu/key_split.hpp"
 
 namespace flashcore {
 namespace cpu {
@@ -20,13 +30,47 @@ namespace backward_detail {
 
 struct BackwardTask {
   int64_t batch;
-  int64_t head;  // query head
+  int64_t head;                // query head
+  int64_t chunk;               // its first key chunk's index within the head
+  int64_t key_begin, key_end;  // the task's keys
+  int64_t row_begin, row_end;  // its query rows: all of the head's for a whole head, else the
+                               // KeySplit::kRowAlign blocks that can see its keys
+  int64_t fold_keys;           // a whole head of several chunks: dQ summed chunk by chunk, every
+                               // fold_keys keys (0: one chunk, nothing to fold)
+  int64_t dq_offset;           // a task of one chunk of a split head: where its rows start in DqPartials
   int64_t cost;
 };
 
+/** Each task's unscaled fp32 dQ, [row_end - row_begin][head_dim] at its dq_offset, when heads run
+ *  as one task per key chunk. */
+struct DqPartials {
+  // Not zeroed: every task writes all of its rows. Each worker first touches the pages of its own
+  // tasks, so a fresh allocation's page faults spread over the threads (zeroing it on one thread
+  // cost more than the split gained: docs/PERF.md, CPU session 24).
+  flash_detail::AlignedFloats data;
+  float* rows_of(const BackwardTask& t) { return data.data() + t.dq_offset; }
+  const float* rows_of(const BackwardTask& t) const { return data.data() + t.dq_offset; }
+};
+
+/** The tasks of a call. A head of several key chunks (KeySplit) runs either as one task per chunk
+ *  (split_heads: dQ through DqPartials and reduce_dq_partials) or as one task that sums its dQ
+ *  chunk by chunk (fold_keys). Both sum every dQ row as ((0 + chunk 0) + chunk 1) + ..., each
+ *  chunk's part from zero over its key tiles in order, so they give the same bits and the choice
+ *  may follow the thread count: split where whole heads would leave threads short of tasks, whole
+ *  where a chunk's repeated loads of its query rows would cost more than the balance gains. */
+struct BackwardPlan {
+  std::vector<BackwardTask> tasks;  // heaviest first
+  bool split_heads = false;
+  int64_t dq_floats = 0;            // of the DqPartials (split_heads)
+};
+
+/** may_fold: whether the kernel sums a whole head's dQ chunk by chunk (else heads of several
+ *  chunks always split). */
+BackwardPlan plan_backward(const BackwardParams& p, const KeySplit& split, bool may_fold);
+
 /** fp32 partial dK / dV per query head, [heads_q][key row][D], used when heads_q > heads_kv. */
 struct GqaPartials {
-  std::vector<float> dk, dv;
+  flash_detail::AlignedFloats dk, dv;  // not zeroed (see DqPartials): tasks write every key row
   int64_t rows = 0;  // key rows per head: batch * seqlen_k (dense) or total packed keys (varlen)
 
   int64_t row_index(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t key) const {
@@ -44,35 +88,50 @@ inline bool rows_see_keys(const MaskInfo& mask, int64_t row_begin, int64_t row_e
   return !keys.empty() && keys.end > key_begin && keys.begin < key_end;
 }
 
-/** The tasks, heaviest first. */
-std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p);
+/** Where a task's results go besides the outputs themselves (null: straight to the outputs). */
+struct TaskSinks {
+  GqaPartials* gqa = nullptr;  // dK / dV per query head (GQA)
+  DqPartials* dq = nullptr;    // dQ per task (several key chunks per head)
+};
 
 /** Sums the group's fp32 partials in head order and writes dK / dV in the output dtype. */
 Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials);
 
-/** Runs worker(queue, tasks, partials) on p.num_threads workers, where partials is null without
- *  GQA (the worker then writes dK / dV itself), then the GQA reduction. */
+/** Sums each row's chunks in chunk order and writes dQ (times softmax_scale) in the output dtype;
+ *  rows that no chunk computed get 0. */
+Status reduce_dq_partials(const BackwardParams& p, const KeySplit& split, const std::vector<BackwardTask>& tasks,
+                          const DqPartials& partials);
+
+/** The AVX-512 backward with chunks of at least min_chunk_keys keys (flash_backward.cpp; what
+ *  flash_backward runs without AMX; dev/cpu_backward_sweep.cpp compares splits with it). */
+Status avx_flash_backward_with(const BackwardParams& p, int64_t min_chunk_keys);
+
+/** Runs worker(queue, tasks, sinks) on p.num_threads workers, then the reductions the sinks need. */
 template <class Worker>
-Status run_backward_tasks(const BackwardParams& p, Worker&& worker) {
-  std::vector<BackwardTask> tasks;
-  GqaPartials partials;
+Status run_backward_tasks(const BackwardParams& p, const KeySplit& split, bool may_fold, Worker&& worker) {
+  BackwardPlan plan;
+  GqaPartials gqa;
+  DqPartials dq;
   const bool grouped = p.heads_q != p.heads_kv;
   try {
-    tasks = make_backward_tasks(p);
+    plan = plan_backward(p, split, may_fold);
+    if (plan.split_heads) dq.data.reserve(plan.dq_floats);
     if (grouped) {
-      partials.rows = p.is_varlen() ? p.cu_seqlens_k[p.batch] : p.batch * p.seqlen_k;
-      const size_t count = static_cast<size_t>(p.heads_q * partials.rows * p.head_dim);
-      partials.dk.resize(count);
-      partials.dv.resize(count);
+      gqa.rows = p.is_varlen() ? p.cu_seqlens_k[p.batch] : p.batch * p.seqlen_k;
+      gqa.dk.reserve(p.heads_q * gqa.rows * p.head_dim);
+      gqa.dv.reserve(p.heads_q * gqa.rows * p.head_dim);
     }
   } catch (const std::bad_alloc&) {
-    return Status::internal("cpu_flash backward: out of host memory for the task list or GQA partials");
+    return Status::internal("cpu_flash backward: out of host memory for the task list or the dQ / GQA partials");
   }
+  const TaskSinks sinks{grouped ? &gqa : nullptr, plan.split_heads ? &dq : nullptr};
+  const std::vector<BackwardTask>& tasks = plan.tasks;
   Status st = flash_detail::run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](flash_detail::TaskQueue& queue) {
-    worker(queue, tasks, grouped ? &partials : nullptr);
+    worker(queue, tasks, sinks);
   });
-  if (!st.is_ok() || !grouped) return st;
-  return reduce_gqa_partials(p, partials);
+  if (st.is_ok() && sinks.dq) st = reduce_dq_partials(p, split, tasks, dq);
+  if (st.is_ok() && sinks.gqa) st = reduce_gqa_partials(p, gqa);
+  return st;
 }
 
 }  // namespace backward_detail

@@ -1,12 +1,13 @@
 // cpu_flash backward: FlashAttention-2 gradients by recomputation, fp32 accumulation.
 //
-// Work split: one task per (batch, query head). Inside a task the FA2 loop order is kept: for
-// each key block (its K^T, V^T tiles packed once), for each query block that can see it:
+// Work split (backward_tasks.hpp): one task per (batch, query head, chunk of keys). Inside a task
+// the FA2 loop order is kept: for each key block of its chunk (its K^T, V^T tiles packed once), for
+// each query block that can see it:
 //   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
 //   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
 //   dK^T += (scale Q)^T dS               dQ += dS K  (times scale once, when dQ is written)
 // with D_i = rowsum(dO_i * O_i) computed first. dQ accumulates in a per-thread fp32 buffer
-// [seqlen_q x D]. Tasks (one per batch and query head) and the GQA reduction: backward_tasks.hpp.
+// [rows x D] for the task's query rows.
 // On CPUs with AMX, fp16 / bf16 take the AMX backward instead (amx_backward_kernel.hpp).
 //
 // Tiles are [rows x keys] with keys along the SIMD lanes (64 keys = 4 AVX-512 vectors); all five
@@ -14,6 +15,7 @@
 // Relies on: cpu_common.hpp, params.hpp (seq_info, offset_of), mask.hpp (keys_for_row(s)).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -32,6 +34,9 @@ struct BackwardTraits {
   static constexpr int64_t kBlockKeys = 64;   // keys per tile (a multiple of kSimdWidth)
   static constexpr int64_t kBlockRows = 64;   // query rows per tile
   static constexpr int64_t kReduceRows = 256; // key rows per task of the GQA reduction pass
+  // Shortest key chunk of a split head (backward_tasks.hpp): a chunk repeats the loads of its
+  // query rows, cheap next to the fp32 GEMMs over 256 keys.
+  static constexpr int64_t kMinChunkKeys = 256;
   static constexpr int64_t kPrefetchRows = 8; // how far ahead strided input rows are prefetched
   static_assert(kBlockKeys % kSimdWidth == 0, "key block must fill whole vectors");
 };
@@ -40,7 +45,8 @@ struct BackwardTraits {
 struct BackwardScratch {
   AlignedFloats q_rows;             // [seqlen_q x D] Q * softmax_scale
   AlignedFloats dout_rows;          // [seqlen_q x D]
-  AlignedFloats dq_acc;             // [seqlen_q x D_pad]
+  AlignedFloats dq_acc;             // [seqlen_q x D_pad] this chunk's dQ
+  AlignedFloats dq_sum;             // [seqlen_q x D_pad] dQ of the chunks before it (BackwardTask::fold_keys)
   AlignedFloats delta, lse;         // [seqlen_q]
   AlignedFloats k_t, v_t;           // [D x N]
   AlignedFloats k_rows;             // [N x D_pad], zero padded columns
@@ -58,6 +64,7 @@ struct BackwardScratch {
     q_rows.reserve(rows * head_dim);
     dout_rows.reserve(rows * head_dim);
     dq_acc.reserve(rows * d_pad);
+    dq_sum.reserve(rows * d_pad);
     delta.reserve(rows);
     lse.reserve(rows);
     for (AlignedFloats* a : {&k_t, &v_t, &dk_t, &dv_t}) a->reserve(head_dim * n);
@@ -71,38 +78,45 @@ struct BackwardScratch {
 
 class BackwardTaskRunner {
  public:
-  BackwardTaskRunner(const BackwardParams& p, BackwardScratch& scratch, GqaPartials* partials)
-      : p_(p), w_(scratch), partials_(partials), d_pad_(round_up(p.head_dim, kSimdWidth)) {}
+  BackwardTaskRunner(const BackwardParams& p, BackwardScratch& scratch, const TaskSinks& sinks)
+      : p_(p), w_(scratch), partials_(sinks.gqa), dq_partials_(sinks.dq), d_pad_(round_up(p.head_dim, kSimdWidth)) {}
 
   void run(const BackwardTask& task) {
     b_ = task.batch;
     head_ = task.head;
     kv_head_ = task.head / p_.group_size();
     seq_ = seq_info(p_, b_);
+    row0_ = task.row_begin;
+    row_end_ = task.row_end;
+    key_end_ = task.key_end;
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
-    std::fill(w_.dq_acc.data(), w_.dq_acc.data() + seq_.seqlen_q * d_pad_, 0.f);
+    const int64_t dq_floats = (row_end_ - row0_) * d_pad_;
+    std::fill(w_.dq_acc.data(), w_.dq_acc.data() + dq_floats, 0.f);
+    if (task.fold_keys) std::fill(w_.dq_sum.data(), w_.dq_sum.data() + dq_floats, 0.f);
 
     constexpr int64_t kN = BackwardTraits::kBlockKeys, kM = BackwardTraits::kBlockRows;
-    for (int64_t n0 = 0; n0 < seq_.seqlen_k; n0 += kN) {
-      const int64_t n_valid = std::min(kN, seq_.seqlen_k - n0);
+    for (int64_t n0 = task.key_begin; n0 < key_end_; n0 += kN) {
+      const int64_t n_valid = std::min(kN, key_end_ - n0);
+      if (task.fold_keys && n0 > task.key_begin && (n0 - task.key_begin) % task.fold_keys == 0) fold_dq();
       pack_keys(n0, n_valid);
       auto sees_keys = [&](int64_t m0) {
-        return rows_see_keys(mask, m0, std::min(m0 + kM, seq_.seqlen_q), n0, n0 + n_valid);
+        return rows_see_keys(mask, m0, std::min(m0 + kM, row_end_), n0, n0 + n_valid);
       };
       int64_t query_blocks = 0;
-      for (int64_t m0 = 0; m0 < seq_.seqlen_q; m0 += kM) query_blocks += sees_keys(m0);
+      for (int64_t m0 = row0_; m0 < row_end_; m0 += kM) query_blocks += sees_keys(m0);
       w_.prefetch.pace(query_blocks * micro_tiles_per_block());
       bool have_grads = false;
-      for (int64_t m0 = 0; m0 < seq_.seqlen_q; m0 += kM) {
+      for (int64_t m0 = row0_; m0 < row_end_; m0 += kM) {
         if (!sees_keys(m0)) continue;
-        process_block(mask, m0, std::min(kM, seq_.seqlen_q - m0), n0, n_valid, /*first=*/!have_grads);
+        process_block(mask, m0, std::min(kM, row_end_ - m0), n0, n_valid, /*first=*/!have_grads);
         have_grads = true;
       }
       w_.prefetch.drain();  // whatever the micro-tiles left, before the next key block is packed
       write_key_grads(n0, n_valid, have_grads);
     }
-    write_dq();
+    if (task.fold_keys) fold_dq();
+    write_dq(task, task.fold_keys ? w_.dq_sum.data() : w_.dq_acc.data());
   }
 
  private:
@@ -114,16 +128,17 @@ class BackwardTaskRunner {
    *  - dO (copied even for fp32: rows 4 KiB apart in the input all fall into one L1 set, and the
    *    dO^T P product walks every row once per group of columns);
    *  - D_i = dO_i . O_i and the forward's lse.
-   *  Input rows are prefetched a few rows ahead: their stride defeats the hardware prefetcher. */
+   *  Rows row0_ .. row_end_ of the head, at local indices from 0. Input rows are prefetched a few
+   *  rows ahead: their stride defeats the hardware prefetcher. */
   void load_head() {
     const int64_t head_dim = p_.head_dim;
     const int64_t row_bytes = head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
     float* q_rows = w_.q_rows.data();
     float* dout_rows = w_.dout_rows.data();
     float* out_row = w_.row_a.data();
-    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
-      const int64_t row = seq_.q_start + i;
-      if (i + BackwardTraits::kPrefetchRows < seq_.seqlen_q) {
+    for (int64_t i = 0; i < row_end_ - row0_; ++i) {
+      const int64_t row = seq_.q_start + row0_ + i;
+      if (i + BackwardTraits::kPrefetchRows < row_end_ - row0_) {
         const int64_t ahead = row + BackwardTraits::kPrefetchRows;
         for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
           prefetch_rows(element_ptr(*t, p_.dtype, b_, ahead, head_), 1, 0, row_bytes);
@@ -146,7 +161,7 @@ class BackwardTaskRunner {
     const int64_t head_dim = p_.head_dim;
     // The next block's rows stream in while this block's query loop computes, a few cache lines
     // per GEMM micro-tile (PrefetchQueue: one burst of them mostly did not arrive).
-    const int64_t next_rows = std::min(kN, seq_.seqlen_k - n0 - kN);
+    const int64_t next_rows = std::min(kN, key_end_ - n0 - kN);
     if (next_rows > 0) {
       const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
       for (const TensorRef* t : {&p_.k, &p_.v}) {
@@ -171,8 +186,8 @@ class BackwardTaskRunner {
   void process_block(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid, bool first) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    const float* q = w_.q_rows.data() + m0 * head_dim;
-    const float* dout = w_.dout_rows.data() + m0 * head_dim;
+    const float* q = w_.q_rows.data() + (m0 - row0_) * head_dim;
+    const float* dout = w_.dout_rows.data() + (m0 - row0_) * head_dim;
     float* probs = w_.probs.data();
     float* dscores = w_.dscores.data();
     // S = (scale Q) K^T, then P in place.
@@ -202,7 +217,7 @@ class BackwardTaskRunner {
     }
     // dQ += dS K
     gemm_bcast<Accumulate::kAdd>(m_valid, d_pad_, n_valid, dscores, kN, 1, w_.k_rows.data(), d_pad_,
-                                 w_.dq_acc.data() + m0 * d_pad_, d_pad_, nullptr, pf);
+                                 w_.dq_acc.data() + (m0 - row0_) * d_pad_, d_pad_, nullptr, pf);
   }
 
   /** GEMM micro-tiles of process_block on a full block (the turns PrefetchQueue gets). */
@@ -224,7 +239,7 @@ class BackwardTaskRunner {
       const int64_t row = m0 + r;
       float* s = w_.probs.data() + r * kN;
       float* tanh_grad = w_.tanh_grad.data() + r * kN;
-      const float lse = w_.lse.data()[row];
+      const float lse = w_.lse.data()[row - row0_];
       if (lse == kNegInf) {  // fully masked row: contributes nothing
         std::fill(s, s + kN, 0.f);
         if (capped) std::fill(tanh_grad, tanh_grad + kN, 0.f);
@@ -257,7 +272,7 @@ class BackwardTaskRunner {
       const float* prob = w_.probs.data() + r * kN;
       const float* tanh_grad = w_.tanh_grad.data() + r * kN;
       float* ds = w_.dscores.data() + r * kN;
-      const Vec delta = Simd::set1(w_.delta.data()[m0 + r]);
+      const Vec delta = Simd::set1(w_.delta.data()[m0 - row0_ + r]);
       for (int64_t j = 0; j < kN; j += kSimdWidth) {
         Vec g = Simd::mul(Simd::load(prob + j), Simd::sub(Simd::load(ds + j), delta));
         if (capped) g = Simd::mul(g, Simd::load(tanh_grad + j));
@@ -293,15 +308,35 @@ class BackwardTaskRunner {
     }
   }
 
-  void write_dq() {
+  /** dq_sum += dq_acc (the chunk just done), and dq_acc = 0 for the next: the order in which
+   *  reduce_dq_partials sums a split head's chunks (BackwardPlan). */
+  void fold_dq() {
+    float* sum = w_.dq_sum.data();
+    float* acc = w_.dq_acc.data();
+    for (int64_t i = 0; i < (row_end_ - row0_) * d_pad_; i += kSimdWidth) {
+      Simd::store(sum + i, Simd::add(Simd::load(sum + i), Simd::load(acc + i)));
+      Simd::store(acc + i, Simd::zero());
+    }
+  }
+
+  /** The task's dQ rows `dq` [rows x D_pad]: unscaled to its partials (a task of a split head),
+   *  else times softmax_scale to the output. */
+  void write_dq(const BackwardTask& task, const float* dq) {
+    if (dq_partials_) {
+      float* out = dq_partials_->rows_of(task);
+      for (int64_t i = 0; i < row_end_ - row0_; ++i) {
+        std::copy(dq + i * d_pad_, dq + i * d_pad_ + p_.head_dim, out + i * p_.head_dim);
+      }
+      return;
+    }
     float* row = w_.row_a.data();
     const int64_t row_bytes = p_.head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
-    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {
+    for (int64_t i = 0; i < seq_.seqlen_q; ++i) {  // one chunk: the task's rows are the head's
       if (i + BackwardTraits::kPrefetchRows < seq_.seqlen_q) {
         prefetch_rows(element_ptr(p_.dq, p_.dtype, b_, seq_.q_start + i + BackwardTraits::kPrefetchRows, head_), 1, 0,
                       row_bytes, /*for_write=*/true);
       }
-      const float* acc = w_.dq_acc.data() + i * d_pad_;
+      const float* acc = dq + i * d_pad_;
       for (int64_t d = 0; d < p_.head_dim; ++d) row[d] = acc[d] * p_.softmax_scale;
       store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i, head_));
     }
@@ -310,8 +345,10 @@ class BackwardTaskRunner {
   const BackwardParams& p_;
   BackwardScratch& w_;
   GqaPartials* partials_;
+  DqPartials* dq_partials_;
   const int64_t d_pad_;
   int64_t b_ = 0, head_ = 0, kv_head_ = 0;
+  int64_t row0_ = 0, row_end_ = 0, key_end_ = 0;  // the task's query rows [row0_, row_end_) and key end
   SeqInfo seq_{};
 };
 
@@ -321,17 +358,117 @@ namespace backward_detail {
 
 using namespace flash_detail;
 
-std::vector<BackwardTask> make_backward_tasks(const BackwardParams& p) {
-  std::vector<BackwardTask> tasks;
+KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys) {
+  // 64 tasks: four per thread on a 16-core machine. Splitting costs each chunk a pass over its
+  // query rows (loads, packs) and the dQ reduction, so heads that already make enough tasks stay whole.
+  constexpr int64_t kTasksWanted = 64, kMaxChunks = 8;
+  constexpr int64_t kMaxPartialFloats = int64_t{1} << 26;  // 256 MiB of dQ partials at most
+  KeySplit split;
+  if (min_chunk_keys <= 0) return split;
+  int64_t heads = 0, max_seqlen_k = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqInfo seq = seq_info(p, b);
+    if (seq.seqlen_q > 0 && seq.seqlen_k > 0) heads += p.heads_q;
+    max_seqlen_k = std::max(max_seqlen_k, seq.seqlen_k);
+  }
+  if (heads == 0) return split;
+  int64_t chunks = std::min({ceil_div(kTasksWanted, heads), kMaxChunks, max_seqlen_k / min_chunk_keys});
+  const int64_t dq_floats = (p.is_varlen() ? p.cu_seqlens_q[p.batch] : p.batch * p.seqlen_q) * p.heads_q * p.head_dim;
+  while (chunks > 1 && chunks * dq_floats > kMaxPartialFloats) --chunks;
+  split.chunks = std::max<int64_t>(chunks, 1);
+  return split;
+}
+
+int64_t min_chunk_keys_or_env(int64_t shipped) {
+  const char* env = std::getenv("FLASHCORE_CPU_CHUNK_KEYS");
+  if (!env || !*env) return shipped;
+  char* end = nullptr;
+  const long long keys = std::strtoll(env, &end, 10);
+  return *end == 0 && keys >= 0 ? keys : shipped;
+}
+
+BackwardPlan plan_backward(const BackwardParams& p, const KeySplit& split, bool may_fold) {
+  // Heads split where whole heads would give fewer than 4 tasks per thread.
+  constexpr int64_t kWholeHeadsPerThread = 4;
+  BackwardPlan plan;
+  int64_t heads = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const SeqInfo seq = seq_info(p, b);
+    if (seq.seqlen_q > 0 || seq.seqlen_k > 0) heads += p.heads_q;
+  }
+  plan.split_heads = split.chunks > 1 &&
+                     (!may_fold || heads < kWholeHeadsPerThread * resolve_thread_count(p.num_threads));
+  std::vector<BackwardTask>& tasks = plan.tasks;
   for (int64_t b = 0; b < p.batch; ++b) {
     const SeqInfo seq = seq_info(p, b);
     if (seq.seqlen_q == 0 && seq.seqlen_k == 0) continue;
-    const int64_t cost = (seq.seqlen_q + 1) * (seq.seqlen_k + 1);
-    for (int64_t h = 0; h < p.heads_q; ++h) tasks.push_back({b, h, cost});
+    const int64_t chunk_keys = split.chunk_keys(seq.seqlen_k);
+    if (!plan.split_heads) {
+      const int64_t cost = (seq.seqlen_q + 1) * (seq.seqlen_k + 1);
+      const int64_t fold = split.chunks > 1 && seq.seqlen_k > chunk_keys ? chunk_keys : 0;
+      for (int64_t h = 0; h < p.heads_q; ++h) tasks.push_back({b, h, 0, 0, seq.seqlen_k, 0, seq.seqlen_q, fold, 0, cost});
+      continue;
+    }
+    const MaskInfo mask = mask_info(p, seq);
+    for (int64_t c = 0; c * chunk_keys < seq.seqlen_k; ++c) {
+      const int64_t key_begin = c * chunk_keys, key_end = std::min(seq.seqlen_k, key_begin + chunk_keys);
+      int64_t row_begin = 0, row_end = 0;  // the blocks of rows that see any of the keys
+      for (int64_t r0 = 0; r0 < seq.seqlen_q; r0 += KeySplit::kRowAlign) {
+        const int64_t r1 = std::min(seq.seqlen_q, r0 + KeySplit::kRowAlign);
+        if (!rows_see_keys(mask, r0, r1, key_begin, key_end)) continue;
+        if (row_end == 0) row_begin = r0;
+        row_end = r1;
+      }
+      const int64_t cost = (row_end - row_begin + 1) * (key_end - key_begin + 1);
+      for (int64_t h = 0; h < p.heads_q; ++h) {
+        tasks.push_back({b, h, c, key_begin, key_end, row_begin, row_end, 0, plan.dq_floats, cost});
+        plan.dq_floats += (row_end - row_begin) * p.head_dim;
+      }
+    }
   }
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const BackwardTask& x, const BackwardTask& y) { return x.cost > y.cost; });
-  return tasks;
+  return plan;
+}
+
+Status reduce_dq_partials(const BackwardParams& p, const KeySplit& split, const std::vector<BackwardTask>& tasks,
+                          const DqPartials& partials) {
+  constexpr int64_t kRows = 256;  // rows per reduction task
+  const int64_t chunks = split.chunks, head_dim = p.head_dim;
+  std::vector<const BackwardTask*> by_chunk;  // [batch][head][chunk], null where a chunk is empty
+  struct ReduceTask { int64_t batch, head, first_row; };
+  std::vector<ReduceTask> work;
+  try {
+    by_chunk.assign(static_cast<size_t>(p.batch * p.heads_q * chunks), nullptr);
+    for (const BackwardTask& t : tasks) by_chunk[static_cast<size_t>((t.batch * p.heads_q + t.head) * chunks + t.chunk)] = &t;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const SeqInfo seq = seq_info(p, b);
+      for (int64_t h = 0; h < p.heads_q; ++h)
+        for (int64_t r0 = 0; r0 < seq.seqlen_q; r0 += kRows) work.push_back({b, h, r0});
+    }
+  } catch (const std::bad_alloc&) {
+    return Status::internal("cpu_flash backward: out of host memory for the dQ reduction");
+  }
+  return run_workers(static_cast<int64_t>(work.size()), p.num_threads, [&](TaskQueue& queue) {
+    AlignedFloats acc_buf;
+    float* acc = acc_buf.reserve(head_dim);
+    for (int64_t w = queue.next(); w >= 0; w = queue.next()) {
+      const ReduceTask& rt = work[static_cast<size_t>(w)];
+      const SeqInfo seq = seq_info(p, rt.batch);
+      const BackwardTask* const* head_chunks = by_chunk.data() + (rt.batch * p.heads_q + rt.head) * chunks;
+      for (int64_t i = rt.first_row; i < std::min(seq.seqlen_q, rt.first_row + kRows); ++i) {
+        std::fill(acc, acc + head_dim, 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const BackwardTask* t = head_chunks[c];
+          if (!t || i < t->row_begin || i >= t->row_end) continue;
+          const float* part = partials.rows_of(*t) + (i - t->row_begin) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += part[d];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= p.softmax_scale;
+        store_row(p.dtype, acc, head_dim, element_ptr_mut(p.dq, p.dtype, rt.batch, seq.q_start + i, rt.head));
+      }
+    }
+  });
 }
 
 Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
@@ -370,16 +507,21 @@ Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
   });
 }
 
+Status avx_flash_backward_with(const BackwardParams& p, int64_t min_chunk_keys) {
+  return run_backward_tasks(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/true,
+                            [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, const TaskSinks& sinks) {
+    BackwardScratch scratch;
+    scratch.reserve(p.seqlen_q, p.head_dim);
+    BackwardTaskRunner runner(p, scratch, sinks);
+    for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
+  });
+}
+
 }  // namespace backward_detail
 
 Status flash_backward(const BackwardParams& p) {
   if (amx_backward_enabled(p.dtype)) return amx_flash_backward(p);
-  return run_backward_tasks(p, [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, GqaPartials* partials) {
-    BackwardScratch scratch;
-    scratch.reserve(p.seqlen_q, p.head_dim);
-    BackwardTaskRunner runner(p, scratch, partials);
-    for (int64_t t = queue.next(); t >= 0; t = queue.next()) runner.run(tasks[static_cast<size_t>(t)]);
-  });
+  return backward_detail::avx_flash_backward_with(p, backward_detail::min_chunk_keys_or_env(BackwardTraits::kMinChunkKeys));
 }
 
 }  // namespace cpu

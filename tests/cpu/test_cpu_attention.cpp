@@ -7,6 +7,7 @@
 #include "common/grids.hpp"
 #include "common/harness.hpp"
 #include "cpu/amx.hpp"
+#include "cpu/key_split.hpp"
 
 namespace flashcore::testing {
 namespace {
@@ -152,7 +153,8 @@ TEST(CpuFlashThreads, AnyThreadCountIsCorrect) {
 // Tasks take more or fewer query blocks with the thread count (flash_forward_kernel.hpp), and
 // the pool runs them in any order: the bits must not move. A sliding window puts each block's
 // first key off the tile grid; GQA stacks query heads into blocks; varlen adds sequences of
-// their own.
+// their own. The backward runs a head of several key chunks whole at 1 thread and split into
+// chunks at 3 or more here (cpu/backward_tasks.hpp, BackwardPlan): both must sum dQ alike.
 TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
   auto mem = host_memory();
   Case dense;
@@ -171,10 +173,84 @@ TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
   varlen.causal = true;
   varlen.varlen_q = {700, 5, 300};
   varlen.varlen_k = {900, 77, 300};
-  for (const Case& c : {dense, varlen}) {
-    std::string why;
-    EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 16, 40, 3}, false, &why)) << why;
-    EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 16, 3}, true, &why)) << why;
+  Case dense_fp32 = dense;  // the AVX-512 paths on any CPU
+  dense_fp32.dtype = FC_DTYPE_F32;
+  auto expect_all = [&] {
+    for (const Case& c : {dense, varlen, dense_fp32}) {
+      std::string why;
+      EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 16, 40, 3}, false, &why)) << why;
+      EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 16, 3}, true, &why)) << why;
+    }
+  };
+  expect_all();
+  if (cpu::amx_usable()) {  // bf16 ran on AMX above
+    ScopedAmxSetting off("0");
+    expect_all();
+  }
+}
+
+// The backwards split a head's keys into chunks where B x H makes few tasks
+// (cpu/backward_tasks.hpp) and sum each dQ row's chunks afterwards. The grids' sequences are too
+// short for the shipped chunk sizes, so FLASHCORE_CPU_CHUNK_KEYS (read at every call) sets the
+// shortest chunk to 256 keys here: every sequence of 512 keys or more splits, and the cases below
+// put chunk edges on the causal diagonal, inside windows, in varlen batches beside sequences too
+// short to split, and under GQA's partials.
+struct ScopedChunkKeys {
+  explicit ScopedChunkKeys(const char* value) { setenv("FLASHCORE_CPU_CHUNK_KEYS", value, 1); }
+  ~ScopedChunkKeys() { unsetenv("FLASHCORE_CPU_CHUNK_KEYS"); }
+};
+
+std::vector<Case> key_split_cases() {
+  std::vector<Case> cases;
+  for (int32_t dtype : {FC_DTYPE_F32, FC_DTYPE_F16, FC_DTYPE_BF16}) {
+    Case c;
+    c.heads_q = 2;
+    c.heads_kv = 1;
+    c.head_dim = 40;
+    c.dtype = dtype;
+    c.seqlen_q = 700;
+    c.seqlen_k = 1100;  // chunks of 512, 512 and 76 keys
+    cases.push_back(c);
+    c.causal = true;  // bottom-right: the first 400 keys are seen by every row
+    cases.push_back(c);
+    c.seqlen_q = c.seqlen_k = 900;  // chunks whose rows start on the diagonal
+    c.head_dim = 64;
+    cases.push_back(c);
+    c.causal = false;
+    c.window_left = 200;  // rows see a band: chunks with row ranges in the middle
+    c.window_right = 10;
+    c.softcap = 20;
+    cases.push_back(c);
+    Case v;  // varlen: one sequence splits, one is too short to, one has no keys
+    v.heads_q = 4;
+    v.heads_kv = 2;
+    v.head_dim = 32;
+    v.dtype = dtype;
+    v.causal = true;
+    v.varlen_q = {600, 130, 40};
+    v.varlen_k = {800, 200, 0};
+    v.batch = 3;
+    cases.push_back(v);
+  }
+  return cases;
+}
+
+TEST(CpuFlashBackward, KeyChunks) {
+  BackwardParams p;  // the first case's shapes: the override must split them
+  p.batch = 1;
+  p.seqlen_q = 700;
+  p.seqlen_k = 1100;
+  p.heads_q = 2;
+  p.heads_kv = 1;
+  p.head_dim = 40;
+  ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 256).chunks, 4);
+  ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 0).chunks, 1);
+  ScopedChunkKeys split("256");
+  expect_backward(key_split_cases(), FC_BACKEND_CPU_FLASH);
+  expect_every_grid(small_grid(), expect_backward);
+  if (cpu::amx_usable()) {  // and the AVX-512 backward where the cases above ran the AMX one
+    ScopedAmxSetting off("0");
+    expect_backward(key_split_cases(), FC_BACKEND_CPU_FLASH);
   }
 }
 
