@@ -1,20 +1,20 @@
 // cpu_flash backward: the work split and the reductions that the AVX-512 backward
 // (flash_backward.cpp) and the AMX backward (amx_backward_kernel.hpp) share.
 //
-// Tasks. A task is one (batch, query head) and a chunk of that sequence's keys. It owns dK / dV of
+// Tasks. A task is one (batch, query head) and a range of that sequence's keys. It owns dK / dV of
 // its keys (complete when its loop over query rows ends) and computes dQ of the query rows that
-// can see any of them. With one chunk per head (KeySplit::chunks == 1) the task writes dQ itself.
-// With more, each task leaves its rows' unscaled fp32 dQ in DqPartials and a second pass sums the
-// chunks of each row in chunk order. Why split: the backward used to run one task per (batch,
-// head), so B x H = 16 tasks met 16 threads with nothing to balance a slow core; measured in
-// docs/PERF.md (CPU, session 24).
+// can see any of them. Where B x H is small a head's keys fall into chunks (key_split.hpp, from
+// the shapes alone), and the head runs as one task per chunk (dQ through fp32 partials and a
+// second pass) or as one task that folds its chunks (BackwardPlan). Why: the backward used to
+// run one task per (batch, head), so B x H = 16 tasks met 16 threads with nothing to balance a
+// slow core (docs/PERF.md, CPU session 24).
 //
 // With GQA several tasks feed one KV head: each writes fp32 partial dK / dV for its own query
 // head, and a second pass sums the group's partials in head order.
 //
-// Every sum therefore runs in a fixed order, and the split follows from the shapes alone (never
-// from the thread count): results are bit-identical run to run and for any thread count, without
-// locks or atomics on data.
+// Every sum runs in an order fixed by the shapes (dQ chunk by chunk in chunk order, GQA partials
+// in head order) whichever way a head runs: results are bit-identical run to run and for any
+// thread count, without locks or atomics on data.
 #pragma once
 
 #include <algorithm>

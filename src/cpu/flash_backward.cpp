@@ -1,8 +1,8 @@
 // cpu_flash backward: FlashAttention-2 gradients by recomputation, fp32 accumulation.
 //
-// Work split (backward_tasks.hpp): one task per (batch, query head, chunk of keys). Inside a task
-// the FA2 loop order is kept: for each key block of its chunk (its K^T, V^T tiles packed once), for
-// each query block that can see it:
+// Work split (backward_tasks.hpp): a task per (batch, query head), or per chunk of its keys where
+// B x H is small. Inside a task the FA2 loop order is kept: for each key block of its keys (its
+// K^T, V^T tiles packed once), for each query block that can see it:
 //   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
 //   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
 //   dK^T += (scale Q)^T dS               dQ += dS K  (times scale once, when dQ is written)
@@ -359,8 +359,9 @@ namespace backward_detail {
 using namespace flash_detail;
 
 KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys) {
-  // 64 tasks: four per thread on a 16-core machine. Splitting costs each chunk a pass over its
-  // query rows (loads, packs) and the dQ reduction, so heads that already make enough tasks stay whole.
+  // Chunks enough for 64 tasks (four per thread on a 16-core machine) where B x H makes fewer. A
+  // head run as chunk tasks repeats the pass over its query rows (loads, packs) per chunk and
+  // adds the dQ reduction (plan_backward decides whether it does).
   constexpr int64_t kTasksWanted = 64, kMaxChunks = 8;
   constexpr int64_t kMaxPartialFloats = int64_t{1} << 26;  // 256 MiB of dQ partials at most
   KeySplit split;
