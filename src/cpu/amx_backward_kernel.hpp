@@ -126,40 +126,36 @@ class AmxBackwardRunner {
 
   void run(const BackwardTask& task) {
     PhaseTimer::lap(BackwardPhase::kBetweenTasks);
-    b_ = task.batch;
-    head_ = task.head;
+    task_ = task;
     kv_head_ = task.head / p_.group_size();
-    seq_ = seq_info(p_, b_);
-    row0_ = task.row_begin;
-    row_end_ = task.row_end;
-    key_end_ = task.key_end;
-    rows_pad_ = round_up(std::max<int64_t>(row_end_ - row0_, 1), 32);
+    seq_ = seq_info(p_, task.batch);
+    rows_pad_ = round_up(std::max<int64_t>(task.row_end - task.row_begin, 1), 32);
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
     PhaseTimer::lap(BackwardPhase::kPackHead);
-    for (int64_t n0 = task.key_begin; n0 < key_end_; n0 += kKeys) {
-      const int64_t n_valid = std::min(kKeys, key_end_ - n0);
+    for (int64_t n0 = task.key_begin; n0 < task.key_end; n0 += kKeys) {
+      const int64_t n_valid = std::min(kKeys, task.key_end - n0);
       pack_key_tile(n0, n_valid);
       auto sees_tile = [&](int64_t g0) {
-        return rows_see_keys(mask, g0, std::min(g0 + kGroup, row_end_), n0, n0 + n_valid);
+        return rows_see_keys(mask, g0, std::min(g0 + kGroup, task.row_end), n0, n0 + n_valid);
       };
       int64_t groups = 0;
-      for (int64_t g0 = row0_; g0 < row_end_; g0 += kGroup) groups += sees_tile(g0);
+      for (int64_t g0 = task.row_begin; g0 < task.row_end; g0 += kGroup) groups += sees_tile(g0);
       queue_prefetches(n0, n_valid, groups);
       PhaseTimer::lap(BackwardPhase::kPackKeys);
-      for (int64_t g0 = row0_; g0 < row_end_; g0 += kGroup) {
-        if (sees_tile(g0)) process_group(mask, n0, n_valid, g0, std::min(g0 + kGroup, row_end_));
+      for (int64_t g0 = task.row_begin; g0 < task.row_end; g0 += kGroup) {
+        if (sees_tile(g0)) process_group(mask, n0, n_valid, g0, std::min(g0 + kGroup, task.row_end));
       }
       w_.prefetch.drain();
       write_key_grads(n0, n_valid);
       PhaseTimer::lap(BackwardPhase::kWrite);
     }
-    write_dq(task);
+    write_dq();
     PhaseTimer::lap(BackwardPhase::kWrite);
   }
 
  private:
-  /** The task's B operands from Q and dO (its rows row0_ .. row_end_ at local indices from 0, zero
+  /** The task's B operands from Q and dO (its rows task_.row_begin .. task_.row_end at local indices from 0, zero
    *  rows up to rows_pad), the lse and D per row, and a zeroed dQ^T. 32 rows at a time, each input row is read once: Q and dO rows are copied
    *  into contiguous stages (prefetched a few rows ahead), from which both packs of each are
    *  built. Reading the strided rows once per pack instead found them evicted: rows of one head
@@ -172,25 +168,25 @@ class AmxBackwardRunner {
     char* dout_stage = reinterpret_cast<char*>(w_.dout_stage.data());
     for (int64_t r0 = 0; r0 < rows_pad_; r0 += 32) {
       for (int64_t r = 0; r < 32; ++r) {
-        const int64_t i = r0 + r, row = seq_.q_start + row0_ + i;
-        if (i >= row_end_ - row0_) {
+        const int64_t i = r0 + r, row = seq_.q_start + task_.row_begin + i;
+        if (i >= task_.row_end - task_.row_begin) {
           w_.lse.data()[i] = 0.f;
           w_.delta.data()[i] = 0.f;
           continue;
         }
-        if (i + kPrefetchRows < row_end_ - row0_) {
+        if (i + kPrefetchRows < task_.row_end - task_.row_begin) {
           for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
-            prefetch_rows(element_ptr(*t, p_.dtype, b_, row + kPrefetchRows, head_), 1, 0, row_bytes);
+            prefetch_rows(element_ptr(*t, p_.dtype, task_.batch, row + kPrefetchRows, task_.head), 1, 0, row_bytes);
           }
         }
-        std::memcpy(q_stage + r * row_bytes, element_ptr(p_.q, p_.dtype, b_, row, head_), row_bytes);
-        std::memcpy(dout_stage + r * row_bytes, element_ptr(p_.dout, p_.dtype, b_, row, head_), row_bytes);
+        std::memcpy(q_stage + r * row_bytes, element_ptr(p_.q, p_.dtype, task_.batch, row, task_.head), row_bytes);
+        std::memcpy(dout_stage + r * row_bytes, element_ptr(p_.dout, p_.dtype, task_.batch, row, task_.head), row_bytes);
         load_row(p_.dtype, dout_stage + r * row_bytes, head_dim, w_.dout_row.data());
-        load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, w_.out_row.data());
+        load_row(p_.dtype, element_ptr(p_.out, p_.dtype, task_.batch, row, task_.head), head_dim, w_.out_row.data());
         w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
-        w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
+        w_.lse.data()[i] = p_.lse.data[task_.batch * p_.lse.batch_stride + task_.head * p_.lse.head_stride + row * p_.lse.row_stride];
       }
-      const int64_t valid = std::min<int64_t>(32, row_end_ - row0_ - r0);
+      const int64_t valid = std::min<int64_t>(32, task_.row_end - task_.row_begin - r0);
       auto q_at = [&](int64_t r) -> const void* { return r < valid ? q_stage + r * row_bytes : nullptr; };
       auto dout_at = [&](int64_t r) -> const void* { return r < valid ? dout_stage + r * row_bytes : nullptr; };
       const int64_t col_tile = (r0 / 16) * kTileUnits, pair_tile = (r0 / 32) * col_tiles * kTileUnits;
@@ -212,9 +208,9 @@ class AmxBackwardRunner {
     for (int64_t n = 0; n < kKeys; ++n) {
       float* k = k_rows + n * d_pad_;
       const bool valid = n < n_valid;
-      if (valid) load_row(p_.dtype, element_ptr(p_.k, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, k);
+      if (valid) load_row(p_.dtype, element_ptr(p_.k, p_.dtype, task_.batch, seq_.k_start + n0 + n, kv_head_), head_dim, k);
       std::fill(k + (valid ? head_dim : 0), k + d_pad_, 0.f);
-      const void* v = valid ? element_ptr(p_.v, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_) : nullptr;
+      const void* v = valid ? element_ptr(p_.v, p_.dtype, task_.batch, seq_.k_start + n0 + n, kv_head_) : nullptr;
       split_row(p_.dtype, v, head_dim, d_pad_, parts_, bf16_of(w_.v_parts) + n * d_pad_, kKeys * d_pad_);
       split_row(DType::F32, k, d_pad_, d_pad_, parts_, bf16_of(w_.k_parts) + n * d_pad_, kKeys * d_pad_);
     }
@@ -232,16 +228,16 @@ class AmxBackwardRunner {
    *  the accumulator stores of the tile's `groups` query groups (PrefetchQueue::issue). */
   void queue_prefetches(int64_t n0, int64_t n_valid, int64_t groups) {
     const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes = p_.head_dim * elem;
-    const int64_t next_rows = std::min(kKeys, key_end_ - n0 - kKeys);
+    const int64_t next_rows = std::min(kKeys, task_.key_end - n0 - kKeys);
     if (next_rows > 0) {
       for (const TensorRef* t : {&p_.k, &p_.v}) {
-        w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kKeys, kv_head_), next_rows,
+        w_.prefetch.add(element_ptr(*t, p_.dtype, task_.batch, seq_.k_start + n0 + kKeys, kv_head_), next_rows,
                         t->row_stride * elem, row_bytes);
       }
     }
     if (!partials_) {
       for (const TensorRef* t : {&p_.dk, &p_.dv}) {
-        w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0, kv_head_), n_valid, t->row_stride * elem,
+        w_.prefetch.add(element_ptr(*t, p_.dtype, task_.batch, seq_.k_start + n0, kv_head_), n_valid, t->row_stride * elem,
                         row_bytes, /*for_write=*/true);
       }
     }
@@ -250,11 +246,11 @@ class AmxBackwardRunner {
   }
 
   /** The group of query rows g0 .. g_end (rows of the sequence; the task's buffers hold them from
-   *  l0 = g0 - row0_) against the key tile n0 .. n0 + n_valid. */
+   *  l0 = g0 - task_.row_begin) against the key tile n0 .. n0 + n_valid. */
   void process_group(const MaskInfo& mask, int64_t n0, int64_t n_valid, int64_t g0, int64_t g_end) {
     const int64_t key_chunks = ceil_div(n_valid, int64_t{32});
     const int64_t row_blocks = ceil_div(g_end - g0, int64_t{32});
-    const int64_t l0 = g0 - row0_;
+    const int64_t l0 = g0 - task_.row_begin;
     transposed_scores(bf16_of(w_.k_parts), bf16_of(w_.q_cols), w_.s_t.data(), l0, key_chunks, row_blocks);
     transposed_scores(bf16_of(w_.v_parts), bf16_of(w_.dout_cols), w_.dp_t.data(), l0, key_chunks, row_blocks);
     PhaseTimer::lap(BackwardPhase::kScores);
@@ -431,26 +427,26 @@ class AmxBackwardRunner {
       }
       const float* dv_row = dv + n * d_pad_;
       if (partials_) {
-        const int64_t row = partials_->row_index(p_, b_, seq_, n0 + n);
-        std::copy(dk_row, dk_row + head_dim, partials_->dk_row(p_, head_, row));
-        std::copy(dv_row, dv_row + head_dim, partials_->dv_row(p_, head_, row));
+        const int64_t row = partials_->row_index(p_, task_.batch, seq_, n0 + n);
+        std::copy(dk_row, dk_row + head_dim, partials_->dk_row(p_, task_.head, row));
+        std::copy(dv_row, dv_row + head_dim, partials_->dv_row(p_, task_.head, row));
       } else {
         const int64_t key_row = seq_.k_start + n0 + n;
-        store_row(p_.dtype, dk_row, head_dim, element_ptr_mut(p_.dk, p_.dtype, b_, key_row, kv_head_));
-        store_row(p_.dtype, dv_row, head_dim, element_ptr_mut(p_.dv, p_.dtype, b_, key_row, kv_head_));
+        store_row(p_.dtype, dk_row, head_dim, element_ptr_mut(p_.dk, p_.dtype, task_.batch, key_row, kv_head_));
+        store_row(p_.dtype, dv_row, head_dim, element_ptr_mut(p_.dv, p_.dtype, task_.batch, key_row, kv_head_));
       }
     }
   }
 
   /** dQ = softmax_scale * (dQ^T)^T, 16 rows at a time; with several key chunks per head, the
    *  unscaled rows to the task's partials instead. */
-  void write_dq(const BackwardTask& task) {
+  void write_dq() {
     float* rows = w_.rows16.data();
     if (dq_partials_) {
-      float* out = dq_partials_->rows_of(task);
-      for (int64_t i0 = 0; i0 < row_end_ - row0_; i0 += 16) {
+      float* out = dq_partials_->rows_of(task_);
+      for (int64_t i0 = 0; i0 < task_.row_end - task_.row_begin; i0 += 16) {
         transpose(w_.dq_t.data() + (i0 / 32) * d_pad_ * 32 + i0 % 32, 32, d_pad_, 16, rows, d_pad_);
-        for (int64_t i = i0; i < std::min(i0 + 16, row_end_ - row0_); ++i) {
+        for (int64_t i = i0; i < std::min(i0 + 16, task_.row_end - task_.row_begin); ++i) {
           std::copy(rows + (i - i0) * d_pad_, rows + (i - i0) * d_pad_ + p_.head_dim, out + i * p_.head_dim);
         }
       }
@@ -461,14 +457,14 @@ class AmxBackwardRunner {
     for (int64_t i0 = 0; i0 < seq_.seqlen_q; i0 += 16) {  // one chunk: the task's rows are the head's
       const int64_t ahead = std::min<int64_t>(16, seq_.seqlen_q - i0 - 16);  // the next 16 rows, for writing
       if (ahead > 0) {
-        prefetch_rows(element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i0 + 16, head_), ahead,
+        prefetch_rows(element_ptr_mut(p_.dq, p_.dtype, task_.batch, seq_.q_start + i0 + 16, task_.head), ahead,
                       p_.dq.row_stride * static_cast<int64_t>(dtype_size(p_.dtype)), row_bytes, /*for_write=*/true);
       }
       transpose(w_.dq_t.data() + (i0 / 32) * d_pad_ * 32 + i0 % 32, 32, d_pad_, 16, rows, d_pad_);
       for (int64_t i = i0; i < std::min(i0 + 16, seq_.seqlen_q); ++i) {
         float* row = rows + (i - i0) * d_pad_;
         for (int64_t c = 0; c < d_pad_; c += 16) _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), scale));
-        store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i, head_));
+        store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, task_.batch, seq_.q_start + i, task_.head));
       }
     }
   }
@@ -481,8 +477,8 @@ class AmxBackwardRunner {
   const int parts_;
   const Products score_products_;  // S^T, dP^T: exact
   const Products grad_products_;   // dV, dK, dQ^T: P / dS as fine as the input dtype
-  int64_t b_ = 0, head_ = 0, kv_head_ = 0, rows_pad_ = 0;
-  int64_t row0_ = 0, row_end_ = 0, key_end_ = 0;  // the task's query rows [row0_, row_end_) and key end
+  BackwardTask task_{};  // the current task
+  int64_t kv_head_ = 0, rows_pad_ = 0;  // derived from it
   SeqInfo seq_{};
 };
 

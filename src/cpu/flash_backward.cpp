@@ -82,41 +82,37 @@ class BackwardTaskRunner {
       : p_(p), w_(scratch), partials_(sinks.gqa), dq_partials_(sinks.dq), d_pad_(round_up(p.head_dim, kSimdWidth)) {}
 
   void run(const BackwardTask& task) {
-    b_ = task.batch;
-    head_ = task.head;
+    task_ = task;
     kv_head_ = task.head / p_.group_size();
-    seq_ = seq_info(p_, b_);
-    row0_ = task.row_begin;
-    row_end_ = task.row_end;
-    key_end_ = task.key_end;
+    seq_ = seq_info(p_, task.batch);
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
-    const int64_t dq_floats = (row_end_ - row0_) * d_pad_;
+    const int64_t dq_floats = (task.row_end - task.row_begin) * d_pad_;
     std::fill(w_.dq_acc.data(), w_.dq_acc.data() + dq_floats, 0.f);
     if (task.fold_keys) std::fill(w_.dq_sum.data(), w_.dq_sum.data() + dq_floats, 0.f);
 
     constexpr int64_t kN = BackwardTraits::kBlockKeys, kM = BackwardTraits::kBlockRows;
-    for (int64_t n0 = task.key_begin; n0 < key_end_; n0 += kN) {
-      const int64_t n_valid = std::min(kN, key_end_ - n0);
+    for (int64_t n0 = task.key_begin; n0 < task.key_end; n0 += kN) {
+      const int64_t n_valid = std::min(kN, task.key_end - n0);
       if (task.fold_keys && n0 > task.key_begin && (n0 - task.key_begin) % task.fold_keys == 0) fold_dq();
       pack_keys(n0, n_valid);
       auto sees_keys = [&](int64_t m0) {
-        return rows_see_keys(mask, m0, std::min(m0 + kM, row_end_), n0, n0 + n_valid);
+        return rows_see_keys(mask, m0, std::min(m0 + kM, task.row_end), n0, n0 + n_valid);
       };
       int64_t query_blocks = 0;
-      for (int64_t m0 = row0_; m0 < row_end_; m0 += kM) query_blocks += sees_keys(m0);
+      for (int64_t m0 = task.row_begin; m0 < task.row_end; m0 += kM) query_blocks += sees_keys(m0);
       w_.prefetch.pace(query_blocks * micro_tiles_per_block());
       bool have_grads = false;
-      for (int64_t m0 = row0_; m0 < row_end_; m0 += kM) {
+      for (int64_t m0 = task.row_begin; m0 < task.row_end; m0 += kM) {
         if (!sees_keys(m0)) continue;
-        process_block(mask, m0, std::min(kM, row_end_ - m0), n0, n_valid, /*first=*/!have_grads);
+        process_block(mask, m0, std::min(kM, task.row_end - m0), n0, n_valid, /*first=*/!have_grads);
         have_grads = true;
       }
       w_.prefetch.drain();  // whatever the micro-tiles left, before the next key block is packed
       write_key_grads(n0, n_valid, have_grads);
     }
     if (task.fold_keys) fold_dq();
-    write_dq(task, task.fold_keys ? w_.dq_sum.data() : w_.dq_acc.data());
+    write_dq(task.fold_keys ? w_.dq_sum.data() : w_.dq_acc.data());
   }
 
  private:
@@ -128,7 +124,7 @@ class BackwardTaskRunner {
    *  - dO (copied even for fp32: rows 4 KiB apart in the input all fall into one L1 set, and the
    *    dO^T P product walks every row once per group of columns);
    *  - D_i = dO_i . O_i and the forward's lse.
-   *  Rows row0_ .. row_end_ of the head, at local indices from 0. Input rows are prefetched a few
+   *  Rows task_.row_begin .. task_.row_end of the head, at local indices from 0. Input rows are prefetched a few
    *  rows ahead: their stride defeats the hardware prefetcher. */
   void load_head() {
     const int64_t head_dim = p_.head_dim;
@@ -136,22 +132,22 @@ class BackwardTaskRunner {
     float* q_rows = w_.q_rows.data();
     float* dout_rows = w_.dout_rows.data();
     float* out_row = w_.row_a.data();
-    for (int64_t i = 0; i < row_end_ - row0_; ++i) {
-      const int64_t row = seq_.q_start + row0_ + i;
-      if (i + BackwardTraits::kPrefetchRows < row_end_ - row0_) {
+    for (int64_t i = 0; i < task_.row_end - task_.row_begin; ++i) {
+      const int64_t row = seq_.q_start + task_.row_begin + i;
+      if (i + BackwardTraits::kPrefetchRows < task_.row_end - task_.row_begin) {
         const int64_t ahead = row + BackwardTraits::kPrefetchRows;
         for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
-          prefetch_rows(element_ptr(*t, p_.dtype, b_, ahead, head_), 1, 0, row_bytes);
+          prefetch_rows(element_ptr(*t, p_.dtype, task_.batch, ahead, task_.head), 1, 0, row_bytes);
         }
       }
       float* q = q_rows + i * head_dim;
-      load_row(p_.dtype, element_ptr(p_.q, p_.dtype, b_, row, head_), head_dim, q);
+      load_row(p_.dtype, element_ptr(p_.q, p_.dtype, task_.batch, row, task_.head), head_dim, q);
       for (int64_t d = 0; d < head_dim; ++d) q[d] *= p_.softmax_scale;
       float* dout = dout_rows + i * head_dim;
-      load_row(p_.dtype, element_ptr(p_.dout, p_.dtype, b_, row, head_), head_dim, dout);
-      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, b_, row, head_), head_dim, out_row);
+      load_row(p_.dtype, element_ptr(p_.dout, p_.dtype, task_.batch, row, task_.head), head_dim, dout);
+      load_row(p_.dtype, element_ptr(p_.out, p_.dtype, task_.batch, row, task_.head), head_dim, out_row);
       w_.delta.data()[i] = dot(dout, out_row, head_dim);
-      w_.lse.data()[i] = p_.lse.data[b_ * p_.lse.batch_stride + head_ * p_.lse.head_stride + row * p_.lse.row_stride];
+      w_.lse.data()[i] = p_.lse.data[task_.batch * p_.lse.batch_stride + task_.head * p_.lse.head_stride + row * p_.lse.row_stride];
     }
   }
 
@@ -161,11 +157,11 @@ class BackwardTaskRunner {
     const int64_t head_dim = p_.head_dim;
     // The next block's rows stream in while this block's query loop computes, a few cache lines
     // per GEMM micro-tile (PrefetchQueue: one burst of them mostly did not arrive).
-    const int64_t next_rows = std::min(kN, key_end_ - n0 - kN);
+    const int64_t next_rows = std::min(kN, task_.key_end - n0 - kN);
     if (next_rows > 0) {
       const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
       for (const TensorRef* t : {&p_.k, &p_.v}) {
-        w_.prefetch.add(element_ptr(*t, p_.dtype, b_, seq_.k_start + n0 + kN, kv_head_), next_rows,
+        w_.prefetch.add(element_ptr(*t, p_.dtype, task_.batch, seq_.k_start + n0 + kN, kv_head_), next_rows,
                         t->row_stride * elem, head_dim * elem);
       }
     }
@@ -173,9 +169,9 @@ class BackwardTaskRunner {
     float* v_rows = w_.v_rows.data();
     for (int64_t n = 0; n < n_valid; ++n) {
       float* k_row = k_rows + n * d_pad_;
-      load_row(p_.dtype, element_ptr(p_.k, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, k_row);
+      load_row(p_.dtype, element_ptr(p_.k, p_.dtype, task_.batch, seq_.k_start + n0 + n, kv_head_), head_dim, k_row);
       std::fill(k_row + head_dim, k_row + d_pad_, 0.f);
-      load_row(p_.dtype, element_ptr(p_.v, p_.dtype, b_, seq_.k_start + n0 + n, kv_head_), head_dim, v_rows + n * head_dim);
+      load_row(p_.dtype, element_ptr(p_.v, p_.dtype, task_.batch, seq_.k_start + n0 + n, kv_head_), head_dim, v_rows + n * head_dim);
     }
     std::fill(k_rows + n_valid * d_pad_, k_rows + kN * d_pad_, 0.f);
     std::fill(v_rows + n_valid * head_dim, v_rows + kN * head_dim, 0.f);
@@ -186,8 +182,8 @@ class BackwardTaskRunner {
   void process_block(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid, bool first) {
     constexpr int64_t kN = BackwardTraits::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    const float* q = w_.q_rows.data() + (m0 - row0_) * head_dim;
-    const float* dout = w_.dout_rows.data() + (m0 - row0_) * head_dim;
+    const float* q = w_.q_rows.data() + (m0 - task_.row_begin) * head_dim;
+    const float* dout = w_.dout_rows.data() + (m0 - task_.row_begin) * head_dim;
     float* probs = w_.probs.data();
     float* dscores = w_.dscores.data();
     // S = (scale Q) K^T, then P in place.
@@ -217,7 +213,7 @@ class BackwardTaskRunner {
     }
     // dQ += dS K
     gemm_bcast<Accumulate::kAdd>(m_valid, d_pad_, n_valid, dscores, kN, 1, w_.k_rows.data(), d_pad_,
-                                 w_.dq_acc.data() + (m0 - row0_) * d_pad_, d_pad_, nullptr, pf);
+                                 w_.dq_acc.data() + (m0 - task_.row_begin) * d_pad_, d_pad_, nullptr, pf);
   }
 
   /** GEMM micro-tiles of process_block on a full block (the turns PrefetchQueue gets). */
@@ -239,7 +235,7 @@ class BackwardTaskRunner {
       const int64_t row = m0 + r;
       float* s = w_.probs.data() + r * kN;
       float* tanh_grad = w_.tanh_grad.data() + r * kN;
-      const float lse = w_.lse.data()[row - row0_];
+      const float lse = w_.lse.data()[row - task_.row_begin];
       if (lse == kNegInf) {  // fully masked row: contributes nothing
         std::fill(s, s + kN, 0.f);
         if (capped) std::fill(tanh_grad, tanh_grad + kN, 0.f);
@@ -272,7 +268,7 @@ class BackwardTaskRunner {
       const float* prob = w_.probs.data() + r * kN;
       const float* tanh_grad = w_.tanh_grad.data() + r * kN;
       float* ds = w_.dscores.data() + r * kN;
-      const Vec delta = Simd::set1(w_.delta.data()[m0 - row0_ + r]);
+      const Vec delta = Simd::set1(w_.delta.data()[m0 - task_.row_begin + r]);
       for (int64_t j = 0; j < kN; j += kSimdWidth) {
         Vec g = Simd::mul(Simd::load(prob + j), Simd::sub(Simd::load(ds + j), delta));
         if (capped) g = Simd::mul(g, Simd::load(tanh_grad + j));
@@ -289,9 +285,9 @@ class BackwardTaskRunner {
     float* dk_rows = w_.dk_rows.data();
     float* dv_rows = w_.v_rows.data();
     if (partials_) {
-      const int64_t row = partials_->row_index(p_, b_, seq_, n0);
-      dk_rows = partials_->dk_row(p_, head_, row);
-      dv_rows = partials_->dv_row(p_, head_, row);
+      const int64_t row = partials_->row_index(p_, task_.batch, seq_, n0);
+      dk_rows = partials_->dk_row(p_, task_.head, row);
+      dv_rows = partials_->dv_row(p_, task_.head, row);
     }
     if (have_grads) {
       transpose(w_.dk_t.data(), kN, head_dim, n_valid, dk_rows, head_dim);
@@ -303,8 +299,8 @@ class BackwardTaskRunner {
     if (partials_) return;
     for (int64_t n = 0; n < n_valid; ++n) {
       const int64_t key_row = seq_.k_start + n0 + n;
-      store_row(p_.dtype, dk_rows + n * head_dim, head_dim, element_ptr_mut(p_.dk, p_.dtype, b_, key_row, kv_head_));
-      store_row(p_.dtype, dv_rows + n * head_dim, head_dim, element_ptr_mut(p_.dv, p_.dtype, b_, key_row, kv_head_));
+      store_row(p_.dtype, dk_rows + n * head_dim, head_dim, element_ptr_mut(p_.dk, p_.dtype, task_.batch, key_row, kv_head_));
+      store_row(p_.dtype, dv_rows + n * head_dim, head_dim, element_ptr_mut(p_.dv, p_.dtype, task_.batch, key_row, kv_head_));
     }
   }
 
@@ -313,7 +309,7 @@ class BackwardTaskRunner {
   void fold_dq() {
     float* sum = w_.dq_sum.data();
     float* acc = w_.dq_acc.data();
-    for (int64_t i = 0; i < (row_end_ - row0_) * d_pad_; i += kSimdWidth) {
+    for (int64_t i = 0; i < (task_.row_end - task_.row_begin) * d_pad_; i += kSimdWidth) {
       Simd::store(sum + i, Simd::add(Simd::load(sum + i), Simd::load(acc + i)));
       Simd::store(acc + i, Simd::zero());
     }
@@ -321,10 +317,10 @@ class BackwardTaskRunner {
 
   /** The task's dQ rows `dq` [rows x D_pad]: unscaled to its partials (a task of a split head),
    *  else times softmax_scale to the output. */
-  void write_dq(const BackwardTask& task, const float* dq) {
+  void write_dq(const float* dq) {
     if (dq_partials_) {
-      float* out = dq_partials_->rows_of(task);
-      for (int64_t i = 0; i < row_end_ - row0_; ++i) {
+      float* out = dq_partials_->rows_of(task_);
+      for (int64_t i = 0; i < task_.row_end - task_.row_begin; ++i) {
         std::copy(dq + i * d_pad_, dq + i * d_pad_ + p_.head_dim, out + i * p_.head_dim);
       }
       return;
@@ -333,12 +329,12 @@ class BackwardTaskRunner {
     const int64_t row_bytes = p_.head_dim * static_cast<int64_t>(dtype_size(p_.dtype));
     for (int64_t i = 0; i < seq_.seqlen_q; ++i) {  // one chunk: the task's rows are the head's
       if (i + BackwardTraits::kPrefetchRows < seq_.seqlen_q) {
-        prefetch_rows(element_ptr(p_.dq, p_.dtype, b_, seq_.q_start + i + BackwardTraits::kPrefetchRows, head_), 1, 0,
+        prefetch_rows(element_ptr(p_.dq, p_.dtype, task_.batch, seq_.q_start + i + BackwardTraits::kPrefetchRows, task_.head), 1, 0,
                       row_bytes, /*for_write=*/true);
       }
       const float* acc = dq + i * d_pad_;
       for (int64_t d = 0; d < p_.head_dim; ++d) row[d] = acc[d] * p_.softmax_scale;
-      store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, b_, seq_.q_start + i, head_));
+      store_row(p_.dtype, row, p_.head_dim, element_ptr_mut(p_.dq, p_.dtype, task_.batch, seq_.q_start + i, task_.head));
     }
   }
 
@@ -347,8 +343,8 @@ class BackwardTaskRunner {
   GqaPartials* partials_;
   DqPartials* dq_partials_;
   const int64_t d_pad_;
-  int64_t b_ = 0, head_ = 0, kv_head_ = 0;
-  int64_t row0_ = 0, row_end_ = 0, key_end_ = 0;  // the task's query rows [row0_, row_end_) and key end
+  BackwardTask task_{};  // the current task
+  int64_t kv_head_ = 0;  // derived from it
   SeqInfo seq_{};
 };
 

@@ -70,9 +70,18 @@ GridOptions small_grid() {
 // amx_backward.cpp) for bf16 and fp16 and the AVX-512 paths for fp32. Both paths must pass every
 // dtype there: each test below forces one of them for its calls (FLASHCORE_CPU_AMX, read at every
 // call; "1" moves the fp32 forward onto AMX, and the fp32 backward, which has no AMX path, stays).
-struct ScopedAmxSetting {
-  explicit ScopedAmxSetting(const char* value) { setenv("FLASHCORE_CPU_AMX", value, 1); }
-  ~ScopedAmxSetting() { unsetenv("FLASHCORE_CPU_AMX"); }
+/** An environment variable set for one scope (the CPU backends read theirs at every call). */
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+
+struct ScopedAmxSetting : ScopedEnv {
+  explicit ScopedAmxSetting(const char* value) : ScopedEnv("FLASHCORE_CPU_AMX", value) {}
 };
 
 /** Every TESTING.md grid of `g` through `expect` (expect_forward or expect_backward). */
@@ -190,16 +199,11 @@ TEST(CpuFlashThreads, ThreadCountDoesNotChangeBits) {
 }
 
 // The backwards split a head's keys into chunks where B x H makes few tasks
-// (cpu/backward_tasks.hpp) and sum each dQ row's chunks afterwards. The grids' sequences are too
+// (cpu/backward_tasks.hpp) and sum each dQ row chunk by chunk. The grids' sequences are too
 // short for the shipped chunk sizes, so FLASHCORE_CPU_CHUNK_KEYS (read at every call) sets the
 // shortest chunk to 256 keys here: every sequence of 512 keys or more splits, and the cases below
 // put chunk edges on the causal diagonal, inside windows, in varlen batches beside sequences too
 // short to split, and under GQA's partials.
-struct ScopedChunkKeys {
-  explicit ScopedChunkKeys(const char* value) { setenv("FLASHCORE_CPU_CHUNK_KEYS", value, 1); }
-  ~ScopedChunkKeys() { unsetenv("FLASHCORE_CPU_CHUNK_KEYS"); }
-};
-
 std::vector<Case> key_split_cases() {
   std::vector<Case> cases;
   for (int32_t dtype : {FC_DTYPE_F32, FC_DTYPE_F16, FC_DTYPE_BF16}) {
@@ -245,7 +249,7 @@ TEST(CpuFlashBackward, KeyChunks) {
   p.head_dim = 40;
   ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 256).chunks, 4);
   ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 0).chunks, 1);
-  ScopedChunkKeys split("256");
+  ScopedEnv split("FLASHCORE_CPU_CHUNK_KEYS", "256");
   expect_backward(key_split_cases(), FC_BACKEND_CPU_FLASH);
   expect_every_grid(small_grid(), expect_backward);
   if (cpu::amx_usable()) {  // and the AVX-512 backward where the cases above ran the AMX one
