@@ -29,7 +29,10 @@ using namespace flashcore;
 using namespace flashcore::cuda::sm80;
 
 // Alternative configurations (bf16 only): X(id, head_dim, kBlockM, kBlockN, warps,
-//   Q in registers, min CTAs per SM (0 = default), P V overlapped with the next softmax)
+//   Q in registers, min CTAs per SM (0 = default), P V overlapped with the next softmax).
+// 20 / 21 (session 25): d128 with Q in registers on 16-key tiles, to test whether the shipped
+// d128 kernel (Q re-read from smem per k-step) is bound by shared-memory bandwidth. It is not:
+// 0.77x the shipped kernel at d128 S = 4096 (docs/PERF.md).
 #ifndef FCDEV_VARIANTS
 #define FCDEV_VARIANTS                    \
   X(1, 64, 128, 64, 4, true, 0, true)     \
@@ -39,7 +42,9 @@ using namespace flashcore::cuda::sm80;
   X(8, 256, 128, 64, 8, false, 0, true)   \
   X(9, 256, 128, 64, 8, false, 0, false)  \
   X(11, 256, 128, 32, 8, false, 0, true)  \
-  X(12, 128, 128, 32, 4, false, 0, true)
+  X(12, 128, 128, 32, 4, false, 0, true)  \
+  X(20, 128, 128, 16, 4, true, 0, true)   \
+  X(21, 128, 128, 16, 4, true, 0, false)
 #endif
 
 // variant + 100: the same configuration with eager rescaling (threshold 0).
