@@ -44,7 +44,12 @@ using namespace flashcore::cuda::sm80;
   X(11, 256, 128, 32, 8, false, 0, true)  \
   X(12, 128, 128, 32, 4, false, 0, true)  \
   X(20, 128, 128, 16, 4, true, 0, true)   \
-  X(21, 128, 128, 16, 4, true, 0, false)
+  X(21, 128, 128, 16, 4, true, 0, false)  \
+  X(22, 128, 64, 32, 4, true, 3, true)    \
+  X(23, 128, 64, 64, 4, true, 3, false)   \
+  X(24, 64, 64, 64, 4, true, 4, true)     \
+  X(25, 256, 64, 64, 4, false, 2, false)  \
+  X(26, 256, 64, 32, 4, true, 2, true)
 #endif
 
 // variant + 100: the same configuration with eager rescaling (threshold 0).
