@@ -1,14 +1,16 @@
 // Times the cpu_flash backward side by side in one process: the AVX-512 path (variant 0: one task
-// per head, as before session 24's key chunks; then 256-key chunks as shipped, and 512) and the AMX
+// per head, as before session 24's key chunks; then 256-key chunks as shipped, and 512), the AMX
 // backward (src/cpu/amx_backward_kernel.hpp) with and without the key split and on several key
-// tile / query group sizes. The tool for choosing the backwards' task split and the AMX tile sizes.
+// tile / query group sizes, and last the AVX-512 path on other tiles (flash_backward_kernel.hpp's
+// BackwardConfig: query rows per block, micro-kernel tile). The tool for choosing the backwards'
+// task split and tile sizes.
 //
 // Every variant's dQ, dK, dV are checked against variant 0's first (max |difference| relative to
 // the largest gradient, printed), then all are timed in rounds that run each variant once (a slow
 // spell of a shared machine hits all alike); median per variant, ratio to variant 0. The forward
 // (for out and lse) runs once per shape, untimed. Backward FLOPs: 2.5 x the forward's.
 //
-// Build (from the repository root, on an AMX CPU; without AMX only variant 0 runs):
+// Build (from the repository root; on a CPU without AMX the AMX variants are left out):
 //   g++ -std=c++17 -O3 -march=native -mamx-tile -mamx-bf16 -pthread -I include -I src
 //       dev/cpu_backward_sweep.cpp src/cpu/flash_forward.cpp src/cpu/flash_backward.cpp
 //       src/cpu/amx_forward.cpp src/cpu/amx_backward.cpp src/cpu/worker_pool.cpp -o /tmp/cpu_backward_sweep
@@ -16,7 +18,8 @@
 //      DTYPE=bf16 (default) | f16 | f32 (AVX-512 variants only), ROUNDS=n (default 5),
 //      ONLY=1,3 (those variants beside 0),
 //      SHAPES=all (adds S=4096 d=128, S=1024 d=128 causal, S=2048 d=256),
-//      PHASES=1 (instead: where the shipped AMX backward's thread time goes, per phase of a task),
+//      PHASES=1 (instead: where the shipped backward's thread time goes, per phase of a task: the
+//               AMX one for 16-bit DTYPEs on an AMX CPU, else the AVX-512 one),
 //      GQA=g (16 query heads on 16 / g KV heads; default 1)
 #include <algorithm>
 #include <cmath>
@@ -30,6 +33,7 @@
 #include "sweep_common.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/amx_backward_kernel.hpp"
+#include "cpu/flash_backward_kernel.hpp"
 
 using namespace flashcore;
 using namespace flashcore::cpu;
@@ -42,11 +46,16 @@ struct Entry {
   Status (*run)(const BackwardParams&);
 };
 
-using TimedPhases = SweepPhaseTimer<amx_backward_detail::BackwardPhase>;  // dev/sweep_common.hpp
+using TimedPhases = SweepPhaseTimer<backward_detail::BackwardPhase>;  // dev/sweep_common.hpp
 
-template <int64_t kMinChunkKeys>
+// The AVX-512 backward's tiles (flash_backward_kernel.hpp): query rows per block x 64 keys, and the
+// micro-kernel tile of its five products.
+using backward_detail::BackwardConfig;
+using backward_detail::ShippedBackwardConfig;
+
+template <class Config, int64_t kMinChunkKeys, class PhaseTimer = backward_detail::NoBackwardTimer>
 Status avx_backward(const BackwardParams& p) {
-  return backward_detail::avx_flash_backward_with(p, kMinChunkKeys);
+  return backward_detail::avx_flash_backward_tiles<Config, PhaseTimer>(p, kMinChunkKeys);
 }
 
 DType sweep_dtype() {
@@ -57,9 +66,9 @@ DType sweep_dtype() {
 }
 
 std::vector<Entry> variants() {
-  std::vector<Entry> all = {{"avx-512, one task per head", &avx_backward<0>},
-                            {"avx-512, chunks >= 256 keys (shipped)", &avx_backward<256>},
-                            {"avx-512, chunks >= 512 keys", &avx_backward<512>}};
+  std::vector<Entry> all = {{"avx-512, one task per head", &avx_backward<ShippedBackwardConfig, 0>},
+                            {"avx-512, chunks >= 256 keys (shipped)", &avx_backward<ShippedBackwardConfig, 256>},
+                            {"avx-512, chunks >= 512 keys", &avx_backward<ShippedBackwardConfig, 512>}};
 #if FLASHCORE_AMX_BUILT
   if (amx_usable() && sweep_dtype() != DType::F32) {
     using namespace amx_backward_detail;
@@ -71,6 +80,14 @@ std::vector<Entry> variants() {
     all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128, 0>});
   }
 #endif
+  // Other AVX-512 tiles (query rows per block, micro-kernel rows x vectors), 256-key chunks.
+  // Session 25 on the GPU machine's Xeon, fp32, against the shipped 6x4 on 64 rows at 2 / 16
+  // threads: 8x2 0.86-0.90x / 0.89-0.94x, 4x4 0.90-1.00x / 0.91-1.00x, 48 and 96 rows (blocks that
+  // KeySplit's row alignment no longer allows) 0.92-1.02x. 32 and 128 rows: not measured there.
+  all.push_back({"avx-512, 64 rows, 8x2", &avx_backward<BackwardConfig<64, Avx512Tile<8, 2>>, 256>});
+  all.push_back({"avx-512, 64 rows, 4x4", &avx_backward<BackwardConfig<64, Avx512Tile<4, 4>>, 256>});
+  all.push_back({"avx-512, 32 rows, 6x4", &avx_backward<BackwardConfig<32, GemmTraits>, 256>});
+  all.push_back({"avx-512, 128 rows, 6x4", &avx_backward<BackwardConfig<128, GemmTraits>, 256>});
   return all;
 }
 
@@ -160,18 +177,22 @@ int main(int argc, char** argv) {
   const std::vector<Shape> shapes = sweep_shapes();
   const std::vector<Entry> all = sweep_picked(variants());
   if (std::getenv("PHASES")) {
+    // The shipped AMX backward (16-bit DTYPE on an AMX CPU), else the shipped AVX-512 one.
+    Entry timed{"avx-512 (shipped)", &avx_backward<ShippedBackwardConfig, 256, TimedPhases>};
+    const char* names[] = {"between tasks", "pack Q/dO", "pack K/V", "S+dP", "softmax", "dV+dK", "dQ", "write"};
 #if FLASHCORE_AMX_BUILT
-    const char* names[] = {"between tasks", "pack Q/dO", "pack K/V", "S^T+dP^T", "softmax", "dV+dK", "dQ", "write"};
+    if (amx_usable() && sweep_dtype() != DType::F32) {
+      timed = {"amx (shipped)", &amx_backward_detail::amx_flash_backward_with<128, 128, 0, TimedPhases>};
+    }
+#endif
     for (int threads : thread_counts) {
       for (const Shape& s : shapes) {
         Problem pr;
         build(pr, s, threads);
-        const Entry timed{"amx (shipped)", &amx_backward_detail::amx_flash_backward_with<128, 128, 0, TimedPhases>};
         TimedPhases::report(sweep_cell(threads, s).c_str(), timed, pr.p, rounds, threads, 2.5 * s.forward_flops(),
                             names);
       }
     }
-#endif
     return 0;
   }
   std::printf("cpu_flash backward variants, %s, B=1 H=16 (GQA %s), median of %d rounds, GFLOP/s (2.5 x forward "

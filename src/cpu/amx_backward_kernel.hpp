@@ -46,13 +46,6 @@ using namespace backward_detail;
 // does not follow: rows read or written in order are prefetched this many rows ahead.
 constexpr int64_t kPrefetchRows = 8;
 
-/** Where a task's time goes, for dev/cpu_backward_sweep.cpp's PHASES=1: PhaseTimer::lap(phase)
- *  ends each phase (the shipped kernel's NoBackwardTimer compiles every lap away). */
-enum class BackwardPhase { kBetweenTasks, kPackHead, kPackKeys, kScores, kSoftmax, kKeyGrads, kQueryGrads, kWrite, kCount };
-struct NoBackwardTimer {
-  static void lap(BackwardPhase) {}
-};
-
 /** Per-thread buffers for key tiles of kKeys keys and query groups of kGroup rows, sized once per
  *  call for the longest query sequence. bf16 arrays live in AlignedFloats (two per float);
  *  "tiles" are amx_tiles.hpp's 1 KiB B tiles. */

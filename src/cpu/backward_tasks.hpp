@@ -88,6 +88,14 @@ inline bool rows_see_keys(const MaskInfo& mask, int64_t row_begin, int64_t row_e
   return !keys.empty() && keys.end > key_begin && keys.begin < key_end;
 }
 
+/** Where a task's time goes, for dev/cpu_backward_sweep.cpp's PHASES=1: both backwards call
+ *  PhaseTimer::lap(phase) at the end of each phase (the shipped NoBackwardTimer compiles every lap
+ *  away). */
+enum class BackwardPhase { kBetweenTasks, kPackHead, kPackKeys, kScores, kSoftmax, kKeyGrads, kQueryGrads, kWrite, kCount };
+struct NoBackwardTimer {
+  static void lap(BackwardPhase) {}
+};
+
 /** Where a task's results go besides the outputs themselves (null: straight to the outputs). */
 struct TaskSinks {
   GqaPartials* gqa = nullptr;  // dK / dV per query head (GQA)
@@ -101,10 +109,6 @@ Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials);
  *  rows that no chunk computed get 0. */
 Status reduce_dq_partials(const BackwardParams& p, const KeySplit& split, const std::vector<BackwardTask>& tasks,
                           const DqPartials& partials);
-
-/** The AVX-512 backward with chunks of at least min_chunk_keys keys (flash_backward.cpp; what
- *  flash_backward runs without AMX; dev/cpu_backward_sweep.cpp compares splits with it). */
-Status avx_flash_backward_with(const BackwardParams& p, int64_t min_chunk_keys);
 
 /** Runs worker(queue, tasks, sinks) on p.num_threads workers, then the reductions the sinks need. */
 template <class Worker>
