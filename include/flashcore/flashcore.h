@@ -92,7 +92,13 @@ typedef struct fc_attention_options {
   int32_t deterministic; /**< backward: bit-identical results run to run */
   void* stream;          /**< cudaStream_t for CUDA backends; NULL = the legacy default stream */
   int32_t num_threads;   /**< CPU backends: 0 = every core the process may run on (its affinity mask) */
-  int32_t reserved[7];
+  /** CUDA varlen calls: nonzero = copy cu_seqlens_q / cu_seqlens_k to the host and validate them as
+   *  CPU ones are (start at 0, non-decreasing, within the packed tensors and max_seqlen) before any
+   *  work; this synchronizes `stream`. 0 = their values are trusted, as in flash_attn (the
+   *  environment variable FLASHCORE_CHECK_CU_SEQLENS=1 turns the check on for every call).
+   *  Ignored for CPU tensors, which are always validated. */
+  int32_t check_cu_seqlens;
+  int32_t reserved[6];
 } fc_attention_options;
 
 /** Message of the last failed call on this thread ("" when none). Valid until the next call. */

@@ -58,6 +58,7 @@ struct Options {
   bool deterministic = false;
   void* stream = nullptr;  // cudaStream_t
   int32_t num_threads = 0;
+  bool check_cu_seqlens = false;  // CUDA varlen: validate cu_seqlens on the host (synchronizes)
 
   fc_attention_options to_c() const {
     fc_attention_options o{};
@@ -75,6 +76,7 @@ struct Options {
     o.deterministic = deterministic;
     o.stream = stream;
     o.num_threads = num_threads;
+    o.check_cu_seqlens = check_cu_seqlens ? 1 : 0;
     return o;
   }
 };

@@ -35,6 +35,9 @@ namespace cuda {
 int device_count();
 // Compute capability major*10+minor of a device, or 0.
 int compute_capability(int device_id);
+// Copies `bytes` from device memory to the host in stream order and waits for the copy (a host
+// synchronization: only for checks the caller asked for).
+Status copy_to_host(void* host, const void* device_ptr, size_t bytes, int device_id, void* stream);
 
 // Portable tensor-core path (mma.sync, sm_80+). Workspace sizes in bytes on the device.
 bool sm80_supports(const AttentionParams& p, Status* why);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -169,15 +170,19 @@ Status check_disjoint(const fc_tensor* a, const Extent& ea, const char* an, cons
   return Status::ok();
 }
 
-// Host-side check of a cu_seqlens array (CPU tensors only: a CUDA array would need a sync).
-Status check_cu_seqlens_values(const fc_tensor* cu, const char* name, int64_t batch, int64_t total,
+/** Whether an environment switch is set to something other than "" or "0" (read at every call). */
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != 0 && std::string(v) != "0";
+}
+
+// Check of a cu_seqlens array in host memory (batch + 1 contiguous entries).
+Status check_cu_seqlens_values(const int32_t* v, const char* name, int64_t batch, int64_t total,
                                int64_t max_seqlen, const char* max_name) {
-  const auto* v = static_cast<const int32_t*>(cu->data);
-  const int64_t stride = cu->strides[0];
   if (v[0] != 0)
     return Status::invalid(std::string(name) + ": starts at " + std::to_string(v[0]) + " (it must start at 0)");
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t a = v[b * stride], c = v[(b + 1) * stride];
+    const int64_t a = v[b], c = v[b + 1];
     if (c < a) {
       return Status::invalid(std::string(name) + ": decreases at index " + std::to_string(b + 1) + " (" +
                              std::to_string(a) + " -> " + std::to_string(c) + "; it must be non-decreasing)");
@@ -188,7 +193,7 @@ Status check_cu_seqlens_values(const fc_tensor* cu, const char* name, int64_t ba
                              std::to_string(c - a) + " given by " + name);
     }
   }
-  const int64_t last = v[batch * stride];
+  const int64_t last = v[batch];
   if (last > total) {
     return Status::invalid(std::string(name) + ": last entry " + std::to_string(last) +
                            " exceeds the packed tensor's " + std::to_string(total) + " rows");
@@ -357,10 +362,25 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   // maximum) is clamped there, so backends never size grids or scratch from an absurd value.
   p->seqlen_q = std::min<int64_t>(opt.max_seqlen_q, p->total_q);
   p->seqlen_k = std::min<int64_t>(opt.max_seqlen_k, p->total_k);
-  if (q->device_type == FC_DEVICE_CPU) {
-    if (!(s = check_cu_seqlens_values(cq, "cu_seqlens_q", batch, p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok())
+  // CPU arrays are always checked. CUDA arrays only on request: reading them needs a host
+  // synchronization, which a training step or a CUDA-graph capture must not have.
+  const bool on_cpu = q->device_type == FC_DEVICE_CPU;
+  if (on_cpu || opt.check_cu_seqlens != 0 || env_flag("FLASHCORE_CHECK_CU_SEQLENS")) {
+    const size_t bytes = static_cast<size_t>(batch + 1) * sizeof(int32_t);
+    std::vector<int32_t> host_q, host_k;
+    const int32_t* vq = static_cast<const int32_t*>(cq->data);
+    const int32_t* vk = static_cast<const int32_t*>(ck->data);
+    if (!on_cpu) {
+      host_q.resize(static_cast<size_t>(batch + 1));
+      host_k.resize(static_cast<size_t>(batch + 1));
+      if (!(s = cuda::copy_to_host(host_q.data(), vq, bytes, q->device_id, opt.stream)).is_ok()) return s;
+      if (!(s = cuda::copy_to_host(host_k.data(), vk, bytes, q->device_id, opt.stream)).is_ok()) return s;
+      vq = host_q.data();
+      vk = host_k.data();
+    }
+    if (!(s = check_cu_seqlens_values(vq, "cu_seqlens_q", batch, p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok())
       return s;
-    if (!(s = check_cu_seqlens_values(ck, "cu_seqlens_k", batch, p->total_k, opt.max_seqlen_k, "max_seqlen_k")).is_ok())
+    if (!(s = check_cu_seqlens_values(vk, "cu_seqlens_k", batch, p->total_k, opt.max_seqlen_k, "max_seqlen_k")).is_ok())
       return s;
   }
   p->cu_seqlens_q = static_cast<const int32_t*>(cq->data);

@@ -6,9 +6,12 @@
 // Relies on: the CUDA runtime only.
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "api/backends.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/programmatic_launch.hpp"
+#include "cuda/scoped_device.hpp"
 
 namespace flashcore::cuda {
 
@@ -31,6 +34,15 @@ int compute_capability(int device_id) {
   }
   constexpr int kMajorWeight = 10;
   return major * kMajorWeight + minor;
+}
+
+Status copy_to_host(void* host, const void* device_ptr, size_t bytes, int device_id, void* stream) {
+  const ScopedDevice on_device(device_id);
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaMemcpyAsync(host, device_ptr, bytes, cudaMemcpyDeviceToHost, s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+  if (err != cudaSuccess) return Status::cuda(std::string("copying to the host failed: ") + cudaGetErrorString(err));
+  return Status::ok();
 }
 
 int compiled_head_dim_bucket(int64_t head_dim) {

@@ -6,6 +6,9 @@ namespace flashcore::cuda {
 
 int device_count() { return 0; }
 int compute_capability(int) { return 0; }
+Status copy_to_host(void*, const void*, size_t, int, void*) {
+  return Status::unsupported("CUDA is not compiled into this build: device memory cannot be read");
+}
 
 static Status not_built() {
   return Status::unsupported("backend: cuda_sm80 is not compiled into this build (configure with nvcc present)");

@@ -5,9 +5,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "common/grids.hpp"
+#include "flashcore/flashcore.hpp"
 #include "common/harness.hpp"
 #include "cuda/cuda_memory.hpp"
 
@@ -370,6 +374,116 @@ TEST(CudaRaces, ChainedForwardCallsReadFinishedInputs) {
       EXPECT_TRUE(chained_forward_calls_are_ordered(c, backend, mem, 8, &why))
           << fc_backend_name(backend) << " " << c.name() << ": " << why;
     }
+  }
+}
+
+// cu_seqlens on the GPU are trusted unless the caller asks for a check (check_cu_seqlens or
+// FLASHCORE_CHECK_CU_SEQLENS=1): then bad values get the CPU path's errors, and nothing is written.
+TEST(CudaValidation, CuSeqlensCheckedOnRequest) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  constexpr int64_t kTotalQ = 10, kTotalK = 12, kHeads = 2, kDim = 64;
+  const size_t q_elems = kTotalQ * kHeads * kDim, k_elems = kTotalK * kHeads * kDim;
+  const std::vector<uint16_t> ones_q(q_elems, 0x3c00), ones_k(k_elems, 0x3c00);  // fp16 1.0
+  const std::vector<uint16_t> poison_bits(k_elems, 0x7bff);  // fp16 65504, enough for every output (k_elems >= q_elems)
+  const std::vector<float> poison_lse(kHeads * kTotalQ, -7.f);
+  auto device_copy = [&](const void* host, size_t bytes) {
+    void* d = mem.alloc(bytes);
+    mem.upload(d, host, bytes);
+    return d;
+  };
+  void* q = device_copy(ones_q.data(), q_elems * 2);
+  void* k = device_copy(ones_k.data(), k_elems * 2);
+  void* v = device_copy(ones_k.data(), k_elems * 2);
+  void* dout = device_copy(ones_q.data(), q_elems * 2);
+  void* out = mem.alloc(q_elems * 2);
+  void* lse = mem.alloc(poison_lse.size() * sizeof(float));
+  void* grads[3] = {mem.alloc(q_elems * 2), mem.alloc(k_elems * 2), mem.alloc(k_elems * 2)};
+  void* cu_q = mem.alloc(3 * sizeof(int32_t));
+  void* cu_k = mem.alloc(3 * sizeof(int32_t));
+  auto tensor = [](void* data, int32_t dtype, std::initializer_list<int64_t> shape) {
+    return flashcore::make_tensor(data, static_cast<fc_dtype>(dtype), shape, FC_DEVICE_CUDA);
+  };
+  fc_tensor tq = tensor(q, FC_DTYPE_F16, {kTotalQ, kHeads, kDim}), tk = tensor(k, FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tv = tensor(v, FC_DTYPE_F16, {kTotalK, kHeads, kDim}), tdo = tensor(dout, FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor to = tensor(out, FC_DTYPE_F16, {kTotalQ, kHeads, kDim}), tl = tensor(lse, FC_DTYPE_F32, {kHeads, kTotalQ});
+  fc_tensor tdq = tensor(grads[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tdk = tensor(grads[1], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tdv = tensor(grads[2], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tcq = tensor(cu_q, FC_DTYPE_I32, {3}), tck = tensor(cu_k, FC_DTYPE_I32, {3});
+  fc_attention_options opt{};
+  opt.cu_seqlens_q = &tcq;
+  opt.cu_seqlens_k = &tck;
+  opt.max_seqlen_q = 6;
+  opt.max_seqlen_k = 7;
+  opt.backend = FC_BACKEND_CUDA_SM80;
+  opt.stream = mem.stream();
+
+  auto set_lengths = [&](std::vector<int32_t> cq, std::vector<int32_t> ck) {
+    mem.upload(cu_q, cq.data(), cq.size() * sizeof(int32_t));
+    mem.upload(cu_k, ck.data(), ck.size() * sizeof(int32_t));
+  };
+  auto poison = [&] {
+    mem.upload(out, poison_bits.data(), q_elems * 2);
+    mem.upload(lse, poison_lse.data(), poison_lse.size() * sizeof(float));
+    for (void* g : grads) mem.upload(g, poison_bits.data(), (g == grads[0] ? q_elems : k_elems) * 2);
+  };
+  auto untouched = [&] {
+    std::vector<uint16_t> h(k_elems);
+    std::vector<float> hl(poison_lse.size());
+    mem.download(h.data(), out, q_elems * 2);
+    bool same = std::equal(h.begin(), h.begin() + q_elems, poison_bits.begin());
+    mem.download(hl.data(), lse, hl.size() * sizeof(float));
+    same = same && hl == poison_lse;
+    for (void* g : grads) {
+      const size_t n = g == grads[0] ? q_elems : k_elems;
+      mem.download(h.data(), g, n * 2);
+      same = same && std::all_of(h.begin(), h.begin() + n, [](uint16_t x) { return x == 0x7bff; });
+    }
+    return same;
+  };
+  auto expect_error = [&](const char* needle) {
+    poison();
+    EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fc_last_error()).find(needle), std::string::npos) << fc_last_error();
+    EXPECT_EQ(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, nullptr, 0),
+              FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fc_last_error()).find(needle), std::string::npos) << fc_last_error();
+    EXPECT_TRUE(untouched()) << needle;
+  };
+
+  opt.check_cu_seqlens = 1;
+  set_lengths({1, 4, 10}, {0, 5, 12});
+  expect_error("cu_seqlens_q: starts at 1");
+  set_lengths({0, 6, 4}, {0, 5, 12});
+  expect_error("cu_seqlens_q: decreases at index 2");
+  set_lengths({0, 4, 10}, {0, 7, 13});
+  expect_error("cu_seqlens_k: last entry 13 exceeds the packed tensor's 12 rows");
+  set_lengths({0, 4, 10}, {0, 2, 12});
+  expect_error("max_seqlen_k: 7 is smaller than sequence 1's length 10");
+
+  opt.check_cu_seqlens = 0;  // the environment switch does the same
+  ASSERT_EQ(setenv("FLASHCORE_CHECK_CU_SEQLENS", "1", 1), 0);
+  set_lengths({0, 4, 10}, {0, 7, 14});
+  expect_error("cu_seqlens_k: last entry 14 exceeds");
+  unsetenv("FLASHCORE_CHECK_CU_SEQLENS");
+
+  opt.check_cu_seqlens = 1;  // valid lengths pass the check and run
+  set_lengths({0, 4, 10}, {0, 5, 12});
+  poison();
+  ASSERT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0), FC_OK) << fc_last_error();
+  size_t workspace_bytes = 0;
+  ASSERT_EQ(fc_attention_backward_workspace(&tq, &tk, &tv, &opt, &workspace_bytes), FC_OK) << fc_last_error();
+  void* workspace = mem.alloc(workspace_bytes);
+  ASSERT_EQ(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, workspace, workspace_bytes),
+            FC_OK)
+      << fc_last_error();
+  std::vector<uint16_t> h(q_elems);
+  mem.download(h.data(), out, q_elems * 2);
+  EXPECT_TRUE(std::all_of(h.begin(), h.end(), [](uint16_t x) { return x == 0x3c00; }))
+      << "attention over values of 1 must give 1";
+  for (void* p : {q, k, v, dout, out, lse, grads[0], grads[1], grads[2], cu_q, cu_k, workspace}) {
+    if (p) mem.release(p);
   }
 }
 
