@@ -76,6 +76,7 @@ def make_options(
     deterministic=False,
     stream=None,
     num_threads=0,
+    check_cu_seqlens=False,
     uint16_is_bfloat16=False,
 ):
     """A ``_C.Options`` from flash_attn-style arguments."""
@@ -92,6 +93,7 @@ def make_options(
         deterministic=bool(deterministic),
         stream=int(stream or 0),
         num_threads=int(num_threads),
+        check_cu_seqlens=bool(check_cu_seqlens),
         uint16_is_bfloat16=uint16_is_bfloat16,
     )
 
@@ -222,6 +224,7 @@ def attention_forward(
     num_threads=0,
     stream=None,
     workspace=None,
+    check_cu_seqlens=False,
 ):
     """out = softmax(softmax_scale * q k^T + mask) v for numpy or DLPack arrays.
 
@@ -233,6 +236,9 @@ def attention_forward(
     legacy default stream); the call is asynchronous on it for CUDA arrays.
     Returns out, or (out, lse) when return_lse; lse is float32, dense (batch, heads_q,
     seqlen_q) or varlen (heads_q, total_q), natural-log, -inf for rows without keys.
+    ``check_cu_seqlens``: CUDA cu_seqlens are trusted (as in flash_attn) unless this is set (or
+    FLASHCORE_CHECK_CU_SEQLENS=1): then they are copied to the host and validated first, which
+    synchronizes the stream. CPU cu_seqlens are always validated.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(x, name)
@@ -259,6 +265,7 @@ def attention_forward(
         backend=backend,
         stream=stream,
         num_threads=num_threads,
+        check_cu_seqlens=check_cu_seqlens,
         uint16_is_bfloat16=uses_bf16,
     )
     q_, k_, v_, out_ = (_as_bfloat16_bits(_plain(x)) for x in (q, k, v, out))
@@ -290,12 +297,13 @@ def attention_backward(
     num_threads=0,
     stream=None,
     workspace=None,
+    check_cu_seqlens=False,
 ):
     """Gradients (dq, dk, dv) of attention_forward for the same arguments and options.
 
     ``out`` and ``lse`` must come from that forward. With GQA/MQA the gradients of the query
     heads sharing a KV head are summed into dk/dv. dq/dk/dv may be passed in; otherwise they
-    are allocated like q/k/v with their framework.
+    are allocated like q/k/v with their framework. ``check_cu_seqlens`` as in attention_forward.
     """
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_array(x, name)
@@ -321,6 +329,7 @@ def attention_backward(
         deterministic=deterministic,
         stream=stream,
         num_threads=num_threads,
+        check_cu_seqlens=check_cu_seqlens,
         uint16_is_bfloat16=_is_numpy_bfloat16(q),
     )
     tensors = (_as_bfloat16_bits(_plain(x)) for x in (dout, q, k, v, out, lse, dq, dk, dv))

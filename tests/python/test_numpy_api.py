@@ -633,3 +633,18 @@ def test_raw_descriptor_malformed_is_type_error(rng):
         flashcore._C.forward(q, bad, v, np.empty_like(q), None, None, None, None, options)
     with pytest.raises(TypeError, match=r"^out: "):
         flashcore._C.forward(q, k, v, None, None, None, None, None, options)
+
+
+def test_check_cu_seqlens_option_reaches_the_library(rng):
+    # CPU cu_seqlens are validated whatever the option says; the option itself must reach the C
+    # options (CUDA cu_seqlens are checked only with it: tests/python/test_torch_cuda.py).
+    assert flashcore._C.Options(check_cu_seqlens=True).check_cu_seqlens is True
+    assert flashcore._C.Options().check_cu_seqlens is False
+    q, k, v = random_inputs(rng, np.float32, (7, 2, 16), (9, 2, 16))
+    good_q, good_k = np.array([0, 3, 7], np.int32), np.array([0, 4, 9], np.int32)
+    for check in (False, True):
+        out = flashcore.attention_forward(q, k, v, cu_seqlens_q=good_q, cu_seqlens_k=good_k, check_cu_seqlens=check)
+        assert np.isfinite(out).all()
+        with pytest.raises(ValueError, match=r"cu_seqlens_q: decreases at index 2"):
+            flashcore.attention_forward(q, k, v, cu_seqlens_q=np.array([0, 5, 3], np.int32), cu_seqlens_k=good_k,
+                                        max_seqlen_q=7, max_seqlen_k=9, check_cu_seqlens=check)

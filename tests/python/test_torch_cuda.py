@@ -255,3 +255,27 @@ def test_dlpack_api_with_explicit_stream():
     stream = torch.cuda.current_stream().cuda_stream
     out = flashcore.attention_forward(q, k, v, stream=stream)
     torch.testing.assert_close(out, flash_attn.flash_attn_func(q, k, v), rtol=0, atol=0)
+
+
+def test_cuda_cu_seqlens_checked_on_request(monkeypatch):
+    """CUDA cu_seqlens are trusted unless asked: with check_cu_seqlens (or the environment
+    switch) bad values raise the CPU path's ValueError and nothing is written."""
+    q = torch.ones(10, 2, 64, device=DEVICE, dtype=torch.float16)
+    k = torch.ones(12, 2, 64, device=DEVICE, dtype=torch.float16)
+    cu_q = torch.tensor([0, 6, 4], device=DEVICE, dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], device=DEVICE, dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: decreases at index 2"):
+        flashcore.attention_forward(q, k, k, out=out, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                                    max_seqlen_k=7, check_cu_seqlens=True)
+    monkeypatch.setenv("FLASHCORE_CHECK_CU_SEQLENS", "1")
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: decreases at index 2"):
+        flashcore.attention_forward(q, k, k, out=out, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                                    max_seqlen_k=7)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all()), "a rejected call wrote its output"
+    good = torch.tensor([0, 4, 10], device=DEVICE, dtype=torch.int32)
+    flashcore.attention_forward(q, k, k, out=out, cu_seqlens_q=good, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                                max_seqlen_k=7, check_cu_seqlens=True)
+    torch.cuda.synchronize()
+    assert bool((out == 1.0).all())
