@@ -83,11 +83,31 @@ struct SeqInfo {
   int64_t seqlen_k;
 };
 
+/** Rows [start, start + length) of sequence b in a packed tensor of `total` rows, from prefix sums
+ *  `cu`, kept inside the tensor and at most `max_length` long. cu_seqlens in GPU memory are only
+ *  validated when the caller asks (validate.cpp); clamped here, wrong values still never send a
+ *  kernel outside the tensors or its workspace (rows of a total_q-row layout). For valid values
+ *  (0 <= cu[b] <= cu[b + 1] <= total, length <= max_seqlen) nothing changes. */
+FC_HOST_DEVICE void packed_rows(const int32_t* cu, int64_t b, int64_t total, int64_t max_length, int64_t& start,
+                                int64_t& length) {
+  // In 32 bits (cu holds int32, so no valid row lies past INT32_MAX): a few instructions on the
+  // kernels' tile walks.
+  const int32_t rows = total < INT32_MAX ? static_cast<int32_t>(total) : INT32_MAX;
+  const int32_t longest = max_length < INT32_MAX ? static_cast<int32_t>(max_length) : INT32_MAX;
+  const int32_t begin = cu[b], end = cu[b + 1];
+  const int32_t first = begin < 0 ? 0 : (begin > rows ? rows : begin);
+  const int32_t stop = end < first ? first : (end > rows ? rows : end);
+  start = first;
+  length = stop - first > longest ? longest : stop - first;
+}
+
 FC_HOST_DEVICE SeqInfo seq_info(const AttentionParams& p, int64_t b) {
   if (p.cu_seqlens_q) {
-    const int64_t q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
-    const int64_t k0 = p.cu_seqlens_k[b], k1 = p.cu_seqlens_k[b + 1];
-    return {q0, k0, q1 - q0, k1 - k0};
+    // p.seqlen_q / p.seqlen_k hold max_seqlen (clamped to the totals) for varlen calls.
+    SeqInfo s;
+    packed_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, s.q_start, s.seqlen_q);
+    packed_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, s.k_start, s.seqlen_k);
+    return s;
   }
   return {0, 0, p.seqlen_q, p.seqlen_k};
 }

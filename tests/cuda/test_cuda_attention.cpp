@@ -487,6 +487,74 @@ TEST(CudaValidation, CuSeqlensCheckedOnRequest) {
   }
 }
 
+// Without the check, wrong cu_seqlens in GPU memory give wrong results but no access outside the
+// tensors or the workspace (seq_info clamps every sequence into its packed tensor): the calls
+// finish without a CUDA error, and compute-sanitizer memcheck runs this test (gpu_check.sh).
+TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  constexpr int64_t kTotalQ = 37, kTotalK = 45, kHeads = 2, kDim = 64;
+  const size_t q_elems = kTotalQ * kHeads * kDim, k_elems = kTotalK * kHeads * kDim;
+  const std::vector<uint16_t> ones(k_elems, 0x3c00);  // fp16 1.0, enough for q and k
+  auto device_copy = [&](size_t elems) {
+    void* d = mem.alloc(elems * 2);
+    mem.upload(d, ones.data(), elems * 2);
+    return d;
+  };
+  void* buffers[9] = {device_copy(q_elems), device_copy(k_elems), device_copy(k_elems), device_copy(q_elems),
+                      device_copy(q_elems), mem.alloc(kHeads * kTotalQ * sizeof(float)),
+                      device_copy(q_elems), device_copy(k_elems), device_copy(k_elems)};
+  void* cu = mem.alloc(2 * 4 * sizeof(int32_t));
+  auto tensor = [](void* data, int32_t dtype, std::initializer_list<int64_t> shape) {
+    return flashcore::make_tensor(data, static_cast<fc_dtype>(dtype), shape, FC_DEVICE_CUDA);
+  };
+  const fc_tensor tq = tensor(buffers[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  const fc_tensor tk = tensor(buffers[1], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  const fc_tensor tv = tensor(buffers[2], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  const fc_tensor tdo = tensor(buffers[3], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor to = tensor(buffers[4], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tl = tensor(buffers[5], FC_DTYPE_F32, {kHeads, kTotalQ});
+  fc_tensor tdq = tensor(buffers[6], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tdk = tensor(buffers[7], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tdv = tensor(buffers[8], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  const fc_tensor tcq = tensor(cu, FC_DTYPE_I32, {4});
+  const fc_tensor tck = tensor(static_cast<int32_t*>(cu) + 4, FC_DTYPE_I32, {4});
+  fc_attention_options opt{};
+  opt.cu_seqlens_q = &tcq;
+  opt.cu_seqlens_k = &tck;
+  opt.max_seqlen_q = 20;
+  opt.max_seqlen_k = 30;
+  opt.stream = mem.stream();
+  // Decreasing, negative, past the packed rows, longer than max_seqlen: each case breaks a rule.
+  const std::vector<std::vector<int32_t>> bad = {{0, 30, 10, 37, 0, 40, 12, 45},
+                                                 {-50, 5, 9, 37, 0, -7, 3, 45},
+                                                 {0, 4, 90, 400, 10, 20, 1000, 2000},
+                                                 {0, 36, 36, 37, 0, 44, 44, 45}};
+  for (fc_backend backend : {FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90}) {
+    if (!fc_backend_available(backend, 0)) continue;
+    opt.backend = backend;
+    for (bool causal : {false, true}) {
+      opt.causal = causal;
+      size_t workspace_bytes = 0;
+      ASSERT_EQ(fc_attention_backward_workspace(&tq, &tk, &tv, &opt, &workspace_bytes), FC_OK) << fc_last_error();
+      void* workspace = workspace_bytes ? mem.alloc(workspace_bytes) : nullptr;
+      for (const std::vector<int32_t>& lengths : bad) {
+        mem.upload(cu, lengths.data(), lengths.size() * sizeof(int32_t));
+        EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0), FC_OK) << fc_last_error();
+        EXPECT_EQ(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, workspace,
+                                        workspace_bytes),
+                  FC_OK)
+            << fc_last_error();
+        EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(mem.stream())), cudaSuccess)
+            << fc_backend_name(backend) << " lengths " << ::testing::PrintToString(lengths);
+      }
+      if (workspace) mem.release(workspace);
+    }
+  }
+  for (void* b : buffers) mem.release(b);
+  mem.release(cu);
+}
+
 // Small cases for compute-sanitizer runs (memcheck / racecheck are slow: keep them tiny).
 TEST(CudaSanitizerSmall, ForwardAndBackward) {
   REQUIRE_GPU();
