@@ -373,8 +373,10 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
     if (!on_cpu) {
       host_q.resize(static_cast<size_t>(batch + 1));
       host_k.resize(static_cast<size_t>(batch + 1));
-      if (!(s = cuda::copy_to_host(host_q.data(), vq, bytes, q->device_id, opt.stream)).is_ok()) return s;
-      if (!(s = cuda::copy_to_host(host_k.data(), vk, bytes, q->device_id, opt.stream)).is_ok()) return s;
+      if (!(s = cuda::copy_to_host(host_q.data(), vq, bytes, q->device_id, opt.stream)).is_ok())
+        return Status::cuda("cu_seqlens_q: " + s.message);
+      if (!(s = cuda::copy_to_host(host_k.data(), vk, bytes, q->device_id, opt.stream)).is_ok())
+        return Status::cuda("cu_seqlens_k: " + s.message);
       vq = host_q.data();
       vk = host_k.data();
     }

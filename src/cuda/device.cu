@@ -1,9 +1,10 @@
 // CUDA device queries used by dispatch and the kernels' launch heuristics: how many GPUs are
-// visible, what they are, how many SMs they have, and which head-dim buckets this build compiled.
+// visible, what they are, how many SMs they have, and which head-dim buckets this build compiled;
+// and the one host copy the library makes, for checks the caller asks for (copy_to_host).
 // The queries tolerate a missing driver or GPU and clear the error they provoke, so a CPU-only
 // machine running a CUDA build sees no sticky CUDA error afterwards.
 //
-// Relies on: the CUDA runtime only.
+// Relies on: the CUDA runtime, scoped_device.hpp.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -41,7 +42,10 @@ Status copy_to_host(void* host, const void* device_ptr, size_t bytes, int device
   const auto s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemcpyAsync(host, device_ptr, bytes, cudaMemcpyDeviceToHost, s);
   if (err == cudaSuccess) err = cudaStreamSynchronize(s);
-  if (err != cudaSuccess) return Status::cuda(std::string("copying to the host failed: ") + cudaGetErrorString(err));
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // like the queries above: a missing device leaves no sticky error behind
+    return Status::cuda(std::string("copying to the host failed: ") + cudaGetErrorString(err));
+  }
   return Status::ok();
 }
 
