@@ -98,7 +98,13 @@ typedef struct fc_attention_options {
    *  environment variable FLASHCORE_CHECK_CU_SEQLENS=1 turns the check on for every call).
    *  Ignored for CPU tensors, which are always validated. */
   int32_t check_cu_seqlens;
-  int32_t reserved[6];
+  /** CUDA varlen calls, optional: an int32 in device memory on q's device (zero it first) that a
+   *  one-CTA kernel, run on `stream` before the attention, sets to 1 when cu_seqlens break those
+   *  rules; no host synchronization (CUDA-graph safe). A flagged call still reads and writes only
+   *  inside its tensors (each sequence is clamped into them) but its results are not meaningful.
+   *  NULL = no check. Ignored for CPU tensors and dense calls. */
+  int32_t* error_flag;
+  int32_t reserved[4];
 } fc_attention_options;
 
 /** Message of the last failed call on this thread ("" when none). Valid until the next call. */

@@ -59,6 +59,7 @@ struct Options {
   void* stream = nullptr;  // cudaStream_t
   int32_t num_threads = 0;
   bool check_cu_seqlens = false;  // CUDA varlen: validate cu_seqlens on the host (synchronizes)
+  int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device for bad cu_seqlens (no sync)
 
   fc_attention_options to_c() const {
     fc_attention_options o{};
@@ -77,6 +78,7 @@ struct Options {
     o.stream = stream;
     o.num_threads = num_threads;
     o.check_cu_seqlens = check_cu_seqlens ? 1 : 0;
+    o.error_flag = error_flag;
     return o;
   }
 };

@@ -225,6 +225,7 @@ def attention_forward(
     stream=None,
     workspace=None,
     check_cu_seqlens=False,
+    error_flag=None,
 ):
     """out = softmax(softmax_scale * q k^T + mask) v for numpy or DLPack arrays.
 
@@ -238,7 +239,10 @@ def attention_forward(
     seqlen_q) or varlen (heads_q, total_q), natural-log, -inf for rows without keys.
     ``check_cu_seqlens``: CUDA cu_seqlens are trusted (as in flash_attn) unless this is set (or
     FLASHCORE_CHECK_CU_SEQLENS=1): then they are copied to the host and validated first, which
-    synchronizes the stream. CPU cu_seqlens are always validated.
+    synchronizes the stream. ``error_flag``: an int32 array on q's device (zero it first) that a
+    device-side check sets to 1 when CUDA cu_seqlens break those rules, without a synchronization;
+    such a call stays inside its tensors but its results are not meaningful. CPU cu_seqlens are
+    always validated.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(x, name)
@@ -269,7 +273,8 @@ def attention_forward(
         uint16_is_bfloat16=uses_bf16,
     )
     q_, k_, v_, out_ = (_as_bfloat16_bits(_plain(x)) for x in (q, k, v, out))
-    _C.forward(q_, k_, v_, out_, _plain(lse), cu_seqlens_q, cu_seqlens_k, workspace, options)
+    _C.forward(q_, k_, v_, out_, _plain(lse), cu_seqlens_q, cu_seqlens_k, workspace, options,
+               error_flag=_plain(error_flag))
     return (out, lse) if return_lse else out
 
 
@@ -298,12 +303,14 @@ def attention_backward(
     stream=None,
     workspace=None,
     check_cu_seqlens=False,
+    error_flag=None,
 ):
     """Gradients (dq, dk, dv) of attention_forward for the same arguments and options.
 
     ``out`` and ``lse`` must come from that forward. With GQA/MQA the gradients of the query
     heads sharing a KV head are summed into dk/dv. dq/dk/dv may be passed in; otherwise they
-    are allocated like q/k/v with their framework. ``check_cu_seqlens`` as in attention_forward.
+    are allocated like q/k/v with their framework. ``check_cu_seqlens`` and ``error_flag`` as in
+    attention_forward.
     """
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_array(x, name)
@@ -333,7 +340,7 @@ def attention_backward(
         uint16_is_bfloat16=_is_numpy_bfloat16(q),
     )
     tensors = (_as_bfloat16_bits(_plain(x)) for x in (dout, q, k, v, out, lse, dq, dk, dv))
-    _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options)
+    _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options, error_flag=_plain(error_flag))
     return dq, dk, dv
 
 

@@ -322,15 +322,33 @@ struct Workspace {
   }
 };
 
+/** error_flag: an int32 array of at least one element on q's device; the library only sees a
+ *  pointer, so these rules are checked here. */
+int32_t* error_flag_pointer(OptionalOutput& flag, const fc_tensor& like) {
+  if (!flag.present) return nullptr;
+  const fc_tensor& t = flag.tensor;
+  int64_t elements = 1;
+  for (int32_t i = 0; i < t.ndim; ++i) elements *= t.shape[i];
+  if (t.dtype != FC_DTYPE_I32 || elements < 1) {
+    throw nb::value_error("error_flag: must be an int32 array with at least one element");
+  }
+  if (t.device_type != like.device_type || t.device_id != like.device_id) {
+    throw nb::value_error("error_flag: must be on the same device as q");
+  }
+  return static_cast<int32_t*>(t.data);
+}
+
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle workspace,
-             const CallOptions& call) {
+             const CallOptions& call, nb::handle error_flag) {
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   Output out_t(out, "out", call);
   OptionalOutput lse_t(lse, "lse", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
-  const fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
+  OptionalOutput flag(error_flag, "error_flag", call);
+  fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
+  options.error_flag = error_flag_pointer(flag, q_t.tensor);
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_forward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -346,14 +364,16 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
               nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv,
               nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle workspace,
-              const CallOptions& call) {
+              const CallOptions& call, nb::handle error_flag) {
   Input dout_t(dout, "dout", call);
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   Input out_t(out, "out", call), lse_t(lse, "lse", call);
   Output dq_t(dq, "dq", call), dk_t(dk, "dk", call), dv_t(dv, "dv", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
-  const fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
+  OptionalOutput flag(error_flag, "error_flag", call);
+  fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
+  options.error_flag = error_flag_pointer(flag, q_t.tensor);
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_backward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -395,22 +415,6 @@ struct CacheArg {
   }
   fc_tensor* get() { return written ? written->get() : read_only->get(); }
 };
-
-/** error_flag: an int32 array of at least one element on q's device; the library only sees a
- *  pointer, so these rules are checked here. */
-int32_t* error_flag_pointer(OptionalOutput& flag, const fc_tensor& like) {
-  if (!flag.present) return nullptr;
-  const fc_tensor& t = flag.tensor;
-  int64_t elements = 1;
-  for (int32_t i = 0; i < t.ndim; ++i) elements *= t.shape[i];
-  if (t.dtype != FC_DTYPE_I32 || elements < 1) {
-    throw nb::value_error("error_flag: must be an int32 array with at least one element");
-  }
-  if (t.device_type != like.device_type || t.device_id != like.device_id) {
-    throw nb::value_error("error_flag: must be on the same device as q");
-  }
-  return static_cast<int32_t*>(t.data);
-}
 
 /** The imported arguments of one fc_attention_kvcache call (or of its workspace query, which
  *  validates the same arguments), kept alive together with the fc_kvcache_args pointing at them. */
@@ -540,11 +544,14 @@ NB_MODULE(_C, m) {
 
   m.def("forward", &forward, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(),
         "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(), "options"_a,
+        "error_flag"_a.none() = nb::none(),
         "out = attention(q, k, v); lse (optional) gets the log-sum-exp per row. workspace is "
-        "None, an array, or a callable(nbytes) returning a uint8 array on the inputs' device.");
+        "None, an array, or a callable(nbytes) returning a uint8 array on the inputs' device. "
+        "error_flag (CUDA varlen): an int32 array set to 1 on the device for bad cu_seqlens.");
   m.def("backward", &backward, "dout"_a.none(), "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(), "dq"_a.none(), "dk"_a.none(),
         "dv"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(),
-        "options"_a, "Writes dq, dk, dv for the forward that produced out and lse.");
+        "options"_a, "error_flag"_a.none() = nb::none(),
+        "Writes dq, dk, dv for the forward that produced out and lse; error_flag as for forward().");
   m.def(
       "forward_workspace",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle cu_q, nb::handle cu_k,

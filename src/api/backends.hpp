@@ -38,6 +38,9 @@ int compute_capability(int device_id);
 // Copies `bytes` from device memory to the host in stream order and waits for the copy (a host
 // synchronization: only for checks the caller asked for).
 Status copy_to_host(void* host, const void* device_ptr, size_t bytes, int device_id, void* stream);
+// Varlen calls with an error_flag: a one-CTA kernel on p.stream sets *p.error_flag = 1 when
+// cu_seqlens break the rules (varlen_check.cu); nothing to do otherwise.
+Status check_cu_seqlens_on_device(const AttentionParams& p);
 
 // Portable tensor-core path (mma.sync, sm_80+). Workspace sizes in bytes on the device.
 bool sm80_supports(const AttentionParams& p, Status* why);

@@ -182,9 +182,11 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     case FC_BACKEND_CPU_FLASH: return cpu::flash_forward(p);
     case FC_BACKEND_CUDA_SM80:
       if (!(s = check_workspace(cuda::sm80_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
       return cuda::sm80_forward(p, workspace, workspace_bytes);
     case FC_BACKEND_CUDA_SM90:
       if (!(s = check_workspace(cuda::sm90_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
       return cuda::sm90_forward(p, workspace, workspace_bytes);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run forward");
   }
@@ -211,9 +213,11 @@ Status run_backward(const BackwardArgs& a, void* workspace, size_t workspace_byt
     case FC_BACKEND_CPU_FLASH: return cpu::flash_backward(p);
     case FC_BACKEND_CUDA_SM80:
       if (!(s = check_workspace(cuda::sm80_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
       return cuda::sm80_backward(p, workspace, workspace_bytes);
     case FC_BACKEND_CUDA_SM90:
       if (!(s = check_workspace(cuda::sm90_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
       return cuda::sm90_backward(p, workspace, workspace_bytes);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run backward");
   }

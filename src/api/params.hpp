@@ -63,6 +63,7 @@ struct AttentionParams {
   bool deterministic = false;
   int num_threads = 0;        // CPU: 0 = every core of the affinity mask (cpu::available_cores)
   void* stream = nullptr;     // cudaStream_t
+  int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device when cu_seqlens break the rules
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   int64_t group_size() const { return heads_q / heads_kv; }

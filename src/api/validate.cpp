@@ -316,6 +316,9 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   p->deterministic = opt.deterministic != 0;
   p->num_threads = opt.num_threads;
   p->stream = opt.stream;
+  if (reinterpret_cast<uintptr_t>(opt.error_flag) % alignof(int32_t) != 0)
+    return Status::invalid("error_flag: is not 4-byte aligned (it must point at an int32)");
+  p->error_flag = opt.error_flag;
 
   if (!varlen) {
     const int64_t batch = q->shape[0];

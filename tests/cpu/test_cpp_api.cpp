@@ -40,14 +40,18 @@ TEST(CppApi, OptionsReachTheCStruct) {
   flashcore::Options opt;
   fc_attention_options c = opt.to_c();
   EXPECT_EQ(c.check_cu_seqlens, 0);
+  EXPECT_EQ(c.error_flag, nullptr);
   EXPECT_EQ(c.has_window, 0);
   for (int32_t r : c.reserved) EXPECT_EQ(r, 0);  // zero: future fields keep their defaults
+  int32_t flag = 0;
   opt.check_cu_seqlens = true;
+  opt.error_flag = &flag;
   opt.window_left = 8;
   opt.deterministic = true;
   opt.num_threads = 3;
   c = opt.to_c();
   EXPECT_EQ(c.check_cu_seqlens, 1);
+  EXPECT_EQ(c.error_flag, &flag);
   EXPECT_EQ(c.has_window, 1);
   EXPECT_EQ(c.window_left, 8);
   EXPECT_EQ(c.deterministic, 1);

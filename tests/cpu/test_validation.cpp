@@ -341,3 +341,17 @@ TEST(BackendRules, UnavailableCudaBackendIsAClearError) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_F(BadInput, ErrorFlagAlignment) {
+  alignas(8) char storage[8] = {};
+  opt.error_flag = reinterpret_cast<int32_t*>(storage + 1);
+  expect_forward_error("error_flag: is not 4-byte aligned");
+  expect_backward_error("error_flag: is not 4-byte aligned");
+  opt.error_flag = reinterpret_cast<int32_t*>(storage);  // CPU calls validate on the host: no flag
+  EXPECT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
+  EXPECT_EQ(storage[0], 0);
+}
+
+}  // namespace

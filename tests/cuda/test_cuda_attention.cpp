@@ -487,9 +487,10 @@ TEST(CudaValidation, CuSeqlensCheckedOnRequest) {
   }
 }
 
-// Without the check, wrong cu_seqlens in GPU memory give wrong results but no access outside the
-// tensors or the workspace (seq_info clamps every sequence into its packed tensor): the calls
-// finish without a CUDA error, and compute-sanitizer memcheck runs this test (gpu_check.sh).
+// Without the host check, wrong cu_seqlens in GPU memory give wrong results but no access outside
+// the tensors or the workspace (seq_info clamps every sequence into its packed tensor): the calls
+// finish without a CUDA error (compute-sanitizer memcheck runs this test, gpu_check.sh), and the
+// device-side check sets the caller's error_flag; valid lengths leave it 0.
 TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
   REQUIRE_GPU();
   CudaMemory mem;
@@ -505,6 +506,15 @@ TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
                       device_copy(q_elems), mem.alloc(kHeads * kTotalQ * sizeof(float)),
                       device_copy(q_elems), device_copy(k_elems), device_copy(k_elems)};
   void* cu = mem.alloc(2 * 4 * sizeof(int32_t));
+  void* flag = mem.alloc(sizeof(int32_t));
+  auto flag_after = [&](fc_status status) {  // the call's status must be OK; then the flag's value
+    EXPECT_EQ(status, FC_OK) << fc_last_error();
+    int32_t value = -1;
+    mem.download(&value, flag, sizeof value);
+    const int32_t zero = 0;
+    mem.upload(flag, &zero, sizeof zero);
+    return value;
+  };
   auto tensor = [](void* data, int32_t dtype, std::initializer_list<int64_t> shape) {
     return flashcore::make_tensor(data, static_cast<fc_dtype>(dtype), shape, FC_DEVICE_CUDA);
   };
@@ -525,6 +535,9 @@ TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
   opt.max_seqlen_q = 20;
   opt.max_seqlen_k = 30;
   opt.stream = mem.stream();
+  opt.error_flag = static_cast<int32_t*>(flag);
+  const int32_t zero = 0;
+  mem.upload(flag, &zero, sizeof zero);
   // Decreasing, negative, past the packed rows, longer than max_seqlen: each case breaks a rule.
   const std::vector<std::vector<int32_t>> bad = {{0, 30, 10, 37, 0, 40, 12, 45},
                                                  {-50, 5, 9, 37, 0, -7, 3, 45},
@@ -538,21 +551,28 @@ TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
       size_t workspace_bytes = 0;
       ASSERT_EQ(fc_attention_backward_workspace(&tq, &tk, &tv, &opt, &workspace_bytes), FC_OK) << fc_last_error();
       void* workspace = workspace_bytes ? mem.alloc(workspace_bytes) : nullptr;
+      const std::vector<int32_t> good = {0, 12, 20, 37, 0, 30, 30, 45};
       for (const std::vector<int32_t>& lengths : bad) {
         mem.upload(cu, lengths.data(), lengths.size() * sizeof(int32_t));
-        EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0), FC_OK) << fc_last_error();
-        EXPECT_EQ(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, workspace,
-                                        workspace_bytes),
-                  FC_OK)
-            << fc_last_error();
-        EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(mem.stream())), cudaSuccess)
-            << fc_backend_name(backend) << " lengths " << ::testing::PrintToString(lengths);
+        const std::string what = std::string(fc_backend_name(backend)) + " lengths " + ::testing::PrintToString(lengths);
+        EXPECT_EQ(flag_after(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0)), 1) << what;
+        EXPECT_EQ(flag_after(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, workspace,
+                                                   workspace_bytes)),
+                  1)
+            << what;
+        EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(mem.stream())), cudaSuccess) << what;
       }
+      mem.upload(cu, good.data(), good.size() * sizeof(int32_t));
+      EXPECT_EQ(flag_after(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0)), 0);
+      EXPECT_EQ(flag_after(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, workspace,
+                                                 workspace_bytes)),
+                0);
       if (workspace) mem.release(workspace);
     }
   }
   for (void* b : buffers) mem.release(b);
   mem.release(cu);
+  mem.release(flag);
 }
 
 // Small cases for compute-sanitizer runs (memcheck / racecheck are slow: keep them tiny).

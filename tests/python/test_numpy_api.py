@@ -648,3 +648,15 @@ def test_check_cu_seqlens_option_reaches_the_library(rng):
         with pytest.raises(ValueError, match=r"cu_seqlens_q: decreases at index 2"):
             flashcore.attention_forward(q, k, v, cu_seqlens_q=np.array([0, 5, 3], np.int32), cu_seqlens_k=good_k,
                                         max_seqlen_q=7, max_seqlen_k=9, check_cu_seqlens=check)
+
+
+def test_error_flag_argument(rng):
+    # CPU calls validate cu_seqlens on the host and leave the flag alone; a flag that is not int32
+    # is refused before the call. (The device-side check: tests/python/test_torch_cuda.py.)
+    q, k, v = random_inputs(rng, np.float32, (7, 2, 16), (9, 2, 16))
+    cu_q, cu_k = np.array([0, 3, 7], np.int32), np.array([0, 4, 9], np.int32)
+    flag = np.zeros(1, np.int32)
+    flashcore.attention_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, error_flag=flag)
+    assert flag[0] == 0
+    with pytest.raises(ValueError, match=r"^error_flag: must be an int32 array"):
+        flashcore.attention_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, error_flag=np.zeros(1, np.float32))

@@ -274,8 +274,18 @@ def test_cuda_cu_seqlens_checked_on_request(monkeypatch):
                                     max_seqlen_k=7)
     torch.cuda.synchronize()
     assert bool((out == 7.0).all()), "a rejected call wrote its output"
+    monkeypatch.delenv("FLASHCORE_CHECK_CU_SEQLENS")
     good = torch.tensor([0, 4, 10], device=DEVICE, dtype=torch.int32)
     flashcore.attention_forward(q, k, k, out=out, cu_seqlens_q=good, cu_seqlens_k=cu_k, max_seqlen_q=6,
                                 max_seqlen_k=7, check_cu_seqlens=True)
     torch.cuda.synchronize()
     assert bool((out == 1.0).all())
+    # Without the host check: the device-side check raises the caller's flag, no synchronization.
+    flag = torch.zeros(1, device=DEVICE, dtype=torch.int32)
+    flashcore.attention_forward(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=7,
+                                error_flag=flag)
+    assert int(flag.item()) == 1
+    flag.zero_()
+    flashcore.attention_forward(q, k, k, cu_seqlens_q=good, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=7,
+                                error_flag=flag)
+    assert int(flag.item()) == 0
