@@ -161,6 +161,15 @@ static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend
   return Status::ok();
 }
 
+/** A CUDA backend's run: its workspace checked, then the caller's device-side cu_seqlens check
+ *  (error_flag; a kernel on the stream, so only for calls that passed every host check). */
+template <class Params, class Kernel>
+static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t workspace_bytes, Kernel kernel) {
+  Status s = check_workspace(needed, workspace, workspace_bytes);
+  if (s.is_ok()) s = cuda::check_cu_seqlens_on_device(p);
+  return s.is_ok() ? kernel(p, workspace, workspace_bytes) : s;
+}
+
 Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
   AttentionParams p;
   fc_backend b;
@@ -181,13 +190,9 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);
     case FC_BACKEND_CPU_FLASH: return cpu::flash_forward(p);
     case FC_BACKEND_CUDA_SM80:
-      if (!(s = check_workspace(cuda::sm80_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
-      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
-      return cuda::sm80_forward(p, workspace, workspace_bytes);
+      return run_cuda(p, cuda::sm80_forward_workspace(p), workspace, workspace_bytes, cuda::sm80_forward);
     case FC_BACKEND_CUDA_SM90:
-      if (!(s = check_workspace(cuda::sm90_forward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
-      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
-      return cuda::sm90_forward(p, workspace, workspace_bytes);
+      return run_cuda(p, cuda::sm90_forward_workspace(p), workspace, workspace_bytes, cuda::sm90_forward);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run forward");
   }
 }
@@ -212,13 +217,9 @@ Status run_backward(const BackwardArgs& a, void* workspace, size_t workspace_byt
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_backward(p);
     case FC_BACKEND_CPU_FLASH: return cpu::flash_backward(p);
     case FC_BACKEND_CUDA_SM80:
-      if (!(s = check_workspace(cuda::sm80_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
-      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
-      return cuda::sm80_backward(p, workspace, workspace_bytes);
+      return run_cuda(p, cuda::sm80_backward_workspace(p), workspace, workspace_bytes, cuda::sm80_backward);
     case FC_BACKEND_CUDA_SM90:
-      if (!(s = check_workspace(cuda::sm90_backward_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
-      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;
-      return cuda::sm90_backward(p, workspace, workspace_bytes);
+      return run_cuda(p, cuda::sm90_backward_workspace(p), workspace, workspace_bytes, cuda::sm90_backward);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run backward");
   }
 }

@@ -369,24 +369,19 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   // synchronization, which a training step or a CUDA-graph capture must not have.
   const bool on_cpu = q->device_type == FC_DEVICE_CPU;
   if (on_cpu || opt.check_cu_seqlens != 0 || env_flag("FLASHCORE_CHECK_CU_SEQLENS")) {
-    const size_t bytes = static_cast<size_t>(batch + 1) * sizeof(int32_t);
-    std::vector<int32_t> host_q, host_k;
-    const int32_t* vq = static_cast<const int32_t*>(cq->data);
-    const int32_t* vk = static_cast<const int32_t*>(ck->data);
-    if (!on_cpu) {
-      host_q.resize(static_cast<size_t>(batch + 1));
-      host_k.resize(static_cast<size_t>(batch + 1));
-      if (!(s = cuda::copy_to_host(host_q.data(), vq, bytes, q->device_id, opt.stream)).is_ok())
-        return Status::cuda("cu_seqlens_q: " + s.message);
-      if (!(s = cuda::copy_to_host(host_k.data(), vk, bytes, q->device_id, opt.stream)).is_ok())
-        return Status::cuda("cu_seqlens_k: " + s.message);
-      vq = host_q.data();
-      vk = host_k.data();
-    }
-    if (!(s = check_cu_seqlens_values(vq, "cu_seqlens_q", batch, p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok())
-      return s;
-    if (!(s = check_cu_seqlens_values(vk, "cu_seqlens_k", batch, p->total_k, opt.max_seqlen_k, "max_seqlen_k")).is_ok())
-      return s;
+    auto check = [&](const fc_tensor* cu, const char* name, int64_t total, int64_t max_seqlen, const char* max_name) {
+      const int32_t* values = static_cast<const int32_t*>(cu->data);
+      std::vector<int32_t> host;
+      if (!on_cpu) {  // CUDA: a host copy first (in stream order)
+        host.resize(static_cast<size_t>(batch + 1));
+        const Status copied = cuda::copy_to_host(host.data(), values, host.size() * sizeof(int32_t), q->device_id, opt.stream);
+        if (!copied.is_ok()) return Status::cuda(std::string(name) + ": " + copied.message);
+        values = host.data();
+      }
+      return check_cu_seqlens_values(values, name, batch, total, max_seqlen, max_name);
+    };
+    if (!(s = check(cq, "cu_seqlens_q", p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok()) return s;
+    if (!(s = check(ck, "cu_seqlens_k", p->total_k, opt.max_seqlen_k, "max_seqlen_k")).is_ok()) return s;
   }
   p->cu_seqlens_q = static_cast<const int32_t*>(cq->data);
   p->cu_seqlens_k = static_cast<const int32_t*>(ck->data);

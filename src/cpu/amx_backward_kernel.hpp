@@ -122,7 +122,7 @@ class AmxBackwardRunner {
     task_ = task;
     kv_head_ = task.head / p_.group_size();
     seq_ = seq_info(p_, task.batch);
-    rows_pad_ = round_up(std::max<int64_t>(task.row_end - task.row_begin, 1), 32);
+    rows_pad_ = round_up(std::max<int64_t>(task.rows(), 1), 32);
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
     PhaseTimer::lap(BackwardPhase::kPackHead);
@@ -162,12 +162,12 @@ class AmxBackwardRunner {
     for (int64_t r0 = 0; r0 < rows_pad_; r0 += 32) {
       for (int64_t r = 0; r < 32; ++r) {
         const int64_t i = r0 + r, row = seq_.q_start + task_.row_begin + i;
-        if (i >= task_.row_end - task_.row_begin) {
+        if (i >= task_.rows()) {
           w_.lse.data()[i] = 0.f;
           w_.delta.data()[i] = 0.f;
           continue;
         }
-        if (i + kPrefetchRows < task_.row_end - task_.row_begin) {
+        if (i + kPrefetchRows < task_.rows()) {
           for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
             prefetch_rows(element_ptr(*t, p_.dtype, task_.batch, row + kPrefetchRows, task_.head), 1, 0, row_bytes);
           }
@@ -179,7 +179,7 @@ class AmxBackwardRunner {
         w_.delta.data()[i] = dot(w_.dout_row.data(), w_.out_row.data(), head_dim);
         w_.lse.data()[i] = p_.lse.data[task_.batch * p_.lse.batch_stride + task_.head * p_.lse.head_stride + row * p_.lse.row_stride];
       }
-      const int64_t valid = std::min<int64_t>(32, task_.row_end - task_.row_begin - r0);
+      const int64_t valid = std::min<int64_t>(32, task_.rows() - r0);
       auto q_at = [&](int64_t r) -> const void* { return r < valid ? q_stage + r * row_bytes : nullptr; };
       auto dout_at = [&](int64_t r) -> const void* { return r < valid ? dout_stage + r * row_bytes : nullptr; };
       const int64_t col_tile = (r0 / 16) * kTileUnits, pair_tile = (r0 / 32) * col_tiles * kTileUnits;
@@ -437,9 +437,9 @@ class AmxBackwardRunner {
     float* rows = w_.rows16.data();
     if (dq_partials_) {
       float* out = dq_partials_->rows_of(task_);
-      for (int64_t i0 = 0; i0 < task_.row_end - task_.row_begin; i0 += 16) {
+      for (int64_t i0 = 0; i0 < task_.rows(); i0 += 16) {
         transpose(w_.dq_t.data() + (i0 / 32) * d_pad_ * 32 + i0 % 32, 32, d_pad_, 16, rows, d_pad_);
-        for (int64_t i = i0; i < std::min(i0 + 16, task_.row_end - task_.row_begin); ++i) {
+        for (int64_t i = i0; i < std::min(i0 + 16, task_.rows()); ++i) {
           std::copy(rows + (i - i0) * d_pad_, rows + (i - i0) * d_pad_ + p_.head_dim, out + i * p_.head_dim);
         }
       }

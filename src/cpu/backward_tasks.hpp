@@ -39,6 +39,8 @@ struct BackwardTask {
                                // fold_keys keys (0: one chunk, nothing to fold)
   int64_t dq_offset;           // a task of one chunk of a split head: where its rows start in DqPartials
   int64_t cost;
+
+  int64_t rows() const { return row_end - row_begin; }
 };
 
 /** Each task's unscaled fp32 dQ, [row_end - row_begin][head_dim] at its dq_offset, when heads run

@@ -97,7 +97,7 @@ class BackwardTaskRunner {
     seq_ = seq_info(p_, task.batch);
     const MaskInfo mask = mask_info(p_, seq_);
     load_head();
-    const int64_t dq_floats = (task.row_end - task.row_begin) * d_pad_;
+    const int64_t dq_floats = task.rows() * d_pad_;
     std::fill(w_.dq_acc.data(), w_.dq_acc.data() + dq_floats, 0.f);
     if (task.fold_keys) std::fill(w_.dq_sum.data(), w_.dq_sum.data() + dq_floats, 0.f);
     PhaseTimer::lap(BackwardPhase::kPackHead);
@@ -149,9 +149,9 @@ class BackwardTaskRunner {
     float* q_rows = w_.q_rows.data();
     float* dout_rows = w_.dout_rows.data();
     float* out_row = w_.row_a.data();
-    for (int64_t i = 0; i < task_.row_end - task_.row_begin; ++i) {
+    for (int64_t i = 0; i < task_.rows(); ++i) {
       const int64_t row = seq_.q_start + task_.row_begin + i;
-      if (i + Config::kPrefetchRows < task_.row_end - task_.row_begin) {
+      if (i + Config::kPrefetchRows < task_.rows()) {
         const int64_t ahead = row + Config::kPrefetchRows;
         for (const TensorRef* t : {&p_.q, &p_.dout, &p_.out}) {
           prefetch_rows(element_ptr(*t, p_.dtype, task_.batch, ahead, task_.head), 1, 0, row_bytes);
@@ -326,7 +326,7 @@ class BackwardTaskRunner {
   void fold_dq() {
     float* sum = w_.dq_sum.data();
     float* acc = w_.dq_acc.data();
-    for (int64_t i = 0; i < (task_.row_end - task_.row_begin) * d_pad_; i += kSimdWidth) {
+    for (int64_t i = 0; i < task_.rows() * d_pad_; i += kSimdWidth) {
       Simd::store(sum + i, Simd::add(Simd::load(sum + i), Simd::load(acc + i)));
       Simd::store(acc + i, Simd::zero());
     }
@@ -337,7 +337,7 @@ class BackwardTaskRunner {
   void write_dq(const float* dq) {
     if (dq_partials_) {
       float* out = dq_partials_->rows_of(task_);
-      for (int64_t i = 0; i < task_.row_end - task_.row_begin; ++i) {
+      for (int64_t i = 0; i < task_.rows(); ++i) {
         std::copy(dq + i * d_pad_, dq + i * d_pad_ + p_.head_dim, out + i * p_.head_dim);
       }
       return;

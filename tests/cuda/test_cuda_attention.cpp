@@ -377,6 +377,11 @@ TEST(CudaRaces, ChainedForwardCallsReadFinishedInputs) {
   }
 }
 
+/** A contiguous view of device memory, for tests that build C-ABI calls by hand. */
+fc_tensor device_tensor(void* data, fc_dtype dtype, std::initializer_list<int64_t> shape) {
+  return flashcore::make_tensor(data, dtype, shape, FC_DEVICE_CUDA);
+}
+
 // cu_seqlens on the GPU are trusted unless the caller asks for a check (check_cu_seqlens or
 // FLASHCORE_CHECK_CU_SEQLENS=1): then bad values get the CPU path's errors, and nothing is written.
 TEST(CudaValidation, CuSeqlensCheckedOnRequest) {
@@ -401,16 +406,13 @@ TEST(CudaValidation, CuSeqlensCheckedOnRequest) {
   void* grads[3] = {mem.alloc(q_elems * 2), mem.alloc(k_elems * 2), mem.alloc(k_elems * 2)};
   void* cu_q = mem.alloc(3 * sizeof(int32_t));
   void* cu_k = mem.alloc(3 * sizeof(int32_t));
-  auto tensor = [](void* data, int32_t dtype, std::initializer_list<int64_t> shape) {
-    return flashcore::make_tensor(data, static_cast<fc_dtype>(dtype), shape, FC_DEVICE_CUDA);
-  };
-  fc_tensor tq = tensor(q, FC_DTYPE_F16, {kTotalQ, kHeads, kDim}), tk = tensor(k, FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  fc_tensor tv = tensor(v, FC_DTYPE_F16, {kTotalK, kHeads, kDim}), tdo = tensor(dout, FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
-  fc_tensor to = tensor(out, FC_DTYPE_F16, {kTotalQ, kHeads, kDim}), tl = tensor(lse, FC_DTYPE_F32, {kHeads, kTotalQ});
-  fc_tensor tdq = tensor(grads[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
-  fc_tensor tdk = tensor(grads[1], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  fc_tensor tdv = tensor(grads[2], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  fc_tensor tcq = tensor(cu_q, FC_DTYPE_I32, {3}), tck = tensor(cu_k, FC_DTYPE_I32, {3});
+  fc_tensor tq = device_tensor(q, FC_DTYPE_F16, {kTotalQ, kHeads, kDim}), tk = device_tensor(k, FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tv = device_tensor(v, FC_DTYPE_F16, {kTotalK, kHeads, kDim}), tdo = device_tensor(dout, FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor to = device_tensor(out, FC_DTYPE_F16, {kTotalQ, kHeads, kDim}), tl = device_tensor(lse, FC_DTYPE_F32, {kHeads, kTotalQ});
+  fc_tensor tdq = device_tensor(grads[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tdk = device_tensor(grads[1], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tdv = device_tensor(grads[2], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tcq = device_tensor(cu_q, FC_DTYPE_I32, {3}), tck = device_tensor(cu_k, FC_DTYPE_I32, {3});
   fc_attention_options opt{};
   opt.cu_seqlens_q = &tcq;
   opt.cu_seqlens_k = &tck;
@@ -515,20 +517,17 @@ TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
     mem.upload(flag, &zero, sizeof zero);
     return value;
   };
-  auto tensor = [](void* data, int32_t dtype, std::initializer_list<int64_t> shape) {
-    return flashcore::make_tensor(data, static_cast<fc_dtype>(dtype), shape, FC_DEVICE_CUDA);
-  };
-  const fc_tensor tq = tensor(buffers[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
-  const fc_tensor tk = tensor(buffers[1], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  const fc_tensor tv = tensor(buffers[2], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  const fc_tensor tdo = tensor(buffers[3], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
-  fc_tensor to = tensor(buffers[4], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
-  fc_tensor tl = tensor(buffers[5], FC_DTYPE_F32, {kHeads, kTotalQ});
-  fc_tensor tdq = tensor(buffers[6], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
-  fc_tensor tdk = tensor(buffers[7], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  fc_tensor tdv = tensor(buffers[8], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
-  const fc_tensor tcq = tensor(cu, FC_DTYPE_I32, {4});
-  const fc_tensor tck = tensor(static_cast<int32_t*>(cu) + 4, FC_DTYPE_I32, {4});
+  const fc_tensor tq = device_tensor(buffers[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  const fc_tensor tk = device_tensor(buffers[1], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  const fc_tensor tv = device_tensor(buffers[2], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  const fc_tensor tdo = device_tensor(buffers[3], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor to = device_tensor(buffers[4], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tl = device_tensor(buffers[5], FC_DTYPE_F32, {kHeads, kTotalQ});
+  fc_tensor tdq = device_tensor(buffers[6], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tdk = device_tensor(buffers[7], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  fc_tensor tdv = device_tensor(buffers[8], FC_DTYPE_F16, {kTotalK, kHeads, kDim});
+  const fc_tensor tcq = device_tensor(cu, FC_DTYPE_I32, {4});
+  const fc_tensor tck = device_tensor(static_cast<int32_t*>(cu) + 4, FC_DTYPE_I32, {4});
   fc_attention_options opt{};
   opt.cu_seqlens_q = &tcq;
   opt.cu_seqlens_k = &tck;
