@@ -18,6 +18,7 @@ Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 5
                                     [--profile] [--base-lib OTHER/libflashcore.so] [--ordered-pages]
 """
 import argparse
+import os
 import ctypes
 import statistics
 
@@ -205,6 +206,9 @@ def main():
                          "the same addresses as contiguous through the paged code path")
     ap.add_argument("--base-lib", default="",
                     help="another build of libflashcore.so (e.g. the last commit's) timed on every flashcore cell too")
+    ap.add_argument("--env-variants", default="",
+                    help="NAME=V1,V2,...: also time every flashcore cell with the environment variable NAME set "
+                         "to each value in turn, in interleaved rounds (for a library that reads NAME per call)")
     a = ap.parse_args()
     lib = ctypes.CDLL(a.lib)
     lib.fc_last_error.restype = ctypes.c_char_p
@@ -250,6 +254,18 @@ def main():
                 base_call = flashcore_call(base_lib, batch, kv_len, page, q, k, v, out, keep)
                 compare_lines.append(f"base-lib {batch}x{kv_len} {name}: "
                                   f"{time_tbps(base_call, nbytes, a.iters, a.repeats):.2f}")
+                print(compare_lines[-1], flush=True)
+            if a.env_variants:
+                name_env, values = a.env_variants.split("=", 1)
+                values = values.split(",")
+                rates = {val: [] for val in values}
+                for _ in range(a.repeats):
+                    for val in values:
+                        os.environ[name_env] = val
+                        rates[val].append(time_tbps(call, nbytes, a.iters, 1))
+                os.environ.pop(name_env, None)
+                compare_lines.append(f"{name_env} {batch}x{kv_len} {name}: " + " ".join(
+                    f"{val}:{statistics.median(r):.3f}" for val, r in rates.items()))
                 print(compare_lines[-1], flush=True)
             if a.sweep:
                 rates = []

@@ -113,6 +113,13 @@ Status run_typed(const KvCacheParams& p, void* workspace) {
   decode::SplitOutput so;
   so.num_splits = kvcache_num_splits(p);
   so.row_chunks = static_cast<int>(row_chunks(p));
+  // Two tiles per warp warmed in L2 before the wait, where the CTAs wait for the previous call's
+  // tail (a programmatic launch) and that tail is this call's last use of the memory system:
+  // without splits. With splits the combine kernel lets the next call's CTAs be placed while this
+  // call's attention still streams, so the prefetch lands early and competes with it. Same process
+  // (docs/PERF.md, session 26): 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3%, 1 x 65536 (16 splits)
+  // -0.3% to -0.7% with it; 4 tiles per warp gained less.
+  so.prefetch_tiles = programmatic && so.num_splits == 1 ? 2 : 0;
   if (so.num_splits > 1) {
     so.part_o = static_cast<float*>(workspace);
     so.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + part_o_bytes(p, so.num_splits));

@@ -28,6 +28,7 @@
 #include "api/kvcache_params.hpp"
 #include "cuda/decode/decode_trace.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
+#include "cuda/ptx/l2_prefetch.cuh"
 
 namespace flashcore::cuda::decode {
 
@@ -74,8 +75,9 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 // Programmatic dependent launch (cuda/programmatic_launch.hpp): the append, attention and combine
 // kernels are launched as programmatic dependents of the kernel before them on the stream (the
 // previous call's too), so a launch and its CTAs' placement overlap that kernel's tail: each
-// kernel first waits for the previous grid to complete with its writes visible, touching no global
-// memory before, then lets its own dependent be scheduled (which waits in turn).
+// kernel first waits for the previous grid to complete with its writes visible, reading no global
+// memory before for its results (the attention kernel only warms L2 there: prefetch_first_tiles),
+// then lets its own dependent be scheduled (which waits in turn).
 using ptx::allow_next_grid;
 using ptx::wait_previous_grid;
 
@@ -117,6 +119,7 @@ struct SplitOutput {
   float* part_lse = nullptr;  // (splits, batch, heads_q, seqlen_q)
   int num_splits = 1;
   int row_chunks = 1;
+  int prefetch_tiles = 0;  // tiles per warp warmed in L2 before the wait (prefetch_first_tiles)
 };
 
 /** Shapes of the attention kernel for one head-dim bucket. The shared-memory ring holds, per warp,
@@ -142,6 +145,68 @@ struct AttnTile {
   static constexpr int kSmemBytes = (kRingBytes > kCombineBytes ? kRingBytes : kCombineBytes) + kQBytes;
   static_assert(kChunks >= 8 && kChunks % 8 == 0, "the swizzle needs rows of 8k 16-byte chunks");
 };
+
+/** The keys split `split` of `num_splits` reads: [k0, k1) inside the rows' visible keys `all`.
+ *  Splits start on multiples of kKeys so that tiles never straddle a page of 16 or more keys. */
+struct SplitKeys {
+  KeyRange all;
+  int64_t k0, k1;
+};
+template <int kKeys>
+__device__ __forceinline__ SplitKeys split_keys(const KvCacheParams& p, int64_t seqlen_k, int split, int num_splits) {
+  SplitKeys sk;
+  sk.all = kv_mask(p, seqlen_k).keys_for_rows(0, p.seqlen_q);
+  const int64_t base = sk.all.begin / kKeys * kKeys;
+  const int64_t len = sk.all.end > sk.all.begin ? sk.all.end - base : 0;
+  const int64_t per_split = ((len + num_splits - 1) / num_splits + kKeys - 1) / kKeys * kKeys;
+  sk.k0 = base + split * per_split;
+  sk.k1 = max(sk.k0, min(sk.all.end, sk.k0 + per_split));
+  return sk;
+}
+
+/** Before the wait: requests into L2 the K and V rows of this warp's first `so.prefetch_tiles`
+ *  tiles (at most kMaxTiles), placed where the sequence's length, cache row and block-table entries
+ *  read now say (ptx/l2_prefetch.cuh: they may predate the previous grid's writes; a wrong guess
+ *  only warms the wrong lines, all inside the cache). A call's CTAs sit at the wait while the
+ *  previous call drains, so the first tiles' DRAM latency moves under that call's tail. Lane l
+ *  takes key l % 16 of a tile, of K (l < 16) or V. */
+template <typename T, int HD, int kKeys, int kWarps>
+__device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, const SplitOutput& so, int64_t b, int hk,
+                                                     int split, int warp, int lane) {
+  static_assert(2 * kKeys == DecodeTraits::kWarp, "a lane per K or V row of a tile");
+  constexpr int kMaxTiles = 4;
+  const int tiles = min(so.prefetch_tiles, kMaxTiles);
+  if (tiles <= 0) return;
+  const int64_t cached = ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride);
+  const int64_t seqlen_k = cached + p.seqlen_new;
+  if (cached < 0 || seqlen_k > p.capacity()) return;
+  int64_t row = b;
+  if (!p.paged && p.cache_batch_idx) row = ptx::load_unordered_s32(p.cache_batch_idx + b * p.cache_batch_idx_stride);
+  const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, split, so.num_splits);
+  const bool is_v = lane >= kKeys;
+  const TensorRef& cache = is_v ? p.v_cache : p.k_cache;
+  int64_t pos[kMaxTiles], page[kMaxTiles];
+#pragma unroll
+  for (int i = 0; i < kMaxTiles; ++i) {  // every table read issued before the first is used
+    pos[i] = sk.k0 + int64_t(warp + kWarps * i) * kKeys + (lane % kKeys);
+    page[i] = -1;
+    if (i < tiles && pos[i] < sk.k1)
+      page[i] = p.paged ? ptx::load_unordered_s32(p.block_table + b * p.block_table_batch_stride +
+                                                  pos[i] / p.page_size * p.block_table_page_stride)
+                        : row;
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxTiles; ++i) {
+    if (!page_in_range(p, page[i])) continue;
+    const int64_t in_page = p.paged ? pos[i] % p.page_size : pos[i];
+    const char* at = static_cast<const char*>(cache.data) +
+                     (page[i] * cache.batch_stride + in_page * cache.row_stride + hk * cache.head_stride) * int64_t(sizeof(T));
+    const int row_bytes = static_cast<int>(p.head_dim) * int(sizeof(T));  // <= HD: padded buckets
+#pragma unroll
+    for (int off = 0; off < HD * int(sizeof(T)); off += 128)
+      if (off < row_bytes) ptx::prefetch_l2(at + off);
+  }
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -288,6 +353,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   // keeps ptxas from hoisting the wait above the math it depends on, and is always true: strides
   // may be negative, but validation keeps every byte extent within int64, so no element offset is
   // INT64_MIN.
+  prefetch_first_tiles<T, HD, kKeys, kWarps>(p, so, b, hk, split, warp, lane);
   if (out_offset != INT64_MIN) wait_previous_grid();
   allow_next_grid();
   DECODE_TRACE(kDecodeWaited);
@@ -299,13 +365,9 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
 #endif
   DECODE_TRACE(kDecodeSeqlenReady);
   const MaskInfo mask = kv_mask(p, seqlen_k);
-  const KeyRange all = mask.keys_for_rows(0, p.seqlen_q);
-  // Splits start on multiples of kKeys so that tiles never straddle a page of 16 or more keys.
-  const int64_t base = all.begin / kKeys * kKeys;
-  const int64_t len = all.end > all.begin ? all.end - base : 0;
-  const int64_t per_split = ((len + so.num_splits - 1) / so.num_splits + kKeys - 1) / kKeys * kKeys;
-  const int64_t k0 = base + split * per_split;
-  const int64_t k1 = max(k0, min(all.end, k0 + per_split));
+  const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, split, so.num_splits);
+  const KeyRange all = sk.all;
+  const int64_t k0 = sk.k0, k1 = sk.k1;
   const int span = static_cast<int>(k1 - k0);
   const int64_t contiguous_row = (p.paged || bad) ? 0 : cache_row_of(p, b);
 

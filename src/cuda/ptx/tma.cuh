@@ -89,6 +89,17 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+/** Requests the 4D box at {c0 (inner), c1, c2, c3} into L2 without copying it anywhere
+ *  (cp.async.bulk.prefetch.tensor): no barrier, no completion, out-of-bounds parts are skipped.
+ *  Safe before griddepcontrol.wait (cuda/ptx/l2_prefetch.cuh says why). */
+__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                                   int32_t c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   tensor_map_operand(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 // ---- stores: shared -> global, tracked by bulk async-groups ----------------------------------
 
 /** 2D tile store of the shared box to {c0 (inner), c1}; out-of-bounds elements are not written. */

@@ -297,6 +297,7 @@ struct ForwardKernelArgs {
   CUtensorMap map_q, map_k, map_v, map_o;  // first: 64-byte aligned members
   AttentionParams params;
   bool store_o_with_tma;  // the traits stage O and `out` is TMA-addressable (map_o is valid)
+  bool prefetch_first_tile;  // warm L2 with the first tile before the wait (prefetch_first_tile)
   int num_m_blocks;
   int tiles_per_item;  // 2: pairs of query blocks (see TileWalker); 1: single blocks
   int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
@@ -963,14 +964,40 @@ __device__ void produce_all(const ForwardKernelArgs& args, const SmemPlan<T>& sm
   }
 }
 
+/** Before the wait, on a thread with no other work: the CTA's first tile's Q and first kStages K
+ *  and V blocks requested into L2 (ptx/l2_prefetch.cuh says why that is safe). A persistent CTA is
+ *  placed when one of the previous grid's CTAs leaves its SM, and then waits for the rest of that
+ *  grid: its first loads' DRAM latency moves under that tail (same process, docs/PERF.md session 26:
+ *  +0.2% to +3.3% in 11 of 12 S = 512 measurements, within +-1.3% from 1k). Fixed-length calls
+ *  only (a varlen tile's rows come from cu_seqlens, which the previous grid may still write). */
+template <class T>
+__device__ void prefetch_first_tile(const ForwardKernelArgs& args) {
+  TileWalker<T> tiles{args};
+  BlockWork w;
+  if (!tiles.next(w)) return;
+  const int32_t bc = static_cast<int32_t>(w.batch_coord), hk = static_cast<int32_t>(w.kv_head);
+#pragma unroll
+  for (int c = 0; c < T::kChunks; ++c)
+    ptx::tma_prefetch_l2_4d(&args.map_q, c * T::kChunkCols, static_cast<int32_t>(w.q_row0),
+                            static_cast<int32_t>(w.head), bc);
+  const int blocks = w.n_tiles < T::kStages ? w.n_tiles : T::kStages;
+  for (int it = 0; it < blocks; ++it) {
+    const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+#pragma unroll
+    for (int c = 0; c < T::kChunks; ++c) {
+      ptx::tma_prefetch_l2_4d(&args.map_k, c * T::kChunkCols, row, hk, bc);
+      ptx::tma_prefetch_l2_4d(&args.map_v, c * T::kChunkCols, row, hk, bc);
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     forward_kernel(const __grid_constant__ ForwardKernelArgs args) {
   extern __shared__ uint8_t smem_raw[];
   // Launched as a programmatic dependent (launch_forward): nothing global is read before the
-  // previous kernel on the stream is complete; the next one may be placed from here on.
-  ptx::wait_previous_grid();
-  ptx::allow_next_grid();
+  // previous kernel on the stream is complete (every role but the L2 prefetch waits right after
+  // setting up its registers); the next one may be placed from there on.
   const uint32_t raw_addr = ptx::smem_addr(smem_raw);
   const uint32_t pad = (T::kAlign - raw_addr % T::kAlign) % T::kAlign;
   SmemPlan<T> sm;
@@ -1001,6 +1028,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t warpgroup = ptx::warpgroup_index();
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<T::kProducerRegisters>();
+    if (ptx::warp_in_warpgroup() == 1) {
+      if (args.prefetch_first_tile && ptx::elect_one_sync()) prefetch_first_tile<T>(args);
+    } else {
+      ptx::wait_previous_grid();
+    }
+    ptx::allow_next_grid();
     if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) {
       ptx::tma_prefetch_tensor_map(&args.map_q);
       ptx::tma_prefetch_tensor_map(&args.map_k);
@@ -1009,6 +1042,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
+    ptx::wait_previous_grid();
+    ptx::allow_next_grid();
     const int consumer = static_cast<int>(warpgroup) - 1;
     const IssueTurn<T> turn{consumer};
     turn.start();
@@ -1052,6 +1087,8 @@ Status launch_forward(const forward_params_t& p) {
   args.post_scale = scales.post_scale;
 
   const bool varlen = p.is_varlen();
+  const bool programmatic = supports_programmatic_launch(p.device_id);
+  args.prefetch_first_tile = programmatic && !varlen;
   const TmaElement element = tma_element_of<typename T::Element>();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
   const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
@@ -1080,9 +1117,9 @@ Status launch_forward(const forward_params_t& p) {
   }
   // Persistent: one CTA per SM (fewer when there are fewer work items).
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_items, sm_count)));
-  // A programmatic dependent of the kernel before it (the kernel waits for it first thing).
+  // A programmatic dependent of the kernel before it (each role waits for it before its first read).
   err = launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, static_cast<cudaStream_t>(p.stream),
-                      supports_programmatic_launch(p.device_id), args);
+                      programmatic, args);
   if (err != cudaSuccess) {
     return Status::cuda(std::string("cuda_sm90 forward launch failed: ") + cudaGetErrorString(err));
   }

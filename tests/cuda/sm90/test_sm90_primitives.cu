@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/ptx/l2_prefetch.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -446,6 +447,100 @@ TEST(Sm90Tma, ReduceAdd2dFp32Swizzle128B) {
     }
   EXPECT_EQ(bad, 0u);
   EXPECT_EQ(bad_guard, 0u);
+}
+
+// L2 prefetches (ptx::tma_prefetch_l2_4d, ptx::prefetch_l2) and the early index read
+// (ptx::load_unordered_s32) that the kernels issue before griddepcontrol.wait: boxes inside, partly
+// outside and wholly outside the tensor must not fault, and lines prefetched before a write must
+// not serve the old values to a later TMA load (L2 is the point of coherence).
+struct L2PrefetchTraits {
+  static constexpr uint32_t kCols = 64, kRows = 64, kHeads = 2, kBatch = 2;  // (d, rows, heads, batch)
+  static constexpr uint32_t kElems = kCols * kRows * kHeads * kBatch;
+  static constexpr uint32_t kProbeHead = 1, kProbeBatch = 1;  // the box prefetched, then reloaded
+};
+
+__global__ void l2_prefetch_kernel(const __grid_constant__ CUtensorMap map, const uint16_t* data, int32_t* word_out) {
+  using T = L2PrefetchTraits;
+  if (threadIdx.x != 0) return;
+  ptx::tma_prefetch_l2_4d(&map, 0, 0, T::kProbeHead, T::kProbeBatch);  // inside
+  ptx::tma_prefetch_l2_4d(&map, 0, 32, 0, 0);                          // rows 32..95: half outside
+  ptx::tma_prefetch_l2_4d(&map, -64, -64, 0, 0);                       // wholly outside, negative
+  ptx::tma_prefetch_l2_4d(&map, 0, 1000, 7, 9);                        // wholly outside, far
+  for (uint32_t i = 0; i < T::kElems; i += 64) ptx::prefetch_l2(data + i);  // every 128-byte line
+  *word_out = ptx::load_unordered_s32(reinterpret_cast<const int32_t*>(data) + 5);
+}
+
+__global__ void l2_reload_kernel(const __grid_constant__ CUtensorMap map, uint16_t* readback, uint32_t* errors) {
+  using T = L2PrefetchTraits;
+  __shared__ alignas(128) uint16_t tile[T::kRows * T::kCols];
+  __shared__ uint64_t full;
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&full, 1);
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_arrive_expect_tx(&full, sizeof(tile));
+    ptx::tma_load_4d(tile, &map, &full, 0, 0, T::kProbeHead, T::kProbeBatch);
+  }
+  if (!wait_bounded(&full, 0)) atomicAdd(errors, 1);
+  for (uint32_t i = threadIdx.x; i < T::kRows * T::kCols; i += blockDim.x) readback[i] = tile[i];
+}
+
+TEST(Sm90Tma, L2PrefetchesNeitherFaultNorServeStaleLines) {
+  SKIP_UNLESS_SM90();
+  using T = L2PrefetchTraits;
+  std::vector<uint16_t> before(T::kElems), after(T::kElems);
+  const std::vector<float> a = exact_values(T::kElems, 21), b = exact_values(T::kElems, 22);
+  for (uint32_t i = 0; i < T::kElems; ++i) {
+    before[i] = to_bits<__nv_bfloat16>(a[i]);
+    after[i] = static_cast<uint16_t>(to_bits<__nv_bfloat16>(b[i]) ^ 0x0001);  // differs from `before`
+  }
+  DeviceBuffer<uint16_t> d_data(T::kElems), d_readback(T::kRows * T::kCols);
+  DeviceBuffer<int32_t> d_word(1);
+  DeviceBuffer<uint32_t> d_errors(1);
+  ASSERT_TRUE(d_data.get() && d_readback.get() && d_word.get() && d_errors.get());
+  CUDA_ASSERT(cudaMemcpy(d_data.get(), before.data(), d_data.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemset(d_errors.get(), 0, d_errors.bytes()));
+
+  sm90::TiledViewNd view;
+  view.base = d_data.get();
+  view.element = sm90::TmaElement::kBf16;
+  view.rank = 4;
+  const uint64_t dims[4] = {T::kCols, T::kRows, T::kHeads, T::kBatch};
+  const uint64_t strides[4] = {1, T::kCols, uint64_t(T::kCols) * T::kRows, uint64_t(T::kCols) * T::kRows * T::kHeads};
+  const uint32_t box[4] = {T::kCols, T::kRows, 1, 1};
+  for (int d = 0; d < 4; ++d) {
+    view.dims[d] = dims[d];
+    view.strides[d] = strides[d];
+    view.box[d] = box[d];
+  }
+  view.swizzle = sm90::TmaSwizzle::kNone;
+  CUtensorMap map{};
+  STATUS_ASSERT(sm90::encode_tensor_map_nd(view, &map));
+
+  l2_prefetch_kernel<<<1, 32>>>(map, d_data.get(), d_word.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());  // a faulting prefetch would surface here
+  CUDA_ASSERT(cudaMemcpy(d_data.get(), after.data(), d_data.bytes(), cudaMemcpyHostToDevice));
+  l2_reload_kernel<<<1, TestTraits::kWarpgroup>>>(map, d_readback.get(), d_errors.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+
+  int32_t word = 0;
+  uint32_t errors = 0;
+  std::vector<uint16_t> readback(T::kRows * T::kCols);
+  CUDA_ASSERT(cudaMemcpy(&word, d_word.get(), sizeof(word), cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(cudaMemcpy(&errors, d_errors.get(), sizeof(errors), cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(cudaMemcpy(readback.data(), d_readback.get(), d_readback.bytes(), cudaMemcpyDeviceToHost));
+  int32_t want_word = 0;
+  std::memcpy(&want_word, before.data() + 10, sizeof(want_word));
+  EXPECT_EQ(word, want_word) << "load_unordered_s32 read the wrong word";
+  EXPECT_EQ(errors, 0u) << "the reload's TMA never landed";
+  const size_t probe = (size_t(T::kProbeBatch) * T::kHeads + T::kProbeHead) * T::kRows * T::kCols;
+  size_t stale = 0;
+  for (size_t i = 0; i < readback.size(); ++i) stale += readback[i] != after[probe + i];
+  EXPECT_EQ(stale, 0u) << "a load after the write returned values from before it";
 }
 
 TEST(Sm90TensorMap, RejectsWhatTmaCannotDescribe) {
