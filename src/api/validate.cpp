@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -13,6 +12,7 @@
 
 #include "api/backends.hpp"
 #include "api/validate_util.hpp"
+#include "common/env_switch.hpp"
 
 namespace flashcore {
 namespace validate_detail {
@@ -168,12 +168,6 @@ Status check_disjoint(const fc_tensor* a, const Extent& ea, const char* an, cons
                            " (outputs must not alias inputs or other outputs)");
   }
   return Status::ok();
-}
-
-/** Whether an environment switch is set to something other than "" or "0" (read at every call). */
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != 0 && std::string(v) != "0";
 }
 
 // Check of a cu_seqlens array in host memory (batch + 1 contiguous entries).

@@ -3,8 +3,7 @@
 // backward is amx_backward.cpp.
 #include "cpu/amx.hpp"
 
-#include <cstdlib>
-
+#include "common/env_switch.hpp"
 #include "cpu/amx_forward_kernel.hpp"
 
 #if FLASHCORE_AMX_BUILT
@@ -26,12 +25,8 @@ bool amx_is_software_model() {
 
 namespace {
 
-/** FLASHCORE_CPU_AMX's first character ('0': never, '1': always), 0 when unset; read at every
- *  call so that a benchmark or a test can switch paths. */
-char amx_setting() {
-  const char* env = std::getenv("FLASHCORE_CPU_AMX");
-  return env ? env[0] : 0;
-}
+/** FLASHCORE_CPU_AMX's first character ('0': never, '1': always), 0 when unset. */
+char amx_setting() { return env_mode("FLASHCORE_CPU_AMX"); }
 
 }  // namespace
 

@@ -4,10 +4,10 @@
 // (amx_backward_kernel.hpp).
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "api/backends.hpp"
+#include "common/env_switch.hpp"
 #include "cpu/amx.hpp"
 #include "cpu/backward_tasks.hpp"
 #include "cpu/cpu_common.hpp"
@@ -50,13 +50,7 @@ KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys) {
   return split;
 }
 
-int64_t min_chunk_keys_or_env(int64_t shipped) {
-  const char* env = std::getenv("FLASHCORE_CPU_CHUNK_KEYS");
-  if (!env || !*env) return shipped;
-  char* end = nullptr;
-  const long long keys = std::strtoll(env, &end, 10);
-  return *end == 0 && keys >= 0 ? keys : shipped;
-}
+int64_t min_chunk_keys_or_env(int64_t shipped) { return env_count("FLASHCORE_CPU_CHUNK_KEYS", shipped); }
 
 BackwardPlan plan_backward(const BackwardParams& p, const KeySplit& split, bool may_fold) {
   // Heads split where whole heads would give fewer than 4 tasks per thread.
