@@ -346,6 +346,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   const int page_shift = __ffsll(page_size) - 1;
   const int64_t k_head = hk * p.k_cache.head_stride, v_head = hk * p.v_cache.head_stride;
   const uint32_t ring = smem_addr(smem) + warp * kStages * Tl::kStageBytes;
+  prefetch_first_tiles<T, HD, kKeys, kWarps>(p, so, b, hk, split, warp, lane);
 
   // The previous kernel (this call's append, or the last call's attention or combine) must be
   // complete before anything is read; the combine kernel (or the next call's first kernel) may then
@@ -353,7 +354,6 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   // keeps ptxas from hoisting the wait above the math it depends on, and is always true: strides
   // may be negative, but validation keeps every byte extent within int64, so no element offset is
   // INT64_MIN.
-  prefetch_first_tiles<T, HD, kKeys, kWarps>(p, so, b, hk, split, warp, lane);
   if (out_offset != INT64_MIN) wait_previous_grid();
   allow_next_grid();
   DECODE_TRACE(kDecodeWaited);
