@@ -5,7 +5,8 @@ Drop-in for flash_attn:  ``import flashcore as flash_attn``; then
 torch.compile and CUDA graphs) or numpy arrays (CPU backend). Framework-neutral calls for any
 DLPack array and an explicit stream: ``attention_forward`` / ``attention_backward``. Inference:
 ``flash_attn_with_kvcache`` (decode against contiguous or paged KV caches, appending in place)
-and ``merge_partials`` (combine attention over disjoint key sets).
+and ``merge_partials`` (combine attention over disjoint key sets). Context parallel across the
+ranks of a torch.distributed group: ``flashcore.ring_attention.ring_flash_attn_func``.
 
 The compiled part is the extension ``flashcore._C`` (the C ABI in include/flashcore/flashcore.h).
 torch is never imported by flashcore itself: the torch integration (flashcore._torch) loads

@@ -1,0 +1,200 @@
+"""Ring attention (flashcore.ring_attention) across processes: every rank's out, lse and
+gradients against float64 torch math over the whole sequence.
+
+CPU processes talk through gloo (any machine with torch); with as many CUDA devices as ranks the
+same checks run on GPUs through NCCL. Skipped when torch is not installed (CI). float32 results
+must be within a relative error of 1e-5 (TESTING.md); bf16 on the GPU is compared with flashcore's
+own single-device call on the whole sequence (itself checked against the references elsewhere).
+"""
+
+import os
+import queue
+import socket
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+mp = pytest.importorskip("torch.multiprocessing")
+
+FP32_RELATIVE_TOLERANCE = 1e-5
+BF16_RELATIVE_TOLERANCE = 2e-2  # ring vs one call: merges in fp32, rounding of out once either way
+
+
+def reference(q, k, v, causal):
+    """float64 dense attention over the whole sequence, differentiable; (out, lse)."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.double() for x in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1).to(s.device), -1e30)
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), v), torch.logsumexp(s, dim=-1)
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+# (causal, heads_q, heads_kv, shard length, head_dim)
+CASES = [(False, 4, 4, 24, 32), (True, 4, 4, 24, 32), (True, 6, 2, 17, 64), (False, 2, 1, 9, 64)]
+
+
+def _check_rank(rank, world, device, dtype):
+    from flashcore.ring_attention import ring_flash_attn_func
+
+    import flashcore
+
+    for causal, heads_q, heads_kv, shard, dim in CASES:
+        gen = torch.Generator().manual_seed(1000 + shard)  # the same tensors on every rank
+        make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
+        q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
+        dout = torch.randn(q.shape, generator=gen)
+        mine = slice(rank * shard, (rank + 1) * shard)
+        local = [x[:, mine].to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = ring_flash_attn_func(*local, causal=causal, return_lse=True)
+        out.backward(dout[:, mine].to(device=device, dtype=dtype))
+        what = f"rank {rank}/{world} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
+        if dtype == torch.float32:
+            full = [x.clone().requires_grad_() for x in (q, k, v)]
+            ref_out, ref_lse = reference(*full, causal)
+            ref_grads = torch.autograd.grad(ref_out, full, dout.double())
+            checks = [("out", out, ref_out[:, mine]), ("lse", lse, ref_lse[:, :, mine])]
+            checks += [(name, t.grad, g[:, mine]) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
+            tolerance = FP32_RELATIVE_TOLERANCE
+        else:
+            full = [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+            ref_out = flashcore.flash_attn_func(*full, causal=causal)
+            ref_grads = torch.autograd.grad(ref_out, full, dout.to(device=device, dtype=dtype))
+            checks = [("out", out, ref_out[:, mine])]
+            checks += [(name, t.grad, g[:, mine]) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
+            tolerance = BF16_RELATIVE_TOLERANCE
+        for name, got, want in checks:
+            assert got.shape == want.shape, f"{what}: {name} shape {tuple(got.shape)}, want {tuple(want.shape)}"
+            err = relative_error(got.cpu(), want.cpu())
+            assert err <= tolerance, f"{what}: {name} relative error {err:.3g} > {tolerance}"
+
+
+def _worker(rank, world, port, backend, dtype_name):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        _check_rank(rank, world, device, getattr(torch, dtype_name))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ring_over_gloo_matches_float64_math(world):
+    mp.spawn(_worker, args=(world, _free_port(), "gloo", "float32"), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16"])
+def test_ring_over_nccl_matches_one_device(dtype_name):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs two CUDA devices and NCCL")
+    world = torch.cuda.device_count()
+    mp.spawn(_worker, args=(world, _free_port(), "nccl", dtype_name), nprocs=world, join=True)
+
+
+class ThreadRing:
+    """The ring's message passing between threads of one process (ranks as threads), so that the
+    algorithm runs on one device: on a single GPU, the CUDA kernels and merges of every rank."""
+
+    def __init__(self, rank, world, mailboxes):
+        self.rank, self.world, self.mailboxes = rank, world, mailboxes
+
+    def shift(self, tensors):
+        self.mailboxes[(self.rank + 1) % self.world].put([t.clone() for t in tensors])
+        return self.mailboxes[self.rank].get(timeout=60), ([], None)
+
+
+def _thread_ring(world, shards, dout, causal):
+    """Runs every rank's forward and backward as threads; returns [(out, lse, dq, dk, dv)]."""
+    from flashcore import ring_attention
+    from flashcore._dlpack_api import backend_id
+
+    mailboxes = [queue.Queue() for _ in range(world)]
+    results, errors = [None] * world, []
+
+    def rank_body(r):
+        try:
+            ring = ThreadRing(r, world, mailboxes)
+            q, k, v = shards[r]
+            settings = (0.0, causal, backend_id("auto"), False)
+            out, lse = ring_attention._ring_forward(q, k, v, ring, *settings)
+            results[r] = (out, lse) + ring_attention._ring_backward(dout[r], q, k, v, out, lse, ring, *settings)
+        except Exception as e:  # re-raised by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_steps_in_threads(device, world):
+    # float32 against float64 math on the CPU; bf16 against one flashcore call on the whole
+    # sequence on a GPU (where several processes would need several GPUs).
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import flashcore
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for causal, heads_q, heads_kv, shard, dim in CASES + [(True, 8, 2, 130, 128)]:
+        gen = torch.Generator().manual_seed(2000 + shard)
+        make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
+        q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
+        dout = torch.randn(q.shape, generator=gen)
+        cut = lambda x, r: x[:, r * shard:(r + 1) * shard].to(device=device, dtype=dtype)
+        shards = [tuple(cut(x, r) for x in (q, k, v)) for r in range(world)]
+        results = _thread_ring(world, shards, [cut(dout, r) for r in range(world)], causal)
+        got = [torch.cat([res[i].float().cpu() for res in results], dim=2 if i == 1 else 1) for i in range(5)]
+        if dtype == torch.float32:
+            full = [x.clone().requires_grad_() for x in (q, k, v)]
+            ref_out, ref_lse = reference(*full, causal)
+            want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout.double())]
+            tolerance = FP32_RELATIVE_TOLERANCE
+        else:
+            full = [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+            ref_out, ref_lse = flashcore.flash_attn_func(*full, causal=causal, return_attn_probs=True)[:2]
+            want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout.to(device=device, dtype=dtype))]
+            tolerance = BF16_RELATIVE_TOLERANCE
+        what = f"{world} threads on {device}, causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            err = relative_error(g, w.cpu())
+            assert err <= tolerance, f"{what}: {name} relative error {err:.3g} > {tolerance}"
+
+
+def test_errors_name_the_argument():
+    from flashcore.ring_attention import _check, ring_flash_attn_func
+
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="^group: torch.distributed is not initialized"):
+            ring_flash_attn_func(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8))
+
+    with pytest.raises(ValueError, match="^k: a causal ring"):
+        _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), True)
+    with pytest.raises(ValueError, match="^v: shape"):
+        _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 1, 8), False)
