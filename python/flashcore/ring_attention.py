@@ -2,24 +2,23 @@
 (context parallelism), forward and backward, with torch.distributed point-to-point messages
 (NCCL between GPUs, gloo between CPU processes).
 
-Each rank holds one contiguous shard of the sequence: rank r of W has tokens
-[r * L, (r + 1) * L) of q, k and v, every rank the same L. The K/V shards travel around the ring
-(rank r sends to r + 1 and receives from r - 1); at each of the W steps a rank runs flashcore's
-attention of its queries against the shard it holds and folds the partial result into its running
-(out, lse) in fp32, the merge that flashcore.merge_partials exposes. The next shard is already in
-flight while a step computes. With ``causal=True`` (queries and keys both split this way) a rank
-skips the shards of later ranks and runs its own shard with the causal mask. The backward runs the
-same ring: dq stays with its queries, while the dk / dv of a shard travel with it and reach their
-owner after the last step; every step calls flashcore's backward with the final out and lse, which
-is what makes the sum of the steps the exact gradient.
-
-Under a causal mask the work is uneven (rank W - 1 computes W shards, rank 0 one): a layout that
-gives every rank an early and a late chunk (zigzag) would balance it and is not implemented.
+Each rank holds a shard of the sequence, every rank the same length L: contiguous (rank r of W
+has tokens [r * L, (r + 1) * L)) or zigzag (chunks r and 2W - 1 - r of 2W, zigzag_shard). The
+K/V shards travel around the ring (rank r sends to r + 1 and receives from r - 1); at each of the
+W steps a rank runs flashcore's attention of its queries against the shard it holds and folds the
+partial result into its running (out, lse) in fp32, the merge that flashcore.merge_partials
+exposes. The next shard is already in flight while a step computes. Under a causal mask a step
+computes only the blocks the mask leaves visible (_step_blocks): with contiguous shards rank
+W - 1 computes W shards' worth and rank 0 one, with zigzag shards every rank the same. The
+backward runs the same ring: dq stays with its queries, while the dk / dv of a shard travel with
+it and reach their owner after the last step; every step calls flashcore's backward with the
+final out and lse, which is what makes the sum of the steps the exact gradient.
 
 Usage (every rank calls it with its own shards and the same group):
 
-    from flashcore.ring_attention import ring_flash_attn_func
-    out = ring_flash_attn_func(q_shard, k_shard, v_shard, causal=True)   # autograd works
+    from flashcore.ring_attention import ring_flash_attn_func, zigzag_shard
+    q_shard, k_shard, v_shard = (zigzag_shard(x, rank, world) for x in (q, k, v))
+    out = ring_flash_attn_func(q_shard, k_shard, v_shard, causal=True, layout="zigzag")  # autograd works
 """
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from ._dlpack_api import backend_id, resolve_scale
 from ._torch import _backward_impl, _forward_impl, _last_dim_contiguous
 
-__all__ = ["ring_flash_attn_func", "merge_into"]
+__all__ = ["ring_flash_attn_func", "merge_into", "zigzag_shard", "zigzag_unshard"]
 
 
 def merge_into(out_acc, lse_acc, out, lse):
@@ -72,7 +71,7 @@ def _wait(requests):
         work.wait()
 
 
-def _check(q, k, v, causal):
+def _check(q, k, v, causal, layout="contiguous"):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D torch tensor (batch, seqlen_shard, heads, head_dim)")
@@ -83,9 +82,32 @@ def _check(q, k, v, causal):
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"k: a causal ring needs query and key shards of one length, got "
                          f"{q.shape[1]} and {k.shape[1]}")
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"layout: expected 'contiguous' or 'zigzag', got {layout!r}")
+    if layout == "zigzag" and (q.shape[1] != k.shape[1] or q.shape[1] % 2 != 0):
+        raise ValueError(f"layout: zigzag needs query and key shards of one even length, got "
+                         f"{q.shape[1]} and {k.shape[1]}")
 
 
-def _ring_forward(q, k, v, ring, scale, causal, backend, deterministic):
+def _step_blocks(layout, causal, rank, source, q_len, k_len):
+    """What one step computes: [(query rows, key rows, causal)] of this rank's shard against the
+    shard of rank `source`. Zigzag shards are chunks (rank, 2W - 1 - rank) of 2W: against an
+    earlier rank's shard only its first chunk is visible (to every query), against a later one
+    only the late query chunk sees anything (all of it), and the own shard is causal as one
+    sequence; so every step but the first costs the same on every rank."""
+    everything = slice(None)
+    if not causal:
+        return [(everything, everything, False)]
+    if source == rank:
+        return [(everything, everything, True)]
+    if layout == "contiguous":
+        return [(everything, everything, False)] if source < rank else []
+    if source < rank:
+        return [(everything, slice(0, k_len // 2), False)]
+    return [(slice(q_len // 2, None), everything, False)]
+
+
+def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic):
     batch, seqlen, heads, dim = q.shape
     out_acc = torch.zeros(batch, seqlen, heads, dim, dtype=torch.float32, device=q.device)
     lse_acc = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
@@ -93,17 +115,17 @@ def _ring_forward(q, k, v, ring, scale, causal, backend, deterministic):
     for step in range(ring.world):
         pending = ring.shift(kv) if step + 1 < ring.world else None
         source = (ring.rank - step) % ring.world
-        if not causal or source <= ring.rank:
-            out, lse = _forward_impl(q, kv[0], kv[1], None, None, 0, 0, scale, causal and source == ring.rank,
-                                     -1, -1, 0.0, backend, deterministic)
-            merge_into(out_acc, lse_acc, out, lse)
+        for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, seqlen, k.shape[1]):
+            out, lse = _forward_impl(q[:, rows], kv[0][:, keys], kv[1][:, keys], None, None, 0, 0, scale,
+                                     block_causal, -1, -1, 0.0, backend, deterministic)
+            merge_into(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
         if pending is not None:
             kv, requests = pending
             _wait(requests)
     return out_acc.to(q.dtype), lse_acc
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, backend, deterministic):
+def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend, deterministic):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -113,12 +135,13 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, backend, determ
         # are complete only after the step, so they travel behind it.
         pending_kv = ring.shift(kv) if step + 1 < ring.world else None
         source = (ring.rank - step) % ring.world
-        if not causal or source <= ring.rank:
-            dq_s, dk_s, dv_s = _backward_impl(dout, q, kv[0], kv[1], out, lse, None, None, 0, 0, scale,
-                                              causal and source == ring.rank, -1, -1, 0.0, backend, deterministic)
-            dq.add_(dq_s.float())
-            dkv[0].add_(dk_s.float())
-            dkv[1].add_(dv_s.float())
+        for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, q.shape[1], k.shape[1]):
+            dq_s, dk_s, dv_s = _backward_impl(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
+                                              out[:, rows], lse[:, :, rows].contiguous(), None, None, 0, 0,
+                                              scale, block_causal, -1, -1, 0.0, backend, deterministic)
+            dq[:, rows] += dq_s.float()
+            dkv[0][:, keys] += dk_s.float()
+            dkv[1][:, keys] += dv_s.float()
         # After the last step this rank holds the shard of rank + 1: one more hop brings every
         # dk / dv home (alone, a rank keeps its own).
         if ring.world > 1:
@@ -132,10 +155,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, backend, determ
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale, causal, backend, deterministic):
-        out, lse = _ring_forward(q, k, v, ring, scale, causal, backend, deterministic)
+    def forward(ctx, q, k, v, ring, scale, causal, layout, backend, deterministic):
+        out, lse = _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (ring, scale, causal, backend, deterministic)
+        ctx.settings = (ring, scale, causal, layout, backend, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -144,26 +167,44 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else _last_dim_contiguous(dout)
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * len(ctx.settings)
+
+
+def zigzag_shard(x, rank, world, dim=1):
+    """Rank `rank`'s shard of x's sequence dimension in the zigzag layout: chunks rank and
+    2 * world - 1 - rank of 2 * world equal chunks (the length must divide by 2 * world)."""
+    if x.shape[dim] % (2 * world) != 0:
+        raise ValueError(f"x: sequence length {x.shape[dim]} is not a multiple of 2 * world = {2 * world}")
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
+
+
+def zigzag_unshard(shards, dim=1):
+    """The whole sequence from every rank's zigzag shard, in rank order (zigzag_shard's inverse)."""
+    world = len(shards)
+    halves = [shard.chunk(2, dim=dim) for shard in shards]
+    return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim=dim)
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, deterministic=False,
-                         return_lse=False, backend="auto"):
+                         return_lse=False, layout="contiguous", backend="auto"):
     """Exact attention over a sequence whose shards live on the ranks of `group` (default: the
     default process group), differentiable in q, k, v.
 
     q (batch, seqlen_shard, heads_q, head_dim) and k / v (batch, seqlen_shard_k, heads_kv,
-    head_dim) are this rank's contiguous shards (rank r holds tokens r * seqlen_shard ...); every
-    rank must pass shards of the same shapes. GQA / MQA as in flash_attn_func. ``causal`` masks
-    across the whole sequence (query and key shards of one length). Returns this rank's out
-    (the shape and dtype of q), and with ``return_lse`` also its lse (batch, heads_q,
-    seqlen_shard) in float32 over the whole sequence's keys. Softcap and sliding windows are not
-    supported here."""
+    head_dim) are this rank's shards; every rank must pass shards of the same shapes. With
+    ``layout="contiguous"`` rank r holds tokens [r * seqlen_shard, (r + 1) * seqlen_shard);
+    with ``layout="zigzag"`` it holds zigzag_shard(sequence, r, world) (two chunks, one early
+    and one late), which gives every rank the same work under a causal mask. GQA / MQA as in
+    flash_attn_func. ``causal`` masks across the whole sequence (query and key shards of one
+    length). Returns this rank's out (the shape and dtype of q), and with ``return_lse`` also its
+    lse (batch, heads_q, seqlen_shard) in float32 over the whole sequence's keys. Softcap and
+    sliding windows are not supported here."""
     if not dist.is_initialized():
         raise RuntimeError("group: torch.distributed is not initialized (init_process_group first)")
-    _check(q, k, v, causal)
+    _check(q, k, v, causal, layout)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     ring = _Ring(group)
-    out, lse = _RingAttention.apply(q, k, v, ring, resolve_scale(softmax_scale), bool(causal),
+    out, lse = _RingAttention.apply(q, k, v, ring, resolve_scale(softmax_scale), bool(causal), layout,
                                     backend_id(backend), bool(deterministic))
     return (out, lse) if return_lse else out

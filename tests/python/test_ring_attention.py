@@ -39,8 +39,19 @@ def relative_error(actual, expected):
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-# (causal, heads_q, heads_kv, shard length, head_dim)
-CASES = [(False, 4, 4, 24, 32), (True, 4, 4, 24, 32), (True, 6, 2, 17, 64), (False, 2, 1, 9, 64)]
+# (causal, heads_q, heads_kv, shard length, head_dim, layout)
+CASES = [(False, 4, 4, 24, 32, "contiguous"), (True, 4, 4, 24, 32, "contiguous"), (True, 6, 2, 17, 64, "contiguous"),
+         (False, 2, 1, 9, 64, "contiguous"), (True, 4, 4, 24, 32, "zigzag"), (True, 6, 2, 18, 64, "zigzag"),
+         (False, 4, 2, 10, 32, "zigzag")]
+
+
+def shard_of(x, rank, world, shard, layout, dim=1):
+    """Rank `rank`'s shard of x's sequence dimension `dim` in the given layout."""
+    from flashcore.ring_attention import zigzag_shard
+
+    if layout == "zigzag":
+        return zigzag_shard(x, rank, world, dim=dim)
+    return x.narrow(dim, rank * shard, shard)
 
 
 def _check_rank(rank, world, device, dtype):
@@ -48,29 +59,29 @@ def _check_rank(rank, world, device, dtype):
 
     import flashcore
 
-    for causal, heads_q, heads_kv, shard, dim in CASES:
+    for causal, heads_q, heads_kv, shard, dim, layout in CASES:
         gen = torch.Generator().manual_seed(1000 + shard)  # the same tensors on every rank
         make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
         q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
         dout = torch.randn(q.shape, generator=gen)
-        mine = slice(rank * shard, (rank + 1) * shard)
-        local = [x[:, mine].to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
-        out, lse = ring_flash_attn_func(*local, causal=causal, return_lse=True)
-        out.backward(dout[:, mine].to(device=device, dtype=dtype))
-        what = f"rank {rank}/{world} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
+        mine = lambda x, dim=1: shard_of(x, rank, world, shard, layout, dim)
+        local = [mine(x).to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+        out, lse = ring_flash_attn_func(*local, causal=causal, return_lse=True, layout=layout)
+        out.backward(mine(dout).to(device=device, dtype=dtype))
+        what = f"rank {rank}/{world} {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
         if dtype == torch.float32:
             full = [x.clone().requires_grad_() for x in (q, k, v)]
             ref_out, ref_lse = reference(*full, causal)
             ref_grads = torch.autograd.grad(ref_out, full, dout.double())
-            checks = [("out", out, ref_out[:, mine]), ("lse", lse, ref_lse[:, :, mine])]
-            checks += [(name, t.grad, g[:, mine]) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
+            checks = [("out", out, mine(ref_out)), ("lse", lse, mine(ref_lse, 2))]
+            checks += [(name, t.grad, mine(g)) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
             tolerance = FP32_RELATIVE_TOLERANCE
         else:
             full = [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
             ref_out = flashcore.flash_attn_func(*full, causal=causal)
             ref_grads = torch.autograd.grad(ref_out, full, dout.to(device=device, dtype=dtype))
-            checks = [("out", out, ref_out[:, mine])]
-            checks += [(name, t.grad, g[:, mine]) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
+            checks = [("out", out, mine(ref_out))]
+            checks += [(name, t.grad, mine(g)) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
             tolerance = BF16_RELATIVE_TOLERANCE
         for name, got, want in checks:
             assert got.shape == want.shape, f"{what}: {name} shape {tuple(got.shape)}, want {tuple(want.shape)}"
@@ -124,7 +135,7 @@ class ThreadRing:
         return self.mailboxes[self.rank].get(timeout=60), ([], None)
 
 
-def _thread_ring(world, shards, dout, causal):
+def _thread_ring(world, shards, dout, causal, layout):
     """Runs every rank's forward and backward as threads; returns [(out, lse, dq, dk, dv)]."""
     from flashcore import ring_attention
     from flashcore._dlpack_api import backend_id
@@ -136,7 +147,7 @@ def _thread_ring(world, shards, dout, causal):
         try:
             ring = ThreadRing(r, world, mailboxes)
             q, k, v = shards[r]
-            settings = (0.0, causal, backend_id("auto"), False)
+            settings = (0.0, causal, layout, backend_id("auto"), False)
             out, lse = ring_attention._ring_forward(q, k, v, ring, *settings)
             results[r] = (out, lse) + ring_attention._ring_backward(dout[r], q, k, v, out, lse, ring, *settings)
         except Exception as e:  # re-raised by the caller
@@ -162,15 +173,18 @@ def test_ring_steps_in_threads(device, world):
     import flashcore
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    for causal, heads_q, heads_kv, shard, dim in CASES + [(True, 8, 2, 130, 128)]:
+    from flashcore.ring_attention import zigzag_unshard
+
+    for causal, heads_q, heads_kv, shard, dim, layout in CASES + [(True, 8, 2, 130, 128, "zigzag")]:
         gen = torch.Generator().manual_seed(2000 + shard)
         make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
         q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
         dout = torch.randn(q.shape, generator=gen)
-        cut = lambda x, r: x[:, r * shard:(r + 1) * shard].to(device=device, dtype=dtype)
+        cut = lambda x, r: shard_of(x, r, world, shard, layout).to(device=device, dtype=dtype)
         shards = [tuple(cut(x, r) for x in (q, k, v)) for r in range(world)]
-        results = _thread_ring(world, shards, [cut(dout, r) for r in range(world)], causal)
-        got = [torch.cat([res[i].float().cpu() for res in results], dim=2 if i == 1 else 1) for i in range(5)]
+        results = _thread_ring(world, shards, [cut(dout, r) for r in range(world)], causal, layout)
+        whole = zigzag_unshard if layout == "zigzag" else (lambda parts, dim: torch.cat(parts, dim=dim))
+        got = [whole([res[i].float().cpu() for res in results], dim=2 if i == 1 else 1) for i in range(5)]
         if dtype == torch.float32:
             full = [x.clone().requires_grad_() for x in (q, k, v)]
             ref_out, ref_lse = reference(*full, causal)
@@ -181,10 +195,19 @@ def test_ring_steps_in_threads(device, world):
             ref_out, ref_lse = flashcore.flash_attn_func(*full, causal=causal, return_attn_probs=True)[:2]
             want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout.to(device=device, dtype=dtype))]
             tolerance = BF16_RELATIVE_TOLERANCE
-        what = f"{world} threads on {device}, causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
+        what = f"{world} threads on {device}, {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
         for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
             err = relative_error(g, w.cpu())
             assert err <= tolerance, f"{what}: {name} relative error {err:.3g} > {tolerance}"
+
+
+def test_zigzag_shards_round_trip():
+    from flashcore.ring_attention import zigzag_shard, zigzag_unshard
+
+    x = torch.arange(2 * 12 * 3).reshape(2, 12, 3)
+    shards = [zigzag_shard(x, r, 3) for r in range(3)]
+    assert shards[0][0, :, 0].tolist() == [0, 3, 30, 33]  # chunks 0 and 5 of 6 (rows 0-1, 10-11)
+    assert torch.equal(zigzag_unshard(shards), x)
 
 
 def test_errors_name_the_argument():
@@ -196,5 +219,9 @@ def test_errors_name_the_argument():
 
     with pytest.raises(ValueError, match="^k: a causal ring"):
         _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), True)
+    with pytest.raises(ValueError, match="^layout: zigzag needs"):
+        _check(torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), True, "zigzag")
+    with pytest.raises(ValueError, match="^layout: expected"):
+        _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), True, "striped")
     with pytest.raises(ValueError, match="^v: shape"):
         _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 1, 8), False)
