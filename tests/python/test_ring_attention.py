@@ -54,19 +54,19 @@ def shard_of(x, rank, world, shard, layout, dim=1):
     return x.narrow(dim, rank * shard, shard)
 
 
-def _check_rank(rank, world, device, dtype):
+def _check_rank(rank, world, device, dtype, group=None, cases=CASES):
     from flashcore.ring_attention import ring_flash_attn_func
 
     import flashcore
 
-    for causal, heads_q, heads_kv, shard, dim, layout in CASES:
+    for causal, heads_q, heads_kv, shard, dim, layout in cases:
         gen = torch.Generator().manual_seed(1000 + shard)  # the same tensors on every rank
         make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
         q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
         dout = torch.randn(q.shape, generator=gen)
         mine = lambda x, dim=1: shard_of(x, rank, world, shard, layout, dim)
         local = [mine(x).to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
-        out, lse = ring_flash_attn_func(*local, causal=causal, return_lse=True, layout=layout)
+        out, lse = ring_flash_attn_func(*local, group=group, causal=causal, return_lse=True, layout=layout)
         out.backward(mine(dout).to(device=device, dtype=dtype))
         what = f"rank {rank}/{world} {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
         if dtype == torch.float32:
@@ -100,6 +100,10 @@ def _worker(rank, world, port, backend, dtype_name):
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         _check_rank(rank, world, device, getattr(torch, dtype_name))
+        if world == 3:  # a ring over a subgroup: global ranks 1 and 2 are its ranks 0 and 1
+            subgroup = dist.new_group([1, 2])
+            if rank > 0:
+                _check_rank(rank - 1, 2, device, getattr(torch, dtype_name), subgroup, CASES[1::4])
     finally:
         dist.destroy_process_group()
 
