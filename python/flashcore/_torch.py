@@ -391,6 +391,14 @@ def _kvcache_op_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     return q.new_empty(q.shape), q.new_empty(kvcache_lse_shape(q.shape), dtype=torch.float32)
 
 
+def cache_seqlens_tensor(cache_seqlens, q):
+    """cache_seqlens (an int or an integer tensor) as the int32 (batch,) tensor the call reads."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return _index_tensor(cache_seqlens, "cache_seqlens")
+    return torch.full((q.shape[0],), cache_seqlens_from_int(cache_seqlens), dtype=CU_SEQLENS_DTYPE,
+                      device=q.device)
+
+
 def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                       softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                       backend):
@@ -404,11 +412,7 @@ def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
     # The caches are never copied: the appended tokens must land in the caller's tensors.
     q = _last_dim_contiguous(q)
     k, v = (None if t is None else _last_dim_contiguous(t) for t in (k, v))
-    if isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens")
-    else:
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens_from_int(cache_seqlens),
-                                   dtype=CU_SEQLENS_DTYPE, device=q.device)
+    cache_seqlens = cache_seqlens_tensor(cache_seqlens, q)
     block_table = _index_tensor(block_table, "block_table")
     cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx")
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,

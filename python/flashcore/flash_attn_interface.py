@@ -7,13 +7,16 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0,
 alibi_slopes, block_table (in the varlen call; flash_attn_with_kvcache takes paged caches), and
-in flash_attn_with_kvcache rotary_cos/rotary_sin and cache_leftpad. return_attn_probs returns
+cache_leftpad in flash_attn_with_kvcache (its rotary_cos / rotary_sin are supported for torch
+tensors and numpy arrays). return_attn_probs returns
 (out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
 flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
 """
 
-from . import _dlpack_api
+import numpy as np
+
+from . import _dlpack_api, _rotary
 
 # Set by set_default_backend(); read at call time (and at trace time under torch.compile).
 _default_backend = "auto"
@@ -155,11 +158,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                       return_attn_probs)
 
 
-def _check_unsupported_kvcache(rotary_cos, rotary_sin, cache_leftpad, alibi_slopes):
+def _check_unsupported_kvcache(cache_leftpad, alibi_slopes):
     _check_unsupported(0.0, alibi_slopes)
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("rotary_cos/rotary_sin: rotary embedding is not supported; "
-                                  "apply it to q and k before the call and pass None")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad: left-padded caches are not supported; pass None")
 
@@ -187,22 +187,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     each sequence. Causal/window masks are aligned to the bottom-right (queries are the last
     tokens). num_splits: 0 = heuristic, 1 = no split-KV. Returns out (batch, seqlen_q, nheads,
     headdim), or (out, softmax_lse) with return_softmax_lse, softmax_lse (batch, nheads,
-    seqlen_q) float32. Not supported (NotImplementedError): rotary_cos/rotary_sin,
+    seqlen_q) float32. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), with k and v
+    appended: rotary embedding of q and of the appended k as in flash_attn (flashcore/_rotary.py;
+    rotary_interleaved picks GPT-J or GPT-NeoX pairs). Not supported (NotImplementedError):
     cache_leftpad, alibi_slopes."""
-    del rotary_interleaved  # only meaningful with rotary_cos/rotary_sin
-    _check_unsupported_kvcache(rotary_cos, rotary_sin, cache_leftpad, alibi_slopes)
+    _check_unsupported_kvcache(cache_leftpad, alibi_slopes)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (to append into the caches) or neither")
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens: is required when k and v are appended")
         cache_seqlens = _whole_cache_seqlens(k_cache, block_table)
+    rotary = rotary_cos is not None or rotary_sin is not None
+    # flash_attn: each query at its own position under a causal mask or a window, else all at
+    # the first new position.
+    per_token_queries = bool(causal) or tuple(window_size) != (-1, -1)
     try:
         if _is_torch(q):
-            return _load_torch_impl().attention_kvcache(
+            torch_impl = _load_torch_impl()
+            if rotary:
+                q, k = _rotary.rotate_torch(q, k, rotary_cos, rotary_sin,
+                                            torch_impl.cache_seqlens_tensor(cache_seqlens, q),
+                                            per_token_queries, bool(rotary_interleaved))
+            return torch_impl.attention_kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                 softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
                 _default_backend)
+        if rotary:
+            if not isinstance(q, np.ndarray):
+                raise NotImplementedError("rotary_cos: rotary embedding takes torch tensors or numpy arrays")
+            q, k = _rotary.rotate_numpy(q, k, rotary_cos, rotary_sin, cache_seqlens, per_token_queries,
+                                        bool(rotary_interleaved))
         q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
         return _dlpack_api.attention_kvcache(
             q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,

@@ -7,7 +7,8 @@ block_table), then attends with bottom-right aligned causal/window masks, softca
 must match within a relative error of 1e-5; float16 within TESTING.md's rule (2x the error of a
 naive same-precision implementation + one rounding). The appended caches must equal the
 reference's bit for bit. Bad cache indices must raise ValueError naming the argument and leave
-the caches untouched.
+the caches untouched. Rotary embedding (rotary_cos / rotary_sin) is checked against a pair-by-pair
+fp64 rotation of q and the new keys followed by the same reference.
 """
 
 import zlib
@@ -458,13 +459,76 @@ def test_error_readonly_cache_with_append(rng):
 
 
 @pytest.mark.parametrize("unsupported", [
-    {"rotary_cos": np.ones((20, 8), np.float32), "rotary_sin": np.zeros((20, 8), np.float32)},
     {"cache_leftpad": np.zeros(3, np.int32)},
     {"alibi_slopes": np.ones(4, np.float32)},
 ])
 def test_unsupported_features_raise_not_implemented(rng, unsupported):
     call_expecting_error(make_case(rng, seqlen_new=1, capacity=20), NotImplementedError,
-                         r"^(rotary_cos|cache_leftpad|alibi_slopes)", **unsupported)
+                         r"^(cache_leftpad|alibi_slopes)", **unsupported)
+
+
+# ---- rotary embedding (rotary_cos / rotary_sin) -------------------------------------------------
+
+
+def rotary_tables(rng, rows, half):
+    angles = rng.uniform(0, 2 * np.pi, (rows, half))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """float64 x (batch, seq, heads, dim) with its first 2 * half features rotated, pair by pair,
+    by the table rows at positions (batch, seq): GPT-J pairs (2i, 2i + 1) or GPT-NeoX (i, i + half)."""
+    out = x.astype(np.float64).copy()
+    half = cos.shape[1]
+    for b, t in np.ndindex(*positions.shape):
+        p = positions[b, t]
+        for i in range(half):
+            a, c = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+            x1, x2 = out[b, t, :, a].copy(), out[b, t, :, c].copy()
+            out[b, t, :, a] = x1 * cos[p, i] - x2 * sin[p, i]
+            out[b, t, :, c] = x1 * sin[p, i] + x2 * cos[p, i]
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 0))])
+def test_rotary_embedding_of_q_and_appended_k(rng, interleaved, causal, window):
+    case = make_case(rng, seqlen_q=3, seqlen_new=3, capacity=40)
+    cos, sin = rotary_tables(rng, 44, HEAD_DIM // 4)  # rotary_dim 8 of 16: the rest stays as is
+    lengths = case["cache_seqlens"].astype(np.int64)[:, None]
+    positions_k = lengths + np.arange(3)[None]
+    # flash_attn: per-token query positions under a causal mask or a window, else all at the
+    # first new position.
+    positions_q = positions_k if causal or window != (-1, -1) else np.repeat(lengths, 3, axis=1)
+    q_rot = rotary_reference(case["q"], cos, sin, positions_q, interleaved).astype(np.float32)
+    k_rot = rotary_reference(case["k"], cos, sin, positions_k, interleaved).astype(np.float32)
+    ref_out, ref_lse, ref_k, ref_v = reference_kvcache(
+        q_rot, case["k_cache"], case["v_cache"], case["cache_seqlens"], k=k_rot, v=case["v"],
+        causal=causal, window=window)
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    out, lse = flashcore.flash_attn_with_kvcache(
+        case["q"], k_cache, v_cache, case["k"], case["v"], rotary_cos=cos, rotary_sin=sin,
+        cache_seqlens=case["cache_seqlens"], causal=causal, window_size=window,
+        rotary_interleaved=interleaved, return_softmax_lse=True)
+    assert_fp32_close(out, ref_out, "out")
+    assert_fp32_close(lse, ref_lse, "lse")
+    np.testing.assert_allclose(k_cache, ref_k, rtol=1e-6, atol=1e-6, err_msg="k_cache: the rotated new keys")
+    np.testing.assert_array_equal(v_cache, ref_v, err_msg="v_cache: values are not rotated")
+
+
+def test_rotary_errors(rng):
+    case = make_case(rng, seqlen_new=2, capacity=20, lengths=[0, 18, 5])
+    cos, sin = rotary_tables(rng, 20, 4)
+    call_expecting_error(case, ValueError, r"^rotary_cos, rotary_sin: give both", rotary_cos=cos)
+    call_expecting_error(case, ValueError, r"^rotary_cos: has 19 rows, but .* position 19",
+                         rotary_cos=cos[:19], rotary_sin=sin[:19])
+    call_expecting_error(case, ValueError, r"^rotary_cos: shape", rotary_cos=np.ones((20, 9), np.float32),
+                         rotary_sin=np.ones((20, 9), np.float32))
+    call_expecting_error(case, ValueError, r"^rotary_cos, rotary_sin: expected two", rotary_cos=cos,
+                         rotary_sin=sin[:, :2])
+    no_append = {key: value for key, value in case.items() if key not in ("k", "v")}
+    call_expecting_error(no_append, ValueError, r"^rotary_cos: rotary embedding applies only",
+                         rotary_cos=cos, rotary_sin=sin)
 
 
 # ---- merge_partials ----------------------------------------------------------------------------
@@ -603,6 +667,26 @@ def test_torch_cpu_int_cache_seqlens_and_errors(rng, torch):
                                           cache_leftpad=torch.zeros(3, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_torch_cpu_rotary_matches_numpy(rng, torch, interleaved):
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=30)
+    cos, sin = rotary_tables(rng, 32, 6)
+    k_np, v_np = case["k_cache"].copy(), case["v_cache"].copy()
+    args = dict(rotary_cos=cos, rotary_sin=sin, causal=True, rotary_interleaved=interleaved)
+    expected = flashcore.flash_attn_with_kvcache(case["q"], k_np, v_np, case["k"], case["v"],
+                                                 cache_seqlens=case["cache_seqlens"], **args)
+    tcase = torch_case(torch, case)
+    args.update(rotary_cos=torch.from_numpy(cos), rotary_sin=torch.from_numpy(sin))
+    out = flashcore.flash_attn_with_kvcache(tcase["q"], tcase["k_cache"], tcase["v_cache"], tcase["k"],
+                                            tcase["v"], cache_seqlens=tcase["cache_seqlens"], **args)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tcase["k_cache"].numpy(), k_np, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"^rotary_cos: has 20 rows"):
+        flashcore.flash_attn_with_kvcache(tcase["q"], tcase["k_cache"], tcase["v_cache"], tcase["k"],
+                                          tcase["v"], cache_seqlens=tcase["cache_seqlens"],
+                                          rotary_cos=args["rotary_cos"][:20], rotary_sin=args["rotary_sin"][:20])
+
+
 def test_torch_cpu_custom_op_matches_eager(rng, torch):
     from flashcore import _torch
 
@@ -715,3 +799,29 @@ def test_torch_cuda_decode_step_captured_in_a_cuda_graph(rng, cuda_torch):
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
 
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_torch_cuda_rotary_matches_reference(rng, cuda_torch, interleaved):
+    # The rotation runs on the device with the lengths read there (no host synchronization).
+    torch = cuda_torch
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=300, page_size=16, dtype=np.float16)
+    cos, sin = rotary_tables(rng, 320, 4)
+    tcase = {key: value.cuda() for key, value in torch_case(torch, case).items()}
+    out = flashcore.flash_attn_with_kvcache(
+        tcase["q"], tcase["k_cache"], tcase["v_cache"], tcase["k"], tcase["v"],
+        rotary_cos=torch.from_numpy(cos).cuda(), rotary_sin=torch.from_numpy(sin).cuda(),
+        cache_seqlens=tcase["cache_seqlens"], block_table=tcase["block_table"], causal=True,
+        rotary_interleaved=interleaved)
+    positions = case["cache_seqlens"].astype(np.int64)[:, None] + np.arange(2)[None]
+    q_rot, k_rot = (rotary_reference(case[name], cos, sin, positions, interleaved).astype(np.float16)
+                    for name in ("q", "k"))
+    reference_args = dict(k=k_rot, v=case["v"], block_table=case["block_table"], causal=True)
+    ref_out, _, ref_k, _ = reference_kvcache(q_rot, case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                             **reference_args)
+    same_out, _, _, _ = reference_kvcache(q_rot, case["k_cache"], case["v_cache"], case["cache_seqlens"],
+                                          same_precision=True, **reference_args)
+    assert_low_precision_close(out.cpu().numpy(), ref_out, same_out.astype(np.float16), np.float16, "out")
+    # the new keys rotated in fp32 and rounded once: within one fp16 rounding of the fp64 rotation
+    np.testing.assert_allclose(tcase["k_cache"].cpu().numpy().astype(np.float32), ref_k.astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
