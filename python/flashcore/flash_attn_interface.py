@@ -6,9 +6,8 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0,
-alibi_slopes, block_table (in the varlen call; flash_attn_with_kvcache takes paged caches), and
-cache_leftpad in flash_attn_with_kvcache (its rotary_cos / rotary_sin are supported for torch
-tensors and numpy arrays). return_attn_probs returns
+alibi_slopes, and block_table in the varlen call (flash_attn_with_kvcache takes paged caches,
+rotary_cos / rotary_sin and cache_leftpad, for torch tensors and numpy arrays). return_attn_probs returns
 (out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
 flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
@@ -16,7 +15,7 @@ merge_partials is flashcore's own (combining attention over disjoint key sets).
 
 import numpy as np
 
-from . import _dlpack_api, _rotary
+from . import _dlpack_api, _leftpad, _rotary
 
 # Set by set_default_backend(); read at call time (and at trace time under torch.compile).
 _default_backend = "auto"
@@ -158,10 +157,10 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                       return_attn_probs)
 
 
-def _check_unsupported_kvcache(cache_leftpad, alibi_slopes):
+def _check_unsupported_kvcache(cache_leftpad, block_table, alibi_slopes):
     _check_unsupported(0.0, alibi_slopes)
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad: left-padded caches are not supported; pass None")
+    if cache_leftpad is not None and block_table is not None:
+        raise NotImplementedError("cache_leftpad: not supported with a paged cache (block_table), as in flash_attn")
 
 
 def _whole_cache_seqlens(k_cache, block_table):
@@ -189,9 +188,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     headdim), or (out, softmax_lse) with return_softmax_lse, softmax_lse (batch, nheads,
     seqlen_q) float32. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), with k and v
     appended: rotary embedding of q and of the appended k as in flash_attn (flashcore/_rotary.py;
-    rotary_interleaved picks GPT-J or GPT-NeoX pairs). Not supported (NotImplementedError):
-    cache_leftpad, alibi_slopes."""
-    _check_unsupported_kvcache(cache_leftpad, alibi_slopes)
+    rotary_interleaved picks GPT-J or GPT-NeoX pairs). cache_leftpad (batch,) int32, contiguous
+    caches: sequence b starts at slot cache_leftpad[b] of its row (flashcore/_leftpad.py). Not
+    supported (NotImplementedError): alibi_slopes."""
+    _check_unsupported_kvcache(cache_leftpad, block_table, alibi_slopes)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (to append into the caches) or neither")
     if cache_seqlens is None:
@@ -203,8 +203,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # the first new position.
     per_token_queries = bool(causal) or tuple(window_size) != (-1, -1)
     try:
+        seqlen_new = 0 if k is None else k.shape[1]
         if _is_torch(q):
             torch_impl = _load_torch_impl()
+            if cache_leftpad is not None:
+                k_cache, v_cache, cache_seqlens, block_table = _leftpad.as_pages_torch(
+                    k_cache, v_cache, torch_impl.cache_seqlens_tensor(cache_seqlens, q),
+                    cache_batch_idx, cache_leftpad, seqlen_new)
+                cache_batch_idx = None
             if rotary:
                 q, k = _rotary.rotate_torch(q, k, rotary_cos, rotary_sin,
                                             torch_impl.cache_seqlens_tensor(cache_seqlens, q),
@@ -213,6 +219,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                 softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
                 _default_backend)
+        if cache_leftpad is not None:
+            if not isinstance(k_cache, np.ndarray):
+                raise NotImplementedError("cache_leftpad: takes torch tensors or numpy arrays")
+            k_cache, v_cache, cache_seqlens, block_table = _leftpad.as_pages_numpy(
+                k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, seqlen_new)
+            cache_batch_idx = None
         if rotary:
             if not isinstance(q, np.ndarray):
                 raise NotImplementedError("rotary_cos: rotary embedding takes torch tensors or numpy arrays")

@@ -458,13 +458,68 @@ def test_error_readonly_cache_with_append(rng):
                                           case["v"], cache_seqlens=case["cache_seqlens"])
 
 
-@pytest.mark.parametrize("unsupported", [
-    {"cache_leftpad": np.zeros(3, np.int32)},
-    {"alibi_slopes": np.ones(4, np.float32)},
-])
-def test_unsupported_features_raise_not_implemented(rng, unsupported):
-    call_expecting_error(make_case(rng, seqlen_new=1, capacity=20), NotImplementedError,
-                         r"^(cache_leftpad|alibi_slopes)", **unsupported)
+def test_unsupported_features_raise_not_implemented(rng):
+    call_expecting_error(make_case(rng, seqlen_new=1, capacity=20), NotImplementedError, r"^alibi_slopes",
+                         alibi_slopes=np.ones(4, np.float32))
+    call_expecting_error(make_case(rng, seqlen_new=1, capacity=32, page_size=16), NotImplementedError,
+                         r"^cache_leftpad: not supported with a paged cache", cache_leftpad=np.zeros(3, np.int32))
+
+
+# ---- left-padded caches (cache_leftpad) ---------------------------------------------------------
+
+
+def leftpad_reference(case, leftpad, causal, same_precision=False):
+    """(out, lse, caches after the call) for sequences that start at slot leftpad[b] of their rows:
+    each sequence moved to start at slot 0 of a row of its own, then the reference above."""
+    lengths, rows = case["cache_seqlens"], case.get("cache_batch_idx")
+    k_after, v_after = append_reference(case["k_cache"], case["v_cache"], lengths, case.get("k"), case.get("v"),
+                                        cache_batch_idx=rows)
+    shifted = []
+    for cache in (case["k_cache"], case["v_cache"]):
+        moved = np.zeros((len(lengths),) + cache.shape[1:], dtype=cache.dtype)
+        for b, pad in enumerate(leftpad):
+            row = b if rows is None else rows[b]
+            moved[b, :cache.shape[1] - pad] = cache[row, pad:]
+        shifted.append(moved)
+    out, lse, _, _ = reference_kvcache(case["q"], shifted[0], shifted[1], lengths - leftpad, k=case.get("k"),
+                                       v=case.get("v"), causal=causal, same_precision=same_precision)
+    return out, lse, k_after, v_after
+
+
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch_cache", [None, 5])
+def test_cache_leftpad(rng, seqlen_new, causal, batch_cache):
+    lengths = [10, 40 - seqlen_new, 25]
+    leftpad = np.array([3, 0, 25], np.int32)  # the last sequence has no cached token (empty without append)
+    case = make_case(rng, seqlen_q=2, seqlen_new=seqlen_new, capacity=40, batch_cache=batch_cache, lengths=lengths)
+    ref_out, ref_lse, ref_k, ref_v = leftpad_reference(case, leftpad, causal)
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    args = {key: value for key, value in case.items() if key not in ("q", "k_cache", "v_cache")}
+    out, lse = flashcore.flash_attn_with_kvcache(case["q"], k_cache, v_cache, cache_leftpad=leftpad, causal=causal,
+                                                 return_softmax_lse=True, **args)
+    assert_fp32_close(out, ref_out, "out")
+    assert_fp32_close(lse, ref_lse, "lse")
+    np.testing.assert_array_equal(k_cache, ref_k, err_msg="k_cache after the call")
+    np.testing.assert_array_equal(v_cache, ref_v, err_msg="v_cache after the call")
+
+
+def test_cache_leftpad_errors(rng):
+    case = make_case(rng, seqlen_new=2, capacity=20, lengths=[5, 18, 0])
+    call_expecting_error(case, ValueError, r"^cache_leftpad: entry 0 is 6, outside 0..cache_seqlens\[0\] = 5",
+                         cache_leftpad=np.array([6, 0, 0], np.int32))
+    call_expecting_error(case, ValueError, r"^cache_leftpad: entry 2 is -1",
+                         cache_leftpad=np.array([0, 0, -1], np.int32))
+    too_long = dict(case, cache_seqlens=np.array([5, 19, 0], np.int32))
+    call_expecting_error(too_long, ValueError, r"^cache_seqlens: entry 1 \(19\) \+ seqlen_new 2 exceeds",
+                         cache_leftpad=np.array([1, 4, 0], np.int32))
+    # rows of 10 of the 20 slots: (batch, seqlen) do not merge into one dimension
+    strided = dict(case, k_cache=case["k_cache"][:, :10], v_cache=case["v_cache"][:, :10],
+                   cache_seqlens=np.array([1, 2, 0], np.int32))
+    with pytest.raises(NotImplementedError, match=r"^k_cache: cache_leftpad needs"):
+        flashcore.flash_attn_with_kvcache(strided["q"], strided["k_cache"], strided["v_cache"], strided["k"],
+                                          strided["v"], cache_seqlens=strided["cache_seqlens"],
+                                          cache_leftpad=np.zeros(3, np.int32))
 
 
 # ---- rotary embedding (rotary_cos / rotary_sin) -------------------------------------------------
@@ -664,7 +719,7 @@ def test_torch_cpu_int_cache_seqlens_and_errors(rng, torch):
     assert torch.equal(k_cache, before)
     with pytest.raises(NotImplementedError):
         flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5,
-                                          cache_leftpad=torch.zeros(3, dtype=torch.int32))
+                                          alibi_slopes=torch.ones(4, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -685,6 +740,23 @@ def test_torch_cpu_rotary_matches_numpy(rng, torch, interleaved):
         flashcore.flash_attn_with_kvcache(tcase["q"], tcase["k_cache"], tcase["v_cache"], tcase["k"],
                                           tcase["v"], cache_seqlens=tcase["cache_seqlens"],
                                           rotary_cos=args["rotary_cos"][:20], rotary_sin=args["rotary_sin"][:20])
+
+
+def test_torch_cpu_cache_leftpad_matches_numpy(rng, torch):
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=30, lengths=[7, 28, 12])
+    leftpad = np.array([2, 9, 12], np.int32)
+    k_np, v_np = case["k_cache"].copy(), case["v_cache"].copy()
+    expected = flashcore.flash_attn_with_kvcache(case["q"], k_np, v_np, case["k"], case["v"], causal=True,
+                                                 cache_seqlens=case["cache_seqlens"], cache_leftpad=leftpad)
+    t = torch_case(torch, case)
+    out = flashcore.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], causal=True,
+                                            cache_seqlens=t["cache_seqlens"], cache_leftpad=torch.from_numpy(leftpad))
+    np.testing.assert_array_equal(out.numpy(), expected)
+    np.testing.assert_array_equal(t["k_cache"].numpy(), k_np)
+    with pytest.raises(ValueError, match=r"^cache_leftpad: entry 0 is 8"):
+        flashcore.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
+                                          cache_seqlens=t["cache_seqlens"],
+                                          cache_leftpad=torch.tensor([8, 0, 0], dtype=torch.int32))
 
 
 def test_torch_cpu_custom_op_matches_eager(rng, torch):
@@ -825,3 +897,19 @@ def test_torch_cuda_rotary_matches_reference(rng, cuda_torch, interleaved):
     # the new keys rotated in fp32 and rounded once: within one fp16 rounding of the fp64 rotation
     np.testing.assert_allclose(tcase["k_cache"].cpu().numpy().astype(np.float32), ref_k.astype(np.float32),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_torch_cuda_cache_leftpad_matches_reference(rng, cuda_torch):
+    torch = cuda_torch
+    lengths = [10, 298, 150]
+    leftpad = np.array([3, 0, 150], np.int32)
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=300, dtype=np.float16, lengths=lengths)
+    ref_out, _, ref_k, ref_v = leftpad_reference(case, leftpad, True)
+    t = {key: value.cuda() for key, value in torch_case(torch, case).items()}
+    out = flashcore.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"],
+                                            cache_seqlens=t["cache_seqlens"],
+                                            cache_leftpad=torch.from_numpy(leftpad).cuda(), causal=True)
+    same_out, _, _, _ = leftpad_reference(case, leftpad, True, same_precision=True)
+    assert_low_precision_close(out.cpu().numpy(), ref_out, same_out.astype(np.float16), np.float16, "out")
+    np.testing.assert_array_equal(t["k_cache"].cpu().numpy(), ref_k)
+    np.testing.assert_array_equal(t["v_cache"].cpu().numpy(), ref_v)
