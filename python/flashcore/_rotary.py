@@ -51,20 +51,25 @@ def rotate_torch(q, k, cos, sin, cache_seqlens, per_token_queries, interleaved):
     rows, half = cos.shape
     base = cache_seqlens.to(device=q.device, dtype=torch.int64)[:, None]
     pos_k = base + torch.arange(k.shape[1], device=q.device)[None]
-    pos_q = base + (torch.arange(q.shape[1], device=q.device)[None] if per_token_queries else 0)
-    pos_q = pos_q.expand(q.shape[0], q.shape[1])
+    same_positions = q.shape[1] == k.shape[1] and (per_token_queries or q.shape[1] == 1)
+    pos_q = pos_k if same_positions else (
+        base + (torch.arange(q.shape[1], device=q.device)[None] if per_token_queries else 0)).expand(q.shape[:2])
     if q.device.type == "cpu":
         last = max(int(pos_k.max()) if pos_k.numel() else 0, int(pos_q.max()) if pos_q.numel() else 0)
         if last >= rows:
             raise ValueError(f"rotary_cos: has {rows} rows, but cache_seqlens and the new tokens reach position {last}")
-    cos_f, sin_f = (t.to(device=q.device, dtype=torch.float32) for t in (cos, sin))
+    cos, sin = cos.to(q.device), sin.to(q.device)  # no copy when they are there already
 
     def apply(x, pos):
         pos = pos.clamp(0, rows - 1)
-        c, s = cos_f[pos].unsqueeze(2), sin_f[pos].unsqueeze(2)  # (batch, seq, 1, half)
+        # only the rows used are gathered and widened (a table can hold the whole context)
+        c, s = (t[pos].to(torch.float32).unsqueeze(2) for t in (cos, sin))  # (batch, seq, 1, half)
         rot = _rotate(x[..., :2 * half].float(), c, s, interleaved, torch.stack, torch.cat)
         return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
+    if same_positions and q.dtype == k.dtype:  # decode: one pass over q and k side by side
+        both = apply(torch.cat((q, k), dim=2), pos_k)
+        return both[:, :, :q.shape[2]], both[:, :, q.shape[2]:]
     return apply(q, pos_q), apply(k, pos_k)
 
 

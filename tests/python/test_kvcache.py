@@ -723,11 +723,12 @@ def test_torch_cpu_int_cache_seqlens_and_errors(rng, torch):
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_torch_cpu_rotary_matches_numpy(rng, torch, interleaved):
+@pytest.mark.parametrize("causal", [True, False])  # q and k at the same positions (one pass) or not
+def test_torch_cpu_rotary_matches_numpy(rng, torch, interleaved, causal):
     case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=30)
     cos, sin = rotary_tables(rng, 32, 6)
     k_np, v_np = case["k_cache"].copy(), case["v_cache"].copy()
-    args = dict(rotary_cos=cos, rotary_sin=sin, causal=True, rotary_interleaved=interleaved)
+    args = dict(rotary_cos=cos, rotary_sin=sin, causal=causal, rotary_interleaved=interleaved)
     expected = flashcore.flash_attn_with_kvcache(case["q"], k_np, v_np, case["k"], case["v"],
                                                  cache_seqlens=case["cache_seqlens"], **args)
     tcase = torch_case(torch, case)
