@@ -9,7 +9,7 @@ block table mapping sequence b's token j to slot cache_leftpad[b] + j of its row
 row's end, so the library's own checks catch a sequence that would run past it: an error on the
 CPU, NaN rows and error_flag on a GPU (no host synchronization there). On the CPU the values are
 also checked here first, so the errors name cache_leftpad. Cost: the table is built per call and
-the one-token pages read a table entry per key: 2-4x slower than a plain call at decode shapes
+the one-token pages read a table entry per key: 2-3.5x slower than a plain call at decode shapes
 (docs/PERF.md, session 26).
 """
 

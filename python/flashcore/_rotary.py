@@ -8,7 +8,7 @@ window, and at cache_seqlens[b] otherwise (every query treated as the next token
 rotary_interleaved=True pairs features (0, 1), (2, 3), ... (GPT-J); False pairs i with
 i + rotary_dim / 2 (GPT-NeoX).
 
-Cost: array operations in Python around the library call, ~30 small launches per call on a GPU,
+Cost: array operations in Python around the library call, ~15-20 small launches per call on a GPU,
 which at decode shapes take longer than the attention itself (docs/PERF.md, session 26). For
 speed, rotate q and k in a fused kernel of your own and call without rotary_cos / rotary_sin.
 
