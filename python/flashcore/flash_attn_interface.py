@@ -206,15 +206,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlen_new = 0 if k is None else k.shape[1]
         if _is_torch(q):
             torch_impl = _load_torch_impl()
+            if cache_leftpad is not None or rotary:  # both read the lengths as a tensor; convert once
+                cache_seqlens = torch_impl.cache_seqlens_tensor(cache_seqlens, q)
             if cache_leftpad is not None:
                 k_cache, v_cache, cache_seqlens, block_table = _leftpad.as_pages_torch(
-                    k_cache, v_cache, torch_impl.cache_seqlens_tensor(cache_seqlens, q),
-                    cache_batch_idx, cache_leftpad, seqlen_new)
+                    k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, seqlen_new)
                 cache_batch_idx = None
             if rotary:
-                q, k = _rotary.rotate_torch(q, k, rotary_cos, rotary_sin,
-                                            torch_impl.cache_seqlens_tensor(cache_seqlens, q),
-                                            per_token_queries, bool(rotary_interleaved))
+                q, k = _rotary.rotate_torch(q, k, rotary_cos, rotary_sin, cache_seqlens, per_token_queries,
+                                            bool(rotary_interleaved))
             return torch_impl.attention_kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                 softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,

@@ -51,8 +51,10 @@ class _Ring:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group is not None else (self.rank + 1) % self.world
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else (self.rank - 1) % self.world
+        # P2P messages address global ranks
+        peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = peer((self.rank + 1) % self.world)
+        self.prev = peer((self.rank - 1) % self.world)
 
     def shift(self, tensors):
         """Sends `tensors` to the next rank and receives the previous rank's into new buffers;

@@ -198,9 +198,7 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
 #pragma unroll
   for (int i = 0; i < kMaxTiles; ++i) {
     if (!page_in_range(p, page[i])) continue;
-    const int64_t in_page = p.paged ? pos[i] % p.page_size : pos[i];
-    const char* at = static_cast<const char*>(cache.data) +
-                     (page[i] * cache.batch_stride + in_page * cache.row_stride + hk * cache.head_stride) * int64_t(sizeof(T));
+    const char* at = static_cast<const char*>(cache.data) + cache_offset(cache, p, page[i], pos[i], hk) * int64_t(sizeof(T));
     const int row_bytes = static_cast<int>(p.head_dim) * int(sizeof(T));  // <= HD: padded buckets
 #pragma unroll
     for (int off = 0; off < HD * int(sizeof(T)); off += 128)

@@ -377,6 +377,13 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   return w;
 }
 
+/** TMA row coordinate of the tile's it-th key block: blocks are visited downwards from
+ *  n_block_end - 1 (produce_kv, prefetch_first_tile). */
+template <class T>
+__device__ __forceinline__ int32_t key_block_row(const BlockWork& w, int it) {
+  return static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+}
+
 /** Where a tile's output goes: what the epilogue needs of a BlockWork, compact enough to keep
  *  while the next tile's first key block runs (consume). */
 struct TileOutput {
@@ -928,7 +935,7 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
   for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
-    const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+    const int32_t row = key_block_row<T>(w, it);
     // One key block of K (then V): wait for the stage's slot, arm its full barrier, TMA the chunks.
     auto load_block = [&](uint64_t* empty, uint64_t* full, uint8_t* dst, const CUtensorMap* map) {
       ptx::mbarrier_wait_parity(empty, parity ^ 1);
@@ -982,7 +989,7 @@ __device__ void prefetch_first_tile(const ForwardKernelArgs& args) {
                             static_cast<int32_t>(w.head), bc);
   const int blocks = w.n_tiles < T::kStages ? w.n_tiles : T::kStages;
   for (int it = 0; it < blocks; ++it) {
-    const int32_t row = static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+    const int32_t row = key_block_row<T>(w, it);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
       ptx::tma_prefetch_l2_4d(&args.map_k, c * T::kChunkCols, row, hk, bc);
