@@ -1,6 +1,7 @@
-"""What flash_attn_with_kvcache's Python-layer features cost at decode shapes (docs/PERF.md,
-session 26): K+V TB/s of a plain call, with cache_leftpad (zeros), appending one token, and
-appending one token with rotary_cos / rotary_sin; torch CUDA tensors, GQA 32 / 8, d128 bf16.
+"""What flash_attn_with_kvcache's cache_leftpad and rotary_cos / rotary_sin cost at decode shapes
+(docs/PERF.md, sessions 26-27): K+V TB/s of a plain call, with cache_leftpad (zeros), appending one
+token, and appending one token with rotary tables; torch CUDA tensors, GQA 32 / 8, d128 bf16. The
+plain call in the same process is the peer (no SDPA backend has these features).
 
 usage: PYTHONPATH=<a built flashcore package> python3 dev/kvcache_extras_cost.py"""
 import torch, flashcore, statistics

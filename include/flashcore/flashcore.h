@@ -29,7 +29,9 @@ extern "C" {
 #define FC_API __attribute__((visibility("default")))
 #endif
 
-#define FC_ABI_VERSION 1
+/* 2: fc_kvcache_args gained rotary_cos / rotary_sin / rotary_interleaved / cache_leftpad (appended
+ *    after error_flag); callers built against version 1 pass a shorter struct: rebuild them. */
+#define FC_ABI_VERSION 2
 #define FC_MAX_DIMS 4
 
 /** Element types. Values are part of the ABI. */
@@ -175,11 +177,24 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
  *   out, lse     as in fc_attention_forward; queries sit at the end of each sequence, so causal
  *                means query i attends keys 0 .. cache_seqlens[b] + seqlen_new - seqlen_q + i
  *   num_splits   split-KV (flash-decoding) partitions; 0 = heuristic from batch, heads, length, SMs
+ *   cache_leftpad int32 (batch) or NULL, contiguous caches only: sequence b's tokens sit at slots
+ *                cache_leftpad[b] .. cache_seqlens[b] - 1 of its cache row (left-padded batches);
+ *                it attends over cache_seqlens[b] - cache_leftpad[b] cached tokens (plus the appended
+ *                ones), and the masks count from its first slot. 0 <= cache_leftpad[b] <= cache_seqlens[b].
+ *   rotary_cos/rotary_sin (seqlen_ro, rotary_dim / 2), q's dtype or float32, or NULL; only with
+ *                k_new/v_new: rotary embedding of the first rotary_dim features of the appended keys
+ *                (before they are written) and of q, computed in float32 and rounded once, as in
+ *                flash_attn. Positions are cache slots: k_new[b, j] at cache_seqlens[b] + j, q[b, i]
+ *                at cache_seqlens[b] + i under a causal mask or a window, else at cache_seqlens[b].
+ *                rotary_interleaved != 0 rotates pairs (0, 1), (2, 3), ... (GPT-J), else (i, i +
+ *                rotary_dim / 2) (GPT-NeoX). Every position must be a row of the tables. q itself is
+ *                not modified: CUDA calls rotate it into the workspace.
  * Options: softmax_scale, causal, window, softcap, backend, stream, num_threads as usual (varlen
  * fields must be unset). Values inside cache_seqlens / block_table on the GPU are checked on the
- * device: a sequence whose length exceeds its capacity or whose page id is out of range is not read
- * out of bounds; its output rows are set to NaN and *error_flag (when given, int32 on the device,
- * zero it first) is set to 1, without a host synchronization.
+ * device: a sequence whose length exceeds its capacity, whose page id is out of range, whose
+ * cache_leftpad is outside 0..cache_seqlens or whose rotary positions pass the tables' rows is not
+ * read or written out of bounds; its output rows are set to NaN and *error_flag (when given, int32
+ * on the device, zero it first) is set to 1, without a host synchronization.
  * ------------------------------------------------------------------------------------------- */
 typedef struct fc_kvcache_args {
   const fc_tensor* q;
@@ -194,6 +209,11 @@ typedef struct fc_kvcache_args {
   fc_tensor* lse;      /**< optional */
   int32_t num_splits;  /**< 0 = heuristic; 1 = no split */
   int32_t* error_flag; /**< optional device-side (or host, for CPU) flag for bad cache indices */
+  /* Since FC_ABI_VERSION 2; NULL / 0 = off. */
+  const fc_tensor* rotary_cos;
+  const fc_tensor* rotary_sin;
+  int32_t rotary_interleaved;
+  const fc_tensor* cache_leftpad;
 } fc_kvcache_args;
 
 FC_API fc_status fc_attention_kvcache_workspace(const fc_kvcache_args* args,

@@ -390,6 +390,10 @@ def attention_kvcache(
     stream=None,
     workspace=None,
     error_flag=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=True,
+    cache_leftpad=None,
 ):
     """Attention of new queries against a KV cache (flash_attn_with_kvcache semantics) for numpy
     or DLPack arrays.
@@ -403,8 +407,11 @@ def attention_kvcache(
     Queries sit at the end of each sequence (causal/window bottom-right aligned). num_splits: 0 =
     heuristic, 1 = no split-KV. error_flag: optional int32 array on q's device that CUDA calls
     set to 1 (without synchronizing) when cache_seqlens / block_table values are out of range;
-    on the CPU such values raise ValueError before anything is written. Returns out, or
-    (out, lse) when return_lse, lse float32 (batch, heads_q, seqlen_q).
+    on the CPU such values raise ValueError before anything is written. rotary_cos / rotary_sin
+    (seqlen_ro, rotary_dim / 2), float32 or q's dtype, with k/v appended: rotary embedding of q and
+    the appended k at their cache slots (rotary_interleaved: GPT-J pairs, else GPT-NeoX).
+    cache_leftpad int32 (batch,), contiguous caches: sequence b starts at slot cache_leftpad[b].
+    Returns out, or (out, lse) when return_lse, lse float32 (batch, heads_q, seqlen_q).
     """
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_array(x, name)
@@ -413,6 +420,8 @@ def attention_kvcache(
     cache_seqlens = _numpy_int32(cache_seqlens, "cache_seqlens")
     block_table = _numpy_int32(block_table, "block_table")
     cache_batch_idx = _numpy_int32(cache_batch_idx, "cache_batch_idx")
+    cache_leftpad = _numpy_int32(cache_leftpad, "cache_leftpad")
+    rotary_cos, rotary_sin = (_rotary_table(t, q) for t in (rotary_cos, rotary_sin))
     if out is None:
         out = _allocator_for(q, "out")(tuple(q.shape))
     if lse is None and return_lse:
@@ -434,8 +443,20 @@ def attention_kvcache(
         _as_bfloat16_bits(_plain(x)) for x in (q, k_cache, v_cache, k, v, out)
     )
     _C.kvcache(q_, k_cache_, v_cache_, cache_seqlens, block_table, cache_batch_idx, k_, v_, out_,
-               _plain(lse), error_flag, workspace, int(num_splits), options)
+               _plain(lse), error_flag, workspace, int(num_splits), options,
+               rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+               rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad)
     return (out, lse) if return_lse else out
+
+
+def _rotary_table(table, q):
+    """A numpy rotary table as the library takes it: float32 (numpy's float64 converted, so that
+    np.cos / np.sin output serves) or q's bfloat16 as bits; other arrays as they are."""
+    if not isinstance(table, np.ndarray):
+        return _plain(table)
+    if table.dtype == np.float64:
+        table = table.astype(np.float32)
+    return _as_bfloat16_bits(_plain(np.ascontiguousarray(table)))
 
 
 def merge_partials_shapes(out_partials_shape, lse_partials_shape):

@@ -7,7 +7,7 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0,
 alibi_slopes, and block_table in the varlen call (flash_attn_with_kvcache takes paged caches,
-rotary_cos / rotary_sin and cache_leftpad, for torch tensors and numpy arrays). return_attn_probs returns
+rotary_cos / rotary_sin and cache_leftpad, all inside the library call). return_attn_probs returns
 (out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
 flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
@@ -15,7 +15,7 @@ merge_partials is flashcore's own (combining attention over disjoint key sets).
 
 import numpy as np
 
-from . import _dlpack_api, _leftpad, _rotary
+from . import _dlpack_api
 
 # Set by set_default_backend(); read at call time (and at trace time under torch.compile).
 _default_backend = "auto"
@@ -186,11 +186,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     each sequence. Causal/window masks are aligned to the bottom-right (queries are the last
     tokens). num_splits: 0 = heuristic, 1 = no split-KV. Returns out (batch, seqlen_q, nheads,
     headdim), or (out, softmax_lse) with return_softmax_lse, softmax_lse (batch, nheads,
-    seqlen_q) float32. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), with k and v
-    appended: rotary embedding of q and of the appended k as in flash_attn (flashcore/_rotary.py;
-    rotary_interleaved picks GPT-J or GPT-NeoX pairs). cache_leftpad (batch,) int32, contiguous
-    caches: sequence b starts at slot cache_leftpad[b] of its row (flashcore/_leftpad.py). Not
-    supported (NotImplementedError): alibi_slopes."""
+    seqlen_q) float32. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), q's dtype or
+    float32, with k and v appended: rotary embedding of q and of the appended k as in flash_attn,
+    fused into the call (k[b, j] at position cache_seqlens[b] + j; q[b, i] at cache_seqlens[b] + i
+    under a causal mask or a window, else at cache_seqlens[b]; rotary_interleaved picks GPT-J or
+    GPT-NeoX pairs). cache_leftpad (batch,) int32, contiguous caches: sequence b's tokens sit at
+    slots cache_leftpad[b] .. cache_seqlens[b] - 1 of its row. Not supported
+    (NotImplementedError): alibi_slopes."""
     _check_unsupported_kvcache(cache_leftpad, block_table, alibi_slopes)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (to append into the caches) or neither")
@@ -198,44 +200,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             raise ValueError("cache_seqlens: is required when k and v are appended")
         cache_seqlens = _whole_cache_seqlens(k_cache, block_table)
-    rotary = rotary_cos is not None or rotary_sin is not None
-    # flash_attn: each query at its own position under a causal mask or a window, else all at
-    # the first new position.
-    per_token_queries = bool(causal) or tuple(window_size) != (-1, -1)
+    extras = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad)
     try:
-        seqlen_new = 0 if k is None else k.shape[1]
         if _is_torch(q):
-            torch_impl = _load_torch_impl()
-            if cache_leftpad is not None or rotary:  # both read the lengths as a tensor; convert once
-                cache_seqlens = torch_impl.cache_seqlens_tensor(cache_seqlens, q)
-            if cache_leftpad is not None:
-                k_cache, v_cache, cache_seqlens, block_table = _leftpad.as_pages_torch(
-                    k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, seqlen_new)
-                cache_batch_idx = None
-            if rotary:
-                q, k = _rotary.rotate_torch(q, k, rotary_cos, rotary_sin, cache_seqlens, per_token_queries,
-                                            bool(rotary_interleaved))
-            return torch_impl.attention_kvcache(
+            return _load_torch_impl().attention_kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                 softmax_scale, causal, window_size, softcap, num_splits, return_softmax_lse,
-                _default_backend)
-        if cache_leftpad is not None:
-            if not isinstance(k_cache, np.ndarray):
-                raise NotImplementedError("cache_leftpad: takes torch tensors or numpy arrays")
-            k_cache, v_cache, cache_seqlens, block_table = _leftpad.as_pages_numpy(
-                k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, seqlen_new)
-            cache_batch_idx = None
-        if rotary:
-            if not isinstance(q, np.ndarray):
-                raise NotImplementedError("rotary_cos: rotary embedding takes torch tensors or numpy arrays")
-            q, k = _rotary.rotate_numpy(q, k, rotary_cos, rotary_sin, cache_seqlens, per_token_queries,
-                                        bool(rotary_interleaved))
+                _default_backend, **extras)
         q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
         return _dlpack_api.attention_kvcache(
             q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
             cache_batch_idx=cache_batch_idx, return_lse=return_softmax_lse,
             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            num_splits=num_splits, backend=_default_backend)
+            num_splits=num_splits, backend=_default_backend, **extras)
     except ValueError as e:
         # The library calls the appended tokens k_new / v_new; this API's arguments are k / v.
         message = str(e)

@@ -17,6 +17,20 @@
 
 namespace flashcore {
 
+/** rotary_cos / rotary_sin of fc_attention_kvcache: (rows, half) tables in `dtype` (q's dtype or
+ *  F32), rotating features [0, 2 * half) of the appended keys and of q. */
+struct RotaryTables {
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  DType dtype = DType::F32;
+  int64_t cos_row_stride = 0, sin_row_stride = 0;
+  int64_t rows = 0;  // 0: off
+  int64_t half = 0;
+  bool interleaved = false;        // pairs (2i, 2i + 1); else (i, i + half)
+  bool per_token_queries = false;  // causal or windowed: q[i] at position + i; else every q at position
+  FC_HOST_DEVICE bool on() const { return rows > 0; }
+};
+
 struct KvCacheParams {
   DType dtype = DType::F16;  // q, caches, new keys/values and out share it
   int device_type = 0;
@@ -49,6 +63,9 @@ struct KvCacheParams {
   int64_t block_table_page_stride = 1;
   const int32_t* cache_batch_idx = nullptr;  // (batch) or nullptr (identity); contiguous only
   int64_t cache_batch_idx_stride = 1;
+  const int32_t* cache_leftpad = nullptr;  // (batch) or nullptr (0); contiguous only
+  int64_t cache_leftpad_stride = 1;
+  RotaryTables rotary;  // rows == 0: no rotary embedding
 
   float softmax_scale = 0.f;  // resolved (never 0)
   float softcap = 0.f;
@@ -67,9 +84,25 @@ struct KvCacheParams {
   bool appends() const { return k_new.data != nullptr; }
 };
 
-/** Per-sequence lengths read from cache_seqlens (device or host memory, matching the call). */
-FC_HOST_DEVICE int64_t cached_len(const KvCacheParams& p, int64_t b) {
+/** cache_seqlens[b] (device or host memory, matching the call): the slot after sequence b's last
+ *  cached token, where the first appended token goes and the rotary position it takes. */
+FC_HOST_DEVICE int64_t cache_end(const KvCacheParams& p, int64_t b) {
   return p.cache_seqlens[b * p.cache_seqlens_stride];
+}
+
+/** Slot of sequence b's first token: cache_leftpad[b], 0 without it (and for paged caches). Key j of
+ *  the sequence sits at slot cache_start + j. */
+FC_HOST_DEVICE int64_t cache_start(const KvCacheParams& p, int64_t b) {
+  return p.cache_leftpad ? int64_t(p.cache_leftpad[b * p.cache_leftpad_stride]) : 0;
+}
+
+/** Tokens of sequence b already cached. */
+FC_HOST_DEVICE int64_t cached_len(const KvCacheParams& p, int64_t b) { return cache_end(p, b) - cache_start(p, b); }
+
+/** Rotary positions a call uses past cache_end (the last one is cache_end + this - 1). */
+FC_HOST_DEVICE int64_t rotary_span(const KvCacheParams& p) {
+  const int64_t q_span = p.rotary.per_token_queries ? p.seqlen_q : (p.seqlen_q > 0 ? 1 : 0);
+  return p.seqlen_new > q_span ? p.seqlen_new : q_span;
 }
 
 /** Keys the sequence attends over: what was cached plus what is appended. */
@@ -87,8 +120,9 @@ FC_HOST_DEVICE int64_t cache_row_of(const KvCacheParams& p, int64_t b) {
 /** Sequence-level value checks: length within capacity (including what is appended) and a valid
  *  cache row. Page ids are checked page by page with page_in_range as they are used. */
 FC_HOST_DEVICE bool sequence_in_bounds(const KvCacheParams& p, int64_t b) {
-  const int64_t len = cached_len(p, b);
-  if (len < 0 || len + p.seqlen_new > p.capacity()) return false;
+  const int64_t end = cache_end(p, b), start = cache_start(p, b);
+  if (start < 0 || end < start || end + p.seqlen_new > p.capacity()) return false;
+  if (p.rotary.on() && end + rotary_span(p) > p.rotary.rows) return false;
   if (!p.paged) {
     const int64_t row = cache_row_of(p, b);
     if (row < 0 || row >= p.cache_rows) return false;
@@ -106,11 +140,11 @@ FC_HOST_DEVICE bool page_in_range(const KvCacheParams& p, int64_t physical) {
   return physical >= 0 && physical < p.cache_rows;
 }
 
-/** Element offset of (token pos, kv head h) of sequence b inside a cache, given its physical page
- *  (contiguous caches: the cache row and pos itself). */
+/** Element offset of (slot, kv head h) inside a cache, given its physical page (contiguous caches:
+ *  the cache row, and the slot in it). Key j of sequence b is slot cache_start(p, b) + j. */
 FC_HOST_DEVICE int64_t cache_offset(const TensorRef& cache, const KvCacheParams& p, int64_t physical,
-                                    int64_t pos, int64_t h) {
-  const int64_t in_page = p.paged ? pos % p.page_size : pos;
+                                    int64_t slot, int64_t h) {
+  const int64_t in_page = p.paged ? slot % p.page_size : slot;
   return physical * cache.batch_stride + in_page * cache.row_stride + h * cache.head_stride;
 }
 

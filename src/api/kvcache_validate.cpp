@@ -49,17 +49,63 @@ Status apply_options(const fc_attention_options& opt, int64_t head_dim, KvCacheP
   return Status::ok();
 }
 
+/** rotary_cos / rotary_sin: both, with k_new appended, (rows >= 1, half) tables with 2 half <=
+ *  head_dim, float32 or q's dtype, on q's device (rows contiguous: check_tensor_basics). Fills p->rotary (its
+ *  per_token_queries from the resolved window, so apply_options must have run). */
+Status check_rotary(const fc_kvcache_args& a, KvCacheParams* p, Extent* ecos, Extent* esin) {
+  if (!a.rotary_cos || !a.rotary_sin) return Status::invalid("rotary_cos, rotary_sin: give both or neither");
+  if (!a.k_new)
+    return Status::invalid("rotary_cos: rotary embedding applies only when k_new and v_new are appended (as in flash_attn)");
+  Status s;
+  const fc_tensor* tables[] = {a.rotary_cos, a.rotary_sin};
+  const char* names[] = {"rotary_cos", "rotary_sin"};
+  Extent* extents[] = {ecos, esin};
+  for (int i = 0; i < 2; ++i) {
+    const fc_tensor* t = tables[i];
+    if (!(s = check_tensor_basics(t, names[i], 2, extents[i])).is_ok()) return s;
+    if (t->dtype != FC_DTYPE_F32 && t->dtype != a.q->dtype)
+      return Status::invalid(std::string(names[i]) + ": dtype " + dtype_name(t->dtype) + " is not supported (float32 or q's " +
+                             dtype_name(a.q->dtype) + ")");
+    if (!(s = check_same_device(t, names[i], a.q, "q")).is_ok()) return s;
+  }
+  const fc_tensor& c = *a.rotary_cos;
+  if (a.rotary_sin->shape[0] != c.shape[0] || a.rotary_sin->shape[1] != c.shape[1] || a.rotary_sin->dtype != c.dtype)
+    return Status::invalid("rotary_sin: shape " + shape_str(*a.rotary_sin) + " and dtype " + dtype_name(a.rotary_sin->dtype) +
+                           " must match rotary_cos's " + shape_str(c) + " " + dtype_name(c.dtype));
+  if (c.shape[0] < 1 || c.shape[1] < 1 || 2 * c.shape[1] > p->head_dim)
+    return Status::invalid("rotary_cos: shape " + shape_str(c) + " needs at least one row and rotary_dim = 2 x " +
+                           str(c.shape[1]) + " <= head_dim " + str(p->head_dim) +
+                           " (the tables are (seqlen_ro, rotary_dim / 2))");
+  RotaryTables& r = p->rotary;
+  r.cos = c.data;
+  r.sin = a.rotary_sin->data;
+  r.dtype = static_cast<DType>(c.dtype);
+  r.cos_row_stride = c.strides[0];
+  r.sin_row_stride = a.rotary_sin->strides[0];
+  r.rows = c.shape[0];
+  r.half = c.shape[1];
+  r.interleaved = a.rotary_interleaved != 0;
+  r.per_token_queries = p->window_left >= 0 || p->window_right >= 0;  // causal folds into right = 0
+  return Status::ok();
+}
+
 }  // namespace
 
 Status check_kvcache_host_values(const KvCacheParams& p) {
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t len = cached_len(p, b);
-    if (len < 0) return Status::invalid("cache_seqlens: entry " + str(b) + " is negative (" + str(len) + ")");
-    if (len + p.seqlen_new > p.capacity()) {
+    const int64_t end = cache_end(p, b), start = cache_start(p, b);
+    if (end < 0) return Status::invalid("cache_seqlens: entry " + str(b) + " is negative (" + str(end) + ")");
+    if (start < 0 || start > end)
+      return Status::invalid("cache_leftpad: entry " + str(b) + " is " + str(start) + ", outside 0..cache_seqlens[" +
+                             str(b) + "] = " + str(end));
+    if (end + p.seqlen_new > p.capacity()) {
       const std::string what = p.seqlen_new > 0 ? " + seqlen_new " + str(p.seqlen_new) : "";
-      return Status::invalid("cache_seqlens: entry " + str(b) + " (" + str(len) + ")" + what +
+      return Status::invalid("cache_seqlens: entry " + str(b) + " (" + str(end) + ")" + what +
                              " exceeds the cache capacity of " + str(p.capacity()) + " tokens per sequence");
     }
+    if (p.rotary.on() && end + rotary_span(p) > p.rotary.rows)
+      return Status::invalid("rotary_cos: has " + str(p.rotary.rows) + " rows, but cache_seqlens[" + str(b) + "] = " +
+                             str(end) + " and the new tokens reach position " + str(end + rotary_span(p) - 1));
     if (!p.paged) {
       const int64_t row = cache_row_of(p, b);
       if (p.cache_batch_idx && (row < 0 || row >= p.cache_rows))
@@ -67,7 +113,7 @@ Status check_kvcache_host_values(const KvCacheParams& p) {
                                str(p.cache_rows - 1) + " (k_cache rows)");
       continue;
     }
-    const int64_t pages_used = (len + p.seqlen_new + p.page_size - 1) / p.page_size;
+    const int64_t pages_used = (end + p.seqlen_new + p.page_size - 1) / p.page_size;
     for (int64_t pg = 0; pg < pages_used; ++pg) {
       const int64_t id = physical_page(p, b, pg);
       if (!page_in_range(p, id))
@@ -180,6 +226,19 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
   }
 
   if (!(s = apply_options(opt, head_dim, p)).is_ok()) return s;
+  Extent elp, ecos, esin;
+  if (a.cache_leftpad) {
+    if (a.block_table)
+      return Status::invalid("cache_leftpad: not supported with a paged cache (block_table), as in flash_attn");
+    if (!(s = check_int_vector(a.cache_leftpad, "cache_leftpad", batch, q, "cache_leftpad is (batch,)")).is_ok())
+      return s;
+    check_tensor_basics(a.cache_leftpad, "cache_leftpad", 1, &elp);
+    p->cache_leftpad = static_cast<const int32_t*>(a.cache_leftpad->data);
+    p->cache_leftpad_stride = a.cache_leftpad->strides[0];
+  }
+  if (a.rotary_cos || a.rotary_sin) {
+    if (!(s = check_rotary(a, p, &ecos, &esin)).is_ok()) return s;
+  }
   if (a.num_splits < 0 || a.num_splits > KvLimits::kMaxSplits)
     return Status::invalid("num_splits: " + str(a.num_splits) + " is outside 0.." + str(KvLimits::kMaxSplits) +
                            " (0 = heuristic, 1 = no split)");
@@ -204,12 +263,14 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
   }
 
   // Aliasing: what is written (out, lse, and the caches when appending) must not overlap what is read.
-  const fc_tensor* ins[] = {q, a.k_cache, a.v_cache, a.k_new, a.v_new, a.cache_seqlens, a.block_table, a.cache_batch_idx};
-  const char* in_names[] = {"q", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table", "cache_batch_idx"};
-  constexpr int kInputs = 8;
-  Extent ein[kInputs] = {eq, ekc, evc, ekn, evn};
+  const fc_tensor* ins[] = {q,          a.k_cache,   a.v_cache,       a.k_new,      a.v_new,      a.cache_seqlens,
+                            a.rotary_cos, a.rotary_sin, a.cache_leftpad, a.block_table, a.cache_batch_idx};
+  const char* in_names[] = {"q",          "k_cache",    "v_cache",       "k_new",       "v_new",          "cache_seqlens",
+                            "rotary_cos", "rotary_sin", "cache_leftpad", "block_table", "cache_batch_idx"};
+  constexpr int kInputs = 11;
+  Extent ein[kInputs] = {eq, ekc, evc, ekn, evn, {}, ecos, esin, elp};
   for (int i = 5; i < kInputs; ++i)
-    if (ins[i]) check_tensor_basics(ins[i], in_names[i], ins[i]->ndim, &ein[i]);  // already validated above
+    if (ins[i] && (i == 5 || i > 8)) check_tensor_basics(ins[i], in_names[i], ins[i]->ndim, &ein[i]);  // validated above
   const fc_tensor* outs[] = {a.out, a.lse};
   const Extent* eouts[] = {&eo, &el};
   const char* out_names[] = {"out", "lse"};

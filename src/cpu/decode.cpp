@@ -20,6 +20,7 @@
 #include "api/kvcache_backends.hpp"
 #include "cpu/cpu_common.hpp"
 #include "common/dtype_host.hpp"
+#include "common/rotary.hpp"
 
 namespace flashcore::cpu {
 namespace {
@@ -46,26 +47,68 @@ Status parallel_for(int64_t count, int threads, Task&& task) {
   });
 }
 
-/** Writes new tokens into the caches at positions cache_seqlens[b] ... (validated in bounds). */
+/** A row of p.dtype rotated at rotary position `pos` (common/rotary.hpp), in fp32 then rounded to
+ *  the dtype once, written to `dst` (p.dtype). `scratch` holds head_dim floats. */
+void rotate_row(const KvCacheParams& p, const void* src, int64_t pos, void* dst, float* scratch) {
+  const RotaryTables& r = p.rotary;
+  const int64_t hd = p.head_dim;
+  flash_detail::load_row(p.dtype, src, hd, scratch);
+  for (int64_t d = 0; d < hd; ++d) {
+    float x = scratch[d];
+    if (d < 2 * r.half) {
+      const RotaryFeature f = rotary_feature(d, r.half, r.interleaved);
+      const float c = load_as_float(r.cos, pos * r.cos_row_stride + f.index, r.dtype);
+      const float sn = load_as_float(r.sin, pos * r.sin_row_stride + f.index, r.dtype);
+      x = rotate_feature(x, scratch[f.partner], c, sn, f.first);
+    }
+    store_from_float(dst, d, p.dtype, x);
+  }
+}
+
+/** Writes new tokens into the caches at slots cache_seqlens[b] ... (validated in bounds), the keys
+ *  rotated first when the call has rotary tables. */
 void append_new_tokens(const KvCacheParams& p) {
   const int64_t hd = p.head_dim;
   const size_t elem = dtype_size(p.dtype);
+  std::vector<float> scratch(static_cast<size_t>(hd));
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t start = cached_len(p, b);
+    const int64_t end = cache_end(p, b);
     for (int64_t t = 0; t < p.seqlen_new; ++t) {
-      const int64_t pos = start + t;
-      const int64_t page = physical_page(p, b, p.paged ? pos / p.page_size : 0);
+      const int64_t slot = end + t;
+      const int64_t page = physical_page(p, b, p.paged ? slot / p.page_size : 0);
       for (int64_t h = 0; h < p.heads_kv; ++h) {
         const TensorRef* src[] = {&p.k_new, &p.v_new};
         const TensorRef* dst[] = {&p.k_cache, &p.v_cache};
         for (int kv = 0; kv < 2; ++kv) {
           const char* from = static_cast<const char*>(src[kv]->data) + offset_of(*src[kv], b, t, h) * elem;
-          char* to = static_cast<char*>(dst[kv]->data) + cache_offset(*dst[kv], p, page, pos, h) * elem;
-          std::copy(from, from + hd * elem, to);
+          char* to = static_cast<char*>(dst[kv]->data) + cache_offset(*dst[kv], p, page, slot, h) * elem;
+          if (kv == 0 && p.rotary.on()) {
+            rotate_row(p, from, slot, to, scratch.data());
+          } else {
+            std::copy(from, from + hd * elem, to);
+          }
         }
       }
     }
   }
+}
+
+/** q rotated (flash_attn's positions: cache_seqlens[b] + i per token under a causal mask or a
+ *  window, else cache_seqlens[b] for every token) into `rotated` (batch, seqlen_q, heads_q,
+ *  head_dim) contiguous in p.dtype; returns the view the attention reads instead of p.q. */
+TensorRef rotate_queries(const KvCacheParams& p, std::vector<unsigned char>& rotated) {
+  const int64_t hd = p.head_dim, elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const TensorRef view{nullptr, p.seqlen_q * p.heads_q * hd, p.heads_q * hd, hd};
+  rotated.resize(static_cast<size_t>(p.batch * view.batch_stride * elem));
+  std::vector<float> scratch(static_cast<size_t>(hd));
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t i = 0; i < p.seqlen_q; ++i) {
+      const int64_t pos = cache_end(p, b) + (p.rotary.per_token_queries ? i : 0);
+      for (int64_t h = 0; h < p.heads_q; ++h)
+        rotate_row(p, flash_detail::element_ptr(p.q, p.dtype, b, i, h), pos,
+                   rotated.data() + offset_of(view, b, i, h) * elem, scratch.data());
+    }
+  return {rotated.data(), view.batch_stride, view.row_stride, view.head_stride};
 }
 
 /** One task: the query rows of one sequence against a range of its keys, for every KV head,
@@ -158,10 +201,10 @@ class DecodeAttention {
     }
   }
 
-  /** Pointer to K or V of (token pos, KV head 0) in physical page `page`. */
-  const char* cache_row(const TensorRef& cache, int64_t page, int64_t pos) const {
+  /** Pointer to K or V of (slot, KV head 0) in physical page `page`. */
+  const char* cache_row(const TensorRef& cache, int64_t page, int64_t slot) const {
     return static_cast<const char*>(cache.data) +
-           cache_offset(cache, p_, page, pos, 0) * static_cast<int64_t>(dtype_size(p_.dtype));
+           cache_offset(cache, p_, page, slot, 0) * static_cast<int64_t>(dtype_size(p_.dtype));
   }
 
   /** K rows [heads][n x D] and V rows [heads][n x D_pad] (zero padding columns) of keys j0.. as
@@ -169,10 +212,11 @@ class DecodeAttention {
   void stage_block(int64_t b, int64_t j0, int64_t n) {
     const int64_t hd = p_.head_dim, elem = static_cast<int64_t>(dtype_size(p_.dtype));
     const int64_t k_head = p_.k_cache.head_stride * elem, v_head = p_.v_cache.head_stride * elem;
+    const int64_t start = cache_start(p_, b);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = j0 + j, page = physical_page(p_, b, p_.paged ? pos / p_.page_size : 0);
-      const char* k = cache_row(p_.k_cache, page, pos);
-      const char* v = cache_row(p_.v_cache, page, pos);
+      const int64_t slot = start + j0 + j, page = physical_page(p_, b, p_.paged ? slot / p_.page_size : 0);
+      const char* k = cache_row(p_.k_cache, page, slot);
+      const char* v = cache_row(p_.v_cache, page, slot);
       for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
         flash_detail::load_row(p_.dtype, k + hk * k_head, hd, k_rows_.data() + (hk * block_ + j) * hd);
       }
@@ -316,7 +360,10 @@ void store_head(const KvCacheParams& p, int64_t b, int64_t hk, int splits, const
 
 }  // namespace
 
-Status kvcache_forward(const KvCacheParams& p) {
+Status kvcache_forward(const KvCacheParams& params) {
+  KvCacheParams p = params;
+  std::vector<unsigned char> rotated_q;
+  if (p.rotary.on()) p.q = rotate_queries(params, rotated_q);
   if (p.appends()) append_new_tokens(p);
   const int splits = decode_splits(p);
   const int64_t hd = p.head_dim, per_part = p.heads_kv * p.group_size() * p.seqlen_q;

@@ -44,6 +44,12 @@ struct KvCase {
   int32_t num_splits = 1;
   bool want_lse = true;
   int64_t slack = 5;  // capacity beyond the longest sequence (garbage that must not be read)
+  std::vector<int32_t> leftpad;  // contiguous caches: sequence b starts at slot leftpad[b]; empty = none
+  int64_t rotary_half = 0;       // > 0: rotary tables (rows, rotary_half) applied to q and k_new
+  bool rotary_interleaved = true;
+  bool rotary_fp32 = false;  // tables in float32 (else in the case's dtype)
+
+  bool per_token_queries() const { return causal || window_left != -1 || window_right != -1; }
 
   std::string name() const {
     std::ostringstream s;
@@ -52,6 +58,13 @@ struct KvCase {
       << " win(" << window_left << "," << window_right << ") cap" << softcap << " splits" << num_splits << " lens[";
     for (size_t i = 0; i < cache_lens.size(); ++i) s << (i ? "," : "") << cache_lens[i];
     s << "]";
+    if (!leftpad.empty()) {
+      s << " leftpad[";
+      for (size_t i = 0; i < leftpad.size(); ++i) s << (i ? "," : "") << leftpad[i];
+      s << "]";
+    }
+    if (rotary_half > 0)
+      s << " rotary" << 2 * rotary_half << (rotary_interleaved ? " interleaved" : " neox") << (rotary_fp32 ? " f32" : "");
     return s.str();
   }
 };
@@ -109,9 +122,9 @@ struct KvBuffer {
 struct KvProblem {
   KvCase c;
   int64_t capacity = 0, pages_per_seq = 0, cache_rows = 0;
-  KvBuffer q, k_cache, v_cache, k_new, v_new, out, lse, seqlens, block_table, batch_idx;
+  KvBuffer q, k_cache, v_cache, k_new, v_new, out, lse, seqlens, block_table, batch_idx, leftpad, cos, sin;
   std::vector<uint8_t> k_cache_before, v_cache_before;
-  fc_tensor tq{}, tkc{}, tvc{}, tkn{}, tvn{}, tout{}, tlse{}, tlens{}, tbt{}, tbi{};
+  fc_tensor tq{}, tkc{}, tvc{}, tkn{}, tvn{}, tout{}, tlse{}, tlens{}, tbt{}, tbi{}, tpad{}, tcos{}, tsin{};
   fc_kvcache_args args{};
   fc_attention_options opt{};
 
@@ -119,7 +132,7 @@ struct KvProblem {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.f, 1.f);
     int64_t longest = 0;
-    for (int32_t L : c.cache_lens) longest = std::max<int64_t>(longest, L + c.seqlen_new);
+    for (int64_t b = 0; b < c.batch; ++b) longest = std::max<int64_t>(longest, start(b) + c.cache_lens[b] + c.seqlen_new);
     capacity = longest + c.slack;
     if (c.page_size > 0) {
       pages_per_seq = (capacity + c.page_size - 1) / c.page_size;
@@ -145,7 +158,22 @@ struct KvProblem {
     lse.init(mem, FC_DTYPE_F32, {c.batch, c.heads_q, c.seqlen_q});
     for (int64_t i = 0; i < lse.numel(); ++i) lse.set(i, std::numeric_limits<float>::quiet_NaN());
     seqlens.init(mem, FC_DTYPE_I32, {c.batch});
-    for (int64_t b = 0; b < c.batch; ++b) seqlens.ints()[b] = c.cache_lens[b];
+    for (int64_t b = 0; b < c.batch; ++b) seqlens.ints()[b] = static_cast<int32_t>(start(b) + c.cache_lens[b]);
+    if (!c.leftpad.empty()) {
+      leftpad.init(mem, FC_DTYPE_I32, {c.batch});
+      for (int64_t b = 0; b < c.batch; ++b) leftpad.ints()[b] = c.leftpad[b];
+    }
+    if (c.rotary_half > 0) {  // a row for every slot a query or key can take
+      std::uniform_real_distribution<double> angle(-3.2, 3.2);
+      const int64_t rows = capacity + c.seqlen_q;
+      cos.init(mem, c.rotary_fp32 ? FC_DTYPE_F32 : c.dtype, {rows, c.rotary_half});
+      sin.init(mem, c.rotary_fp32 ? FC_DTYPE_F32 : c.dtype, {rows, c.rotary_half});
+      for (int64_t i = 0; i < cos.numel(); ++i) {
+        const double a = angle(rng);
+        cos.set(i, static_cast<float>(std::cos(a)));
+        sin.set(i, static_cast<float>(std::sin(a)));
+      }
+    }
     if (c.seqlen_new > 0) {
       k_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
       v_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
@@ -162,7 +190,8 @@ struct KvProblem {
       batch_idx.init(mem, FC_DTYPE_I32, {c.batch});
       for (int64_t b = 0; b < c.batch; ++b) batch_idx.ints()[b] = static_cast<int32_t>(cache_rows - 1 - b);
     }
-    for (KvBuffer* t : {&q, &k_cache, &v_cache, &k_new, &v_new, &out, &lse, &seqlens, &block_table, &batch_idx})
+    for (KvBuffer* t :
+         {&q, &k_cache, &v_cache, &k_new, &v_new, &out, &lse, &seqlens, &block_table, &batch_idx, &leftpad, &cos, &sin})
       if (t->mem) t->upload();
     tq = q.tensor();
     tkc = k_cache.tensor();
@@ -190,6 +219,17 @@ struct KvProblem {
       tbi = batch_idx.tensor();
       args.cache_batch_idx = &tbi;
     }
+    if (leftpad.mem) {
+      tpad = leftpad.tensor();
+      args.cache_leftpad = &tpad;
+    }
+    if (cos.mem) {
+      tcos = cos.tensor();
+      tsin = sin.tensor();
+      args.rotary_cos = &tcos;
+      args.rotary_sin = &tsin;
+      args.rotary_interleaved = c.rotary_interleaved;
+    }
     opt.causal = c.causal;
     opt.has_window = c.window_left != -1 || c.window_right != -1;
     opt.window_left = c.window_left;
@@ -211,7 +251,7 @@ struct KvProblem {
 
   /** Re-uploads the index tensors after a test edited their host copies. */
   void upload_indices() {
-    for (KvBuffer* t : {&seqlens, &block_table, &batch_idx})
+    for (KvBuffer* t : {&seqlens, &block_table, &batch_idx, &leftpad})
       if (t->mem) t->upload();
   }
 
@@ -219,9 +259,12 @@ struct KvProblem {
     for (KvBuffer* t : {&out, &lse, &k_cache, &v_cache}) t->download();
   }
 
+  /** Slot of sequence b's first token (its left padding). */
+  int64_t start(int64_t b) const { return c.leftpad.empty() ? 0 : c.leftpad[b]; }
+
   /** Element offset of logical token `pos`, kv head h, of sequence b in the cache buffers. */
   int64_t cache_elem(int64_t b, int64_t pos, int64_t h) const {
-    int64_t row = b, in_row = pos;
+    int64_t row = b, in_row = start(b) + pos;
     if (c.page_size > 0) {
       row = const_cast<KvBuffer&>(block_table).ints()[b * pages_per_seq + pos / c.page_size];
       in_row = pos % c.page_size;
@@ -231,12 +274,37 @@ struct KvProblem {
     return row * k_cache.strides[0] + in_row * k_cache.strides[1] + h * k_cache.strides[2];
   }
 
-  /** Logical key/value element after the append: cached tokens, then k_new/v_new. */
-  float logical(bool value, int64_t b, int64_t pos, int64_t h, int64_t d) const {
+  /** Feature d of `row` (head_dim features at element `at` of x) rotated at rotary position pos in
+   *  fp64 (exact), or as the library computes it (emulate: fp32 of the stored values, rounded to
+   *  the dtype once); unrotated features as stored. */
+  double rotated(const KvBuffer& x, int64_t at, int64_t pos, int64_t d, bool emulate) const {
+    const int64_t half = c.rotary_half;
+    if (half == 0 || d >= 2 * half) return x.get(at + d);
+    const bool inter = c.rotary_interleaved;
+    const int64_t i = inter ? d / 2 : d % half, partner = inter ? (d ^ 1) : (d < half ? d + half : d - half);
+    const bool first = inter ? d % 2 == 0 : d < half;
+    const double cs = cos.get(pos * half + i), sn = sin.get(pos * half + i);
+    const double v = x.get(at + d), w = x.get(at + partner);
+    if (emulate) {
+      const float fv = float(v), fw = float(w), fc = float(cs), fs = float(sn);
+      const float r = first ? fv * fc - fw * fs : fw * fs + fv * fc;
+      return round_to(static_cast<DType>(c.dtype), r);
+    }
+    return first ? v * cs - w * sn : w * sn + v * cs;
+  }
+
+  /** Query element (rotated when the case has rotary tables). */
+  double query(int64_t b, int64_t i, int64_t h, int64_t d, bool emulate) const {
+    const int64_t pos = start(b) + c.cache_lens[b] + (c.per_token_queries() ? i : 0);
+    return rotated(q, ((b * c.seqlen_q + i) * c.heads_q + h) * c.head_dim, pos, d, emulate);
+  }
+
+  /** Logical key/value element after the append: cached tokens, then k_new/v_new (keys rotated). */
+  double logical(bool value, int64_t b, int64_t pos, int64_t h, int64_t d, bool emulate = false) const {
     const int64_t len = c.cache_lens[b];
     if (pos >= len) {
-      const KvBuffer& n = value ? v_new : k_new;
-      return n.get(((b * c.seqlen_new + pos - len) * c.heads_kv + h) * c.head_dim + d);
+      const int64_t at = ((b * c.seqlen_new + pos - len) * c.heads_kv + h) * c.head_dim;
+      return value ? v_new.get(at + d) : rotated(k_new, at, start(b) + pos, d, emulate);
     }
     const std::vector<uint8_t>& before = value ? v_cache_before : k_cache_before;
     return load_as_float(before.data(), cache_elem(b, pos, h) + d, static_cast<DType>(c.dtype));
@@ -261,8 +329,8 @@ inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* ou
       const int64_t hk = h / group;
       for (int64_t j = 0; j < sk; ++j)
         for (int64_t d = 0; d < hd; ++d) {
-          K[j * hd + d] = pr.logical(false, b, j, hk, d);
-          V[j * hd + d] = pr.logical(true, b, j, hk, d);
+          K[j * hd + d] = pr.logical(false, b, j, hk, d, emulate);
+          V[j * hd + d] = pr.logical(true, b, j, hk, d, emulate);
         }
       for (int64_t i = 0; i < c.seqlen_q; ++i) {
         const KeyRange r = mask.keys_for_row(i);
@@ -271,7 +339,7 @@ inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* ou
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t j = r.begin; j < r.end; ++j) {
           double dot = 0;
-          for (int64_t d = 0; d < hd; ++d) dot += double(pr.q.get(((b * c.seqlen_q + i) * c.heads_q + h) * hd + d)) * K[j * hd + d];
+          for (int64_t d = 0; d < hd; ++d) dot += pr.query(b, i, h, d, emulate) * K[j * hd + d];
           double sc = dot * scale;
           if (c.softcap > 0) sc = c.softcap * std::tanh(sc / c.softcap);
           if (emulate) sc = static_cast<float>(sc);
@@ -357,9 +425,11 @@ inline std::string check_kvcache_result(const KvProblem& pr, int64_t batch_limit
   std::string e = kv_compare("out", o, ref_o, same_o, c.dtype, false);
   if (e.empty() && c.want_lse) e = kv_compare("lse", l, ref_l, same_l, c.dtype, true);
   if (!e.empty()) return e;
-  // The caches: appended positions hold k_new/v_new bit for bit; everything else is unchanged.
+  // The caches: appended positions hold k_new/v_new bit for bit (rotated keys: within a few
+  // roundings of the fp64 rotation); everything else is unchanged.
   std::vector<uint8_t> expect_k = pr.k_cache_before, expect_v = pr.v_cache_before;
   const size_t es = pr.k_cache.elem();
+  const double eps = c.dtype == FC_DTYPE_BF16 ? 0x1p-8 : c.dtype == FC_DTYPE_F16 ? 0x1p-11 : 0x1p-23;
   for (int64_t b = 0; b < batch_limit; ++b)
     for (int64_t t = 0; t < c.seqlen_new; ++t)
       for (int64_t h = 0; h < c.heads_kv; ++h) {
@@ -367,6 +437,15 @@ inline std::string check_kvcache_result(const KvProblem& pr, int64_t batch_limit
         const int64_t src = ((b * c.seqlen_new + t) * c.heads_kv + h) * c.head_dim;
         std::memcpy(&expect_k[dst * es], &pr.k_new.host[src * es], c.head_dim * es);
         std::memcpy(&expect_v[dst * es], &pr.v_new.host[src * es], c.head_dim * es);
+        for (int64_t d = 0; d < 2 * c.rotary_half; ++d) {
+          const double exact = pr.logical(false, b, c.cache_lens[b] + t, h, d);
+          const double got = pr.k_cache.get(dst + d), mag = std::fabs(pr.k_new.get(src + d)) + 1.0;
+          if (!(std::fabs(got - exact) <= 4 * eps * mag))
+            return "k_cache: appended key " + std::to_string(t) + " of sequence " + std::to_string(b) + ", head " +
+                   std::to_string(h) + ", feature " + std::to_string(d) + " is " + std::to_string(got) +
+                   ", the rotation gives " + std::to_string(exact);
+          std::memcpy(&expect_k[(dst + d) * es], &pr.k_cache.host[(dst + d) * es], es);  // checked just above
+        }
       }
   if (expect_k != pr.k_cache.host) return "k_cache: contents differ from the expected append";
   if (expect_v != pr.v_cache.host) return "v_cache: contents differ from the expected append";
@@ -417,6 +496,62 @@ inline std::vector<KvCase> kvcache_grid(const std::vector<int32_t>& dtypes, cons
           cases.push_back(bi);
         }
       }
+  return cases;
+}
+
+/** Left-padded caches and rotary tables, alone and together, over layouts and masks. */
+inline std::vector<KvCase> leftpad_rotary_cases(int32_t dtype, int64_t head_dim) {
+  std::vector<KvCase> cases;
+  KvCase base;
+  base.dtype = dtype;
+  base.head_dim = head_dim;
+  base.batch = 3;
+  base.cache_lens = {0, 37, 130};
+  base.heads_q = 4;
+  base.heads_kv = 2;
+  KvCase pad = base;  // decode from left-padded rows; the first sequence is all padding
+  pad.leftpad = {6, 0, 21};
+  cases.push_back(pad);
+  KvCase pad_append = pad;  // appending, causal, split, rows taken through cache_batch_idx
+  pad_append.seqlen_new = 3;
+  pad_append.seqlen_q = 3;
+  pad_append.causal = true;
+  pad_append.num_splits = 3;
+  pad_append.batch_idx = true;
+  cases.push_back(pad_append);
+  KvCase pad_window = pad;
+  pad_window.seqlen_new = 1;
+  pad_window.seqlen_q = 2;
+  pad_window.window_left = 20;
+  pad_window.window_right = 0;
+  cases.push_back(pad_window);
+  for (int64_t page : {int64_t(0), int64_t(16)})
+    for (bool interleaved : {true, false}) {
+      KvCase r = base;  // one token, every query at the same position
+      r.page_size = page;
+      r.seqlen_new = 1;
+      r.rotary_half = head_dim / 2;
+      r.rotary_interleaved = interleaved;
+      cases.push_back(r);
+      KvCase partial = r;  // rotary_dim 10 of head_dim: pairs straddle 8-element vectors (NeoX)
+      partial.rotary_half = 5;
+      partial.seqlen_new = 2;
+      partial.seqlen_q = 3;  // queries reach one position past the new keys
+      partial.causal = true;
+      partial.rotary_fp32 = true;
+      cases.push_back(partial);
+      KvCase shared = partial;  // without a mask all queries sit at cache_seqlens
+      shared.causal = false;
+      shared.num_splits = 2;
+      cases.push_back(shared);
+    }
+  KvCase both = pad_append;  // positions are slots: they count the padding
+  both.rotary_half = 6;
+  both.rotary_interleaved = false;
+  cases.push_back(both);
+  KvCase both_window = pad_window;
+  both_window.rotary_half = head_dim / 2;
+  cases.push_back(both_window);
   return cases;
 }
 

@@ -248,6 +248,72 @@ TEST(KvCacheCpu, UnusedBlockTableEntriesAreIgnored) {
   EXPECT_EQ(check_kvcache_result(pr), "");
 }
 
+// ---- cache_leftpad and rotary embedding ---------------------------------------------------------
+
+TEST(KvCacheCpu, LeftPadAndRotary) {
+  uint64_t seed = 400;
+  for (int32_t dt : all_dtypes())
+    for (int64_t hd : {int64_t(64), int64_t(24)}) expect_cases(leftpad_rotary_cases(dt, hd), seed += 50);
+}
+
+/** The oracle must see a wrong rotation: positions off by one, or the other pairing, fail. */
+TEST(KvCacheCpu, RotaryCheckCatchesWrongPositionsAndPairs) {
+  auto mem = host_memory();
+  KvCase c = small_case(0);
+  c.rotary_half = 4;
+  c.causal = true;
+  {
+    KvProblem pr(c, *mem, 21);
+    pr.seqlens.ints()[0] += 1;  // the library rotates (and appends) one slot later than the oracle
+    pr.upload_indices();
+    ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
+    pr.fetch();
+    EXPECT_NE(check_kvcache_result(pr), "");
+  }
+  {
+    KvProblem pr(c, *mem, 22);
+    pr.args.rotary_interleaved = 0;  // the oracle expects interleaved pairs
+    ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
+    pr.fetch();
+    EXPECT_NE(check_kvcache_result(pr), "");
+  }
+}
+
+TEST(KvCacheCpuBadInput, LeftPadAndRotary) {
+  KvCase pad = small_case(0);
+  pad.leftpad = {1, 2};
+  KvCase rot = small_case(0);
+  rot.rotary_half = 4;
+  KvCase paged_rot = small_case(4);
+  paged_rot.rotary_half = 2;
+  expect_rejected(pad, [](KvProblem& p) { p.leftpad.ints()[0] = -1; }, "cache_leftpad: entry 0 is -1", true);
+  expect_rejected(pad, [](KvProblem& p) { p.leftpad.ints()[1] = p.seqlens.ints()[1] + 1; }, "cache_leftpad: entry 1",
+                  true);
+  expect_rejected(pad, [](KvProblem& p) { p.tpad.shape[0] = 3; }, "cache_leftpad:");
+  expect_rejected(pad, [](KvProblem& p) { p.tpad.dtype = FC_DTYPE_F32; }, "cache_leftpad:");
+  expect_rejected(pad, [](KvProblem& p) { p.tout.data = p.tpad.data; }, "out:");
+  expect_rejected(pad, [](KvProblem& p) { p.seqlens.ints()[0] = static_cast<int32_t>(p.capacity - 1); },
+                  "cache_seqlens:", true);  // padding counts toward the row's slots
+  expect_rejected(small_case(4), [&](KvProblem& p) { p.args.cache_leftpad = p.args.cache_seqlens; },
+                  "cache_leftpad: not supported with a paged cache");
+  expect_rejected(rot, [](KvProblem& p) { p.args.rotary_sin = nullptr; }, "rotary_cos, rotary_sin: give both");
+  expect_rejected(rot, [](KvProblem& p) { p.args.rotary_cos = nullptr; }, "rotary_cos, rotary_sin: give both");
+  expect_rejected(rot, [](KvProblem& p) { p.args.k_new = p.args.v_new = nullptr; }, "rotary_cos: rotary embedding");
+  expect_rejected(rot, [](KvProblem& p) { p.tsin.shape[0] -= 1; }, "rotary_sin: shape");
+  expect_rejected(rot, [](KvProblem& p) { p.tcos.shape[1] = p.tsin.shape[1] = 9; }, "rotary_cos: shape");
+  expect_rejected(rot, [](KvProblem& p) { p.tcos.shape[0] = p.tsin.shape[0] = 0; }, "rotary_cos: shape");
+  expect_rejected(rot, [](KvProblem& p) { p.tcos.dtype = p.tsin.dtype = FC_DTYPE_I32; }, "rotary_cos: dtype");
+  expect_rejected(rot, [](KvProblem& p) { p.tsin.strides[1] = 2; }, "rotary_sin: last dimension");
+  expect_rejected(rot, [](KvProblem& p) { p.tcos.ndim = 3; }, "rotary_cos:");
+  expect_rejected(rot, [](KvProblem& p) { p.tout.data = p.tcos.data; }, "out:");
+  expect_rejected(rot, [](KvProblem& p) { p.tcos.data = p.tkc.data; }, "k_cache:");  // written while read
+  for (const KvCase* c : {&rot, &paged_rot}) {
+    // The last position (cache_seqlens + seqlen_new - 1) must be a row of the tables.
+    expect_rejected(*c, [](KvProblem& p) { p.tcos.shape[0] = p.tsin.shape[0] = p.seqlens.ints()[1] + 1; },
+                    "rotary_cos: has", true);
+  }
+}
+
 // ---- fc_merge_partials ------------------------------------------------------------------------
 
 TEST(MergePartialsCpu, MatchesFp64AndHandlesEmptyParts) {

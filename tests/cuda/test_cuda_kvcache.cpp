@@ -3,8 +3,9 @@
 // softcap, GQA/MQA) on device memory with 1, 5 and heuristic splits (and up to 24 at the decode
 // target's shape), head dims 64/128/256 and a padded one, long paged sequences (block-table
 // batches), fc_merge_partials on the GPU, the device-side checks of cache indices (error_flag, NaN
-// rows, no out-of-bounds access - run under compute-sanitizer memcheck), and CUDA-graph capture
-// and replay (two graphs of one split-KV call on one workspace, replayed in turn).
+// rows, no out-of-bounds access - run under compute-sanitizer memcheck), cache_leftpad and rotary
+// tables (the CPU suite's cases, and their device-side checks), and CUDA-graph capture and replay
+// (two graphs of one split-KV call on one workspace, replayed in turn).
 // Every test skips when no GPU is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -150,6 +151,27 @@ TEST(CudaKvCache, ManySequences) {
   expect_cases({e}, {1, 7}, 500);
 }
 
+/** Runs a 3-sequence problem whose sequences 1 and 2 carry bad values on the device: the call
+ *  succeeds, sets the error flag, leaves sequence 0's results and caches exact, gives NaN rows (out
+ *  and lse) for the others and appends nothing for them. */
+void expect_later_sequences_flagged(KvProblem& pr, CudaMemory& mem) {
+  int32_t* flag = static_cast<int32_t*>(mem.alloc(sizeof(int32_t)));
+  const int32_t zero = 0;
+  mem.upload(flag, &zero, sizeof(zero));
+  pr.args.error_flag = flag;
+  ASSERT_EQ(pr.run(mem), FC_OK) << fc_last_error();
+  int32_t flag_value = 0;
+  mem.download(&flag_value, flag, sizeof(flag_value));
+  mem.release(flag);
+  EXPECT_EQ(flag_value, 1);
+  pr.fetch();
+  EXPECT_EQ(check_kvcache_result(pr, 1), "") << "sequence 0 must be unaffected";
+  const KvCase& c = pr.c;
+  const int64_t per_seq = c.seqlen_q * c.heads_q * c.head_dim;
+  for (int64_t i = per_seq; i < 3 * per_seq; ++i) ASSERT_TRUE(std::isnan(pr.out.get(i))) << "out[" << i << "]";
+  for (int64_t i = c.heads_q * c.seqlen_q; i < pr.lse.numel(); ++i) ASSERT_TRUE(std::isnan(pr.lse.get(i)));
+}
+
 TEST(CudaKvCache, DeviceSideIndexChecks) {
   REQUIRE_GPU();
   CudaMemory mem;
@@ -168,20 +190,40 @@ TEST(CudaKvCache, DeviceSideIndexChecks) {
     pr.block_table.ints()[1 * pr.pages_per_seq + c.cache_lens[1] / c.page_size] = static_cast<int32_t>(pr.cache_rows + 7);
     pr.seqlens.ints()[2] = static_cast<int32_t>(pr.capacity + 1000);
     pr.upload_indices();
-    int32_t* flag = static_cast<int32_t*>(mem.alloc(sizeof(int32_t)));
-    const int32_t zero = 0;
-    mem.upload(flag, &zero, sizeof(zero));
-    pr.args.error_flag = flag;
-    ASSERT_EQ(pr.run(mem), FC_OK) << fc_last_error();
-    int32_t flag_value = 0;
-    mem.download(&flag_value, flag, sizeof(flag_value));
-    mem.release(flag);
-    EXPECT_EQ(flag_value, 1);
-    pr.fetch();
-    EXPECT_EQ(check_kvcache_result(pr, 1), "") << "sequence 0 must be unaffected";
-    const int64_t per_seq = c.seqlen_q * c.heads_q * c.head_dim;
-    for (int64_t i = per_seq; i < 3 * per_seq; ++i) ASSERT_TRUE(std::isnan(pr.out.get(i))) << "out[" << i << "]";
-    for (int64_t i = c.heads_q * c.seqlen_q; i < pr.lse.numel(); ++i) ASSERT_TRUE(std::isnan(pr.lse.get(i)));
+    expect_later_sequences_flagged(pr, mem);
+  }
+}
+
+TEST(CudaKvCache, LeftPadAndRotary) {
+  REQUIRE_GPU();
+  uint64_t seed = 700;
+  for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
+    for (int64_t hd : {int64_t(64), int64_t(128)}) expect_cases(leftpad_rotary_cases(dt, hd), {1, 4, 0}, seed += 50);
+}
+
+TEST(CudaKvCache, LeftPadAndRotaryDeviceSideChecks) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  KvCase c;
+  c.batch = 3;
+  c.cache_lens = {20, 33, 40};
+  c.leftpad = {2, 5, 0};
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.seqlen_new = 2;
+  c.seqlen_q = 2;
+  c.causal = true;
+  c.rotary_half = 8;
+  for (int32_t splits : {1, 3}) {
+    c.num_splits = splits;
+    KvProblem pr(c, mem, 19);
+    // Sequence 1: left padding past its cache_seqlens. Sequence 2: rotary positions past the
+    // tables (the tables shortened to end one row before sequence 2's last new key).
+    pr.leftpad.ints()[1] = pr.seqlens.ints()[1] + 1;
+    pr.upload_indices();
+    pr.tcos.shape[0] = pr.tsin.shape[0] = pr.seqlens.ints()[2] + 1;
+    ASSERT_GT(pr.tcos.shape[0], pr.seqlens.ints()[0] + 2) << "sequence 0 must stay inside the tables";
+    expect_later_sequences_flagged(pr, mem);
   }
 }
 

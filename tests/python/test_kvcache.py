@@ -513,13 +513,24 @@ def test_cache_leftpad_errors(rng):
     too_long = dict(case, cache_seqlens=np.array([5, 19, 0], np.int32))
     call_expecting_error(too_long, ValueError, r"^cache_seqlens: entry 1 \(19\) \+ seqlen_new 2 exceeds",
                          cache_leftpad=np.array([1, 4, 0], np.int32))
-    # rows of 10 of the 20 slots: (batch, seqlen) do not merge into one dimension
-    strided = dict(case, k_cache=case["k_cache"][:, :10], v_cache=case["v_cache"][:, :10],
-                   cache_seqlens=np.array([1, 2, 0], np.int32))
-    with pytest.raises(NotImplementedError, match=r"^k_cache: cache_leftpad needs"):
-        flashcore.flash_attn_with_kvcache(strided["q"], strided["k_cache"], strided["v_cache"], strided["k"],
-                                          strided["v"], cache_seqlens=strided["cache_seqlens"],
-                                          cache_leftpad=np.zeros(3, np.int32))
+    call_expecting_error(case, ValueError, r"^cache_leftpad: dtype float32", cache_leftpad=np.zeros(3, np.float32))
+    call_expecting_error(case, ValueError, r"^cache_leftpad: shape", cache_leftpad=np.zeros(2, np.int32))
+
+
+def test_cache_leftpad_on_strided_cache_views(rng):
+    # rows of 12 of the 20 slots: any cache layout the plain call takes serves left padding too
+    case = make_case(rng, seqlen_q=1, seqlen_new=1, capacity=20, lengths=[5, 11, 7])
+    view = dict(case, k_cache=case["k_cache"][:, :12], v_cache=case["v_cache"][:, :12])
+    leftpad = np.array([1, 4, 7], np.int32)
+    ref_out, ref_lse, ref_k, ref_v = leftpad_reference(view, leftpad, False)
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    out, lse = flashcore.flash_attn_with_kvcache(view["q"], k_cache[:, :12], v_cache[:, :12], view["k"], view["v"],
+                                                 cache_seqlens=view["cache_seqlens"], cache_leftpad=leftpad,
+                                                 return_softmax_lse=True)
+    assert_fp32_close(out, ref_out, "out")
+    assert_fp32_close(lse, ref_lse, "lse")
+    np.testing.assert_array_equal(k_cache[:, :12], ref_k)
+    np.testing.assert_array_equal(k_cache[:, 12:], case["k_cache"][:, 12:], err_msg="slots past the view")
 
 
 # ---- rotary embedding (rotary_cos / rotary_sin) -------------------------------------------------
@@ -579,11 +590,47 @@ def test_rotary_errors(rng):
                          rotary_cos=cos[:19], rotary_sin=sin[:19])
     call_expecting_error(case, ValueError, r"^rotary_cos: shape", rotary_cos=np.ones((20, 9), np.float32),
                          rotary_sin=np.ones((20, 9), np.float32))
-    call_expecting_error(case, ValueError, r"^rotary_cos, rotary_sin: expected two", rotary_cos=cos,
-                         rotary_sin=sin[:, :2])
+    call_expecting_error(case, ValueError, r"^rotary_sin: shape \[20, 2\]", rotary_cos=cos, rotary_sin=sin[:, :2])
+    call_expecting_error(case, ValueError, r"^rotary_cos: dtype int32", rotary_cos=cos.astype(np.int32),
+                         rotary_sin=sin.astype(np.int32))
     no_append = {key: value for key, value in case.items() if key not in ("k", "v")}
     call_expecting_error(no_append, ValueError, r"^rotary_cos: rotary embedding applies only",
                          rotary_cos=cos, rotary_sin=sin)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_with_cache_leftpad_uses_cache_slots(rng, causal):
+    # flash_attn: rotary positions are cache slots (cache_seqlens counts the padding), while the
+    # masks count from each sequence's first slot.
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=40, lengths=[10, 30, 25])
+    leftpad = np.array([3, 0, 20], np.int32)
+    cos, sin = rotary_tables(rng, 42, HEAD_DIM // 2)
+    lengths = case["cache_seqlens"].astype(np.int64)[:, None]
+    positions_k = lengths + np.arange(2)[None]
+    positions_q = positions_k if causal else np.repeat(lengths, 2, axis=1)
+    rotated = dict(case, q=rotary_reference(case["q"], cos, sin, positions_q, False).astype(np.float32),
+                   k=rotary_reference(case["k"], cos, sin, positions_k, False).astype(np.float32))
+    ref_out, ref_lse, ref_k, _ = leftpad_reference(rotated, leftpad, causal)
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    out, lse = flashcore.flash_attn_with_kvcache(
+        case["q"], k_cache, v_cache, case["k"], case["v"], rotary_cos=cos, rotary_sin=sin,
+        cache_seqlens=case["cache_seqlens"], cache_leftpad=leftpad, causal=causal, rotary_interleaved=False,
+        return_softmax_lse=True)
+    assert_fp32_close(out, ref_out, "out")
+    assert_fp32_close(lse, ref_lse, "lse")
+    np.testing.assert_allclose(k_cache, ref_k, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_tables_in_float64_are_taken(rng):
+    # np.cos / np.sin give float64: converted to float32 for the library
+    case = make_case(rng, seqlen_new=1, capacity=20)
+    cos, sin = rotary_tables(rng, 21, 4)
+    args = {key: value for key, value in case.items() if key not in ("q", "k_cache", "v_cache")}
+    a = flashcore.flash_attn_with_kvcache(case["q"], case["k_cache"].copy(), case["v_cache"].copy(), rotary_cos=cos,
+                                          rotary_sin=sin, **args)
+    b = flashcore.flash_attn_with_kvcache(case["q"], case["k_cache"].copy(), case["v_cache"].copy(),
+                                          rotary_cos=cos.astype(np.float64), rotary_sin=sin.astype(np.float64), **args)
+    np.testing.assert_array_equal(a, b)
 
 
 # ---- merge_partials ----------------------------------------------------------------------------
@@ -771,7 +818,7 @@ def test_torch_cpu_custom_op_matches_eager(rng, torch):
         return_softmax_lse=True)
     out_op, lse_op = _torch._kvcache_op(
         op["q"], op["k_cache"], op["v_cache"], op["k"], op["v"], op["cache_seqlens"], None,
-        op["block_table"], 0.0, True, -1, 0, 0.0, 0, 0)
+        op["block_table"], 0.0, True, -1, 0, 0.0, 0, 0, None, None, True, None)
     assert torch.equal(out_eager, out_op) and torch.equal(lse_eager, lse_op)
     assert torch.equal(eager["k_cache"], op["k_cache"])
     assert torch.equal(eager["v_cache"], op["v_cache"])
@@ -812,7 +859,15 @@ def test_torch_cpu_custom_op_opcheck(rng, torch):
 
     case = torch_case(torch, make_case(rng, seqlen_q=2, seqlen_new=1, capacity=32, page_size=16))
     args = (case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
-            case["cache_seqlens"], None, case["block_table"], 0.0, True, -1, 0, 0.0, 0, 0)
+            case["cache_seqlens"], None, case["block_table"], 0.0, True, -1, 0, 0.0, 0, 0,
+            None, None, True, None)
+    torch.library.opcheck(_torch._kvcache_op, args)
+    # with rotary tables and left padding (contiguous caches)
+    case = torch_case(torch, make_case(rng, seqlen_q=2, seqlen_new=1, capacity=32, lengths=[4, 20, 9]))
+    cos, sin = (torch.from_numpy(t) for t in rotary_tables(rng, 34, 4))
+    args = (case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
+            case["cache_seqlens"], None, None, 0.0, True, -1, 0, 0.0, 0, 0,
+            cos, sin, False, torch.tensor([1, 0, 9], dtype=torch.int32))
     torch.library.opcheck(_torch._kvcache_op, args)
 
 

@@ -71,6 +71,15 @@ size_t part_o_bytes(const KvCacheParams& p, int splits) {
 size_t part_lse_bytes(const KvCacheParams& p, int splits) {
   return align_up(sizeof(float) * size_t(splits) * p.batch * p.heads_q * p.seqlen_q);
 }
+/** The rotated copy of q (batch, seqlen_q, heads_q, head_dim), contiguous, when the call has rotary
+ *  tables (fp16 / bf16: 2 bytes an element). */
+size_t rotated_q_bytes(const KvCacheParams& p) {
+  return p.rotary.on() ? align_up(size_t(2) * p.batch * p.seqlen_q * p.heads_q * p.head_dim) : 0;
+}
+/** Split-KV partials (part_o, part_lse) when there are splits, then the rotated q. */
+size_t split_bytes(const KvCacheParams& p, int splits) {
+  return splits > 1 ? part_o_bytes(p, splits) + part_lse_bytes(p, splits) : 0;
+}
 
 Status launch_error(const char* what) {
   const cudaError_t err = cudaGetLastError();
@@ -100,18 +109,28 @@ Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
 }
 
 template <typename T, int HD>
-Status run_typed(const KvCacheParams& p, void* workspace) {
-  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const bool programmatic = supports_programmatic_launch(p.device_id);
-  if (p.appends() && p.batch > 0 && p.seqlen_new > 0) {
-    const dim3 grid(static_cast<unsigned>(p.seqlen_new), static_cast<unsigned>(p.batch));
-    Status s =
-        launch("kvcache append", decode::append_kernel<T>, grid, DecodeTraits::kThreads, 0, stream, programmatic, p);
+Status run_typed(const KvCacheParams& call, void* workspace) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
+  const bool programmatic = supports_programmatic_launch(call.device_id);
+  const int splits = kvcache_num_splits(call);
+  // With rotary tables the append kernel writes q rotated into the workspace, and the attention
+  // reads that copy.
+  KvCacheParams p = call;
+  T* q_rotated = nullptr;
+  if (call.rotary.on()) {
+    q_rotated = reinterpret_cast<T*>(static_cast<char*>(workspace) + split_bytes(call, splits));
+    p.q = {q_rotated, p.seqlen_q * p.heads_q * p.head_dim, p.heads_q * p.head_dim, p.head_dim};
+  }
+  const int64_t append_tokens = std::max<int64_t>(p.seqlen_new, q_rotated ? p.seqlen_q : 0);
+  if (p.appends() && p.batch > 0 && append_tokens > 0) {
+    const dim3 grid(static_cast<unsigned>(append_tokens), static_cast<unsigned>(p.batch));
+    Status s = launch("kvcache append", decode::append_kernel<T>, grid, DecodeTraits::kThreads, 0, stream, programmatic,
+                      call, q_rotated);
     if (!s.is_ok()) return s;
   }
   if (p.batch == 0 || p.seqlen_q == 0) return Status::ok();
   decode::SplitOutput so;
-  so.num_splits = kvcache_num_splits(p);
+  so.num_splits = splits;
   so.row_chunks = static_cast<int>(row_chunks(p));
   // Two tiles per warp warmed in L2 before the wait, where the CTAs wait for the previous call's
   // tail (a programmatic launch) and that tail is this call's last use of the memory system:
@@ -215,9 +234,7 @@ int kvcache_num_splits(const KvCacheParams& p) {
 }
 
 size_t kvcache_workspace(const KvCacheParams& p) {
-  const int splits = kvcache_num_splits(p);
-  if (splits <= 1) return 0;
-  return part_o_bytes(p, splits) + part_lse_bytes(p, splits);
+  return split_bytes(p, kvcache_num_splits(p)) + rotated_q_bytes(p);
 }
 
 bool kvcache_supports(const KvCacheParams& p, Status* why) {
@@ -241,7 +258,7 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
   }
   cudaGetLastError();
   if (p.batch > HeuristicTraits::kMaxGridYZ || p.heads_kv * row_chunks(p) > HeuristicTraits::kMaxGridYZ ||
-      p.seqlen_new > INT32_MAX) {
+      p.seqlen_new > INT32_MAX || p.seqlen_q > INT32_MAX) {
     *why = Status::unsupported("q: batch or heads exceed the CUDA grid limits (65535) of the KV-cache kernels");
     return false;
   }

@@ -24,8 +24,10 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "api/kvcache_params.hpp"
+#include "common/rotary.hpp"
 #include "cuda/decode/decode_trace.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/l2_prefetch.cuh"
@@ -82,31 +84,72 @@ using ptx::allow_next_grid;
 using ptx::wait_previous_grid;
 
 // ---------------------------------------------------------------------------------------------
-// Append: block (token t, sequence b) copies k_new/v_new rows of every KV head into the cache.
+// Append: block (token t, sequence b) copies k_new/v_new rows of every KV head into the cache, the
+// keys rotated on the way when the call has rotary tables; with them it also writes q's token t,
+// rotated, to `q_rotated` (the workspace copy the attention kernel reads instead of q).
 // ---------------------------------------------------------------------------------------------
 template <typename T>
-__global__ void __launch_bounds__(DecodeTraits::kThreads) append_kernel(KvCacheParams p) {
+__device__ __forceinline__ float rotary_table(const void* table, DType dtype, int64_t at) {
+  if (dtype == DType::F32) return static_cast<const float*>(table)[at];
+  if constexpr (std::is_same_v<T, __half>) return __half2float(static_cast<const __half*>(table)[at]);
+  else return __bfloat162float(static_cast<const __nv_bfloat16*>(table)[at]);
+}
+
+/** Row `src` (head_dim elements) rotated at rotary position `pos` into `dst`, one feature per
+ *  thread of the (blockDim-strided) loop: common/rotary.hpp, fp32, rounded once. */
+template <typename T>
+__device__ __forceinline__ void rotate_feature_of(const KvCacheParams& p, const T* src, T* dst, int64_t pos, int64_t d) {
+  const RotaryTables& r = p.rotary;
+  float x = static_cast<float>(src[d]);
+  if (d < 2 * r.half) {
+    const RotaryFeature f = rotary_feature(d, r.half, r.interleaved);
+    const float c = rotary_table<T>(r.cos, r.dtype, pos * r.cos_row_stride + f.index);
+    const float sn = rotary_table<T>(r.sin, r.dtype, pos * r.sin_row_stride + f.index);
+    x = rotate_feature(x, static_cast<float>(src[f.partner]), c, sn, f.first);
+  }
+  dst[d] = from_float<T>(x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(DecodeTraits::kThreads) append_kernel(KvCacheParams p, T* q_rotated) {
   wait_previous_grid();
   allow_next_grid();
   const int64_t b = blockIdx.y, t = blockIdx.x;
   bool ok = sequence_in_bounds(p, b);
-  const int64_t pos = ok ? cached_len(p, b) + t : 0;
-  const int64_t phys = ok ? physical_page(p, b, p.paged ? pos / p.page_size : 0) : 0;
-  ok = ok && page_in_range(p, phys);
+  const int64_t end = ok ? cache_end(p, b) : 0;
+  if (ok && t < p.seqlen_new) ok = page_in_range(p, physical_page(p, b, p.paged ? (end + t) / p.page_size : 0));
   if (!ok) {
     if (threadIdx.x == 0 && p.error_flag) *p.error_flag = 1;
     return;
   }
+  if (q_rotated != nullptr && t < p.seqlen_q) {  // q token t of every head
+    const int64_t pos = end + (p.rotary.per_token_queries ? t : 0);
+    for (int64_t e = threadIdx.x; e < p.heads_q * p.head_dim; e += blockDim.x) {
+      const int64_t h = e / p.head_dim, d = e % p.head_dim;
+      rotate_feature_of(p, static_cast<const T*>(p.q.data) + offset_of(p.q, b, t, h),
+                        q_rotated + ((b * p.seqlen_q + t) * p.heads_q + h) * p.head_dim, pos, d);
+    }
+  }
+  if (t >= p.seqlen_new) return;
+  const int64_t slot = end + t;
+  const int64_t phys = physical_page(p, b, p.paged ? slot / p.page_size : 0);
+  if (p.rotary.on()) {  // keys feature by feature (a pair may straddle 16-byte vectors)
+    for (int64_t e = threadIdx.x; e < p.heads_kv * p.head_dim; e += blockDim.x) {
+      const int64_t h = e / p.head_dim, d = e % p.head_dim;
+      rotate_feature_of(p, static_cast<const T*>(p.k_new.data) + offset_of(p.k_new, b, t, h),
+                        static_cast<T*>(p.k_cache.data) + cache_offset(p.k_cache, p, phys, slot, h), slot, d);
+    }
+  }
   const int64_t vecs_per_head = p.head_dim / DecodeTraits::kVec;
   const int64_t per_tensor = p.heads_kv * vecs_per_head;
-  for (int64_t v = threadIdx.x; v < 2 * per_tensor; v += blockDim.x) {
+  for (int64_t v = threadIdx.x + (p.rotary.on() ? per_tensor : 0); v < 2 * per_tensor; v += blockDim.x) {
     const bool is_v = v >= per_tensor;
     const int64_t rest = is_v ? v - per_tensor : v;
     const int64_t h = rest / vecs_per_head, d = (rest % vecs_per_head) * DecodeTraits::kVec;
     const TensorRef& src = is_v ? p.v_new : p.k_new;
     const TensorRef& dst = is_v ? p.v_cache : p.k_cache;
     const T* from = static_cast<const T*>(src.data) + offset_of(src, b, t, h) + d;
-    T* to = static_cast<T*>(dst.data) + cache_offset(dst, p, phys, pos, h) + d;
+    T* to = static_cast<T*>(dst.data) + cache_offset(dst, p, phys, slot, h) + d;
     *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
   }
 }
@@ -177,9 +220,10 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
   constexpr int kMaxTiles = 4;
   const int tiles = min(so.prefetch_tiles, kMaxTiles);
   if (tiles <= 0) return;
-  const int64_t cached = ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride);
-  const int64_t seqlen_k = cached + p.seqlen_new;
-  if (cached < 0 || seqlen_k > p.capacity()) return;
+  const int64_t end = ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride);
+  const int64_t start = p.cache_leftpad ? ptx::load_unordered_s32(p.cache_leftpad + b * p.cache_leftpad_stride) : 0;
+  const int64_t seqlen_k = end - start + p.seqlen_new;
+  if (start < 0 || end < start || end + p.seqlen_new > p.capacity()) return;
   int64_t row = b;
   if (!p.paged && p.cache_batch_idx) row = ptx::load_unordered_s32(p.cache_batch_idx + b * p.cache_batch_idx_stride);
   const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, split, so.num_splits);
@@ -198,7 +242,8 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
 #pragma unroll
   for (int i = 0; i < kMaxTiles; ++i) {
     if (!page_in_range(p, page[i])) continue;
-    const char* at = static_cast<const char*>(cache.data) + cache_offset(cache, p, page[i], pos[i], hk) * int64_t(sizeof(T));
+    const char* at =
+        static_cast<const char*>(cache.data) + cache_offset(cache, p, page[i], start + pos[i], hk) * int64_t(sizeof(T));
     const int row_bytes = static_cast<int>(p.head_dim) * int(sizeof(T));  // <= HD: padded buckets
 #pragma unroll
     for (int off = 0; off < HD * int(sizeof(T)); off += 128)
@@ -368,6 +413,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   const int64_t k0 = sk.k0, k1 = sk.k1;
   const int span = static_cast<int>(k1 - k0);
   const int64_t contiguous_row = (p.paged || bad) ? 0 : cache_row_of(p, b);
+  const int64_t contiguous_start = (p.paged || bad) ? 0 : cache_start(p, b);  // key j at slot start + j
 
   // Tiles of this warp: w, w + kWarps, ... of the CTA's range.
   const int tiles = (span + kKeys - 1) / kKeys;
@@ -433,7 +479,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
     for (int i = 0; i < 4; ++i) {
       const int key = (lane >> 3) + 4 * i;
       const int64_t pos = tile_pos(local) + key;
-      const int64_t in_page = !p.paged ? pos : (page_pow2 ? (pos & (page_size - 1)) : pos % page_size);
+      const int64_t in_page = !p.paged ? contiguous_start + pos : (page_pow2 ? (pos & (page_size - 1)) : pos % page_size);
       const bool in_range = page_in_range(p, phys[i]);
       const bool ok = ((need >> i) & 1u) && in_range;
       if (((need >> i) & 1u) && !in_range) bad = true;
