@@ -20,6 +20,7 @@ Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 5
 import argparse
 import os
 import ctypes
+import sys
 import statistics
 
 import torch
@@ -55,7 +56,11 @@ class FcKvArgs(ctypes.Structure):
                 ("block_table", ctypes.POINTER(FcTensor)), ("cache_batch_idx", ctypes.POINTER(FcTensor)),
                 ("k_new", ctypes.POINTER(FcTensor)), ("v_new", ctypes.POINTER(FcTensor)),
                 ("out", ctypes.POINTER(FcTensor)), ("lse", ctypes.POINTER(FcTensor)),
-                ("num_splits", ctypes.c_int32), ("error_flag", ctypes.POINTER(ctypes.c_int32))]
+                ("num_splits", ctypes.c_int32), ("error_flag", ctypes.POINTER(ctypes.c_int32)),
+                # FC_ABI_VERSION 2
+                ("rotary_cos", ctypes.POINTER(FcTensor)), ("rotary_sin", ctypes.POINTER(FcTensor)),
+                ("rotary_interleaved", ctypes.c_int32), ("cache_leftpad", ctypes.POINTER(FcTensor))]
+FC_ABI_VERSION = 2  # the C ABI these structures mirror
 
 
 def fc_tensor(t):
@@ -212,8 +217,10 @@ def main():
     a = ap.parse_args()
     lib = ctypes.CDLL(a.lib)
     lib.fc_last_error.restype = ctypes.c_char_p
+    if lib.fc_abi_version() != FC_ABI_VERSION:
+        sys.exit(f"{a.lib}: C ABI version {lib.fc_abi_version()}, this script mirrors version {FC_ABI_VERSION}")
     base_lib = None
-    if a.base_lib:
+    if a.base_lib:  # an older library reads only the fields it knows (appended fields are zero here)
         base_lib = ctypes.CDLL(a.base_lib)
         base_lib.fc_last_error.restype = ctypes.c_char_p
     torch.manual_seed(0)

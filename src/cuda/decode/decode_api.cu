@@ -123,7 +123,8 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   }
   const int64_t append_tokens = std::max<int64_t>(p.seqlen_new, q_rotated ? p.seqlen_q : 0);
   if (p.appends() && p.batch > 0 && append_tokens > 0) {
-    const dim3 grid(static_cast<unsigned>(append_tokens), static_cast<unsigned>(p.batch));
+    const dim3 grid(static_cast<unsigned>(append_tokens), static_cast<unsigned>(p.batch),
+                    static_cast<unsigned>(p.heads_kv + (q_rotated ? p.heads_q : 0)));
     Status s = launch("kvcache append", decode::append_kernel<T>, grid, DecodeTraits::kThreads, 0, stream, programmatic,
                       call, q_rotated);
     if (!s.is_ok()) return s;
@@ -258,7 +259,7 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
   }
   cudaGetLastError();
   if (p.batch > HeuristicTraits::kMaxGridYZ || p.heads_kv * row_chunks(p) > HeuristicTraits::kMaxGridYZ ||
-      p.seqlen_new > INT32_MAX || p.seqlen_q > INT32_MAX) {
+      p.heads_kv + p.heads_q > HeuristicTraits::kMaxGridYZ || p.seqlen_new > INT32_MAX || p.seqlen_q > INT32_MAX) {
     *why = Status::unsupported("q: batch or heads exceed the CUDA grid limits (65535) of the KV-cache kernels");
     return false;
   }

@@ -84,9 +84,12 @@ using ptx::allow_next_grid;
 using ptx::wait_previous_grid;
 
 // ---------------------------------------------------------------------------------------------
-// Append: block (token t, sequence b) copies k_new/v_new rows of every KV head into the cache, the
-// keys rotated on the way when the call has rotary tables; with them it also writes q's token t,
-// rotated, to `q_rotated` (the workspace copy the attention kernel reads instead of q).
+// Append: block (token t, sequence b, row r) copies the K and V rows of KV head r (r < heads_kv)
+// of k_new/v_new into the cache, the key rotated on the way when the call has rotary tables; with
+// them, blocks r >= heads_kv write q's row (t, head r - heads_kv) rotated to `q_rotated` (the
+// workspace copy the attention kernel reads instead of q). One row per block keeps every thread's
+// work to a feature or two: with a block per token looping over all heads, the rotation's loads
+// ran one loop step after another (~50 us per call at 16 x 8192, docs/PERF.md session 27).
 // ---------------------------------------------------------------------------------------------
 template <typename T>
 __device__ __forceinline__ float rotary_table(const void* table, DType dtype, int64_t at) {
@@ -95,8 +98,8 @@ __device__ __forceinline__ float rotary_table(const void* table, DType dtype, in
   else return __bfloat162float(static_cast<const __nv_bfloat16*>(table)[at]);
 }
 
-/** Row `src` (head_dim elements) rotated at rotary position `pos` into `dst`, one feature per
- *  thread of the (blockDim-strided) loop: common/rotary.hpp, fp32, rounded once. */
+/** Feature d of row `src` rotated at rotary position `pos` into dst[d] (common/rotary.hpp: fp32,
+ *  rounded once); features from 2 * half on are copied. */
 template <typename T>
 __device__ __forceinline__ void rotate_feature_of(const KvCacheParams& p, const T* src, T* dst, int64_t pos, int64_t d) {
   const RotaryTables& r = p.rotary;
@@ -110,42 +113,51 @@ __device__ __forceinline__ void rotate_feature_of(const KvCacheParams& p, const 
   dst[d] = from_float<T>(x);
 }
 
+/** Row src (head_dim <= 256 features) rotated at rotary position pos into dst, a feature or two
+ *  per thread (all loads of a thread issued together). */
+template <typename T>
+__device__ __forceinline__ void rotate_row(const KvCacheParams& p, const T* src, T* dst, int64_t pos) {
+  static_assert(2 * DecodeTraits::kThreads >= 256, "two features per thread cover head_dim 256");
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int d = threadIdx.x + j * DecodeTraits::kThreads;
+    if (d < p.head_dim) rotate_feature_of(p, src, dst, pos, d);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(DecodeTraits::kThreads) append_kernel(KvCacheParams p, T* q_rotated) {
   wait_previous_grid();
   allow_next_grid();
-  const int64_t b = blockIdx.y, t = blockIdx.x;
+  const int64_t b = blockIdx.y, t = blockIdx.x, row = blockIdx.z;
+  const bool is_q = row >= p.heads_kv;
+  if (t >= (is_q ? p.seqlen_q : p.seqlen_new)) return;  // the grid covers the longer of the two
   bool ok = sequence_in_bounds(p, b);
   const int64_t end = ok ? cache_end(p, b) : 0;
-  if (ok && t < p.seqlen_new) ok = page_in_range(p, physical_page(p, b, p.paged ? (end + t) / p.page_size : 0));
+  const int64_t slot = end + t;
+  const int64_t phys = ok && !is_q ? physical_page(p, b, p.paged ? slot / p.page_size : 0) : 0;
+  if (ok && !is_q) ok = page_in_range(p, phys);
   if (!ok) {
     if (threadIdx.x == 0 && p.error_flag) *p.error_flag = 1;
     return;
   }
-  if (q_rotated != nullptr && t < p.seqlen_q) {  // q token t of every head
-    const int64_t pos = end + (p.rotary.per_token_queries ? t : 0);
-    for (int64_t e = threadIdx.x; e < p.heads_q * p.head_dim; e += blockDim.x) {
-      const int64_t h = e / p.head_dim, d = e % p.head_dim;
-      rotate_feature_of(p, static_cast<const T*>(p.q.data) + offset_of(p.q, b, t, h),
-                        q_rotated + ((b * p.seqlen_q + t) * p.heads_q + h) * p.head_dim, pos, d);
-    }
+  if (is_q) {
+    const int64_t h = row - p.heads_kv;
+    rotate_row(p, static_cast<const T*>(p.q.data) + offset_of(p.q, b, t, h),
+               q_rotated + ((b * p.seqlen_q + t) * p.heads_q + h) * p.head_dim,
+               end + (p.rotary.per_token_queries ? t : 0));
+    return;
   }
-  if (t >= p.seqlen_new) return;
-  const int64_t slot = end + t;
-  const int64_t phys = physical_page(p, b, p.paged ? slot / p.page_size : 0);
-  if (p.rotary.on()) {  // keys feature by feature (a pair may straddle 16-byte vectors)
-    for (int64_t e = threadIdx.x; e < p.heads_kv * p.head_dim; e += blockDim.x) {
-      const int64_t h = e / p.head_dim, d = e % p.head_dim;
-      rotate_feature_of(p, static_cast<const T*>(p.k_new.data) + offset_of(p.k_new, b, t, h),
-                        static_cast<T*>(p.k_cache.data) + cache_offset(p.k_cache, p, phys, slot, h), slot, d);
-    }
-  }
-  const int64_t vecs_per_head = p.head_dim / DecodeTraits::kVec;
-  const int64_t per_tensor = p.heads_kv * vecs_per_head;
-  for (int64_t v = threadIdx.x + (p.rotary.on() ? per_tensor : 0); v < 2 * per_tensor; v += blockDim.x) {
-    const bool is_v = v >= per_tensor;
-    const int64_t rest = is_v ? v - per_tensor : v;
-    const int64_t h = rest / vecs_per_head, d = (rest % vecs_per_head) * DecodeTraits::kVec;
+  const int64_t h = row;
+  if (p.rotary.on())  // feature by feature: a pair may straddle 16-byte vectors
+    rotate_row(p, static_cast<const T*>(p.k_new.data) + offset_of(p.k_new, b, t, h),
+               static_cast<T*>(p.k_cache.data) + cache_offset(p.k_cache, p, phys, slot, h), slot);
+  const int vecs = static_cast<int>(p.head_dim) / DecodeTraits::kVec;  // <= 32 per row
+  static_assert(DecodeTraits::kThreads >= 2 * 32, "a thread per 16-byte vector of a K and a V row");
+  const int v = threadIdx.x + (p.rotary.on() ? vecs : 0);
+  if (v < 2 * vecs) {
+    const bool is_v = v >= vecs;
+    const int d = (is_v ? v - vecs : v) * DecodeTraits::kVec;
     const TensorRef& src = is_v ? p.v_new : p.k_new;
     const TensorRef& dst = is_v ? p.v_cache : p.k_cache;
     const T* from = static_cast<const T*>(src.data) + offset_of(src, b, t, h) + d;
