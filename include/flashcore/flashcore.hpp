@@ -116,4 +116,70 @@ inline void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const
   check(fc_attention_backward(&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv, &o, workspace, workspace_bytes));
 }
 
+/** Arguments of attention against a KV cache; see fc_kvcache_args (flashcore.h) for every field.
+ *  q, k_cache, v_cache, cache_seqlens and out are required; null pointers leave a feature off. */
+struct KvCacheArgs {
+  const Tensor* q = nullptr;
+  const Tensor* k_cache = nullptr;  // written in place when k_new is given
+  const Tensor* v_cache = nullptr;
+  const Tensor* cache_seqlens = nullptr;
+  const Tensor* block_table = nullptr;      // paged caches
+  const Tensor* cache_batch_idx = nullptr;  // contiguous caches
+  const Tensor* k_new = nullptr;            // appended before attending
+  const Tensor* v_new = nullptr;
+  Tensor* out = nullptr;
+  Tensor* lse = nullptr;
+  int32_t num_splits = 0;  // 0 = heuristic
+  int32_t* error_flag = nullptr;
+  const Tensor* rotary_cos = nullptr;  // with k_new: rotary embedding of q and k_new
+  const Tensor* rotary_sin = nullptr;
+  bool rotary_interleaved = true;        // GPT-J pairs (flash_attn's default); false: GPT-NeoX
+  const Tensor* cache_leftpad = nullptr;  // contiguous caches: each sequence's first slot
+
+  fc_kvcache_args to_c() const {
+    fc_kvcache_args a{};
+    a.q = q;
+    a.k_cache = k_cache;
+    a.v_cache = v_cache;
+    a.cache_seqlens = cache_seqlens;
+    a.block_table = block_table;
+    a.cache_batch_idx = cache_batch_idx;
+    a.k_new = k_new;
+    a.v_new = v_new;
+    a.out = out;
+    a.lse = lse;
+    a.num_splits = num_splits;
+    a.error_flag = error_flag;
+    a.rotary_cos = rotary_cos;
+    a.rotary_sin = rotary_sin;
+    a.rotary_interleaved = rotary_interleaved ? 1 : 0;
+    a.cache_leftpad = cache_leftpad;
+    return a;
+  }
+};
+
+inline size_t kvcache_workspace(const KvCacheArgs& args, const Options& opt = {}) {
+  const fc_kvcache_args a = args.to_c();
+  const fc_attention_options o = opt.to_c();
+  size_t bytes = 0;
+  check(fc_attention_kvcache_workspace(&a, &o, &bytes));
+  return bytes;
+}
+
+/** Attention of args.q against the cache (flash_attn_with_kvcache); workspace: kvcache_workspace()
+ *  bytes on the device (CUDA split-KV partials and the rotated q), none on the CPU. */
+inline void kvcache(const KvCacheArgs& args, const Options& opt = {}, void* workspace = nullptr,
+                    size_t workspace_bytes = 0) {
+  const fc_kvcache_args a = args.to_c();
+  const fc_attention_options o = opt.to_c();
+  check(fc_attention_kvcache(&a, &o, workspace, workspace_bytes));
+}
+
+/** Merges (out, lse) partials over disjoint key sets; shapes as fc_merge_partials. */
+inline void merge_partials(const Tensor& out_partials, const Tensor& lse_partials, Tensor& out, Tensor* lse = nullptr,
+                           const Options& opt = {}) {
+  const fc_attention_options o = opt.to_c();
+  check(fc_merge_partials(&out_partials, &lse_partials, &out, lse, &o));
+}
+
 }  // namespace flashcore
