@@ -30,7 +30,8 @@ extern "C" {
 #endif
 
 /* 2: fc_kvcache_args gained rotary_cos / rotary_sin / rotary_interleaved / cache_leftpad (appended
- *    after error_flag); callers built against version 1 pass a shorter struct: rebuild them. */
+ *    after error_flag) and fc_attention_options gained block_table (appended after reserved);
+ *    callers built against version 1 pass shorter structs: rebuild them. */
 #define FC_ABI_VERSION 2
 #define FC_MAX_DIMS 4
 
@@ -107,6 +108,14 @@ typedef struct fc_attention_options {
    *  NULL = no check. Ignored for CPU tensors and dense calls. */
   int32_t* error_flag;
   int32_t reserved[4];
+  /** Since FC_ABI_VERSION 2. Forward of a varlen call only: paged K/V, as flash_attn_varlen_func's
+   *  block_table. k/v are then (num_pages, page_size, heads_kv, head_dim) and int32 block_table
+   *  (batch, max_pages_per_seq) lists sequence b's pages in order: its key j (j < cu_seqlens_k[b +
+   *  1] - cu_seqlens_k[b]) sits in page block_table[b, j / page_size] at slot j % page_size. CUDA
+   *  backends take page sizes that are multiples of 256 (as flash_attn), the CPU any. Page ids in
+   *  GPU memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v
+   *  (it is clamped) but the results are not meaningful. NULL = k/v are packed as usual. */
+  const fc_tensor* block_table;
 } fc_attention_options;
 
 /** Message of the last failed call on this thread ("" when none). Valid until the next call. */

@@ -226,6 +226,7 @@ def attention_forward(
     workspace=None,
     check_cu_seqlens=False,
     error_flag=None,
+    block_table=None,
 ):
     """out = softmax(softmax_scale * q k^T + mask) v for numpy or DLPack arrays.
 
@@ -242,7 +243,8 @@ def attention_forward(
     synchronizes the stream. ``error_flag``: an int32 array on q's device (zero it first) that a
     device-side check sets to 1 when CUDA cu_seqlens break those rules, without a synchronization;
     such a call stays inside its tensors but its results are not meaningful. CPU cu_seqlens are
-    always validated.
+    always validated. ``block_table`` (varlen only, int32 (batch, max_pages_per_seq)): k / v are
+    paged, (num_pages, page_size, heads_kv, head_dim); cu_seqlens_k then only gives the lengths.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(x, name)
@@ -274,7 +276,7 @@ def attention_forward(
     )
     q_, k_, v_, out_ = (_as_bfloat16_bits(_plain(x)) for x in (q, k, v, out))
     _C.forward(q_, k_, v_, out_, _plain(lse), cu_seqlens_q, cu_seqlens_k, workspace, options,
-               error_flag=_plain(error_flag))
+               error_flag=_plain(error_flag), block_table=_numpy_int32(block_table, "block_table"))
     return (out, lse) if return_lse else out
 
 

@@ -129,7 +129,7 @@ class _OnDevice:
 
 
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  causal, window_left, window_right, softcap, backend, deterministic):
+                  causal, window_left, window_right, softcap, backend, deterministic, block_table=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
@@ -137,7 +137,8 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     with _OnDevice(q):
         _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
                    _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
-                   _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options)
+                   _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options,
+                   block_table=_describe(block_table, "block_table"))
     return out, lse
 
 
@@ -326,6 +327,59 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)
     return _forward_impl(*args)
+
+
+# ---- paged K/V (flash_attn_varlen_func's block_table): forward only ------------------------------
+
+
+@torch.library.custom_op("flashcore::paged_forward", mutates_args=())
+def _paged_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    backend: int,
+) -> Tuple[Tensor, Tensor]:
+    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                         causal, window_left, window_right, softcap, backend, False, block_table)
+
+
+@_paged_op.register_fake
+def _paged_op_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                   softmax_scale, causal, window_left, window_right, softcap, backend):
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape, True), dtype=torch.float32)
+
+
+def attention_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                    softmax_scale, causal, window_size, softcap, backend):
+    """(out, lse) of a varlen forward over paged k / v (flash_attn_varlen_func's block_table).
+    Forward only, as in flash_attn: inputs that require grad are an error."""
+    for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("block_table: paged K/V is forward only (as in flash_attn); call it "
+                                  "under torch.no_grad() or with inputs that do not require grad")
+    window_left, window_right = resolve_window(window_size)
+    q = _last_dim_contiguous(q)
+    cu_seqlens_q, cu_seqlens_k = _cu_seqlens(cu_seqlens_q), _cu_seqlens(cu_seqlens_k)
+    block_table = _index_tensor(block_table, "block_table")
+    lengths = (int(max_seqlen_q), int(max_seqlen_k))
+    options = (resolve_scale(softmax_scale), bool(causal), window_left, window_right, float(softcap),
+               backend_id(backend))
+    if _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)):
+        return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, *options, False, block_table)
+    return _paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, block_table, *options)
 
 
 # ---- inference: KV cache and merge of partial results -------------------------------------------

@@ -5,9 +5,9 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - torch tensors (CUDA or CPU) go through flashcore._torch: custom ops with autograd,
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
-What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0,
-alibi_slopes, and block_table in the varlen call (flash_attn_with_kvcache takes paged caches,
-rotary_cos / rotary_sin and cache_leftpad, all inside the library call). return_attn_probs returns
+What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0 and
+alibi_slopes. Paged caches: flash_attn_with_kvcache (with rotary_cos / rotary_sin and
+cache_leftpad, all inside the library call) and flash_attn_varlen_func's block_table (forward). return_attn_probs returns
 (out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
 flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
@@ -45,13 +45,11 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
-def _check_unsupported(dropout_p, alibi_slopes, block_table=None):
+def _check_unsupported(dropout_p, alibi_slopes):
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p: only 0.0 is supported, got {dropout_p}")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ALiBi is not supported; pass None")
-    if block_table is not None:
-        raise NotImplementedError("block_table: paged KV is not supported here; pass None")
 
 
 def _last_dim_contiguous_numpy(x):
@@ -126,11 +124,27 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k:
     (batch + 1,) int32 prefix sums (int64 is converted); max_seqlen_q/k: ints >= every
     length. Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with
-    softmax_lse (nheads, total_q)."""
-    _check_unsupported(dropout_p, alibi_slopes, block_table)
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      softmax_scale, causal, window_size, softcap, deterministic,
-                      return_attn_probs)
+    softmax_lse (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v
+    are paged caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in
+    pages block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (page sizes
+    multiples of 256 on CUDA, any on the CPU)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    if block_table is None:
+        return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          softmax_scale, causal, window_size, softcap, deterministic,
+                          return_attn_probs)
+    if _is_torch(q):
+        out, lse = _load_torch_impl().attention_paged(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+            softmax_scale, causal, window_size, softcap, _default_backend)
+    else:
+        q = _last_dim_contiguous_numpy(q)
+        out, lse = _dlpack_api.attention_forward(
+            q, k, v, return_lse=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend,
+            block_table=block_table)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

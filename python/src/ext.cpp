@@ -340,15 +340,17 @@ int32_t* error_flag_pointer(OptionalOutput& flag, const fc_tensor& like) {
 
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle workspace,
-             const CallOptions& call, nb::handle error_flag) {
+             const CallOptions& call, nb::handle error_flag, nb::handle block_table) {
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   Output out_t(out, "out", call);
   OptionalOutput lse_t(lse, "lse", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
   OptionalOutput flag(error_flag, "error_flag", call);
+  OptionalInput table(block_table, "block_table", call);
   fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
   options.error_flag = error_flag_pointer(flag, q_t.tensor);
+  options.block_table = table.get();
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_forward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -557,10 +559,11 @@ NB_MODULE(_C, m) {
 
   m.def("forward", &forward, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(),
         "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(), "options"_a,
-        "error_flag"_a.none() = nb::none(),
+        "error_flag"_a.none() = nb::none(), "block_table"_a.none() = nb::none(),
         "out = attention(q, k, v); lse (optional) gets the log-sum-exp per row. workspace is "
         "None, an array, or a callable(nbytes) returning a uint8 array on the inputs' device. "
-        "error_flag (CUDA varlen): an int32 array set to 1 on the device for bad cu_seqlens.");
+        "error_flag (CUDA varlen): an int32 array set to 1 on the device for bad cu_seqlens. "
+        "block_table (varlen): k / v are pages (num_pages, page_size, heads_kv, head_dim).");
   m.def("backward", &backward, "dout"_a.none(), "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(), "dq"_a.none(), "dk"_a.none(),
         "dv"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(),
         "options"_a, "error_flag"_a.none() = nb::none(),

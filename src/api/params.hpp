@@ -33,6 +33,16 @@ struct LseRef {
   int64_t row_stride = 0;
 };
 
+/** Paged K/V of a varlen forward (fc_attention_options.block_table): k/v are (num_pages,
+ *  page_size, heads_kv, head_dim), sequence b's key j in page table[b, j / page_size]. */
+struct KvPages {
+  const int32_t* table = nullptr;  // nullptr: k/v are packed as usual
+  int64_t batch_stride = 0, page_stride = 1;
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+  int64_t per_seq = 0;  // table columns
+};
+
 struct AttentionParams {
   DType dtype = DType::F16;  // q, k, v, out (and dout, dq, dk, dv) share it
   int device_type = 0;       // fc_device_type
@@ -64,8 +74,10 @@ struct AttentionParams {
   int num_threads = 0;        // CPU: 0 = every core of the affinity mask (cpu::available_cores)
   void* stream = nullptr;     // cudaStream_t
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device when cu_seqlens break the rules
+  KvPages pages;                  // forward only
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FC_HOST_DEVICE bool is_paged() const { return pages.table != nullptr; }
   int64_t group_size() const { return heads_q / heads_kv; }
 };
 
@@ -108,6 +120,7 @@ FC_HOST_DEVICE SeqInfo seq_info(const AttentionParams& p, int64_t b) {
     SeqInfo s;
     packed_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, s.q_start, s.seqlen_q);
     packed_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, s.k_start, s.seqlen_k);
+    if (p.is_paged()) s.k_start = 0;  // keys are addressed through the pages (kv_offset)
     return s;
   }
   return {0, 0, p.seqlen_q, p.seqlen_k};
@@ -120,6 +133,20 @@ FC_HOST_DEVICE MaskInfo mask_info(const AttentionParams& p, const SeqInfo& s) {
 /** Element offset of (batch b, packed-or-local row r, head h) in a tensor. */
 FC_HOST_DEVICE int64_t offset_of(const TensorRef& t, int64_t b, int64_t row, int64_t h) {
   return b * t.batch_stride + row * t.row_stride + h * t.head_stride;
+}
+
+/** Element offset of key `row` (seq.k_start + j) of sequence b, KV head h, in k or v: offset_of, or
+ *  through the page table for paged K/V (seq.k_start is 0 there). The table column and the page id
+ *  are clamped into the table and the tensor, so wrong values in GPU memory never send a kernel
+ *  outside them (validation rejects them for CPU calls). */
+FC_HOST_DEVICE int64_t kv_offset(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h) {
+  if (!p.is_paged()) return offset_of(t, b, row, h);
+  const KvPages& pg = p.pages;
+  int64_t column = row / pg.page_size;
+  column = column < pg.per_seq ? column : pg.per_seq - 1;
+  int64_t page = pg.table[b * pg.batch_stride + column * pg.page_stride];
+  page = page < 0 ? 0 : (page >= pg.num_pages ? pg.num_pages - 1 : page);
+  return page * t.batch_stride + (row - column * pg.page_size) * t.row_stride + h * t.head_stride;
 }
 
 }  // namespace flashcore

@@ -245,6 +245,48 @@ TensorRef dense_ref(const fc_tensor* t) {
 }
 TensorRef varlen_ref(const fc_tensor* t) { return {t->data, 0, t->strides[0], t->strides[1]}; }
 
+/** block_table of a paged varlen forward: int32 (batch, max_pages_per_seq) on q's device, k / v
+ *  (num_pages, page_size >= 1, ...). Fills p->pages. */
+Status apply_pages(const fc_tensor& table, const fc_tensor& k, int64_t batch, const fc_tensor* q, AttentionParams* p) {
+  Extent e;
+  Status s;
+  if (!(s = check_tensor_basics(&table, "block_table", 2, &e)).is_ok()) return s;
+  if (!(s = check_dtype(&table, "block_table", FC_DTYPE_I32, "page ids are int32")).is_ok()) return s;
+  if (!(s = check_same_device(&table, "block_table", q, "q")).is_ok()) return s;
+  if (table.shape[0] != batch)
+    return Status::invalid("block_table: shape " + shape_str(table) + " has " + std::to_string(table.shape[0]) +
+                           " rows, expected batch " + std::to_string(batch) + " (block_table is (batch, max_pages_per_seq))");
+  if (k.shape[1] < 1)
+    return Status::invalid("k: page_size " + std::to_string(k.shape[1]) +
+                           " must be >= 1 (paged k is (num_pages, page_size, heads_kv, head_dim))");
+  p->pages.table = static_cast<const int32_t*>(table.data);
+  p->pages.batch_stride = table.strides[0];
+  p->pages.page_stride = table.strides[1];
+  p->pages.page_size = k.shape[1];
+  p->pages.num_pages = k.shape[0];
+  p->pages.per_seq = table.shape[1];
+  return Status::ok();
+}
+
+/** CPU paged calls: every sequence's keys fit its table row, and the page ids it uses exist. */
+Status check_page_values(const AttentionParams& p, const int32_t* cu_k) {
+  const KvPages& pg = p.pages;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t len = int64_t(cu_k[b + 1]) - cu_k[b];
+    if (len > pg.per_seq * pg.page_size)
+      return Status::invalid("cu_seqlens_k: sequence " + std::to_string(b) + " has " + std::to_string(len) +
+                             " keys, more than its " + std::to_string(pg.per_seq) + " pages of " +
+                             std::to_string(pg.page_size) + " hold (block_table)");
+    for (int64_t c = 0; c < (len + pg.page_size - 1) / pg.page_size; ++c) {
+      const int64_t id = pg.table[b * pg.batch_stride + c * pg.page_stride];
+      if (id < 0 || id >= pg.num_pages)
+        return Status::invalid("block_table: entry [" + std::to_string(b) + ", " + std::to_string(c) + "] is page " +
+                               std::to_string(id) + ", outside 0.." + std::to_string(pg.num_pages - 1) + " (k pages)");
+    }
+  }
+  return Status::ok();
+}
+
 /** Everything q, k, v, options, cu_seqlens have to satisfy, shared by forward and backward. */
 Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
                        const fc_attention_options* opt_in, AttentionParams* p, Extent* eq, Extent* ek,
@@ -257,11 +299,15 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
     return Status::invalid(opt.cu_seqlens_q ? "cu_seqlens_k: is null but cu_seqlens_q is given (varlen needs both)"
                                             : "cu_seqlens_q: is null but cu_seqlens_k is given (varlen needs both)");
   }
+  const bool paged = opt.block_table != nullptr;
+  if (paged && !varlen)
+    return Status::invalid("block_table: paged K/V needs a varlen call (cu_seqlens_q / cu_seqlens_k given)");
   const int nd = varlen ? 3 : 4;
+  const int kd = paged ? 4 : nd;  // paged k / v: (num_pages, page_size, heads_kv, head_dim)
   Status s;
   if (!(s = check_tensor_basics(q, "q", nd, eq)).is_ok()) return s;
-  if (!(s = check_tensor_basics(k, "k", nd, ek)).is_ok()) return s;
-  if (!(s = check_tensor_basics(v, "v", nd, ev)).is_ok()) return s;
+  if (!(s = check_tensor_basics(k, "k", kd, ek)).is_ok()) return s;
+  if (!(s = check_tensor_basics(v, "v", kd, ev)).is_ok()) return s;
   if (q->dtype != FC_DTYPE_F32 && q->dtype != FC_DTYPE_F16 && q->dtype != FC_DTYPE_BF16)
     return Status::invalid(std::string("q: dtype ") + dtype_name(q->dtype) +
                            " is not supported (float32, float16 or bfloat16)");
@@ -270,26 +316,26 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   if (!(s = check_same_device(k, "k", q, "q")).is_ok()) return s;
   if (!(s = check_same_device(v, "v", q, "q")).is_ok()) return s;
 
-  const int hd = nd - 1, hh = nd - 2;
+  const int hd = nd - 1, hh = nd - 2, khd = kd - 1, khh = kd - 2;
   const int64_t head_dim = q->shape[hd];
   if (head_dim <= 0 || head_dim > kMaxHeadDim) {
     return Status::invalid("q: head_dim " + std::to_string(head_dim) + " is outside 1.." +
                            std::to_string(kMaxHeadDim));
   }
-  if (k->shape[hd] != head_dim)
-    return Status::invalid("k: head_dim " + std::to_string(k->shape[hd]) + " does not match q head_dim " +
+  if (k->shape[khd] != head_dim)
+    return Status::invalid("k: head_dim " + std::to_string(k->shape[khd]) + " does not match q head_dim " +
                            std::to_string(head_dim));
-  if (v->shape[hd] != head_dim)
-    return Status::invalid("v: head_dim " + std::to_string(v->shape[hd]) + " does not match q head_dim " +
+  if (v->shape[khd] != head_dim)
+    return Status::invalid("v: head_dim " + std::to_string(v->shape[khd]) + " does not match q head_dim " +
                            std::to_string(head_dim) + " (a different value head_dim is not supported)");
-  const int64_t heads_q = q->shape[hh], heads_kv = k->shape[hh];
+  const int64_t heads_q = q->shape[hh], heads_kv = k->shape[khh];
   if (heads_q <= 0) return Status::invalid("q: number of heads " + std::to_string(heads_q) + " must be >= 1");
   if (heads_kv <= 0) return Status::invalid("k: number of heads " + std::to_string(heads_kv) + " must be >= 1");
   if (heads_q % heads_kv != 0) {
     return Status::invalid("k: heads_kv " + std::to_string(heads_kv) + " does not divide q heads " +
                            std::to_string(heads_q) + " (heads_q must be a multiple of heads_kv)");
   }
-  if (!(s = check_shape(v, "v", std::vector<int64_t>(k->shape, k->shape + nd), "v must have k's shape")).is_ok())
+  if (!(s = check_shape(v, "v", std::vector<int64_t>(k->shape, k->shape + kd), "v must have k's shape")).is_ok())
     return s;
 
   // Options.
@@ -354,11 +400,15 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   const int64_t batch = cq->shape[0] - 1;
   p->batch = batch;
   p->total_q = q->shape[0];
-  p->total_k = k->shape[0];
-  // No sequence is longer than its packed tensor: a generous max_seqlen (an engine's configured
-  // maximum) is clamped there, so backends never size grids or scratch from an absurd value.
+  // Paged keys are not packed: cu_seqlens_k only gives lengths (each within its pages, clamped
+  // there by seq_info), so no packed total bounds them.
+  p->total_k = paged ? INT32_MAX : k->shape[0];
+  if (paged && !(s = apply_pages(*opt.block_table, *k, batch, q, p)).is_ok()) return s;
+  // No sequence is longer than its packed tensor (paged: than its pages): a generous max_seqlen (an
+  // engine's configured maximum) is clamped there, so backends never size grids or scratch from an
+  // absurd value.
   p->seqlen_q = std::min<int64_t>(opt.max_seqlen_q, p->total_q);
-  p->seqlen_k = std::min<int64_t>(opt.max_seqlen_k, p->total_k);
+  p->seqlen_k = std::min<int64_t>(opt.max_seqlen_k, paged ? p->pages.per_seq * p->pages.page_size : p->total_k);
   // CPU arrays are always checked. CUDA arrays only on request: reading them needs a host
   // synchronization, which a training step or a CUDA-graph capture must not have.
   const bool on_cpu = q->device_type == FC_DEVICE_CPU;
@@ -376,12 +426,13 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
     };
     if (!(s = check(cq, "cu_seqlens_q", p->total_q, opt.max_seqlen_q, "max_seqlen_q")).is_ok()) return s;
     if (!(s = check(ck, "cu_seqlens_k", p->total_k, opt.max_seqlen_k, "max_seqlen_k")).is_ok()) return s;
+    if (paged && on_cpu && !(s = check_page_values(*p, static_cast<const int32_t*>(ck->data))).is_ok()) return s;
   }
   p->cu_seqlens_q = static_cast<const int32_t*>(cq->data);
   p->cu_seqlens_k = static_cast<const int32_t*>(ck->data);
   p->q = varlen_ref(q);
-  p->k = varlen_ref(k);
-  p->v = varlen_ref(v);
+  p->k = paged ? dense_ref(k) : varlen_ref(k);
+  p->v = paged ? dense_ref(v) : varlen_ref(v);
   return Status::ok();
 }
 
@@ -432,6 +483,11 @@ Status validate_forward(const ForwardArgs& a, bool for_workspace_query, Attentio
   if (!(s = check_disjoint(a.out, eo, "out", a.q, eq, "q")).is_ok()) return s;
   if (!(s = check_disjoint(a.out, eo, "out", a.k, ek, "k")).is_ok()) return s;
   if (!(s = check_disjoint(a.out, eo, "out", a.v, ev, "v")).is_ok()) return s;
+  if (p->is_paged()) {
+    Extent et;
+    check_tensor_basics(a.options->block_table, "block_table", 2, &et);  // validated above
+    if (!(s = check_disjoint(a.out, eo, "out", a.options->block_table, et, "block_table")).is_ok()) return s;
+  }
   p->out = ref_of(a.out, p->is_varlen());
   if (a.lse) {
     if (!(s = validate_lse(a.lse, "lse", a.q, *p, &el)).is_ok()) return s;
@@ -447,6 +503,9 @@ Status validate_forward(const ForwardArgs& a, bool for_workspace_query, Attentio
 
 Status validate_backward(const BackwardArgs& a, bool for_workspace_query, BackwardParams* p) {
   Extent eq, ek, ev, eo, el, edo, edq, edk, edv;
+  if (a.options && a.options->block_table)
+    return Status::invalid("block_table: paged K/V is forward only (as flash_attn's block_table); the backward takes "
+                           "packed k / v");
   Status s = validate_common(a.q, a.k, a.v, a.options, p, &eq, &ek, &ev);
   if (!s.is_ok() || for_workspace_query) return s;
   const bool varlen = p->is_varlen();

@@ -106,10 +106,10 @@ template <int64_t kN>
 void pack_kv_tile(const AttentionParams& p, int64_t batch, int64_t kv_head, int64_t first, int64_t n_valid, int parts,
                   int64_t d_pad, float* stage, float* k_pack, float* v_pack) {
   auto k_row = [&](int64_t n) -> const void* {
-    return n < n_valid ? element_ptr(p.k, p.dtype, batch, first + n, kv_head) : nullptr;
+    return n < n_valid ? kv_row_ptr(p, p.k, batch, first + n, kv_head) : nullptr;
   };
   auto v_row = [&](int64_t n) -> const void* {
-    return n < n_valid ? element_ptr(p.v, p.dtype, batch, first + n, kv_head) : nullptr;
+    return n < n_valid ? kv_row_ptr(p, p.v, batch, first + n, kv_head) : nullptr;
   };
   const int64_t n_pack = round_up(n_valid, int64_t{32}), slices = d_pad / kSlice;
   pack_column_pairs(p.dtype, k_row, n_pack, p.head_dim, d_pad, parts, stage, k_pack, kN / 16, slices * (kN / 16));

@@ -396,6 +396,11 @@ inline void store_row(DType dtype, const float* src, int64_t n, void* dst) {
 inline const void* element_ptr(const TensorRef& t, DType dtype, int64_t b, int64_t row, int64_t h) {
   return static_cast<const char*>(t.data) + offset_of(t, b, row, h) * static_cast<int64_t>(dtype_size(dtype));
 }
+/** Key / value row `row` (seq.k_start + j) of sequence b, head h, of k or v (through the page
+ *  table for paged K/V, api/params.hpp's kv_offset). */
+inline const void* kv_row_ptr(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h) {
+  return static_cast<const char*>(t.data) + kv_offset(p, t, b, row, h) * static_cast<int64_t>(dtype_size(p.dtype));
+}
 inline void* element_ptr_mut(const TensorRef& t, DType dtype, int64_t b, int64_t row, int64_t h) {
   return static_cast<char*>(t.data) + offset_of(t, b, row, h) * static_cast<int64_t>(dtype_size(dtype));
 }

@@ -196,16 +196,18 @@ struct Block : BlockRows {
 inline void load_kv_tile(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t first_row, int64_t rows,
                   int64_t kv_head, float* buffer) {
   for (int64_t r = 0; r < rows; ++r) {
-    load_row(p.dtype, element_ptr(t, p.dtype, b, first_row + r, kv_head), p.head_dim, buffer + r * p.head_dim);
+    load_row(p.dtype, kv_row_ptr(p, t, b, first_row + r, kv_head), p.head_dim, buffer + r * p.head_dim);
   }
 }
 
-/** Queues the prefetch of `rows` K and V rows from first_row on. */
+/** Queues the prefetch of `rows` K and V rows from first_row on (paged K/V: the rows in first_row's
+ *  page; a prefetch past it only warms other lines). */
 inline void queue_kv_tile(const AttentionParams& p, int64_t b, int64_t first_row, int64_t rows, int64_t kv_head,
                           PrefetchQueue& queue) {
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
-  queue.add(element_ptr(p.k, p.dtype, b, first_row, kv_head), rows, p.k.row_stride * elem, p.head_dim * elem);
-  queue.add(element_ptr(p.v, p.dtype, b, first_row, kv_head), rows, p.v.row_stride * elem, p.head_dim * elem);
+  if (p.is_paged()) rows = std::min(rows, p.pages.page_size - first_row % p.pages.page_size);
+  queue.add(kv_row_ptr(p, p.k, b, first_row, kv_head), rows, p.k.row_stride * elem, p.head_dim * elem);
+  queue.add(kv_row_ptr(p, p.v, b, first_row, kv_head), rows, p.v.row_stride * elem, p.head_dim * elem);
 }
 
 /** Queues the rows of `t` (q or out) that a task covers: for each query head of its KV head,

@@ -32,6 +32,13 @@ Real load(const TensorRef& t, DType dt, int64_t b, int64_t row, int64_t h, int64
   return static_cast<Real>(load_as_float(t.data, offset_of(t, b, row, h) + d, dt));
 }
 
+/** Element d of key / value row `row` (seq.k_start + j) of sequence b, KV head h: kv_offset places
+ *  it, through the page table for paged K/V. */
+template <typename Real>
+Real load_kv(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h, int64_t d) {
+  return static_cast<Real>(load_as_float(t.data, kv_offset(p, t, b, row, h) + d, p.dtype));
+}
+
 /** Scores of one query row against keys [r.begin, r.end): scale * q.k, then softcap. Also
  *  returns the tanh values needed by the backward chain rule (tanh_out, when softcap > 0). */
 template <typename Real>
@@ -43,7 +50,7 @@ void row_scores(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t i
   (void)i;
   for (int64_t j = r.begin; j < r.end; ++j) {
     Real dot = 0;
-    for (int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d);
+    for (int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * load_kv<Real>(p, p.k, b, s.k_start + j, hk, d);
     Real sc = dot * static_cast<Real>(p.softmax_scale);
     if (p.softcap > 0) {
       const Real cap = static_cast<Real>(p.softcap);
@@ -83,7 +90,7 @@ Status forward_impl(const AttentionParams& p, bool low) {
             const Real pj = std::exp(scores[j - r.begin] - m);
             l += pj;
             const Real pj_stored = ar.round(pj);
-            for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+            for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
           }
           for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, static_cast<float>(acc[d] / l));
           lse = static_cast<float>(m + std::log(l));
@@ -143,14 +150,14 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               std::fill(o_row.begin(), o_row.end(), Real(0));
               for (int64_t j = r.begin; j < r.end; ++j)
                 for (int64_t d = 0; d < hd; ++d)
-                  o_row[d] += probs[j - r.begin] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+                  o_row[d] += probs[j - r.begin] * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
             }
             Real Di = 0;
             for (int64_t d = 0; d < hd; ++d) Di += do_row[d] * o_row[d];
             for (int64_t j = r.begin; j < r.end; ++j) {
               const Real pj = probs[j - r.begin];
               Real dp = 0;
-              for (int64_t d = 0; d < hd; ++d) dp += do_row[d] * load<Real>(p.v, p.dtype, b, s.k_start + j, hk, d);
+              for (int64_t d = 0; d < hd; ++d) dp += do_row[d] * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
               Real ds = pj * (dp - Di);
               Real dscore = 1;  // d(score)/d(q.k * scale): below 1 under a softcap
               if (p.softcap > 0) {
@@ -165,13 +172,13 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               if (bound) {
                 Real dot_abs = 0;
                 for (int64_t d = 0; d < hd; ++d)
-                  dot_abs += std::fabs(q_row[d] * load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d));
+                  dot_abs += std::fabs(q_row[d] * load_kv<Real>(p, p.k, b, s.k_start + j, hk, d));
                 const Real e = score_rel_err * dot_abs * scale * dscore;
                 p_weight = pj * e;
                 ds_weight = std::fabs(ds) * e;
               }
               for (int64_t d = 0; d < hd; ++d) {
-                const Real kd = load<Real>(p.k, p.dtype, b, s.k_start + j, hk, d);
+                const Real kd = load_kv<Real>(p, p.k, b, s.k_start + j, hk, d);
                 dv[(j * hd) + d] += p_weight * (bound ? std::fabs(do_row[d]) : do_row[d]);
                 dq[d] += ds_weight * (bound ? std::fabs(kd) : kd);
                 dk[(j * hd) + d] += ds_weight * (bound ? std::fabs(q_row[d]) : q_row[d]);
@@ -213,7 +220,7 @@ void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, do
   for (int64_t j = r.begin; j < r.end; ++j) {
     const double pj = std::exp(scores[j - r.begin] - m);
     l += pj;
-    for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] += pj * load<double>(p.v, p.dtype, b, s.k_start + j, hk, d);
+    for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] += pj * load_kv<double>(p, p.v, b, s.k_start + j, hk, d);
   }
   for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] /= l;
   *lse = m + std::log(l);

@@ -131,6 +131,29 @@ std::vector<Case> grid_varlen(const GridOptions& g) {
   return v;
 }
 
+std::vector<Case> grid_paged(const GridOptions& g, const std::vector<int64_t>& page_sizes) {
+  std::vector<Case> v;
+  for (int64_t page : page_sizes) {
+    for (Case c : grid_varlen(g)) {
+      c.page_size = page;
+      v.push_back(c);
+    }
+    Case c;
+    c.varlen_q = {300, 1, 77};
+    c.varlen_k = {1100, 700, 77};
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.head_dim = g.head_dims[0];
+    c.dtype = g.dtypes.back();
+    c.softcap = 30;
+    c.window_left = 600;
+    c.window_right = 0;
+    c.page_size = page;
+    v.push_back(c);
+  }
+  return v;
+}
+
 std::vector<Case> grid_edges(const GridOptions& g) {
   std::vector<Case> v;
   Case base;

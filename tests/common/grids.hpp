@@ -24,6 +24,9 @@ std::vector<Case> grid_shapes(const GridOptions& g);
 std::vector<Case> grid_masks(const GridOptions& g);
 /** Varlen batches with 0-length query and key sequences. */
 std::vector<Case> grid_varlen(const GridOptions& g);
+/** Paged K/V (a varlen forward through a block table): the varlen grid at each page size, plus
+ *  softcap with a window over sequences spanning several pages. */
+std::vector<Case> grid_paged(const GridOptions& g, const std::vector<int64_t>& page_sizes);
 /** Fully masked rows, seqlen_k = 0, huge logits. */
 std::vector<Case> grid_edges(const GridOptions& g);
 

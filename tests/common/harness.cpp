@@ -6,6 +6,8 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -380,6 +382,7 @@ std::string Case::name() const {
   if (padded) s << "_padded";
   if (q_magnitude != 1.f) s << "_mag" << q_magnitude;
   if (deterministic) s << "_det";
+  if (page_size > 0) s << "_pages" << page_size;
   return s.str();
 }
 
@@ -408,12 +411,59 @@ std::unique_ptr<Memory> host_memory() { return std::make_unique<HostMemory>(); }
 namespace {
 
 /** Forward through the public API on `mem`; leaves results in pr.out / pr.lse (host). */
+/** Paged copies of a varlen problem's k and v (Case::page_size): sequence b's keys in whole pages
+ *  of its own, the pages shuffled among spare ones holding random data, and the block table. */
+struct PagedKv {
+  HostTensor k, v, table;
+  PagedKv(const Problem& pr, std::mt19937_64& rng) {
+    const Case& c = pr.c;
+    const int64_t ps = c.page_size, batch = static_cast<int64_t>(c.varlen_k.size());
+    int64_t per_seq = 1;
+    for (int32_t L : c.varlen_k) per_seq = std::max<int64_t>(per_seq, (L + ps - 1) / ps);
+    const int64_t pages = batch * per_seq + 3;
+    k = make_tensor(c.dtype, {pages, ps, c.heads_kv, c.head_dim}, c.padded);
+    v = make_tensor(c.dtype, {pages, ps, c.heads_kv, c.head_dim}, c.padded);
+    fill_random(k, rng, 1.f);
+    fill_random(v, rng, 1.f);
+    std::vector<int32_t> ids(static_cast<size_t>(pages));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table = make_tensor(FC_DTYPE_I32, {batch, per_seq}, false);
+    auto* t = reinterpret_cast<int32_t*>(table.bytes.data());
+    const auto* cu = reinterpret_cast<const int32_t*>(pr.cu_k.bytes.data());
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < per_seq; ++j) t[b * per_seq + j] = ids[b * per_seq + j];
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t j = 0; j < c.varlen_k[b]; ++j)
+        for (int64_t h = 0; h < c.heads_kv; ++h)
+          for (int64_t d = 0; d < c.head_dim; ++d) {
+            const int64_t page = t[b * per_seq + j / ps];
+            const int64_t to = page * k.strides[0] + (j % ps) * k.strides[1] + h * k.strides[2] + d;
+            const int64_t from = (cu[b] + j) * pr.k.strides[0] + h * pr.k.strides[1] + d;
+            k.set(to, pr.k.get(from));
+            v.set(to, pr.v.get(from));
+          }
+  }
+};
+
 std::string run_forward(Problem& pr, fc_backend backend, Memory& mem) {
-  Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), out(mem, pr.out), lse(mem, pr.lse), cq(mem, pr.cu_q),
-      ck(mem, pr.cu_k);
+  std::optional<PagedKv> paged;
+  if (pr.c.page_size > 0) {
+    std::mt19937_64 rng(pr.c.page_size * 7919 + pr.c.varlen_k.size());
+    paged.emplace(pr, rng);
+  }
+  HostTensor& hk = paged ? paged->k : pr.k;
+  HostTensor& hv = paged ? paged->v : pr.v;
+  HostTensor no_table;
+  Mirror q(mem, pr.q), k(mem, hk), v(mem, hv), out(mem, pr.out), lse(mem, pr.lse), cq(mem, pr.cu_q),
+      ck(mem, pr.cu_k), table(mem, paged ? paged->table : no_table);
   fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor(), to = out.tensor(), tl = lse.tensor(),
-            tcq = cq.tensor(), tck = ck.tensor();
+            tcq = cq.tensor(), tck = ck.tensor(), ttable{};
   fc_attention_options o = options_for(pr.c, backend, &tcq, &tck, mem.stream());
+  if (paged) {
+    ttable = table.tensor();
+    o.block_table = &ttable;
+  }
   size_t ws_bytes = 0;
   if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &ws_bytes) != FC_OK) return fc_last_error();
   void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;

@@ -59,6 +59,10 @@ struct Case {
   float q_magnitude = 1.f;
   bool deterministic = false;
   int32_t num_threads = 0;  // CPU backends: 0 = all cores
+  // Varlen forward only, > 0: k / v handed to the call as pages of this many keys in shuffled
+  // order through a block table (with spare pages of random data); the references read the packed
+  // k / v, so a wrong page walk fails the comparison.
+  int64_t page_size = 0;
 
   std::string name() const;
   bool is_varlen() const { return !varlen_q.empty(); }

@@ -42,6 +42,8 @@ TEST(CpuFlashForward, SeqlenGrid) { expect_forward(grid_seqlens(cpu_grid()), FC_
 TEST(CpuFlashForward, Shapes) { expect_forward(grid_shapes(cpu_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashForward, Masks) { expect_forward(grid_masks(cpu_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashForward, Varlen) { expect_forward(grid_varlen(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashForward, PagedKv) { expect_forward(grid_paged(cpu_grid(), {1, 16, 256}), FC_BACKEND_CPU_FLASH); }
+TEST(CpuReference, PagedKv) { expect_forward(grid_paged(cpu_grid(), {16}), FC_BACKEND_CPU_REFERENCE); }
 TEST(CpuFlashForward, Edges) { expect_forward(grid_edges(cpu_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashForward, LargeSeqlens) {
   GridOptions g = cpu_grid();
@@ -86,7 +88,8 @@ struct ScopedAmxSetting : ScopedEnv {
 
 /** Every TESTING.md grid of `g` through `expect` (expect_forward or expect_backward). */
 void expect_every_grid(const GridOptions& g, void (*expect)(const std::vector<Case>&, fc_backend)) {
-  for (const auto& cases : {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g)}) {
+  for (const auto& cases :
+       {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g), grid_paged(g, {16})}) {
     expect(cases, FC_BACKEND_CPU_FLASH);
   }
 }

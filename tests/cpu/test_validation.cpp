@@ -301,6 +301,56 @@ TEST_F(BadVarlen, CuSeqlens) {
   expect_error("max_seqlen_k: -1 is negative");
 }
 
+TEST_F(BadVarlen, PagedKv) {
+  // k / v as 3 pages of 4 keys (12 rows, so the packed extents are the same), sequences of 5 and 7
+  // keys over pages {2, 0} and {1, 2}.
+  std::vector<int32_t> table = {2, 0, 1, 2};
+  fc_tensor tt = flashcore::make_tensor(table.data(), FC_DTYPE_I32, {2, 2});
+  fc_tensor pk = flashcore::make_tensor(kb.data(), FC_DTYPE_F32, {3, 4, 2, 8});
+  fc_tensor pv = flashcore::make_tensor(vb.data(), FC_DTYPE_F32, {3, 4, 2, 8});
+  k = pk;
+  v = pv;
+  opt.block_table = &tt;
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
+  for (float& x : ob) x = -7.f;
+  for (float& x : lb) x = -7.f;
+  table[3] = 3;
+  expect_error("block_table: entry [1, 1] is page 3, outside 0..2 (k pages)");
+  table[3] = -1;
+  expect_error("block_table: entry [1, 1] is page -1");
+  table[3] = 2;
+  ck = {0, 5, 14};
+  opt.max_seqlen_k = 9;
+  expect_error("cu_seqlens_k: sequence 1 has 9 keys, more than its 2 pages of 4 hold (block_table)");
+  ck = {0, 5, 12};
+  opt.max_seqlen_k = 7;
+  tt.dtype = FC_DTYPE_F32;
+  expect_error("block_table: dtype float32 does not match int32");
+  tt.dtype = FC_DTYPE_I32;
+  tt.shape[0] = 3;
+  expect_error("block_table: shape [3, 2] has 3 rows, expected batch 2");
+  tt.shape[0] = 2;
+  k = flashcore::make_tensor(kb.data(), FC_DTYPE_F32, {12, 2, 8});
+  expect_error("k: has 3 dimensions, expected 4");
+  k = pk;
+  out.data = table.data();
+  out.dtype = FC_DTYPE_F32;
+  expect_error("out: ");  // overlaps block_table (or q): never written
+  out = flashcore::make_tensor(ob.data(), FC_DTYPE_F32, {10, 2, 8});
+  // Paged K/V needs a varlen call and is forward only.
+  fc_attention_options dense{};
+  dense.block_table = &tt;
+  EXPECT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &dense, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(fc_last_error()).rfind("block_table: paged K/V needs a varlen call", 0), 0u) << fc_last_error();
+  std::vector<float> g(qb.size()), gk(kb.size()), gv(vb.size());
+  fc_tensor dq = flashcore::make_tensor(g.data(), FC_DTYPE_F32, {10, 2, 8});
+  fc_tensor dk = flashcore::make_tensor(gk.data(), FC_DTYPE_F32, {3, 4, 2, 8});
+  fc_tensor dv = flashcore::make_tensor(gv.data(), FC_DTYPE_F32, {3, 4, 2, 8});
+  EXPECT_EQ(fc_attention_backward(&out, &q, &k, &v, &out, &lse, &dq, &dk, &dv, &opt, nullptr, 0),
+            FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(fc_last_error()).rfind("block_table: paged K/V is forward only", 0), 0u) << fc_last_error();
+}
+
 // Alignment rules of the GPU paths are checked before any GPU work; test them directly so they
 // are covered on machines without a GPU.
 TEST(BackendRules, CudaAlignmentAndDtype) {

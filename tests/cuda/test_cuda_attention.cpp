@@ -325,6 +325,34 @@ TEST_P(CudaForward, RepeatsAreBitIdentical) {
 INSTANTIATE_TEST_SUITE_P(Backends, CudaForward,
                          ::testing::Values(FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90), backend_label);
 
+TEST(CudaPagedKv, Sm80AndAutoAgainstTheReference) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
+  GridOptions g = cuda_grid();
+  g.head_dims = {64, 128, 256};
+  for (fc_backend b : {FC_BACKEND_CUDA_SM80, FC_BACKEND_AUTO}) expect_forward(grid_paged(g, {256, 512}), b);
+}
+
+TEST(CudaPagedKv, UnsupportedPageSizesAndBackendsAreClearErrors) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
+  CudaMemory mem;
+  Case c;
+  c.varlen_q = {5, 9};
+  c.varlen_k = {40, 9};
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.page_size = 16;
+  CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, 3);
+  EXPECT_NE(r.status_error.find("cuda_sm80: paged k / v need a page_size that is a multiple of 256"),
+            std::string::npos)
+      << r.status_error;
+  if (fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) {
+    c.page_size = 256;
+    r = check_forward(c, FC_BACKEND_CUDA_SM90, mem, 3);
+    EXPECT_NE(r.status_error.find("cuda_sm90: paged k / v (block_table) run on cuda_sm80"), std::string::npos)
+        << r.status_error;
+  }
+}
+
 TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
   REQUIRE_GPU();
   CudaMemory mem;
@@ -572,6 +600,58 @@ TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
   for (void* b : buffers) mem.release(b);
   mem.release(cu);
   mem.release(flag);
+}
+
+// Paged K/V with page ids and lengths in GPU memory that break the rules: kv_offset clamps the
+// table column and the page id, seq_info the lengths, so the call reads nothing outside k, v and
+// the table (compute-sanitizer memcheck runs this test) and ends without a CUDA error.
+TEST(CudaSanitizerSmall, UncheckedBadPagesStayInBounds) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  constexpr int64_t kTotalQ = 24, kPages = 3, kPage = 256, kHeads = 2, kDim = 64;
+  const size_t q_elems = kTotalQ * kHeads * kDim, kv_elems = kPages * kPage * kHeads * kDim;
+  const std::vector<uint16_t> ones(kv_elems, 0x3c00);  // fp16 1.0
+  auto device_copy = [&](size_t elems) {
+    void* d = mem.alloc(elems * 2);
+    mem.upload(d, ones.data(), elems * 2);
+    return d;
+  };
+  void* buffers[4] = {device_copy(q_elems), device_copy(kv_elems), device_copy(kv_elems), device_copy(q_elems)};
+  void* lse = mem.alloc(kHeads * kTotalQ * sizeof(float));
+  void* ints = mem.alloc(16 * sizeof(int32_t));  // cu_seqlens_q (3), cu_seqlens_k (3), table (2 x 2)
+  const fc_tensor tq = device_tensor(buffers[0], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  const fc_tensor tk = device_tensor(buffers[1], FC_DTYPE_F16, {kPages, kPage, kHeads, kDim});
+  const fc_tensor tv = device_tensor(buffers[2], FC_DTYPE_F16, {kPages, kPage, kHeads, kDim});
+  fc_tensor to = device_tensor(buffers[3], FC_DTYPE_F16, {kTotalQ, kHeads, kDim});
+  fc_tensor tl = device_tensor(lse, FC_DTYPE_F32, {kHeads, kTotalQ});
+  const fc_tensor tcq = device_tensor(ints, FC_DTYPE_I32, {3});
+  const fc_tensor tck = device_tensor(static_cast<int32_t*>(ints) + 3, FC_DTYPE_I32, {3});
+  const fc_tensor tt = device_tensor(static_cast<int32_t*>(ints) + 6, FC_DTYPE_I32, {2, 2});
+  fc_attention_options opt{};
+  opt.cu_seqlens_q = &tcq;
+  opt.cu_seqlens_k = &tck;
+  opt.block_table = &tt;
+  opt.max_seqlen_q = 20;
+  opt.max_seqlen_k = 2 * kPage;
+  opt.stream = mem.stream();
+  opt.backend = FC_BACKEND_CUDA_SM80;
+  // cu_seqlens_q, cu_seqlens_k, table: page ids past the pages and negative; lengths past the
+  // table row; a decreasing cu_seqlens_k.
+  const std::vector<std::vector<int32_t>> bad = {{0, 4, 24, 0, 300, 700, 5, 1, -3, 99},
+                                                 {0, 20, 24, 0, 900, 950, 0, 1, 2, 0},
+                                                 {0, 10, 24, 0, 400, 100, 2, 2, 1, 1}};
+  for (bool causal : {false, true}) {
+    opt.causal = causal;
+    for (const std::vector<int32_t>& values : bad) {
+      mem.upload(ints, values.data(), values.size() * sizeof(int32_t));
+      EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0), FC_OK) << fc_last_error();
+      EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(mem.stream())), cudaSuccess)
+          << ::testing::PrintToString(values);
+    }
+  }
+  for (void* b : buffers) mem.release(b);
+  mem.release(lse);
+  mem.release(ints);
 }
 
 // Small cases for compute-sanitizer runs (memcheck / racecheck are slow: keep them tiny).

@@ -323,6 +323,53 @@ def test_varlen_matches_dense_per_sequence(rng):
         np.testing.assert_allclose(out[rows], dense[0], rtol=1e-6, atol=1e-6)
 
 
+def paged_copy(rng, k, cu_k, page_size, spare=3):
+    """k (total_k, heads, d) as shuffled pages (num_pages, page_size, heads, d) of random data
+    plus the int32 block table placing each sequence's keys."""
+    lengths = np.diff(cu_k)
+    per_seq = max(1, int(max((n + page_size - 1) // page_size for n in lengths)))
+    pages = len(lengths) * per_seq + spare
+    paged = rng.standard_normal((pages, page_size) + k.shape[1:]).astype(k.dtype)
+    table = rng.permutation(pages)[: len(lengths) * per_seq].reshape(len(lengths), per_seq).astype(np.int32)
+    for b, n in enumerate(lengths):
+        for j in range(n):
+            paged[table[b, j // page_size], j % page_size] = k[cu_k[b] + j]
+    return paged, table
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_paged_kv_block_table(rng, page_size, causal):
+    lengths_q, lengths_k = [5, 0, 40], [300, 4, 41]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, lengths_q, lengths_k)
+    k_pages, table = paged_copy(rng, k, cu_k, page_size)
+    v_pages = np.zeros_like(k_pages)
+    v_pages[...] = rng.standard_normal(v_pages.shape)
+    for b, n in enumerate(np.diff(cu_k)):
+        for j in range(n):
+            v_pages[table[b, j // page_size], j % page_size] = v[cu_k[b] + j]
+    out, lse, _ = flashcore.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   causal=True if causal else False, block_table=table,
+                                                   return_attn_probs=True)
+    check_forward(q, k, v, out, lse, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    packed = flashcore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
+    np.testing.assert_array_equal(out, packed)  # same kernel, same tiles: the same bits
+
+
+def test_varlen_paged_kv_errors(rng):
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, [3, 4], [10, 20])
+    k_pages, table = paged_copy(rng, k, cu_k, 8)
+    args = (q, k_pages, k_pages, cu_q, cu_k, 4, 20)
+    bad = table.copy()
+    bad[1, 2] = 99
+    with pytest.raises(ValueError, match=r"^block_table: entry \[1, 2\] is page 99"):
+        flashcore.flash_attn_varlen_func(*args, block_table=bad)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: sequence 0 has 10 keys, more than its 1 pages of 8"):
+        flashcore.flash_attn_varlen_func(*args, block_table=table[:, :1])
+    with pytest.raises(ValueError, match=r"^k: has 3 dimensions, expected 4"):
+        flashcore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 20, block_table=table)
+
+
 # ---- packed forms --------------------------------------------------------------------------------
 
 
@@ -527,10 +574,6 @@ def test_error_unsupported_features(rng):
         flashcore.flash_attn_func(q, k, v, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         flashcore.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, np.float32))
-    cu = np.array([0, 8], np.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flashcore.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8,
-                                         block_table=np.zeros((1, 1), np.int32))
 
 
 @pytest.mark.parametrize(

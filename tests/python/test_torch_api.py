@@ -298,6 +298,30 @@ def test_torch_compile_varlen_fullgraph():
     torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
 
 
+def test_paged_kv_block_table_eager_and_compiled():
+    # flash_attn_varlen_func's block_table on the CPU: the same bits as the packed call; the
+    # custom op under torch.compile too.
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    q, k, v = make_qkv((16, 2, 16), (16, 2, 16))
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    k_pages, v_pages = torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    for b, (start, stop) in enumerate(((0, 5), (5, 16))):
+        for j in range(stop - start):
+            k_pages[table[b, j // 8], j % 8] = k[start + j]
+            v_pages[table[b, j // 8], j % 8] = v[start + j]
+    packed = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True)
+
+    def step(q, k_pages, v_pages):
+        return flash_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 11, 11, causal=True, block_table=table)
+
+    assert torch.equal(step(q, k_pages, v_pages), packed)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q, k_pages, v_pages), packed)
+    with pytest.raises(NotImplementedError, match=r"^block_table: paged K/V is forward only"):
+        step(q.requires_grad_(), k_pages, v_pages)
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 

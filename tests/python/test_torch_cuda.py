@@ -188,6 +188,35 @@ def test_varlen_matches_dense_per_sequence():
         torch.testing.assert_close(out[rows], dense[0], rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("page_size", [256, 512])
+def test_varlen_paged_kv_matches_packed(page_size):
+    # flash_attn_varlen_func with block_table (forward only): paged caches on the sm80 kernels
+    lengths_q, lengths_k = [100, 1, 700], [1000, 300, 700]
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lengths_q), 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), 2, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    per_seq = max((n + page_size - 1) // page_size for n in lengths_k)
+    pages = len(lengths_k) * per_seq + 2
+    table = torch.randperm(pages, device=DEVICE)[: len(lengths_k) * per_seq].view(len(lengths_k), per_seq)
+    k_pages, v_pages = (torch.randn(pages, page_size, 2, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    for b, n in enumerate(lengths_k):
+        for c in range(per_seq):
+            rows = slice(c * page_size, min(n, (c + 1) * page_size))
+            if rows.start >= n:
+                break
+            start = int(cu_k[b])
+            k_pages[table[b, c], : rows.stop - rows.start] = k[start + rows.start: start + rows.stop]
+            v_pages[table[b, c], : rows.stop - rows.start] = v[start + rows.start: start + rows.stop]
+    out = flash_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                            causal=True, block_table=table.to(torch.int32))
+    packed = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    torch.testing.assert_close(out, packed, rtol=0, atol=2e-2)
+    with pytest.raises(NotImplementedError, match=r"^block_table: paged K/V is forward only"):
+        flash_attn.flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, max(lengths_q),
+                                          max(lengths_k), block_table=table)
+
+
 def test_cuda_graph_capture_and_replay():
     shape = (2, 256, 4, 64)
     static = [torch.randn(shape, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]

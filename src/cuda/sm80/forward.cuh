@@ -113,7 +113,7 @@ using forward_params_t = AttentionParams;
 
 /** Tile sizes and the shared-memory plan of one forward kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_,
-          int kMinBlocksPerSm_ = 0, bool kOverlapPV_ = true, int kKeyGroups_ = 1>
+          int kMinBlocksPerSm_ = 0, bool kOverlapPV_ = true, int kKeyGroups_ = 1, bool kPagedKV_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -126,6 +126,10 @@ struct ForwardTraits {
   // P V of tile j-1 issued after S_j so that it overlaps softmax_j (costs P's registers across the
   // iteration); false = the FA2 order S_j, softmax_j, P_j V_j.
   static constexpr bool kOverlapPV = kOverlapPV_;
+  // K/V tiles placed through the page table (paged varlen forward, AttentionParams::pages): one
+  // lookup per tile, so a tile must lie in one page (forward_api.cu takes pages of 256k keys).
+  static constexpr bool kPagedKV = kPagedKV_;
+  static_assert(!kPagedKV || 256 % kBlockN_ == 0, "a key tile must lie inside a page of 256 keys");
 
   // Warp groups that split the key range of one query block (small-grid path, see the top
   // comment); each group owns kWarps / kKeyGroups warps covering all kBlockM rows.
@@ -189,6 +193,15 @@ struct DefaultForwardTraits<Element, 256> {
   // O alone is 128 registers at 16 rows per warp, so 8 warps of 16 rows; one CTA per SM. Here the
   // FA2 order (no P V overlap) measured faster: the loop is bound by smem bandwidth, not latency.
   using type = ForwardTraits<Element, 256, 128, 64, 8, false, 0, false>;
+};
+
+/** The default configuration with its K/V tiles placed through a page table. */
+template <class Traits>
+struct PagedForwardTraits;
+template <typename E, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kQInRegs, int kMinBlocks, bool kOverlap,
+          int kGroups, bool kPaged>
+struct PagedForwardTraits<ForwardTraits<E, kHeadDim, kBlockM, kBlockN, kWarps, kQInRegs, kMinBlocks, kOverlap, kGroups, kPaged>> {
+  using type = ForwardTraits<E, kHeadDim, kBlockM, kBlockN, kWarps, kQInRegs, kMinBlocks, kOverlap, kGroups, true>;
 };
 
 /** The small-grid configuration per (dtype, bucket), used when the default grid would leave SMs
@@ -669,6 +682,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const Element* q_block = heads.q + (seq.q_start + m0) * p.q.row_stride;
   const Element* k_seq = heads.k + seq.k_start * p.k.row_stride;
   const Element* v_seq = heads.v + seq.k_start * p.v.row_stride;
+  // First element of the key tile at n0 (a multiple of kBlockN): in the sequence's rows, or in its
+  // page (kv_offset: one table read per tile; the tile's rows follow at row_stride). Caching the
+  // page across the 4-8 tiles it holds measured the same at prefill (docs/PERF.md, session 27)
+  // and spilled more, so the lookup stays per tile.
+  auto kv_tile = [&](const Element* seq_rows, const TensorRef& t, int n0) -> const Element* {
+    if constexpr (Traits::kPagedKV) {
+      return static_cast<const Element*>(t.data) + kv_offset(p, t, batch, n0, kv_head);
+    } else {
+      return seq_rows + n0 * t.row_stride;
+    }
+  };
 
   float acc_o[kMTiles][kNTilesO][4];
   float row_max[kMTiles][2];  // reference max, raw (or transformed) score units
@@ -692,13 +716,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using KVLoader = TileLoader<KVTile, Traits::kGroupThreads>;
   auto load_k = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    KVLoader::load_async(smem_k + stage * KVTile::kBytes, k_seq + n0 * p.k.row_stride,
-                         p.k.row_stride, seqlen_k - n0, head_dim, group_thread);
+    KVLoader::load_async(smem_k + stage * KVTile::kBytes, kv_tile(k_seq, p.k, n0), p.k.row_stride, seqlen_k - n0,
+                         head_dim, group_thread);
   };
   auto load_v = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    KVLoader::load_async(smem_v + stage * KVTile::kBytes, v_seq + n0 * p.v.row_stride,
-                         p.v.row_stride, seqlen_k - n0, head_dim, group_thread);
+    KVLoader::load_async(smem_v + stage * KVTile::kBytes, kv_tile(v_seq, p.v, n0), p.v.row_stride, seqlen_k - n0,
+                         head_dim, group_thread);
   };
   auto issue_first_tile = [&] {  // K_first (+ V_first without the overlap), one cp.async group
     load_k(n_block_begin, 0);
@@ -984,6 +1008,7 @@ template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
   using DefaultTraits = typename DefaultForwardTraits<Element, kHeadDim>::type;
   using SmallTraits = typename SmallGridForwardTraits<Element, kHeadDim>::type;
+  if (p.is_paged()) return launch_forward<typename PagedForwardTraits<DefaultTraits>::type>(p);
   if constexpr (kSmallGridPathEnabled && !std::is_void_v<SmallTraits>) {
     if (prefer_small_grid<SmallTraits>(p)) return launch_forward<SmallTraits>(p);
   }

@@ -32,6 +32,9 @@ namespace {
 constexpr int64_t kHeadDimAlignment = 8;   // one 16-byte chunk of fp16/bf16
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int kMinComputeCapability = 80;  // mma.sync bf16, cp.async, ldmatrix
+// Paged K/V: a key tile (at most 128 keys, at a multiple of its size) must lie in one page, so that
+// one table lookup places the whole tile; flash_attn asks the same of its pages.
+constexpr int64_t kPagedPageMultiple = 256;
 // Must not exceed the smallest kBlockM of DefaultForwardTraits (grid size bound below). The
 // small-grid configuration's 32-row blocks only run when their grid fits two waves of CTAs,
 // so it stays far from the limit.
@@ -88,6 +91,10 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
   const int64_t m_blocks = (p.seqlen_q + kSmallestBlockM - 1) / kSmallestBlockM;
   if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
     return reject(why, "batch * heads_q * query blocks exceeds the grid limit");
+  }
+  if (p.is_paged() && p.pages.page_size % kPagedPageMultiple != 0) {
+    return reject(why, "paged k / v need a page_size that is a multiple of " + std::to_string(kPagedPageMultiple) +
+                           " (got " + std::to_string(p.pages.page_size) + "; the CPU backends take any)");
   }
   const int capability = compute_capability(p.device_id);
   if (capability < kMinComputeCapability) {

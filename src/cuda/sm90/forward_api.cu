@@ -52,6 +52,7 @@ struct ForwardEntry {
 
 bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.dtype != DType::F16 && p.dtype != DType::BF16) return reject(why, "only fp16 and bf16 are supported");
+  if (p.is_paged()) return reject(why, "paged k / v (block_table) run on cuda_sm80");
 #if !defined(FLASHCORE_DTYPE_FP16)
   if (p.dtype == DType::F16) return reject(why, "fp16 kernels are not compiled in (FLASHCORE_DTYPES)");
 #endif

@@ -1,0 +1,59 @@
+"""What flash_attn_varlen_func's block_table (paged K/V, forward only) costs at a prefill shape
+(docs/PERF.md, session 27): TFLOP/s of the paged call (cuda_sm80, pages of 256 and 512 keys in
+shuffled order) next to the packed varlen call on cuda_sm80 and on the default backend (cuda_sm90
+on Hopper) in the same process. bf16, GQA 32 / 8, d128, causal, 4 sequences of 2048 tokens.
+
+usage: PYTHONPATH=<a built flashcore package> python3 dev/paged_prefill_cost.py"""
+import statistics
+
+import torch
+
+import flashcore
+
+torch.manual_seed(0)
+batch, seqlen, hq, hkv, d = 4, 2048, 32, 8, 128
+cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+q = torch.randn(batch * seqlen, hq, d, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(batch * seqlen, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+flops = 4 * batch * hq * d * seqlen * seqlen / 2  # causal
+
+
+def paged(page):
+    per_seq = seqlen // page
+    table = torch.randperm(batch * per_seq, device="cuda").view(batch, per_seq).to(torch.int32)
+    kp = torch.empty(batch * per_seq, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    kp[table.flatten().long()] = k.view(batch * per_seq, page, hkv, d)
+    vp[table.flatten().long()] = v.view(batch * per_seq, page, hkv, d)
+    return kp, vp, table
+
+
+def rate(fn):
+    fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            fn()
+        e.record()
+        e.synchronize()
+        runs.append(flops / (s.elapsed_time(e) / 20 / 1e3) / 1e12)
+    return statistics.median(runs)
+
+
+call = lambda kk, vv, **kw: flashcore.flash_attn_varlen_func(q, kk, vv, cu, cu, seqlen, seqlen, causal=True, **kw)
+with torch.no_grad():
+    pages = {page: paged(page) for page in (256, 512)}
+    ref = call(k, v)
+    for page, (kp, vp, table) in pages.items():
+        torch.testing.assert_close(call(kp, vp, block_table=table), ref, rtol=0, atol=2e-2)
+    results = {"packed, default backend": rate(lambda: call(k, v))}
+    flashcore.set_default_backend("cuda_sm80")
+    results["packed, cuda_sm80"] = rate(lambda: call(k, v))
+    for page, (kp, vp, table) in pages.items():
+        results[f"paged {page}, cuda_sm80"] = rate(lambda: call(kp, vp, block_table=table))
+    flashcore.set_default_backend("auto")
+for name, value in results.items():
+    print(f"{name}: {value:.1f} TFLOP/s")
