@@ -47,7 +47,8 @@ class FcOptions(ctypes.Structure):
                 ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p),
                 ("max_seqlen_q", ctypes.c_int64), ("max_seqlen_k", ctypes.c_int64), ("backend", ctypes.c_int32),
                 ("deterministic", ctypes.c_int32), ("stream", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
-                ("reserved", ctypes.c_int32 * 7)]
+                ("check_cu_seqlens", ctypes.c_int32), ("error_flag", ctypes.c_void_p),
+                ("reserved", ctypes.c_int32 * 4), ("block_table", ctypes.c_void_p)]  # FC_ABI_VERSION 2
 
 
 class FcKvArgs(ctypes.Structure):
