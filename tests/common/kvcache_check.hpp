@@ -48,6 +48,7 @@ struct KvCase {
   int64_t rotary_half = 0;       // > 0: rotary tables (rows, rotary_half) applied to q and k_new
   bool rotary_interleaved = true;
   bool rotary_fp32 = false;  // tables in float32 (else in the case's dtype)
+  bool empty_append = false;  // seqlen_new == 0 but k_new / v_new given (zero tokens, null data)
 
   bool per_token_queries() const { return causal || window_left != -1 || window_right != -1; }
 
@@ -174,7 +175,7 @@ struct KvProblem {
         sin.set(i, static_cast<float>(std::sin(a)));
       }
     }
-    if (c.seqlen_new > 0) {
+    if (c.seqlen_new > 0 || c.empty_append) {
       k_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
       v_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
       fill(k_new);
@@ -206,7 +207,7 @@ struct KvProblem {
     args.out = &tout;
     args.lse = c.want_lse ? &tlse : nullptr;
     args.num_splits = c.num_splits;
-    if (c.seqlen_new > 0) {
+    if (c.seqlen_new > 0 || c.empty_append) {
       tkn = k_new.tensor();
       tvn = v_new.tensor();
       args.k_new = &tkn;
@@ -549,6 +550,12 @@ inline std::vector<KvCase> leftpad_rotary_cases(int32_t dtype, int64_t head_dim)
   both.rotary_half = 6;
   both.rotary_interleaved = false;
   cases.push_back(both);
+  KvCase no_new_token = base;  // rotary with k_new of zero tokens: q is still rotated
+  no_new_token.rotary_half = 4;
+  no_new_token.seqlen_q = 2;
+  no_new_token.causal = true;
+  no_new_token.empty_append = true;
+  cases.push_back(no_new_token);
   KvCase both_window = pad_window;
   both_window.rotary_half = head_dim / 2;
   cases.push_back(both_window);

@@ -122,7 +122,8 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
     p.q = {q_rotated, p.seqlen_q * p.heads_q * p.head_dim, p.heads_q * p.head_dim, p.head_dim};
   }
   const int64_t append_tokens = std::max<int64_t>(p.seqlen_new, q_rotated ? p.seqlen_q : 0);
-  if (p.appends() && p.batch > 0 && append_tokens > 0) {
+  // (k_new may hold no token, even with a null data pointer: q still has to be rotated.)
+  if ((p.appends() || q_rotated) && p.batch > 0 && append_tokens > 0) {
     const dim3 grid(static_cast<unsigned>(append_tokens), static_cast<unsigned>(p.batch),
                     static_cast<unsigned>(p.heads_kv + (q_rotated ? p.heads_q : 0)));
     Status s = launch("kvcache append", decode::append_kernel<T>, grid, DecodeTraits::kThreads, 0, stream, programmatic,
