@@ -1,7 +1,8 @@
 """What flash_attn_varlen_func's block_table (paged K/V, forward only) costs at a prefill shape
-(docs/PERF.md, session 27): TFLOP/s of the paged call (cuda_sm80, pages of 256 and 512 keys in
-shuffled order) next to the packed varlen call on cuda_sm80 and on the default backend (cuda_sm90
-on Hopper) in the same process. bf16, GQA 32 / 8, d128, causal, 4 sequences of 2048 tokens.
+(docs/PERF.md, session 27): TFLOP/s of the paged call (pages of 16 / 256 / 512 keys in shuffled
+order) on the default backend (cuda_sm90 on Hopper: the pages gathered into packed rows first) and
+on cuda_sm80 (pages read in place), next to the packed varlen call on each in the same process.
+bf16, GQA 32 / 8, d128, causal, 4 sequences of 2048 tokens.
 
 usage: PYTHONPATH=<a built flashcore package> python3 dev/paged_prefill_cost.py"""
 import statistics
@@ -45,15 +46,18 @@ def rate(fn):
 
 call = lambda kk, vv, **kw: flashcore.flash_attn_varlen_func(q, kk, vv, cu, cu, seqlen, seqlen, causal=True, **kw)
 with torch.no_grad():
-    pages = {page: paged(page) for page in (256, 512)}
+    pages = {page: paged(page) for page in (16, 256, 512)}
     ref = call(k, v)
     for page, (kp, vp, table) in pages.items():
         torch.testing.assert_close(call(kp, vp, block_table=table), ref, rtol=0, atol=2e-2)
     results = {"packed, default backend": rate(lambda: call(k, v))}
+    for page, (kp, vp, table) in pages.items():
+        results[f"paged {page}, default backend"] = rate(lambda: call(kp, vp, block_table=table))
     flashcore.set_default_backend("cuda_sm80")
     results["packed, cuda_sm80"] = rate(lambda: call(k, v))
     for page, (kp, vp, table) in pages.items():
-        results[f"paged {page}, cuda_sm80"] = rate(lambda: call(kp, vp, block_table=table))
+        if page % 256 == 0:
+            results[f"paged {page}, cuda_sm80"] = rate(lambda: call(kp, vp, block_table=table))
     flashcore.set_default_backend("auto")
 for name, value in results.items():
     print(f"{name}: {value:.1f} TFLOP/s")

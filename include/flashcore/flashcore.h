@@ -111,10 +111,12 @@ typedef struct fc_attention_options {
   /** Since FC_ABI_VERSION 2. Forward of a varlen call only: paged K/V, as flash_attn_varlen_func's
    *  block_table. k/v are then (num_pages, page_size, heads_kv, head_dim) and int32 block_table
    *  (batch, max_pages_per_seq) lists sequence b's pages in order: its key j (j < cu_seqlens_k[b +
-   *  1] - cu_seqlens_k[b]) sits in page block_table[b, j / page_size] at slot j % page_size. CUDA
-   *  backends take page sizes that are multiples of 256 (as flash_attn), the CPU any. Page ids in
-   *  GPU memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v
-   *  (it is clamped) but the results are not meaningful. NULL = k/v are packed as usual. */
+   *  1] - cu_seqlens_k[b]) sits in page block_table[b, j / page_size] at slot j % page_size.
+   *  cuda_sm80 reads the pages in place and takes page sizes that are multiples of 256 (as
+   *  flash_attn); cuda_sm90 first gathers them into packed rows in the workspace (any page size;
+   *  fc_attention_forward_workspace says how much); the CPU backends take any. Page ids in GPU
+   *  memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v (it
+   *  is clamped) but the results are not meaningful. NULL = k/v are packed as usual. */
   const fc_tensor* block_table;
 } fc_attention_options;
 

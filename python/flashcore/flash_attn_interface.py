@@ -126,8 +126,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     length. Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with
     softmax_lse (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v
     are paged caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in
-    pages block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (page sizes
-    multiples of 256 on CUDA, any on the CPU)."""
+    pages block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page
+    size on Hopper and on the CPU, multiples of 256 on other GPUs)."""
     _check_unsupported(dropout_p, alibi_slopes)
     if block_table is None:
         return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

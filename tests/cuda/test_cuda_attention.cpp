@@ -332,7 +332,14 @@ TEST(CudaPagedKv, Sm80AndAutoAgainstTheReference) {
   for (fc_backend b : {FC_BACKEND_CUDA_SM80, FC_BACKEND_AUTO}) expect_forward(grid_paged(g, {256, 512}), b);
 }
 
-TEST(CudaPagedKv, UnsupportedPageSizesAndBackendsAreClearErrors) {
+TEST(CudaPagedKv, Sm90GathersAnyPageSize) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
+  GridOptions g = cuda_grid();
+  g.head_dims = {64, 128, 256};
+  expect_forward(grid_paged(g, {1, 16, 256}), FC_BACKEND_CUDA_SM90);
+}
+
+TEST(CudaPagedKv, Sm80PageSizeRuleIsAClearError) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
   CudaMemory mem;
   Case c;
@@ -345,12 +352,6 @@ TEST(CudaPagedKv, UnsupportedPageSizesAndBackendsAreClearErrors) {
   EXPECT_NE(r.status_error.find("cuda_sm80: paged k / v need a page_size that is a multiple of 256"),
             std::string::npos)
       << r.status_error;
-  if (fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) {
-    c.page_size = 256;
-    r = check_forward(c, FC_BACKEND_CUDA_SM90, mem, 3);
-    EXPECT_NE(r.status_error.find("cuda_sm90: paged k / v (block_table) run on cuda_sm80"), std::string::npos)
-        << r.status_error;
-  }
 }
 
 TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
@@ -634,20 +635,28 @@ TEST(CudaSanitizerSmall, UncheckedBadPagesStayInBounds) {
   opt.max_seqlen_q = 20;
   opt.max_seqlen_k = 2 * kPage;
   opt.stream = mem.stream();
-  opt.backend = FC_BACKEND_CUDA_SM80;
   // cu_seqlens_q, cu_seqlens_k, table: page ids past the pages and negative; lengths past the
   // table row; a decreasing cu_seqlens_k.
   const std::vector<std::vector<int32_t>> bad = {{0, 4, 24, 0, 300, 700, 5, 1, -3, 99},
                                                  {0, 20, 24, 0, 900, 950, 0, 1, 2, 0},
                                                  {0, 10, 24, 0, 400, 100, 2, 2, 1, 1}};
-  for (bool causal : {false, true}) {
-    opt.causal = causal;
-    for (const std::vector<int32_t>& values : bad) {
-      mem.upload(ints, values.data(), values.size() * sizeof(int32_t));
-      EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, nullptr, 0), FC_OK) << fc_last_error();
-      EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(mem.stream())), cudaSuccess)
-          << ::testing::PrintToString(values);
+  for (fc_backend backend : {FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90}) {  // sm90: through the gather
+    if (!fc_backend_available(backend, 0)) continue;
+    opt.backend = backend;
+    size_t workspace_bytes = 0;
+    ASSERT_EQ(fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &workspace_bytes), FC_OK) << fc_last_error();
+    void* workspace = workspace_bytes ? mem.alloc(workspace_bytes) : nullptr;
+    for (bool causal : {false, true}) {
+      opt.causal = causal;
+      for (const std::vector<int32_t>& values : bad) {
+        mem.upload(ints, values.data(), values.size() * sizeof(int32_t));
+        EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, workspace, workspace_bytes), FC_OK)
+            << fc_last_error();
+        EXPECT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(mem.stream())), cudaSuccess)
+            << fc_backend_name(backend) << " " << ::testing::PrintToString(values);
+      }
     }
+    if (workspace) mem.release(workspace);
   }
   for (void* b : buffers) mem.release(b);
   mem.release(lse);

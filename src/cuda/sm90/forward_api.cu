@@ -15,6 +15,7 @@
 #include "api/backends.hpp"
 #include "api/params.hpp"
 #include "api/status.hpp"
+#include "cuda/paged_gather.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/compiled_dispatch.cuh"
 #include "cuda/sm90/attention_views.hpp"
@@ -52,7 +53,6 @@ struct ForwardEntry {
 
 bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.dtype != DType::F16 && p.dtype != DType::BF16) return reject(why, "only fp16 and bf16 are supported");
-  if (p.is_paged()) return reject(why, "paged k / v (block_table) run on cuda_sm80");
 #if !defined(FLASHCORE_DTYPE_FP16)
   if (p.dtype == DType::F16) return reject(why, "fp16 kernels are not compiled in (FLASHCORE_DTYPES)");
 #endif
@@ -67,8 +67,11 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
                            " (FLASHCORE_HEAD_DIMS)");
   }
   const bool varlen = p.is_varlen();
+  // Paged k / v are first gathered into packed rows in the workspace (cuda/paged_gather.hpp), at
+  // most batch x max_seqlen_k of them; the TMA maps describe those copies.
+  const bool paged = p.is_paged();
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
-  const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
+  const int64_t k_rows = paged ? p.batch * p.seqlen_k : (varlen ? p.total_k : p.seqlen_k);
   if (q_rows + kLargestBlockM > kMaxTmaCoord || k_rows + kLargestBlockM > kMaxTmaCoord) {
     return reject(why, "more than 2^31 - 193 rows do not fit TMA coordinates");
   }
@@ -76,8 +79,8 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
     return reject(why, "batch * heads_q * query blocks exceeds 2^31 - 1 tiles");
   }
-  if (!sm90::tma_addressable(p.q, varlen, p.batch) || !sm90::tma_addressable(p.k, varlen, p.batch) ||
-      !sm90::tma_addressable(p.v, varlen, p.batch)) {
+  if (!sm90::tma_addressable(p.q, varlen, p.batch) ||
+      (!paged && (!sm90::tma_addressable(p.k, varlen, p.batch) || !sm90::tma_addressable(p.v, varlen, p.batch)))) {
     return reject(why, "q, k and v need 16-byte aligned data and strides that are multiples of 8 "
                        "elements (TMA)");
   }
@@ -94,10 +97,15 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   return true;
 }
 
-size_t sm90_forward_workspace(const AttentionParams& /*p*/) { return 0; }
+size_t sm90_forward_workspace(const AttentionParams& p) { return paged_gather_bytes(p); }
 
 Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm90 forward");
+  if (!p.is_paged()) return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm90 forward");
+  // Paged k / v: gathered into packed rows in the workspace first (one O(N) copy on the stream),
+  // then the packed varlen kernels (the forward itself needs no workspace).
+  AttentionParams packed;
+  const Status s = gather_pages(p, workspace, &packed);
+  return s.is_ok() ? run_compiled<ForwardEntry>(packed, nullptr, 0, "sm90 forward") : s;
 }
 
 }  // namespace flashcore::cuda
