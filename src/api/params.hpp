@@ -41,6 +41,10 @@ struct KvPages {
   int64_t page_size = 0;
   int64_t num_pages = 0;
   int64_t per_seq = 0;  // table columns
+  // Optional first slot of each sequence (a KV cache's cache_leftpad, whole cache rows as pages):
+  // key j is slot first_slot[b] + j.
+  const int32_t* first_slot = nullptr;
+  int64_t first_slot_stride = 1;
 };
 
 struct AttentionParams {
@@ -142,11 +146,17 @@ FC_HOST_DEVICE int64_t offset_of(const TensorRef& t, int64_t b, int64_t row, int
 FC_HOST_DEVICE int64_t kv_offset(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h) {
   if (!p.is_paged()) return offset_of(t, b, row, h);
   const KvPages& pg = p.pages;
+  if (pg.first_slot) {
+    const int64_t first = pg.first_slot[b * pg.first_slot_stride];
+    row += first > 0 ? first : 0;
+  }
   int64_t column = row / pg.page_size;
   column = column < pg.per_seq ? column : pg.per_seq - 1;
   int64_t page = pg.table[b * pg.batch_stride + column * pg.page_stride];
   page = page < 0 ? 0 : (page >= pg.num_pages ? pg.num_pages - 1 : page);
-  return page * t.batch_stride + (row - column * pg.page_size) * t.row_stride + h * t.head_stride;
+  int64_t slot = row - column * pg.page_size;
+  slot = slot < pg.page_size ? slot : pg.page_size - 1;  // rows past the table: its last slot
+  return page * t.batch_stride + slot * t.row_stride + h * t.head_stride;
 }
 
 }  // namespace flashcore

@@ -227,6 +227,77 @@ TEST(CudaKvCache, LeftPadAndRotaryDeviceSideChecks) {
   }
 }
 
+/** Many query rows per KV head (chunked prefill into the cache): the forward-kernel route
+ *  (cuda/decode/prefill_route.hpp) over every cache layout it takes, and the decode kernel for
+ *  paged-16 caches, which the route leaves to it. */
+TEST(CudaKvCache, PrefillRoute) {
+  REQUIRE_GPU();
+  std::vector<KvCase> cases;
+  for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
+    for (int64_t page : {int64_t(0), int64_t(16), int64_t(256)}) {
+      KvCase c;
+      c.dtype = dt;
+      c.head_dim = dt == FC_DTYPE_BF16 ? 128 : 64;
+      c.batch = 3;
+      c.cache_lens = {0, 100, 530};
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.seqlen_q = 40;  // 160 rows per KV head
+      c.seqlen_new = 40;
+      c.causal = true;
+      c.page_size = page;
+      cases.push_back(c);
+      KvCase w = c;  // queries past the new keys, window + softcap, no append
+      w.seqlen_new = 0;
+      w.causal = false;
+      w.window_left = 70;
+      w.window_right = 5;
+      w.softcap = 20;
+      cases.push_back(w);
+      if (page == 0) {
+        KvCase pad = c;  // left padding, rows through cache_batch_idx, rotary (NeoX, part of d)
+        pad.leftpad = {3, 0, 40};
+        pad.batch_idx = true;
+        pad.rotary_half = 12;
+        pad.rotary_interleaved = false;
+        cases.push_back(pad);
+      } else {
+        KvCase r = c;  // rotary on a paged cache, GQA 8
+        r.heads_kv = 1;
+        r.rotary_half = c.head_dim / 2;
+        cases.push_back(r);
+      }
+    }
+  expect_cases(cases, {0, 3}, 900);
+}
+
+TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  for (int64_t page : {int64_t(0), int64_t(256)}) {
+    KvCase c;
+    c.batch = 3;
+    c.cache_lens = {40, 33, 20};
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.seqlen_q = 32;
+    c.seqlen_new = 32;
+    c.causal = true;
+    c.page_size = page;
+    KvProblem pr(c, mem, 23);
+    // Sequence 1: length beyond capacity; sequence 2: a page out of range (paged) or a cache row
+    // out of range (contiguous, through cache_batch_idx made explicit below).
+    pr.seqlens.ints()[1] = static_cast<int32_t>(pr.capacity + 5);
+    if (page > 0) {
+      pr.block_table.ints()[2 * pr.pages_per_seq] = static_cast<int32_t>(pr.cache_rows + 1);
+    } else {
+      pr.seqlens.ints()[2] = -4;
+    }
+    pr.upload_indices();
+    expect_later_sequences_flagged(pr, mem);
+  }
+}
+
 TEST(CudaKvCache, RejectsHostIndicesAndMixedDevices) {
   REQUIRE_GPU();
   CudaMemory mem;

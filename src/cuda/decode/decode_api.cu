@@ -14,6 +14,7 @@
 #include "api/kvcache_backends.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
+#include "cuda/decode/prefill_route.hpp"
 #include "cuda/programmatic_launch.hpp"
 
 
@@ -112,7 +113,9 @@ template <typename T, int HD>
 Status run_typed(const KvCacheParams& call, void* workspace) {
   const cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
   const bool programmatic = supports_programmatic_launch(call.device_id);
-  const int splits = kvcache_num_splits(call);
+  // Many query rows: the forward kernels attend (decode/prefill_route.hpp), without splits.
+  const bool prefill = decode::prefill_route_applies(call);
+  const int splits = prefill ? 1 : kvcache_num_splits(call);
   // With rotary tables the append kernel writes q rotated into the workspace, and the attention
   // reads that copy.
   KvCacheParams p = call;
@@ -131,6 +134,7 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
     if (!s.is_ok()) return s;
   }
   if (p.batch == 0 || p.seqlen_q == 0) return Status::ok();
+  if (prefill) return decode::run_prefill_route(p, static_cast<char*>(workspace) + rotated_q_bytes(call));
   decode::SplitOutput so;
   so.num_splits = splits;
   so.row_chunks = static_cast<int>(row_chunks(p));
@@ -236,6 +240,7 @@ int kvcache_num_splits(const KvCacheParams& p) {
 }
 
 size_t kvcache_workspace(const KvCacheParams& p) {
+  if (decode::prefill_route_applies(p)) return rotated_q_bytes(p) + decode::prefill_route_workspace(p);
   return split_bytes(p, kvcache_num_splits(p)) + rotated_q_bytes(p);
 }
 

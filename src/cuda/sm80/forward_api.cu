@@ -92,7 +92,8 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
   if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
     return reject(why, "batch * heads_q * query blocks exceeds the grid limit");
   }
-  if (p.is_paged() && p.pages.page_size % kPagedPageMultiple != 0) {
+  // (One page per sequence, a KV cache's rows, needs no rule: every tile lies in it.)
+  if (p.is_paged() && p.pages.page_size % kPagedPageMultiple != 0 && p.pages.per_seq > 1) {
     return reject(why, "paged k / v need a page_size that is a multiple of " + std::to_string(kPagedPageMultiple) +
                            " (got " + std::to_string(p.pages.page_size) + "; the CPU backends take any)");
   }

@@ -1,0 +1,32 @@
+"""flash_attn_with_kvcache with many query tokens (chunked prefill into the cache) against
+flash_attn_func over the same keys in the same process (docs/PERF.md, session 27): bf16, GQA 32 /
+8, d128, causal, the new tokens appended; TFLOP/s (causal FLOPs of the queries against cache +
+new keys). The decode kernel serves the last row's 16 x 16 shape, the forward kernels the others.
+
+usage: PYTHONPATH=<a built flashcore package> python3 dev/kvcache_prefill_cost.py"""
+import statistics
+
+import torch
+
+import flashcore
+
+torch.manual_seed(0)
+def rate(fn, flops):
+    fn(); torch.cuda.synchronize(); rs=[]
+    for _ in range(5):
+        s,e=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(10): fn()
+        e.record(); e.synchronize(); rs.append(flops/(s.elapsed_time(e)/10/1e3)/1e12)
+    return statistics.median(rs)
+for batch, sq, cached in ((1, 2048, 2048), (4, 512, 3584), (8, 128, 8064), (16, 16, 4080)):
+    sk = cached + sq
+    q = torch.randn(batch, sq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(batch, sk + 64, 8, 128, device="cuda", dtype=torch.bfloat16); vc = torch.randn_like(kc)
+    lens = torch.full((batch,), cached, dtype=torch.int32, device="cuda")
+    kn = torch.randn(batch, sq, 8, 128, device="cuda", dtype=torch.bfloat16); vn = torch.randn_like(kn)
+    flops = 4*batch*32*128*sq*(sk - sq/2)
+    a = rate(lambda: flashcore.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True), flops)
+    k = kc[:, :sk].contiguous(); v = vc[:, :sk].contiguous()
+    b = rate(lambda: flashcore.flash_attn_func(q, k, v, causal=True), flops)
+    print(f"b{batch} sq{sq} cached{cached}: kvcache {a:.1f} TFLOP/s, flash_attn_func on the same keys {b:.1f} ({a/b:.2f}x)")

@@ -1,0 +1,182 @@
+// The forward-kernel route of KV-cache calls with many query rows (prefill_route.hpp).
+#include "cuda/decode/prefill_route.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "api/backends.hpp"
+#include "cuda/scoped_device.hpp"
+
+namespace flashcore::cuda::decode {
+namespace {
+
+struct RouteTraits {
+  // Query rows per KV head (GQA group x seqlen_q) from which the forward kernels are used. At 16
+  // x 16 (64 rows, GQA 4) the decode kernel ran at 0.88x of the forward kernels, at 128 query
+  // tokens (512 rows) 0.12x (docs/PERF.md, session 27).
+  static constexpr int64_t kMinRows = 128;
+  static constexpr int64_t kPageMultiple = 256;  // sm80's rule for pages smaller than a sequence
+  static constexpr int kThreads = 256;
+  static constexpr size_t kAlign = 256;
+  static constexpr int64_t kLargestCtaRows = 128;  // the forward's kBlockM: the grid-size bound
+};
+
+size_t align_up(size_t x) { return (x + RouteTraits::kAlign - 1) / RouteTraits::kAlign * RouteTraits::kAlign; }
+
+/** Workspace: cu_seqlens_q, cu_seqlens_k (batch + 1 each), the identity table (batch), marks. */
+struct RouteArrays {
+  int32_t *cu_q, *cu_k, *identity, *bad;
+};
+RouteArrays arrays_in(void* workspace, int64_t batch) {
+  char* at = static_cast<char*>(workspace);
+  const size_t cu = align_up(sizeof(int32_t) * size_t(batch + 1)), per_seq = align_up(sizeof(int32_t) * size_t(batch));
+  return {reinterpret_cast<int32_t*>(at), reinterpret_cast<int32_t*>(at + cu),
+          reinterpret_cast<int32_t*>(at + 2 * cu), reinterpret_cast<int32_t*>(at + 2 * cu + per_seq)};
+}
+
+/** One CTA: each sequence's key count (0, and marked, when its indices break the rules the
+ *  decode kernel checks), then the prefix sums; the identity table of contiguous caches. */
+__global__ void __launch_bounds__(RouteTraits::kThreads) build_kernel(KvCacheParams p, RouteArrays a) {
+  constexpr int kThreads = RouteTraits::kThreads;
+  __shared__ int64_t partial[kThreads];
+  const int64_t per_thread = (p.batch + kThreads - 1) / kThreads;
+  const int64_t b0 = threadIdx.x * per_thread, b1 = min(p.batch, b0 + per_thread);
+  int64_t sum = 0;
+  bool any_bad = false;
+  for (int64_t b = b0; b < b1; ++b) {
+    bool ok = sequence_in_bounds(p, b);
+    if (ok && p.paged) {
+      const int64_t pages = (cache_end(p, b) + p.seqlen_new + p.page_size - 1) / p.page_size;
+      for (int64_t pg = 0; pg < pages && ok; ++pg) ok = page_in_range(p, physical_page(p, b, pg));
+    }
+    a.bad[b] = ok ? 0 : 1;
+    any_bad = any_bad || !ok;
+    sum += ok ? total_len(p, b) : 0;
+    a.identity[b] = static_cast<int32_t>(b);
+    a.cu_q[b] = static_cast<int32_t>(b * p.seqlen_q);
+  }
+  partial[threadIdx.x] = sum;
+  if (__syncthreads_or(any_bad) && threadIdx.x == 0 && p.error_flag) *p.error_flag = 1;
+  if (threadIdx.x == 0) {
+    int64_t running = 0;
+    for (int i = 0; i < kThreads; ++i) {
+      const int64_t x = partial[i];
+      partial[i] = running;
+      running += x;
+    }
+    a.cu_q[p.batch] = static_cast<int32_t>(p.batch * p.seqlen_q);
+    a.cu_k[p.batch] = static_cast<int32_t>(running < INT_MAX ? running : INT_MAX);
+  }
+  __syncthreads();
+  int64_t running = partial[threadIdx.x];
+  for (int64_t b = b0; b < b1; ++b) {
+    a.cu_k[b] = static_cast<int32_t>(running < INT_MAX ? running : INT_MAX);
+    running += a.bad[b] ? 0 : total_len(p, b);
+  }
+}
+
+/** Block b: NaN into the out and lse rows of a marked sequence. */
+__global__ void __launch_bounds__(RouteTraits::kThreads) poison_kernel(KvCacheParams p, const int32_t* bad) {
+  const int64_t b = blockIdx.x;
+  if (!bad[b]) return;
+  const float nan = __int_as_float(0x7fc00000);
+  const int64_t per_row = p.heads_q * p.head_dim;
+  for (int64_t e = threadIdx.x; e < p.seqlen_q * per_row; e += blockDim.x) {
+    const int64_t i = e / per_row, h = (e % per_row) / p.head_dim, d = e % p.head_dim;
+    const int64_t at = offset_of(p.out, b, i, h) + d;
+    if (p.dtype == DType::BF16) {
+      static_cast<__nv_bfloat16*>(p.out.data)[at] = __float2bfloat16(nan);
+    } else {
+      static_cast<__half*>(p.out.data)[at] = __float2half(nan);
+    }
+  }
+  if (p.lse.data)
+    for (int64_t e = threadIdx.x; e < p.seqlen_q * p.heads_q; e += blockDim.x) {
+      const int64_t h = e / p.seqlen_q, i = e % p.seqlen_q;
+      p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = nan;
+    }
+}
+
+}  // namespace
+
+bool prefill_route_applies(const KvCacheParams& p) {
+  using R = RouteTraits;
+  if (p.group_size() * p.seqlen_q < R::kMinRows || p.seqlen_q > INT_MAX || p.capacity() > INT_MAX) return false;
+  if (p.paged && p.page_size % R::kPageMultiple != 0) return false;
+  const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;
+  return p.batch * p.heads_q <= INT_MAX / blocks;
+}
+
+size_t prefill_route_workspace(const KvCacheParams& p) {
+  return 2 * align_up(sizeof(int32_t) * size_t(p.batch + 1)) + 2 * align_up(sizeof(int32_t) * size_t(p.batch));
+}
+
+Status run_prefill_route(const KvCacheParams& p, void* workspace) {
+  const RouteArrays a = arrays_in(workspace, p.batch);
+  const ScopedDevice on_device(p.device_id);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  build_kernel<<<1, RouteTraits::kThreads, 0, stream>>>(p, a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
+
+  // The same call as a varlen forward over paged K/V: q and out rows b * seqlen_q + i of a
+  // packed view whose batch stride carries whatever q's (and out's, lse's) is.
+  AttentionParams f;
+  f.dtype = p.dtype;
+  f.device_type = p.device_type;
+  f.device_id = p.device_id;
+  auto packed_view = [&](const TensorRef& t) {
+    return TensorRef{t.data, t.batch_stride - p.seqlen_q * t.row_stride, t.row_stride, t.head_stride};
+  };
+  f.q = packed_view(p.q);
+  f.out = packed_view(p.out);
+  if (p.lse.data)
+    f.lse = {p.lse.data, p.lse.batch_stride - p.seqlen_q * p.lse.row_stride, p.lse.head_stride, p.lse.row_stride};
+  f.k = p.k_cache;
+  f.v = p.v_cache;
+  f.batch = p.batch;
+  f.seqlen_q = p.seqlen_q;
+  f.seqlen_k = p.capacity();
+  f.heads_q = p.heads_q;
+  f.heads_kv = p.heads_kv;
+  f.head_dim = p.head_dim;
+  f.cu_seqlens_q = a.cu_q;
+  f.cu_seqlens_k = a.cu_k;
+  f.total_q = p.batch * p.seqlen_q;
+  f.total_k = INT32_MAX;
+  f.softmax_scale = p.softmax_scale;
+  f.softcap = p.softcap;
+  f.causal = p.causal;
+  f.window_left = p.window_left;
+  f.window_right = p.window_right;
+  f.stream = p.stream;
+  f.pages.page_size = p.page_size;
+  f.pages.num_pages = p.cache_rows;
+  f.pages.per_seq = p.pages_per_seq;
+  if (p.paged) {
+    f.pages.table = p.block_table;
+    f.pages.batch_stride = p.block_table_batch_stride;
+    f.pages.page_stride = p.block_table_page_stride;
+  } else {
+    f.pages.table = p.cache_batch_idx ? p.cache_batch_idx : a.identity;
+    f.pages.batch_stride = p.cache_batch_idx ? p.cache_batch_idx_stride : 1;
+    f.pages.page_stride = 1;
+    f.pages.first_slot = p.cache_leftpad;
+    f.pages.first_slot_stride = p.cache_leftpad_stride;
+  }
+  Status why;
+  if (!sm80_supports(f, &why)) return why;
+  const Status s = sm80_forward(f, nullptr, 0);
+  if (!s.is_ok()) return s;
+  poison_kernel<<<static_cast<unsigned>(p.batch), RouteTraits::kThreads, 0, stream>>>(p, a.bad);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
+  return Status::ok();
+}
+
+}  // namespace flashcore::cuda::decode
