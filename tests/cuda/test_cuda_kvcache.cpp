@@ -235,15 +235,15 @@ TEST(CudaKvCache, PrefillRoute) {
   std::vector<KvCase> cases;
   for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
     for (int64_t page : {int64_t(0), int64_t(16), int64_t(256)}) {
-      KvCase c;
+      KvCase c;  // 520 query rows per KV head, 96 blocks of 128 rows: the route's thresholds
       c.dtype = dt;
       c.head_dim = dt == FC_DTYPE_BF16 ? 128 : 64;
       c.batch = 3;
-      c.cache_lens = {0, 100, 530};
-      c.heads_q = 8;
-      c.heads_kv = 2;
-      c.seqlen_q = 40;  // 160 rows per KV head
-      c.seqlen_new = 40;
+      c.cache_lens = {0, 100, 300};
+      c.heads_q = 16;
+      c.heads_kv = 4;
+      c.seqlen_q = 130;
+      c.seqlen_new = 130;
       c.causal = true;
       c.page_size = page;
       cases.push_back(c);
@@ -257,18 +257,32 @@ TEST(CudaKvCache, PrefillRoute) {
       if (page == 0) {
         KvCase pad = c;  // left padding, rows through cache_batch_idx, rotary (NeoX, part of d)
         pad.leftpad = {3, 0, 40};
+        pad.seqlen_new = 100;
         pad.batch_idx = true;
         pad.rotary_half = 12;
         pad.rotary_interleaved = false;
         cases.push_back(pad);
       } else {
         KvCase r = c;  // rotary on a paged cache, GQA 8
-        r.heads_kv = 1;
+        r.heads_kv = 2;
         r.rotary_half = c.head_dim / 2;
         cases.push_back(r);
       }
     }
   expect_cases(cases, {0, 3}, 900);
+  // The route is taken: its prefix sums need a workspace where the decode kernel without splits
+  // and rotary needs none.
+  CudaMemory mem;
+  KvCase c = cases[0];
+  c.num_splits = 1;
+  KvProblem pr(c, mem, 5);
+  size_t bytes = 0;
+  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &bytes), FC_OK) << fc_last_error();
+  EXPECT_GT(bytes, 0u);
+  c.seqlen_q = c.seqlen_new = 1;  // and not taken for a decode step
+  KvProblem decode(c, mem, 5);
+  ASSERT_EQ(fc_attention_kvcache_workspace(&decode.args, &decode.opt, &bytes), FC_OK) << fc_last_error();
+  EXPECT_EQ(bytes, 0u);
 }
 
 TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {
@@ -278,10 +292,10 @@ TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {
     KvCase c;
     c.batch = 3;
     c.cache_lens = {40, 33, 20};
-    c.heads_q = 8;
-    c.heads_kv = 2;
-    c.seqlen_q = 32;
-    c.seqlen_new = 32;
+    c.heads_q = 16;
+    c.heads_kv = 4;
+    c.seqlen_q = 130;
+    c.seqlen_new = 130;
     c.causal = true;
     c.page_size = page;
     KvProblem pr(c, mem, 23);

@@ -10,16 +10,19 @@
 #include <string>
 
 #include "api/backends.hpp"
+#include "cuda/build_config.hpp"
 #include "cuda/scoped_device.hpp"
 
 namespace flashcore::cuda::decode {
 namespace {
 
 struct RouteTraits {
-  // Query rows per KV head (GQA group x seqlen_q) from which the forward kernels are used. At 16
-  // x 16 (64 rows, GQA 4) the decode kernel ran at 0.88x of the forward kernels, at 128 query
-  // tokens (512 rows) 0.12x (docs/PERF.md, session 27).
-  static constexpr int64_t kMinRows = 128;
+  // When the forward kernels take over (docs/PERF.md, session 27: GQA 32 / 8, d128, H100). The
+  // decode kernel's rate stays at ~70-80 TFLOP/s whatever the query count; the forward's grows
+  // with the rows that fill its 128-row blocks and with the blocks that fill the GPU: at 16 or 64
+  // sequences it won from 64 query tokens (256 rows per KV head: 128 against 78 TFLOP/s) and lost
+  // at 32 (66 against 77); with one sequence (32 blocks) it lost even at 128 tokens (42 against 83).
+  static constexpr int64_t kMinRows = 256;
   static constexpr int64_t kPageMultiple = 256;  // sm80's rule for pages smaller than a sequence
   static constexpr int kThreads = 256;
   static constexpr size_t kAlign = 256;
@@ -109,7 +112,9 @@ bool prefill_route_applies(const KvCacheParams& p) {
   if (p.group_size() * p.seqlen_q < R::kMinRows || p.seqlen_q > INT_MAX || p.capacity() > INT_MAX) return false;
   if (p.paged && p.page_size % R::kPageMultiple != 0) return false;
   const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;
-  return p.batch * p.heads_q <= INT_MAX / blocks;
+  if (p.batch * p.heads_q > INT_MAX / blocks) return false;
+  constexpr int kDefaultSms = 132;
+  return 2 * p.batch * p.heads_q * blocks >= multiprocessor_count(p.device_id, kDefaultSms);  // half a block per SM
 }
 
 size_t prefill_route_workspace(const KvCacheParams& p) {

@@ -17,8 +17,9 @@
 
 namespace flashcore::cuda::decode {
 
-/** Whether p (after its append) runs on the forward kernels: many query rows per KV head, and
- *  pages the sm80 forward reads in place (one per sequence, or multiples of 256 keys). */
+/** Whether p (after its append) runs on the forward kernels: many query rows per KV head, enough
+ *  of the forward's 128-row blocks to fill half the GPU, and pages the sm80 forward reads in place
+ *  (one per sequence, or multiples of 256 keys). */
 bool prefill_route_applies(const KvCacheParams& p);
 
 /** Workspace of the route: the prefix sums, the identity table and the per-sequence marks. */
