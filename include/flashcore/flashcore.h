@@ -113,8 +113,9 @@ typedef struct fc_attention_options {
    *  (batch, max_pages_per_seq) lists sequence b's pages in order: its key j (j < cu_seqlens_k[b +
    *  1] - cu_seqlens_k[b]) sits in page block_table[b, j / page_size] at slot j % page_size.
    *  cuda_sm80 reads the pages in place and takes page sizes that are multiples of 256 (as
-   *  flash_attn); cuda_sm90 first gathers them into packed rows in the workspace (any page size;
-   *  fc_attention_forward_workspace says how much); the CPU backends take any. Page ids in GPU
+   *  flash_attn; any with one page per sequence); cuda_sm90 first gathers them into packed rows in
+   *  the workspace, 2 x batch x max_seqlen_k rows (any page size; above 4 GiB of it, pages of 256k
+   *  keys go to cuda_sm80 under FC_BACKEND_AUTO); the CPU backends take any. Page ids in GPU
    *  memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v (it
    *  is clamped) but the results are not meaningful. NULL = k/v are packed as usual. */
   const fc_tensor* block_table;
@@ -223,7 +224,7 @@ typedef struct fc_kvcache_args {
   /* Since FC_ABI_VERSION 2; NULL / 0 = off. */
   const fc_tensor* rotary_cos;
   const fc_tensor* rotary_sin;
-  int32_t rotary_interleaved;
+  int32_t rotary_interleaved; /**< 0 = GPT-NeoX pairs; the C++ KvCacheArgs and Python default to GPT-J */
   const fc_tensor* cache_leftpad;
 } fc_kvcache_args;
 

@@ -60,6 +60,7 @@ struct Options {
   int32_t num_threads = 0;
   bool check_cu_seqlens = false;  // CUDA varlen: validate cu_seqlens on the host (synchronizes)
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device for bad cu_seqlens (no sync)
+  const Tensor* block_table = nullptr;  // varlen forward: k / v are pages (fc_attention_options.block_table)
 
   fc_attention_options to_c() const {
     fc_attention_options o{};
@@ -79,6 +80,7 @@ struct Options {
     o.num_threads = num_threads;
     o.check_cu_seqlens = check_cu_seqlens ? 1 : 0;
     o.error_flag = error_flag;
+    o.block_table = block_table;
     return o;
   }
 };

@@ -85,7 +85,11 @@ Status check_rotary(const fc_kvcache_args& a, KvCacheParams* p, Extent* ecos, Ex
   r.rows = c.shape[0];
   r.half = c.shape[1];
   r.interleaved = a.rotary_interleaved != 0;
-  r.per_token_queries = p->window_left >= 0 || p->window_right >= 0;  // causal folds into right = 0
+  // flash_attn's rule: a window side as wide as the cache counts as unbounded; what is left bounded
+  // (causal folds into right = 0) makes the queries take a position each.
+  const int64_t capacity = p->capacity();
+  r.per_token_queries = (p->window_left >= 0 && p->window_left < capacity) ||
+                        (p->window_right >= 0 && p->window_right < capacity);
   return Status::ok();
 }
 

@@ -256,9 +256,9 @@ Status apply_pages(const fc_tensor& table, const fc_tensor& k, int64_t batch, co
   if (table.shape[0] != batch)
     return Status::invalid("block_table: shape " + shape_str(table) + " has " + std::to_string(table.shape[0]) +
                            " rows, expected batch " + std::to_string(batch) + " (block_table is (batch, max_pages_per_seq))");
-  if (k.shape[1] < 1)
-    return Status::invalid("k: page_size " + std::to_string(k.shape[1]) +
-                           " must be >= 1 (paged k is (num_pages, page_size, heads_kv, head_dim))");
+  if (k.shape[0] < 1 || k.shape[1] < 1)
+    return Status::invalid("k: shape " + shape_str(k) + " has no pages or empty pages (paged k is (num_pages >= 1, "
+                           "page_size >= 1, heads_kv, head_dim))");
   p->pages.table = static_cast<const int32_t*>(table.data);
   p->pages.batch_stride = table.strides[0];
   p->pages.page_stride = table.strides[1];

@@ -50,7 +50,11 @@ struct KvCase {
   bool rotary_fp32 = false;  // tables in float32 (else in the case's dtype)
   bool empty_append = false;  // seqlen_new == 0 but k_new / v_new given (zero tokens, null data)
 
-  bool per_token_queries() const { return causal || window_left != -1 || window_right != -1; }
+  /** flash_attn's rule for q's rotary positions: a window side as wide as the cache is unbounded;
+   *  a causal mask or what stays bounded puts each query at its own position. */
+  bool per_token_queries(int64_t capacity) const {
+    return causal || (window_left != -1 && window_left < capacity) || (window_right != -1 && window_right < capacity);
+  }
 
   std::string name() const {
     std::ostringstream s;
@@ -296,7 +300,7 @@ struct KvProblem {
 
   /** Query element (rotated when the case has rotary tables). */
   double query(int64_t b, int64_t i, int64_t h, int64_t d, bool emulate) const {
-    const int64_t pos = start(b) + c.cache_lens[b] + (c.per_token_queries() ? i : 0);
+    const int64_t pos = start(b) + c.cache_lens[b] + (c.per_token_queries(capacity) ? i : 0);
     return rotated(q, ((b * c.seqlen_q + i) * c.heads_q + h) * c.head_dim, pos, d, emulate);
   }
 
@@ -550,6 +554,12 @@ inline std::vector<KvCase> leftpad_rotary_cases(int32_t dtype, int64_t head_dim)
   both.rotary_half = 6;
   both.rotary_interleaved = false;
   cases.push_back(both);
+  KvCase wide = base;  // a window as wide as the cache: flash_attn treats it as none (one position)
+  wide.rotary_half = 6;
+  wide.seqlen_q = 2;
+  wide.seqlen_new = 2;
+  wide.window_left = 100000;
+  cases.push_back(wide);
   KvCase no_new_token = base;  // rotary with k_new of zero tokens: q is still rotated
   no_new_token.rotary_half = 4;
   no_new_token.seqlen_q = 2;

@@ -43,6 +43,7 @@ TEST(CppApi, OptionsReachTheCStruct) {
   EXPECT_EQ(c.check_cu_seqlens, 0);
   EXPECT_EQ(c.error_flag, nullptr);
   EXPECT_EQ(c.has_window, 0);
+  EXPECT_EQ(c.block_table, nullptr);
   for (int32_t r : c.reserved) EXPECT_EQ(r, 0);  // zero: future fields keep their defaults
   int32_t flag = 0;
   opt.check_cu_seqlens = true;
@@ -50,7 +51,10 @@ TEST(CppApi, OptionsReachTheCStruct) {
   opt.window_left = 8;
   opt.deterministic = true;
   opt.num_threads = 3;
+  const flashcore::Tensor table{};
+  opt.block_table = &table;
   c = opt.to_c();
+  EXPECT_EQ(c.block_table, &table);
   EXPECT_EQ(c.check_cu_seqlens, 1);
   EXPECT_EQ(c.error_flag, &flag);
   EXPECT_EQ(c.has_window, 1);

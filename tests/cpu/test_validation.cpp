@@ -332,7 +332,11 @@ TEST_F(BadVarlen, PagedKv) {
   tt.shape[0] = 2;
   k = flashcore::make_tensor(kb.data(), FC_DTYPE_F32, {12, 2, 8});
   expect_error("k: has 3 dimensions, expected 4");
+  k = flashcore::make_tensor(kb.data(), FC_DTYPE_F32, {0, 4, 2, 8});
+  v = flashcore::make_tensor(vb.data(), FC_DTYPE_F32, {0, 4, 2, 8});
+  expect_error("k: shape [0, 4, 2, 8] has no pages or empty pages");
   k = pk;
+  v = pv;
   out.data = table.data();
   out.dtype = FC_DTYPE_F32;
   expect_error("out: ");  // overlaps block_table (or q): never written

@@ -77,7 +77,7 @@ size_t part_lse_bytes(const KvCacheParams& p, int splits) {
 size_t rotated_q_bytes(const KvCacheParams& p) {
   return p.rotary.on() ? align_up(size_t(2) * p.batch * p.seqlen_q * p.heads_q * p.head_dim) : 0;
 }
-/** Split-KV partials (part_o, part_lse) when there are splits, then the rotated q. */
+/** Split-KV partials (part_o, part_lse) when there are splits (the rotated q follows them). */
 size_t split_bytes(const KvCacheParams& p, int splits) {
   return splits > 1 ? part_o_bytes(p, splits) + part_lse_bytes(p, splits) : 0;
 }
@@ -264,7 +264,9 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
     return false;
   }
   cudaGetLastError();
-  if (p.batch > HeuristicTraits::kMaxGridYZ || p.heads_kv * row_chunks(p) > HeuristicTraits::kMaxGridYZ ||
+  // (The decode kernel's row chunks bound its grid; the prefill route's forward grid has its own.)
+  const bool decode_grid_fits = p.heads_kv * row_chunks(p) <= HeuristicTraits::kMaxGridYZ || decode::prefill_route_applies(p);
+  if (p.batch > HeuristicTraits::kMaxGridYZ || !decode_grid_fits ||
       p.heads_kv + p.heads_q > HeuristicTraits::kMaxGridYZ || p.seqlen_new > INT32_MAX || p.seqlen_q > INT32_MAX) {
     *why = Status::unsupported("q: batch or heads exceed the CUDA grid limits (65535) of the KV-cache kernels");
     return false;

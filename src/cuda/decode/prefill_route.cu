@@ -23,7 +23,6 @@ struct RouteTraits {
   // sequences it won from 64 query tokens (256 rows per KV head: 128 against 78 TFLOP/s) and lost
   // at 32 (66 against 77); with one sequence (32 blocks) it lost even at 128 tokens (42 against 83).
   static constexpr int64_t kMinRows = 256;
-  static constexpr int64_t kPageMultiple = 256;  // sm80's rule for pages smaller than a sequence
   static constexpr int kThreads = 256;
   static constexpr size_t kAlign = 256;
   static constexpr int64_t kLargestCtaRows = 128;  // the forward's kBlockM: the grid-size bound
@@ -105,32 +104,9 @@ __global__ void __launch_bounds__(RouteTraits::kThreads) poison_kernel(KvCachePa
     }
 }
 
-}  // namespace
-
-bool prefill_route_applies(const KvCacheParams& p) {
-  using R = RouteTraits;
-  if (p.group_size() * p.seqlen_q < R::kMinRows || p.seqlen_q > INT_MAX || p.capacity() > INT_MAX) return false;
-  if (p.paged && p.page_size % R::kPageMultiple != 0) return false;
-  const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;
-  if (p.batch * p.heads_q > INT_MAX / blocks) return false;
-  constexpr int kDefaultSms = 132;
-  return 2 * p.batch * p.heads_q * blocks >= multiprocessor_count(p.device_id, kDefaultSms);  // half a block per SM
-}
-
-size_t prefill_route_workspace(const KvCacheParams& p) {
-  return 2 * align_up(sizeof(int32_t) * size_t(p.batch + 1)) + 2 * align_up(sizeof(int32_t) * size_t(p.batch));
-}
-
-Status run_prefill_route(const KvCacheParams& p, void* workspace) {
-  const RouteArrays a = arrays_in(workspace, p.batch);
-  const ScopedDevice on_device(p.device_id);
-  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  build_kernel<<<1, RouteTraits::kThreads, 0, stream>>>(p, a);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
-
-  // The same call as a varlen forward over paged K/V: q and out rows b * seqlen_q + i of a
-  // packed view whose batch stride carries whatever q's (and out's, lse's) is.
+/** The same call as a varlen forward over paged K/V: q and out rows b * seqlen_q + i of a packed
+ *  view whose batch stride carries whatever q's (and out's, lse's) is; the cache as pages. */
+AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
   AttentionParams f;
   f.dtype = p.dtype;
   f.device_type = p.device_type;
@@ -174,8 +150,39 @@ Status run_prefill_route(const KvCacheParams& p, void* workspace) {
     f.pages.first_slot = p.cache_leftpad;
     f.pages.first_slot_stride = p.cache_leftpad_stride;
   }
-  Status why;
-  if (!sm80_supports(f, &why)) return why;
+  return f;
+}
+
+}  // namespace
+
+bool prefill_route_applies(const KvCacheParams& p) {
+  using R = RouteTraits;
+  if (p.group_size() * p.seqlen_q < R::kMinRows || p.seqlen_q > INT_MAX) return false;
+  // cu_seqlens_k is int32: every sequence's keys together must fit it.
+  if (p.capacity() > INT_MAX || p.batch * p.capacity() > INT_MAX) return false;
+  const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;
+  if (p.batch * p.heads_q > INT_MAX / blocks) return false;
+  constexpr int kDefaultSms = 132;
+  if (2 * p.batch * p.heads_q * blocks < multiprocessor_count(p.device_id, kDefaultSms)) return false;  // half a block per SM
+  // The forward's own rules (paged caches: pages of 256k keys), before anything is launched (the
+  // arrays are placeholders: only their presence is read).
+  int32_t* placeholder = const_cast<int32_t*>(p.cache_seqlens);
+  return sm80_supports(forward_params(p, {placeholder, placeholder, placeholder, placeholder}), nullptr);
+}
+
+size_t prefill_route_workspace(const KvCacheParams& p) {
+  return 2 * align_up(sizeof(int32_t) * size_t(p.batch + 1)) + 2 * align_up(sizeof(int32_t) * size_t(p.batch));
+}
+
+Status run_prefill_route(const KvCacheParams& p, void* workspace) {
+  const RouteArrays a = arrays_in(workspace, p.batch);
+  const ScopedDevice on_device(p.device_id);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  build_kernel<<<1, RouteTraits::kThreads, 0, stream>>>(p, a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
+
+  const AttentionParams f = forward_params(p, a);
   const Status s = sm80_forward(f, nullptr, 0);
   if (!s.is_ok()) return s;
   poison_kernel<<<static_cast<unsigned>(p.batch), RouteTraits::kThreads, 0, stream>>>(p, a.bad);

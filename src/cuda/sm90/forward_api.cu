@@ -70,6 +70,13 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   // Paged k / v are first gathered into packed rows in the workspace (cuda/paged_gather.hpp), at
   // most batch x max_seqlen_k of them; the TMA maps describe those copies.
   const bool paged = p.is_paged();
+  // The gather's workspace grows with batch x max_seqlen_k; past kMaxGatherBytes, pages that
+  // cuda_sm80 reads in place go there (AUTO) rather than asking for that much memory.
+  constexpr size_t kMaxGatherBytes = size_t(4) << 30;
+  if (paged && paged_gather_bytes(p) > kMaxGatherBytes && p.pages.page_size % 256 == 0) {
+    return reject(why, "paged k / v would need " + std::to_string(paged_gather_bytes(p)) +
+                           " bytes of workspace to gather (more than 4 GiB); cuda_sm80 reads these pages in place");
+  }
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
   const int64_t k_rows = paged ? p.batch * p.seqlen_k : (varlen ? p.total_k : p.seqlen_k);
   if (q_rows + kLargestBlockM > kMaxTmaCoord || k_rows + kLargestBlockM > kMaxTmaCoord) {
