@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/kvcache_check.hpp"
@@ -227,6 +228,21 @@ TEST(CudaKvCache, LeftPadAndRotaryDeviceSideChecks) {
   }
 }
 
+/** A chunked prefill the forward-kernel route takes: 520 query rows per KV head (GQA 4), 96
+ *  blocks of 128 rows over 3 sequences, appending as many tokens as it queries. */
+KvCase prefill_case(std::vector<int32_t> cache_lens, int64_t page_size) {
+  KvCase c;
+  c.batch = 3;
+  c.cache_lens = std::move(cache_lens);
+  c.heads_q = 16;
+  c.heads_kv = 4;
+  c.seqlen_q = 130;
+  c.seqlen_new = 130;
+  c.causal = true;
+  c.page_size = page_size;
+  return c;
+}
+
 /** Many query rows per KV head (chunked prefill into the cache): the forward-kernel route
  *  (cuda/decode/prefill_route.hpp) over every cache layout it takes, and the decode kernel for
  *  paged-16 caches, which the route leaves to it. */
@@ -235,17 +251,9 @@ TEST(CudaKvCache, PrefillRoute) {
   std::vector<KvCase> cases;
   for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
     for (int64_t page : {int64_t(0), int64_t(16), int64_t(256)}) {
-      KvCase c;  // 520 query rows per KV head, 96 blocks of 128 rows: the route's thresholds
+      KvCase c = prefill_case({0, 100, 300}, page);
       c.dtype = dt;
       c.head_dim = dt == FC_DTYPE_BF16 ? 128 : 64;
-      c.batch = 3;
-      c.cache_lens = {0, 100, 300};
-      c.heads_q = 16;
-      c.heads_kv = 4;
-      c.seqlen_q = 130;
-      c.seqlen_new = 130;
-      c.causal = true;
-      c.page_size = page;
       cases.push_back(c);
       KvCase w = c;  // queries past the new keys, window + softcap, no append
       w.seqlen_new = 0;
@@ -289,15 +297,7 @@ TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {
   REQUIRE_GPU();
   CudaMemory mem;
   for (int64_t page : {int64_t(0), int64_t(256)}) {
-    KvCase c;
-    c.batch = 3;
-    c.cache_lens = {40, 33, 20};
-    c.heads_q = 16;
-    c.heads_kv = 4;
-    c.seqlen_q = 130;
-    c.seqlen_new = 130;
-    c.causal = true;
-    c.page_size = page;
+    const KvCase c = prefill_case({40, 33, 20}, page);
     KvProblem pr(c, mem, 23);
     // Sequence 1: length beyond capacity; sequence 2: a page out of range (paged) or a cache row
     // out of range (contiguous, through cache_batch_idx made explicit below).

@@ -34,9 +34,13 @@ size_t align_up(size_t x) { return (x + RouteTraits::kAlign - 1) / RouteTraits::
 struct RouteArrays {
   int32_t *cu_q, *cu_k, *identity, *bad;
 };
+/** Bytes of one prefix-sum array and of one per-sequence array (each aligned). */
+size_t cu_bytes(int64_t batch) { return align_up(sizeof(int32_t) * size_t(batch + 1)); }
+size_t per_seq_bytes(int64_t batch) { return align_up(sizeof(int32_t) * size_t(batch)); }
+
 RouteArrays arrays_in(void* workspace, int64_t batch) {
   char* at = static_cast<char*>(workspace);
-  const size_t cu = align_up(sizeof(int32_t) * size_t(batch + 1)), per_seq = align_up(sizeof(int32_t) * size_t(batch));
+  const size_t cu = cu_bytes(batch), per_seq = per_seq_bytes(batch);
   return {reinterpret_cast<int32_t*>(at), reinterpret_cast<int32_t*>(at + cu),
           reinterpret_cast<int32_t*>(at + 2 * cu), reinterpret_cast<int32_t*>(at + 2 * cu + per_seq)};
 }
@@ -171,7 +175,7 @@ bool prefill_route_applies(const KvCacheParams& p) {
 }
 
 size_t prefill_route_workspace(const KvCacheParams& p) {
-  return 2 * align_up(sizeof(int32_t) * size_t(p.batch + 1)) + 2 * align_up(sizeof(int32_t) * size_t(p.batch));
+  return 2 * cu_bytes(p.batch) + 2 * per_seq_bytes(p.batch);  // the layout of arrays_in
 }
 
 Status run_prefill_route(const KvCacheParams& p, void* workspace) {
