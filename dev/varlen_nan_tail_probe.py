@@ -1,27 +1,38 @@
-"""Reproducer of a known bug (docs/DESIGN.md, "Known issues"; session 27): the Hopper forward of a
-packed varlen call reads k / v rows past the last sequence (its last key block's TMA box), where
-P = 0 but 0 x NaN = NaN, so NaN values in those rows (a preallocated, uninitialised buffer) reach
-the output. cuda_sm80's predicated loads zero-fill them. Prints, per backend, whether the output
-has NaN when the rows past cu_seqlens_k[-1] hold NaN, and its largest change against zeros there.
+"""Probe of packed varlen calls whose buffers hold NaN past the last sequence (a preallocated,
+uninitialised q / k / v / dout): the Hopper kernels' TMA boxes read those rows, where P = 0 but
+0 x NaN = NaN, so they must zero them first (src/cuda/sm90/tail_rows.cuh); cuda_sm80's predicated
+loads read zeros. Prints, per backend, whether out / dq / dk / dv of the sequences' own rows changed
+when the rows past them went from random values to NaN (they must not: "False, 0.0").
 
 usage: PYTHONPATH=<a built flashcore package> python3 dev/varlen_nan_tail_probe.py
-H100, session 27: cuda_sm90 True (the bug), cuda_sm80 False."""
+H100, session 27 (before the fix): cuda_sm90 forward True, cuda_sm80 False."""
 import torch
 
 import flashcore
 
 torch.manual_seed(0)
+lengths = [100, 37, 129]
+used = sum(lengths)
+tail = 64
+cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 for backend in ("cuda_sm90", "cuda_sm80"):
     flashcore.set_default_backend(backend)
-    cu = torch.tensor([0, 100, 137], dtype=torch.int32, device="cuda")
-    q = torch.randn(137, 8, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(137 + 64, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    clean = flashcore.flash_attn_varlen_func(q, k, v, cu, cu, 100, 100)
-    k[137:] = float("nan")
-    v[137:] = float("nan")
-    dirty = flashcore.flash_attn_varlen_func(q, k, v, cu, cu, 100, 100)
-    change = (dirty.float() - clean.float()).abs().nan_to_num(float("inf")).max().item()
-    print(f"{backend}: NaN in out with NaN rows past the last sequence: {bool(dirty.isnan().any())}, "
-          f"largest change {change}")
+    for d in (64, 128, 256):
+        base = [torch.randn(used + tail, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+
+        def run(poison):
+            q, k, v, dout = (t.clone() for t in base)
+            if poison:
+                for t in (q, k, v, dout):
+                    t[used:] = float("nan")
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = flashcore.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=False)
+            out.backward(dout)
+            return [t[:used].float() for t in (out, q.grad, k.grad, v.grad)]
+
+        clean, dirty = run(False), run(True)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), clean, dirty):
+            change = (b - a).abs().nan_to_num(float("inf")).max().item()
+            print(f"{backend} d{d} {name}: NaN with NaN rows past the last sequence: {bool(b.isnan().any())}, "
+                  f"largest change {change}")
 flashcore.set_default_backend("auto")

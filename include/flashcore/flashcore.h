@@ -10,6 +10,9 @@
  *   varlen: q (total_q, heads_q, head_dim), k/v (total_k, heads_kv, head_dim) with
  *           cu_seqlens_q / cu_seqlens_k int32 (batch + 1) prefix sums of the sequence lengths.
  *   lse   : fp32, dense (batch, heads_q, seqlen_q); varlen (heads_q, total_q).
+ *   Varlen tensors may hold more rows than the sequences use (a preallocated buffer): rows
+ *   outside [cu_seqlens[0], cu_seqlens[batch]) never affect a result, whatever they
+ *   hold (NaN included), and out / lse / dq / dk / dv are not written there.
  * Strides are in elements (not bytes); any strides are accepted as long as the last
  * (head_dim) dimension is contiguous (stride 1).
  */

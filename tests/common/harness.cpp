@@ -66,6 +66,14 @@ void fill_random(HostTensor& t, std::mt19937_64& rng, float magnitude) {
   for (int64_t i = 0; i < n; ++i) t.set(i, magnitude * dist(rng));
 }
 
+/** NaN in rows [first_row, shape[0]) of a packed (rows, heads, head_dim) tensor. */
+void poison_rows_from(HostTensor& t, int64_t first_row) {
+  for (int64_t r = first_row; r < t.shape[0]; ++r)
+    for (int64_t h = 0; h < t.shape[1]; ++h)
+      for (int64_t d = 0; d < t.shape[2]; ++d)
+        t.set(r * t.strides[0] + h * t.strides[1] + d, std::numeric_limits<float>::quiet_NaN());
+}
+
 HostTensor upcast(const HostTensor& t) {
   HostTensor u = t;
   u.dtype = FC_DTYPE_F32;
@@ -291,15 +299,16 @@ struct Problem {
 
 Problem make_problem(const Case& c, std::mt19937_64& rng) {
   Problem p{c, {}, {}, {}, {}, {}, {}, {}};
+  int64_t tq = 0, tk = 0;  // rows the sequences use (varlen)
   if (c.is_varlen()) {
-    int64_t tq = 0, tk = 0;
     for (auto L : c.varlen_q) tq += L;
     for (auto L : c.varlen_k) tk += L;
-    p.q = make_tensor(c.dtype, {tq, c.heads_q, c.head_dim}, c.padded);
-    p.k = make_tensor(c.dtype, {tk, c.heads_kv, c.head_dim}, c.padded);
-    p.v = make_tensor(c.dtype, {tk, c.heads_kv, c.head_dim}, c.padded);
-    p.out = make_tensor(c.dtype, {tq, c.heads_q, c.head_dim}, c.padded);
-    p.lse = make_tensor(FC_DTYPE_F32, {c.heads_q, tq}, false);
+    const int64_t rows_q = tq + c.packed_tail_rows, rows_k = tk + c.packed_tail_rows;
+    p.q = make_tensor(c.dtype, {rows_q, c.heads_q, c.head_dim}, c.padded);
+    p.k = make_tensor(c.dtype, {rows_k, c.heads_kv, c.head_dim}, c.padded);
+    p.v = make_tensor(c.dtype, {rows_k, c.heads_kv, c.head_dim}, c.padded);
+    p.out = make_tensor(c.dtype, {rows_q, c.heads_q, c.head_dim}, c.padded);
+    p.lse = make_tensor(FC_DTYPE_F32, {c.heads_q, rows_q}, false);
     p.cu_q = make_tensor(FC_DTYPE_I32, {int64_t(c.varlen_q.size()) + 1}, false);
     p.cu_k = make_tensor(FC_DTYPE_I32, {int64_t(c.varlen_k.size()) + 1}, false);
     int32_t aq = 0, ak = 0;
@@ -320,6 +329,11 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   fill_random(p.q, rng, c.q_magnitude);
   fill_random(p.k, rng, 1.f);
   fill_random(p.v, rng, 1.f);
+  if (c.is_varlen()) {
+    poison_rows_from(p.q, tq);
+    poison_rows_from(p.k, tk);
+    poison_rows_from(p.v, tk);
+  }
   fill_nan(p.out);
   fill_nan(p.lse);
   return p;
@@ -537,6 +551,14 @@ Grads host_reference_backward(Problem& pr, const HostTensor& dout_in, cpu::Refer
   return g;
 }
 
+/** Varlen: NaN in dout's rows past the last sequence, as in q (Case::packed_tail_rows). */
+void poison_dout_tail(const Problem& pr, HostTensor& dout) {
+  if (!pr.c.is_varlen()) return;
+  int64_t tq = 0;
+  for (auto L : pr.c.varlen_q) tq += L;
+  poison_rows_from(dout, tq);
+}
+
 /** Forward + backward through the public API on `mem`; results in the returned host tensors. */
 std::string run_backward(Problem& pr, HostTensor& dout, Grads* g, fc_backend backend, Memory& mem) {
   g->dq = make_tensor(pr.c.dtype, pr.q.shape, pr.c.padded);
@@ -578,6 +600,7 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
   Problem pr = make_problem(c, rng);
   HostTensor dout = make_tensor(c.dtype, pr.out.shape, c.padded);
   fill_random(dout, rng, 1.f);
+  poison_dout_tail(pr, dout);
   CheckResult res;
   Grads g;
   res.status_error = run_backward(pr, dout, &g, backend, mem);
@@ -624,6 +647,7 @@ bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, cons
   Problem pr = make_problem(c, rng);
   HostTensor dout = make_tensor(c.dtype, pr.out.shape, c.padded);
   fill_random(dout, rng, 1.f);
+  poison_dout_tail(pr, dout);
   std::vector<uint8_t> first;
   for (size_t r = 0; r < threads_per_run.size(); ++r) {
     pr.c.num_threads = threads_per_run[r];

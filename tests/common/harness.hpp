@@ -63,6 +63,10 @@ struct Case {
   // order through a block table (with spare pages of random data); the references read the packed
   // k / v, so a wrong page walk fails the comparison.
   int64_t page_size = 0;
+  // Varlen: rows the packed q / k / v (and dout) hold past the last sequence, all NaN, as in a
+  // preallocated buffer: no result may depend on them (a kernel whose loads read them, as TMA boxes
+  // do, must zero them before they meet a 0 probability: 0 x NaN = NaN).
+  int64_t packed_tail_rows = 37;
 
   std::string name() const;
   bool is_varlen() const { return !varlen_q.empty(); }

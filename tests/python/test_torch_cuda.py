@@ -188,6 +188,40 @@ def test_varlen_matches_dense_per_sequence():
         torch.testing.assert_close(out[rows], dense[0], rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["cuda_sm80", "cuda_sm90"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_nan_past_the_sequences_reaches_nothing(backend, d):
+    """Packed buffers longer than the sequences with NaN in the rest (a preallocated buffer):
+    out and the gradients of the sequences' rows are those of a clean buffer (the rows past them
+    are not written, as in flash_attn; the C++ tests check that on poisoned outputs)."""
+    if not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available on this GPU / build")
+    lengths, tail = [100, 37, 129], 64
+    used = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    base = [torch.randn(used + tail, 4, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+
+    def run(poison):
+        q, k, v, dout = (t.clone() for t in base)
+        if poison:
+            for t in (q, k, v, dout):
+                t[used:] = float("nan")
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+        out.backward(dout)
+        return out, q.grad, k.grad, v.grad
+
+    flashcore.set_default_backend(backend)
+    try:
+        clean, dirty = run(False), run(True)
+    finally:
+        flashcore.set_default_backend("auto")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), clean, dirty):
+        assert not b[:used].isnan().any(), f"{backend} {name}: NaN past the sequences reached their rows"
+        # dq is accumulated with atomics: its rounding order may differ between the two runs.
+        torch.testing.assert_close(b[:used], a[:used], rtol=0, atol=0 if name != "dq" else 2e-2)
+
+
 @pytest.mark.parametrize("page_size", [256, 512])
 def test_varlen_paged_kv_matches_packed(page_size):
     # flash_attn_varlen_func with block_table (forward only): paged caches on the sm80 kernels

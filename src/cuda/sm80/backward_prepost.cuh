@@ -12,6 +12,8 @@
 // 147 us where 45 us of bandwidth is the bound, for B=32 H=32 S=512 d64 on an H100.)
 #pragma once
 
+#include <algorithm>
+
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_common.cuh"
 
@@ -94,13 +96,21 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
   ptx::allow_next_grid();
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
   const int64_t chunks_per_row = (p.head_dim + kChunkElems - 1) / kChunkElems;
-  const int64_t total = p.total_q * p.heads_q * chunks_per_row;
+  // Varlen: only the sequences' rows, [cu_seqlens_q[0], cu_seqlens_q[batch]) (clamped into the
+  // tensor). The packed dq's other rows belong to the caller (a preallocated buffer's tail), as
+  // in every other backend.
+  int64_t first_row = 0, end_row = p.total_q;
+  if (p.cu_seqlens_q != nullptr) {
+    first_row = std::min<int64_t>(std::max<int64_t>(p.cu_seqlens_q[0], 0), p.total_q);
+    end_row = std::min<int64_t>(std::max<int64_t>(p.cu_seqlens_q[p.batch], first_row), p.total_q);
+  }
+  const int64_t total = (end_row - first_row) * p.heads_q * chunks_per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
     const int64_t chunk = item % chunks_per_row;
     const int64_t rh = item / chunks_per_row;
-    const int64_t r = rh / p.heads_q;
-    const int64_t h = rh - r * p.heads_q;
+    const int64_t r = first_row + rh / p.heads_q;
+    const int64_t h = rh % p.heads_q;
     int64_t b;
     int64_t row;
     split_packed_row(p, r, &b, &row);

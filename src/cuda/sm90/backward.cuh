@@ -118,6 +118,7 @@
 #include "cuda/sm80/backward.cuh"
 #include "cuda/sm90/attention_views.hpp"
 #include "cuda/sm90/backward_trace.cuh"
+#include "cuda/sm90/tail_rows.cuh"
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace flashcore::cuda::sm90 {
@@ -208,7 +209,7 @@ struct BackwardTraits {
   static constexpr uint32_t kLseOffset = kDqOffset + kConsumers * kDqPieceBytes;  // per stage: kBlockM rows
   static constexpr uint32_t kDsumOffset = kLseOffset + kStages * kStatBytes;
   static constexpr uint32_t kBarrierOffset = kDsumOffset + kStages * kStatBytes;
-  static constexpr int kBarriers = 2 + 2 * kStages;
+  static constexpr int kBarriers = 3 + 3 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
   // The epilogue: each consumer stages its dK and dV (16-bit, 64 keys x kColsPerConsumer) in
@@ -292,6 +293,9 @@ struct BackwardSmem {
   __device__ uint64_t* q_full(int s) const { return bars + 1 + s; }
   __device__ uint64_t* q_empty(int s) const { return bars + 1 + T::kStages + s; }
   __device__ uint64_t* kv_empty() const { return bars + 1 + 2 * T::kStages; }
+  // Fills with rows past their sequence complete here; zero_tails then arrives on kv_full / q_full.
+  __device__ uint64_t* kv_loaded() const { return bars + 2 + 2 * T::kStages; }
+  __device__ uint64_t* q_loaded(int s) const { return bars + 3 + 2 * T::kStages + s; }
 };
 
 /** The CTA's key block and the query steps it walks, resolved identically by both roles. Row
@@ -382,6 +386,26 @@ struct TileCursor {
   __device__ uint32_t kv_parity() const { return static_cast<uint32_t>(kv_loads & 1); }
 };
 
+/** Rows of the tile's key block inside its sequence when the rest must read as zeros (packed
+ *  varlen calls, whose TMA boxes read the rows after a sequence: tail_rows.cuh), else kBlockN.
+ *  Only K needs them zero: its rows past the sequence reach dQ through dS K, where dS = 0 by
+ *  select. V's reach only dP^T of those keys, which the select drops. */
+template <class T>
+__device__ __forceinline__ int key_rows_inside(const BackwardParams& p, const KeyBlockWork& w) {
+  if (p.cu_seqlens_q == nullptr) return T::kBlockN;
+  const int inside = w.seqlen_k - w.n0;
+  return inside < T::kBlockN ? inside : T::kBlockN;
+}
+
+/** The same for a query step's Q and dO: rows past the sequence reach dK through dS^T Q and dV
+ *  through P^T dO (P = dS = 0 there by select). */
+template <class T>
+__device__ __forceinline__ int query_rows_inside(const BackwardParams& p, const KeyBlockWork& w, int step) {
+  if (p.cu_seqlens_q == nullptr) return T::kBlockM;
+  const int inside = w.seqlen_q - w.m0_of(step, T::kBlockM);
+  return inside < T::kBlockM ? inside : T::kBlockM;
+}
+
 /** The producer thread, one tile: Q, dO and the row statistics of every query step, and K and V
  *  once. The first step's Q and dO go out before K and V, whose buffers the consumers may still
  *  be reading for the previous tile (kv_empty), so they load under that tile's last step. */
@@ -398,11 +422,12 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::mbarrier_wait_parity(sm.kv_empty(), at.kv_parity() ^ 1);
     BWD_TRACE(trace_events, 0, kKvFree, 0);
     const int32_t k_row = w.k_start + w.n0;
-    ptx::mbarrier_arrive_expect_tx(sm.kv_full(), 2 * T::kKvBytes);
+    uint64_t* full = key_rows_inside<T>(p, w) < T::kBlockN ? sm.kv_loaded() : sm.kv_full();  // zero_tails
+    ptx::mbarrier_arrive_expect_tx(full, 2 * T::kKvBytes);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_load_4d(sm.k_ptr() + c * T::kKvChunkBytes, &args.map_k, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
-      ptx::tma_load_4d(sm.v_ptr() + c * T::kKvChunkBytes, &args.map_v, sm.kv_full(), c * T::kChunkCols, k_row, hk, bc);
+      ptx::tma_load_4d(sm.k_ptr() + c * T::kKvChunkBytes, &args.map_k, full, c * T::kChunkCols, k_row, hk, bc);
+      ptx::tma_load_4d(sm.v_ptr() + c * T::kKvChunkBytes, &args.map_v, full, c * T::kChunkCols, k_row, hk, bc);
     }
   };
   for (int step = 0; step < w.steps; ++step) {
@@ -418,18 +443,46 @@ __device__ void produce(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     // below 2^31 - 128).
     const int32_t stat_row = w.stat_index(p, step, T::kBlockM);
     const int32_t stat_box0 = stat_row - stat_row % T::kStatAlign;
-    ptx::mbarrier_arrive_expect_tx(sm.q_full(stage), 2 * T::kQBytes + 2 * T::kStatBoxBytes);
-    ptx::tma_load_2d(sm.lse(stage), &args.map_lse, sm.q_full(stage), stat_box0, 0);
-    ptx::tma_load_2d(sm.dsum(stage), &args.map_dsum, sm.q_full(stage), stat_box0, 0);
+    uint64_t* full = query_rows_inside<T>(p, w, step) < T::kBlockM ? sm.q_loaded(stage) : sm.q_full(stage);
+    ptx::mbarrier_arrive_expect_tx(full, 2 * T::kQBytes + 2 * T::kStatBoxBytes);
+    ptx::tma_load_2d(sm.lse(stage), &args.map_lse, full, stat_box0, 0);
+    ptx::tma_load_2d(sm.dsum(stage), &args.map_dsum, full, stat_box0, 0);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_load_4d(sm.q_ptr(stage) + c * T::kQChunkBytes, &args.map_q, sm.q_full(stage), c * T::kChunkCols,
-                       q_row, hq, bc);
-      ptx::tma_load_4d(sm.do_ptr(stage) + c * T::kQChunkBytes, &args.map_do, sm.q_full(stage), c * T::kChunkCols,
-                       q_row, hq, bc);
+      ptx::tma_load_4d(sm.q_ptr(stage) + c * T::kQChunkBytes, &args.map_q, full, c * T::kChunkCols, q_row, hq, bc);
+      ptx::tma_load_4d(sm.do_ptr(stage) + c * T::kQChunkBytes, &args.map_do, full, c * T::kChunkCols, q_row, hq, bc);
     }
   }
   if (w.steps == 1) load_kv();
+}
+
+/** A warp of the producer warpgroup, in packed varlen calls, one tile: mirrors `produce`'s loads
+ *  in its order, and for each that runs past its sequence waits for the copy (kv_loaded /
+ *  q_loaded), zeroes those rows and hands the buffers to the consumers (tail_rows.cuh). */
+template <class T>
+__device__ void zero_tails(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
+                           const TileCursor& at, TailPhases& q_phases, uint32_t& kv_phase) {
+  const BackwardParams& p = args.params;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const auto key_block = [&]() {
+    const int rows = key_rows_inside<T>(p, w);
+    if (rows == T::kBlockN) return;
+    ptx::mbarrier_wait_parity(sm.kv_loaded(), kv_phase);
+    kv_phase ^= 1u;
+    zero_rows_from<T::kBlockN, T::kChunks>(sm.k_addr(), rows, lane);
+    arrive_after_zeroing(sm.kv_full(), lane);
+  };
+  for (int step = 0; step < w.steps; ++step) {
+    if (step == 1) key_block();
+    const int rows = query_rows_inside<T>(p, w, step);
+    if (rows == T::kBlockM) continue;
+    const int stage = at.slot<T>(step).stage;
+    ptx::mbarrier_wait_parity(sm.q_loaded(stage), q_phases.take(stage));
+    zero_rows_from<T::kBlockM, T::kChunks>(sm.q_addr(stage), rows, lane);
+    zero_rows_from<T::kBlockM, T::kChunks>(sm.do_addr(stage), rows, lane);
+    arrive_after_zeroing(sm.q_full(stage), lane);
+  }
+  if (w.steps == 1) key_block();
 }
 
 /** S^T (or dP^T) = A B^T over the head dim: A = the 64 rows of K or V from block row a_row0,
@@ -666,8 +719,9 @@ __device__ __forceinline__ void store_key_tile(const uint32_t (&a)[T::kBlockM / 
 
 /** The role split's consumer 1: dS^T = X^T (dP^T - D) in place, X^T read back from the tile
  *  consumer 0 stored (P^T, times (1 - t^2) under softcap; 16-bit, as the dtype-precision backward
- *  rounds P). Masked entries have X = 0 there, so dS^T = 0 with no mask here (dP^T and D are
- *  finite: the rows past a tensor's end read as zeros). */
+ *  rounds P). Masked entries have X = 0 there, and dS^T = 0 by a select on it, with no mask here:
+ *  dP^T of keys past a varlen sequence (V rows there are not zeroed) and D of queries past it (dO
+ *  rows of the tail) may be NaN. */
 template <class T>
 __device__ __forceinline__ void grads_from_tile(float (&dp)[T::kBlockM / 2], const uint8_t* x_tile, const float* dsum,
                                                 int key_row, int quad) {
@@ -679,8 +733,8 @@ __device__ __forceinline__ void grads_from_tile(float (&dp)[T::kBlockM / 2], con
       const float2 x = sm80::bwd::unpack_pair<typename T::Element>(bits);
       const int i = 8 * k + 2 * r;  // accumulator index of the pair's first element
       const int col = 8 * (i / 4) + 2 * quad;
-      dp[i] = x.x * (dp[i] - dsum[col]);
-      dp[i + 1] = x.y * (dp[i + 1] - dsum[col + 1]);
+      dp[i] = x.x == 0.f ? 0.f : x.x * (dp[i] - dsum[col]);
+      dp[i + 1] = x.y == 0.f ? 0.f : x.y * (dp[i + 1] - dsum[col + 1]);
     }
   }
 }
@@ -1201,9 +1255,11 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(sm.kv_full(), 1);
     ptx::mbarrier_init(sm.kv_empty(), T::kConsumerWarps);
+    ptx::mbarrier_init(sm.kv_loaded(), 1);
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(sm.q_full(s), 1);
       ptx::mbarrier_init(sm.q_empty(s), T::kConsumerWarps);
+      ptx::mbarrier_init(sm.q_loaded(s), 1);
     }
     ptx::fence_mbarrier_init();
   }
@@ -1224,11 +1280,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
   const uint32_t warpgroup = ptx::warpgroup_index();
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<T::kProducerRegisters>();
-    if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) {
-      for (const CUtensorMap* map : {&args.map_q, &args.map_do, &args.map_lse, &args.map_dsum, &args.map_k, &args.map_v}) {
-        ptx::tma_prefetch_tensor_map(map);
+    if (ptx::warp_in_warpgroup() == 0) {
+      if (ptx::elect_one_sync()) {
+        for (const CUtensorMap* map : {&args.map_q, &args.map_do, &args.map_lse, &args.map_dsum, &args.map_k, &args.map_v}) {
+          ptx::tma_prefetch_tensor_map(map);
+        }
+        for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { produce<T>(args, sm, w, at, trace_events); });
       }
-      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { produce<T>(args, sm, w, at, trace_events); });
+    } else if (ptx::warp_in_warpgroup() == 2 && args.params.cu_seqlens_q != nullptr) {
+      TailPhases q_phases;
+      uint32_t kv_phase = 0;
+      for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) { zero_tails<T>(args, sm, w, at, q_phases, kv_phase); });
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();

@@ -13,6 +13,7 @@
 //  warpgroup 0, the producer: one elected thread issues every TMA copy (Q of a tile, then K and
 //      V of its key blocks into a ring of kStages buffers); the warpgroup gives registers away
 //      with setmaxnreg.dec so the consumers can hold 240 each.
+//      In packed varlen calls its warp 2 zeroes the rows of V past a sequence's end (zero_v_tails).
 //  warpgroups 1.., the consumers: each owns 64 query rows (one wgmma M) and runs the whole key
 //      loop for them: S = Q K^T (wgmma, both operands in shared memory), online softmax in
 //      registers, O += P V (wgmma with P from registers, the "RS" form). The consumers share
@@ -121,6 +122,7 @@
 #include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
 #include "cuda/sm90/attention_views.hpp"
 #include "cuda/sm90/forward_trace.cuh"
+#include "cuda/sm90/tail_rows.cuh"
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace flashcore::cuda::sm90 {
@@ -187,7 +189,7 @@ struct ForwardTraits {
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
   static constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory per block on sm_90
-  static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
+  static constexpr int kBarriers = 2 * kQStages + 5 * kStages;
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kTileBytes;
@@ -334,6 +336,8 @@ struct SmemPlan {
   __device__ uint64_t* k_empty(int s) const { return bars + T::kQStages + 2 * T::kStages + s; }
   __device__ uint64_t* v_empty(int s) const { return bars + T::kQStages + 3 * T::kStages + s; }
   __device__ uint64_t* q_empty(int q) const { return bars + T::kQStages + 4 * T::kStages + q; }
+  // A V fill with rows past its sequence completes here; zero_v_tails then arrives on v_full.
+  __device__ uint64_t* v_loaded(int s) const { return bars + 2 * T::kQStages + 4 * T::kStages + s; }
 };
 
 /** The work of one CTA, resolved identically by every warpgroup. */
@@ -394,6 +398,18 @@ struct TileOutput {
 __device__ __forceinline__ TileOutput tile_output(const BlockWork& w) {
   return {w.m0, w.seq.q_start, w.seq.seqlen_q, static_cast<int32_t>(w.batch), static_cast<int32_t>(w.head),
           static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.batch_coord)};
+}
+
+/** Rows of the tile's first key block (its last keys, loaded first) that lie inside the sequence,
+ *  when the rest must read as zeros: a packed varlen call's block that runs past its sequence,
+ *  whose TMA box reads the rows after it (tail_rows.cuh says why they must be zeroed). kBlockN
+ *  otherwise, including fixed-length calls, where TMA itself zero-fills past the map's seqlen. */
+template <class T>
+__device__ __forceinline__ int first_block_rows(const ForwardKernelArgs& args, const BlockWork& w) {
+  if (args.params.cu_seqlens_q == nullptr || w.n_tiles == 0) return T::kBlockN;
+  const int64_t key0 = int64_t(w.n_block_end - 1) * T::kBlockN;
+  const int64_t inside = w.seq.seqlen_k - key0;
+  return inside < T::kBlockN ? static_cast<int>(inside) : T::kBlockN;
 }
 
 /** Pipeline position carried across the tiles of a persistent CTA: how many Q tiles and K/V
@@ -946,7 +962,10 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
     };
     load_block(sm.k_empty(stage), sm.k_full(stage), sm.k_ptr(stage), &args.map_k);
     FWD_TRACE(0, kKSlotFree, it);
-    load_block(sm.v_empty(stage), sm.v_full(stage), sm.v_ptr(stage), &args.map_v);
+    // The first block's V with rows past the sequence goes to zero_v_tails before the consumers.
+    const bool v_tail = it == 0 && first_block_rows<T>(args, w) < T::kBlockN;
+    load_block(sm.v_empty(stage), v_tail ? sm.v_loaded(stage) : sm.v_full(stage), sm.v_ptr(stage),
+               &args.map_v);
     FWD_TRACE(0, kVSlotFree, it);
     if (it == 0) walk_on();
   }
@@ -968,6 +987,30 @@ __device__ void produce_all(const ForwardKernelArgs& args, const SmemPlan<T>& sm
     if (T::kQStages == 1) produce_q<T>(args, sm, cur, pc);
     has_cur = produce_kv<T>(args, sm, cur, tiles, next, pc);
     cur = next;
+  }
+}
+
+/** A warp of the producer warpgroup, in packed varlen calls: walks the tiles as the producer does,
+ *  and where a tile's first V block runs past its sequence, waits for its copy (v_loaded), zeroes
+ *  the rows past the sequence and hands the buffer to the consumers (v_full). K needs no such care:
+ *  the scores of those keys are replaced by -inf (select), and P = 0 there. Off the consumers'
+ *  path: that V is first read by the P V after the next key block's Q K^T and softmax. */
+template <class T>
+__device__ void zero_v_tails(const ForwardKernelArgs& args, const SmemPlan<T>& sm) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  TileWalker<T> tiles{args};
+  BlockWork w;
+  TailPhases phases;
+  int fills = 0;  // K/V fills of the tiles walked so far, as the producer counts them
+  while (tiles.next(w)) {
+    const int rows = first_block_rows<T>(args, w);
+    if (rows < T::kBlockN) {
+      const int stage = fills % T::kStages;
+      ptx::mbarrier_wait_parity(sm.v_loaded(stage), phases.take(stage));
+      zero_rows_from<T::kBlockN, T::kChunks>(sm.v_addr(stage), rows, lane);
+      arrive_after_zeroing(sm.v_full(stage), lane);
+    }
+    fills += w.n_tiles;
   }
 }
 
@@ -1022,6 +1065,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ptx::mbarrier_init(sm.v_full(s), 1);
       ptx::mbarrier_init(sm.k_empty(s), T::kConsumerWarps);
       ptx::mbarrier_init(sm.v_empty(s), T::kConsumerWarps);
+      ptx::mbarrier_init(sm.v_loaded(s), 1);
     }
     ptx::fence_mbarrier_init();
   }
@@ -1041,11 +1085,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ptx::wait_previous_grid();
     }
     ptx::allow_next_grid();
-    if (ptx::warp_in_warpgroup() == 0 && ptx::elect_one_sync()) {
-      ptx::tma_prefetch_tensor_map(&args.map_q);
-      ptx::tma_prefetch_tensor_map(&args.map_k);
-      ptx::tma_prefetch_tensor_map(&args.map_v);
-      produce_all<T>(args, sm);
+    // This shape of the branches matters to ptxas: with `warp 0 && elect_one_sync()` as one test
+    // and the tail warp in an `else if` (even with an empty body) it spilled 160 bytes in the d128
+    // kernels; tested this way, nothing (docs/PERF.md, session 28).
+    if (ptx::warp_in_warpgroup() == 0) {
+      if (ptx::elect_one_sync()) {
+        ptx::tma_prefetch_tensor_map(&args.map_q);
+        ptx::tma_prefetch_tensor_map(&args.map_k);
+        ptx::tma_prefetch_tensor_map(&args.map_v);
+        produce_all<T>(args, sm);
+      }
+    } else if (ptx::warp_in_warpgroup() == 2 && args.params.cu_seqlens_q != nullptr) {
+      zero_v_tails<T>(args, sm);
     }
   } else {
     ptx::setmaxnreg_inc<T::kConsumerRegisters>();
