@@ -19,11 +19,9 @@ constexpr int kRowsPerBlock = 8;
 constexpr int kVecElems = 8;        // 2-byte elements per 16-byte vector
 constexpr size_t kAlign = 256;      // each buffer's start in the workspace
 constexpr int64_t kElemBytes = 2;  // fp16 / bf16
-// Rows zeroed after the last sequence's keys: a key block there reaches up to (its size - 1) rows
-// past the end, inside the buffer (the TMA maps cover the whole bound, so nothing zero-fills
-// them) and over workspace memory that may hold anything, NaN included, which P = 0 must not
-// meet in P V. Between sequences the next sequence's rows follow (finite).
-constexpr int64_t kZeroTailRows = 256;
+// The rows after the last sequence stay as the workspace had them (NaN included): a key block
+// reaching past a sequence's end reads them, and the sm90 kernels zero such rows in shared
+// memory themselves (sm90/tail_rows.cuh), as for any packed varlen call.
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -41,21 +39,6 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(AttentionParams paged,
                                                           int64_t chunks_per_seq) {
   constexpr int kWarp = 32;
   static_assert(kThreads / kWarp == kRowsPerBlock, "a warp per row");
-  if (blockIdx.x == gridDim.x - 1) {  // the last block: zeros after the last sequence (kZeroTailRows)
-    const int64_t vecs_per_row = paged.heads_kv * paged.head_dim / kVecElems, chunks = paged.head_dim / kVecElems;
-    const SeqInfo last = seq_info(packed, packed.batch - 1);
-    const int64_t end = last.k_start + last.seqlen_k;
-    const int64_t rows = min(kZeroTailRows, packed.total_k - end);
-    for (int64_t i = threadIdx.x; i < 2 * rows * vecs_per_row; i += kThreads) {
-      const int64_t r = i / (2 * vecs_per_row), rest = i - r * 2 * vecs_per_row;
-      const bool is_v = rest >= vecs_per_row;
-      const int64_t vec = is_v ? rest - vecs_per_row : rest, h = vec / chunks, c = vec - h * chunks;
-      const TensorRef& dst = is_v ? packed.v : packed.k;
-      *reinterpret_cast<uint4*>(static_cast<char*>(dst.data) +
-                                (offset_of(dst, 0, end + r, h) + c * kVecElems) * kElemBytes) = make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
   const int64_t b = blockIdx.x / chunks_per_seq;
   const int64_t j = (blockIdx.x - b * chunks_per_seq) * kRowsPerBlock + threadIdx.x / kWarp;
   const SeqInfo from = seq_info(paged, b);  // k_start 0, length within the pages
@@ -92,7 +75,7 @@ Status gather_pages(const AttentionParams& p, void* workspace, AttentionParams* 
   packed->v = {base + buffer_bytes(p), 0, row_stride, p.head_dim};
   const int64_t chunks = (p.seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock;
   if (p.batch == 0 || packed->total_k == 0) return Status::ok();
-  const int64_t blocks = p.batch * chunks + 1;  // + the block zeroing the tail
+  const int64_t blocks = p.batch * chunks;
   if (blocks > INT32_MAX) return Status::unsupported("block_table: too many key rows to gather for the packed kernels");
   const ScopedDevice on_device(p.device_id);
   gather_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p, *packed,
