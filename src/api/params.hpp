@@ -139,24 +139,33 @@ FC_HOST_DEVICE int64_t offset_of(const TensorRef& t, int64_t b, int64_t row, int
   return b * t.batch_stride + row * t.row_stride + h * t.head_stride;
 }
 
-/** Element offset of key `row` (seq.k_start + j) of sequence b, KV head h, in k or v: offset_of, or
- *  through the page table for paged K/V (seq.k_start is 0 there). The table column and the page id
- *  are clamped into the table and the tensor, so wrong values in GPU memory never send a kernel
- *  outside them (validation rejects them for CPU calls). */
-FC_HOST_DEVICE int64_t kv_offset(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h) {
-  if (!p.is_paged()) return offset_of(t, b, row, h);
+/** Where key j of sequence b lives in paged K/V: its page and its slot in that page. The table
+ *  column and the page id are clamped into the table and the tensor, so wrong values in GPU memory
+ *  never send a kernel outside them (validation rejects them for CPU calls). */
+struct PageSlot {
+  int64_t page, slot;
+};
+FC_HOST_DEVICE PageSlot kv_page_slot(const AttentionParams& p, int64_t b, int64_t j) {
   const KvPages& pg = p.pages;
   if (pg.first_slot) {
     const int64_t first = pg.first_slot[b * pg.first_slot_stride];
-    row += first > 0 ? first : 0;
+    j += first > 0 ? first : 0;
   }
-  int64_t column = row / pg.page_size;
+  int64_t column = j / pg.page_size;
   column = column < pg.per_seq ? column : pg.per_seq - 1;
   int64_t page = pg.table[b * pg.batch_stride + column * pg.page_stride];
   page = page < 0 ? 0 : (page >= pg.num_pages ? pg.num_pages - 1 : page);
-  int64_t slot = row - column * pg.page_size;
+  int64_t slot = j - column * pg.page_size;
   slot = slot < pg.page_size ? slot : pg.page_size - 1;  // rows past the table: its last slot
-  return page * t.batch_stride + slot * t.row_stride + h * t.head_stride;
+  return {page, slot};
+}
+
+/** Element offset of key `row` (seq.k_start + j) of sequence b, KV head h, in k or v: offset_of, or
+ *  through the page table for paged K/V (seq.k_start is 0 there; kv_page_slot). */
+FC_HOST_DEVICE int64_t kv_offset(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h) {
+  if (!p.is_paged()) return offset_of(t, b, row, h);
+  const PageSlot at = kv_page_slot(p, b, row);
+  return at.page * t.batch_stride + at.slot * t.row_stride + h * t.head_stride;
 }
 
 }  // namespace flashcore

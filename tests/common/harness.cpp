@@ -426,7 +426,9 @@ namespace {
 
 /** Forward through the public API on `mem`; leaves results in pr.out / pr.lse (host). */
 /** Paged copies of a varlen problem's k and v (Case::page_size): sequence b's keys in whole pages
- *  of its own, the pages shuffled among spare ones holding random data, and the block table. */
+ *  of its own, the pages shuffled among spare ones, and the block table. Every slot no sequence
+ *  uses (spare pages, the rest of a sequence's last page) holds NaN: a kernel whose loads reach
+ *  them must keep them out of every result. */
 struct PagedKv {
   HostTensor k, v, table;
   PagedKv(const Problem& pr, std::mt19937_64& rng) {
@@ -437,8 +439,8 @@ struct PagedKv {
     const int64_t pages = batch * per_seq + 3;
     k = make_tensor(c.dtype, {pages, ps, c.heads_kv, c.head_dim}, c.padded);
     v = make_tensor(c.dtype, {pages, ps, c.heads_kv, c.head_dim}, c.padded);
-    fill_random(k, rng, 1.f);
-    fill_random(v, rng, 1.f);
+    fill_nan(k);
+    fill_nan(v);
     std::vector<int32_t> ids(static_cast<size_t>(pages));
     std::iota(ids.begin(), ids.end(), 0);
     std::shuffle(ids.begin(), ids.end(), rng);

@@ -244,13 +244,14 @@ KvCase prefill_case(std::vector<int32_t> cache_lens, int64_t page_size) {
 }
 
 /** Many query rows per KV head (chunked prefill into the cache): the forward-kernel route
- *  (cuda/decode/prefill_route.hpp) over every cache layout it takes, and the decode kernel for
- *  paged-16 caches, which the route leaves to it. */
+ *  (cuda/decode/prefill_route.hpp) over every cache layout it takes (on a Hopper GPU the sm90
+ *  forward reading contiguous rows and 128 / 256-key pages in place; elsewhere sm80, and the decode
+ *  kernel for 128-key pages), and the decode kernel for paged-16 caches, which the route leaves to it. */
 TEST(CudaKvCache, PrefillRoute) {
   REQUIRE_GPU();
   std::vector<KvCase> cases;
   for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
-    for (int64_t page : {int64_t(0), int64_t(16), int64_t(256)}) {
+    for (int64_t page : {int64_t(0), int64_t(16), int64_t(128), int64_t(256)}) {
       KvCase c = prefill_case({0, 100, 300}, page);
       c.dtype = dt;
       c.head_dim = dt == FC_DTYPE_BF16 ? 128 : 64;

@@ -157,6 +157,15 @@ AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
   return f;
 }
 
+/** Whether the Hopper forward takes f: the GPU and the call suit it (sm90_supports), it reads the
+ *  cache in place (no workspace for a page gather: one page per sequence, or pages of whole key
+ *  blocks), and q and out are contiguous across the batch (their packed views have no gap between
+ *  sequences), as its varlen TMA maps of q and out assume. */
+bool hopper_takes(const AttentionParams& f) {
+  return (f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0)) && sm90_supports(f, nullptr) &&
+         sm90_forward_workspace(f) == 0;
+}
+
 }  // namespace
 
 bool prefill_route_applies(const KvCacheParams& p) {
@@ -168,10 +177,11 @@ bool prefill_route_applies(const KvCacheParams& p) {
   if (p.batch * p.heads_q > INT_MAX / blocks) return false;
   constexpr int kDefaultSms = 132;
   if (2 * p.batch * p.heads_q * blocks < multiprocessor_count(p.device_id, kDefaultSms)) return false;  // half a block per SM
-  // The forward's own rules (paged caches: pages of 256k keys), before anything is launched (the
-  // arrays are placeholders: only their presence is read).
+  // The forward kernels' own rules (sm80: pages of 256k keys; sm90: 128k or one per sequence),
+  // before anything is launched (the arrays are placeholders: only their presence is read).
   int32_t* placeholder = const_cast<int32_t*>(p.cache_seqlens);
-  return sm80_supports(forward_params(p, {placeholder, placeholder, placeholder, placeholder}), nullptr);
+  const AttentionParams f = forward_params(p, {placeholder, placeholder, placeholder, placeholder});
+  return sm80_supports(f, nullptr) || hopper_takes(f);
 }
 
 size_t prefill_route_workspace(const KvCacheParams& p) {
@@ -187,7 +197,7 @@ Status run_prefill_route(const KvCacheParams& p, void* workspace) {
   if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
 
   const AttentionParams f = forward_params(p, a);
-  const Status s = sm80_forward(f, nullptr, 0);
+  const Status s = hopper_takes(f) ? sm90_forward(f, nullptr, 0) : sm80_forward(f, nullptr, 0);
   if (!s.is_ok()) return s;
   poison_kernel<<<static_cast<unsigned>(p.batch), RouteTraits::kThreads, 0, stream>>>(p, a.bad);
   err = cudaGetLastError();

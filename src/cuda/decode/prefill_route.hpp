@@ -4,7 +4,9 @@
 // a few new tokens and ~10x slower than the forward kernels from a few hundred rows on (H100,
 // docs/PERF.md session 27). Here the cache becomes the paged K/V of a varlen forward: contiguous
 // caches are pages of one cache row each (cache_batch_idx, or the identity, as the table;
-// cache_leftpad as each sequence's first slot), paged caches keep their block table. A one-CTA
+// cache_leftpad as each sequence's first slot), paged caches keep their block table. The Hopper
+// forward runs it where it reads those pages in place (one page per sequence, or pages of whole
+// 128-key blocks), cuda_sm80 otherwise. A one-CTA
 // kernel writes the varlen prefix sums from cache_seqlens on the device (no synchronization) and
 // marks sequences whose indices break the rules, whose rows a last small kernel sets to NaN (and
 // error_flag to 1), as the decode kernel does.
@@ -18,8 +20,8 @@
 namespace flashcore::cuda::decode {
 
 /** Whether p (after its append) runs on the forward kernels: many query rows per KV head, enough
- *  of the forward's 128-row blocks to fill half the GPU, and pages the sm80 forward reads in place
- *  (one per sequence, or multiples of 256 keys). */
+ *  of the forward's 128-row blocks to fill half the GPU, and pages a forward reads in place (one
+ *  per sequence; or multiples of 256 keys for sm80, of 128 for sm90). */
 bool prefill_route_applies(const KvCacheParams& p);
 
 /** Workspace of the route: the prefix sums, the identity table and the per-sequence marks. */

@@ -279,7 +279,9 @@ struct ForwardConfigs<Element, 128> {
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     const bool long_unmasked = !masked_attention(p) && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
-    return long_unmasked ? launch(TileChoice<Wide>{}) : launch(TileChoice<Narrow>{});
+    // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
+    const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
+    return long_unmasked && !pages_of_128 ? launch(TileChoice<Wide>{}) : launch(TileChoice<Narrow>{});
   }
 };
 template <typename Element>
@@ -381,11 +383,22 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   return w;
 }
 
-/** TMA row coordinate of the tile's it-th key block: blocks are visited downwards from
- *  n_block_end - 1 (produce_kv, prefetch_first_tile). */
+/** Where the TMA box of the tile's it-th key block starts in the K / V maps (blocks are visited
+ *  downwards from n_block_end - 1: produce_kv, prefetch_first_tile): a row of the tensor and the
+ *  batch coordinate, or, for paged K/V read in place, a slot of a page and the page (the maps'
+ *  batch dimension; the launcher admits only pages that hold whole key blocks, or one page per
+ *  sequence, so a box never spans two pages). */
+struct KeyBlockCoord {
+  int32_t row, batch;
+};
 template <class T>
-__device__ __forceinline__ int32_t key_block_row(const BlockWork& w, int it) {
-  return static_cast<int32_t>(w.k_row0 + int64_t(w.n_block_end - 1 - it) * T::kBlockN);
+__device__ __forceinline__ KeyBlockCoord key_block_coord(const ForwardKernelArgs& args, const BlockWork& w, int it) {
+  const int64_t key0 = int64_t(w.n_block_end - 1 - it) * T::kBlockN;
+  if (!args.params.is_paged()) {
+    return {static_cast<int32_t>(w.k_row0 + key0), static_cast<int32_t>(w.batch_coord)};
+  }
+  const PageSlot at = kv_page_slot(args.params, w.batch, key0);
+  return {static_cast<int32_t>(at.slot), static_cast<int32_t>(at.page)};
 }
 
 /** Where a tile's output goes: what the epilogue needs of a BlockWork, compact enough to keep
@@ -951,14 +964,15 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
   for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
-    const int32_t row = key_block_row<T>(w, it);
+    // Before the slot's wait: a paged block's table lookup runs under it.
+    const KeyBlockCoord at = key_block_coord<T>(args, w, it);
     // One key block of K (then V): wait for the stage's slot, arm its full barrier, TMA the chunks.
     auto load_block = [&](uint64_t* empty, uint64_t* full, uint8_t* dst, const CUtensorMap* map) {
       ptx::mbarrier_wait_parity(empty, parity ^ 1);
       ptx::mbarrier_arrive_expect_tx(full, T::kTileBytes);
 #pragma unroll
       for (int c = 0; c < T::kChunks; ++c)
-        ptx::tma_load_4d(dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, row, hk, bc);
+        ptx::tma_load_4d(dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, at.row, hk, at.batch);
     };
     load_block(sm.k_empty(stage), sm.k_full(stage), sm.k_ptr(stage), &args.map_k);
     FWD_TRACE(0, kKSlotFree, it);
@@ -1032,11 +1046,11 @@ __device__ void prefetch_first_tile(const ForwardKernelArgs& args) {
                             static_cast<int32_t>(w.head), bc);
   const int blocks = w.n_tiles < T::kStages ? w.n_tiles : T::kStages;
   for (int it = 0; it < blocks; ++it) {
-    const int32_t row = key_block_row<T>(w, it);
+    const KeyBlockCoord at = key_block_coord<T>(args, w, it);
 #pragma unroll
     for (int c = 0; c < T::kChunks; ++c) {
-      ptx::tma_prefetch_l2_4d(&args.map_k, c * T::kChunkCols, row, hk, bc);
-      ptx::tma_prefetch_l2_4d(&args.map_v, c * T::kChunkCols, row, hk, bc);
+      ptx::tma_prefetch_l2_4d(&args.map_k, c * T::kChunkCols, at.row, hk, at.batch);
+      ptx::tma_prefetch_l2_4d(&args.map_v, c * T::kChunkCols, at.row, hk, at.batch);
     }
   }
 }
@@ -1152,10 +1166,17 @@ Status launch_forward(const forward_params_t& p) {
   const int64_t k_rows = varlen ? p.total_k : p.seqlen_k;
   // With no keys anywhere (k_rows == 0) the K/V maps stay zero: n_tiles is 0 in every CTA, no
   // copy is issued, and every row gets out = 0, lse = -inf.
+  // Paged K/V read in place: (head_dim, page_size, heads_kv, num_pages), the page as the batch
+  // coordinate (key_block_coord); a box reaching past its page reads zeros.
+  const bool paged = p.is_paged();
   const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
-                                  {"k", &p.k, k_rows, p.heads_kv, T::kBlockN, &args.map_k},
-                                  {"v", &p.v, k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
-  const Status s = encode_attention_maps(jobs, 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
+                                  {"k", &p.k, paged ? p.pages.page_size : k_rows, p.heads_kv, T::kBlockN, &args.map_k},
+                                  {"v", &p.v, paged ? p.pages.page_size : k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
+  Status s = encode_attention_maps(jobs, paged ? 1 : 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
+  if (s.is_ok() && paged) {
+    s = encode_attention_maps(jobs + 1, 2, element, p.pages.num_pages, p.head_dim, /*varlen=*/false,
+                              "cuda_sm90 forward (pages)");
+  }
   if (!s.is_ok()) return s;
   // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise the
   // epilogue stores from registers.

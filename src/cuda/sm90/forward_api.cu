@@ -42,6 +42,24 @@ bool reject(Status* why, const std::string& message) {
   return false;
 }
 
+/** Keys per block of the tiles a paged call can get (ForwardConfigs: d64 and d128 128, d256 64; the
+ *  80-key d128 tile is not chosen for pages of several blocks). */
+constexpr int64_t kPagedBlockKeys = 128;
+
+/** Whether the kernel reads p's pages in place (TMA boxes of whole key blocks from the pages, no
+ *  gather): one page per sequence (a KV cache row: a box reaching past it reads zeros), or pages of
+ *  whole key blocks with no first slot (a box never spans two pages); and the pages TMA-addressable.
+ *  Otherwise the pages are gathered into packed rows first (cuda/paged_gather.hpp). */
+bool reads_pages_in_place(const AttentionParams& p) {
+  const KvPages& pg = p.pages;
+  const bool whole_blocks = pg.page_size % kPagedBlockKeys == 0 && pg.first_slot == nullptr;
+  return p.is_paged() && (pg.per_seq == 1 || whole_blocks) &&
+         sm90::tma_addressable(p.k, false, pg.num_pages) && sm90::tma_addressable(p.v, false, pg.num_pages);
+}
+
+/** Workspace of the paged gather, when the pages are not read in place. */
+size_t gather_bytes(const AttentionParams& p) { return reads_pages_in_place(p) ? 0 : paged_gather_bytes(p); }
+
 template <typename Element, int kHeadDim>
 struct ForwardEntry {
   static Status run(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
@@ -67,18 +85,21 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
                            " (FLASHCORE_HEAD_DIMS)");
   }
   const bool varlen = p.is_varlen();
-  // Paged k / v are first gathered into packed rows in the workspace (cuda/paged_gather.hpp), at
-  // most batch x max_seqlen_k of them; the TMA maps describe those copies.
+  // Paged k / v are read in place where the pages allow it (reads_pages_in_place), else first
+  // gathered into packed rows in the workspace (cuda/paged_gather.hpp), at most batch x
+  // max_seqlen_k of them, which the TMA maps then describe.
   const bool paged = p.is_paged();
+  const bool gathered = paged && !reads_pages_in_place(p);
   // The gather's workspace grows with batch x max_seqlen_k; past kMaxGatherBytes, pages that
   // cuda_sm80 reads in place go there (AUTO) rather than asking for that much memory.
   constexpr size_t kMaxGatherBytes = size_t(4) << 30;
-  if (paged && paged_gather_bytes(p) > kMaxGatherBytes && p.pages.page_size % 256 == 0) {
+  if (gathered && paged_gather_bytes(p) > kMaxGatherBytes && p.pages.page_size % 256 == 0) {
     return reject(why, "paged k / v would need " + std::to_string(paged_gather_bytes(p)) +
                            " bytes of workspace to gather (more than 4 GiB); cuda_sm80 reads these pages in place");
   }
   const int64_t q_rows = varlen ? p.total_q : p.seqlen_q;
-  const int64_t k_rows = paged ? p.batch * p.seqlen_k : (varlen ? p.total_k : p.seqlen_k);
+  const int64_t k_rows = paged ? (gathered ? p.batch * p.seqlen_k : p.pages.page_size)
+                               : (varlen ? p.total_k : p.seqlen_k);
   if (q_rows + kLargestBlockM > kMaxTmaCoord || k_rows + kLargestBlockM > kMaxTmaCoord) {
     return reject(why, "more than 2^31 - 193 rows do not fit TMA coordinates");
   }
@@ -104,12 +125,14 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   return true;
 }
 
-size_t sm90_forward_workspace(const AttentionParams& p) { return paged_gather_bytes(p); }
+size_t sm90_forward_workspace(const AttentionParams& p) { return gather_bytes(p); }
 
 Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  if (!p.is_paged()) return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm90 forward");
-  // Paged k / v: gathered into packed rows in the workspace first (one O(N) copy on the stream),
-  // then the packed varlen kernels (the forward itself needs no workspace).
+  if (!p.is_paged() || reads_pages_in_place(p)) {
+    return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm90 forward");
+  }
+  // Other paged k / v: gathered into packed rows in the workspace first (one O(N) copy on the
+  // stream), then the packed varlen kernels (the forward itself needs no workspace).
   AttentionParams packed;
   const Status s = gather_pages(p, workspace, &packed);
   return s.is_ok() ? run_compiled<ForwardEntry>(packed, nullptr, 0, "sm90 forward") : s;
