@@ -244,9 +244,9 @@ KvCase prefill_case(std::vector<int32_t> cache_lens, int64_t page_size) {
 }
 
 /** Many query rows per KV head (chunked prefill into the cache): the forward-kernel route
- *  (cuda/decode/prefill_route.hpp) over every cache layout it takes (on a Hopper GPU the sm90
- *  forward reading contiguous rows and 128 / 256-key pages in place; elsewhere sm80, and the decode
- *  kernel for 128-key pages), and the decode kernel for paged-16 caches, which the route leaves to it. */
+ *  (cuda/decode/prefill_route.hpp) over every cache layout. On a Hopper GPU the sm90 forward takes
+ *  them all (contiguous rows and 128 / 256-key pages in place, 16-key pages gathered); elsewhere
+ *  sm80 takes contiguous and 256-key caches and the decode kernel the others. */
 TEST(CudaKvCache, PrefillRoute) {
   REQUIRE_GPU();
   std::vector<KvCase> cases;

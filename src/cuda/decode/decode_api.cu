@@ -134,7 +134,10 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
     if (!s.is_ok()) return s;
   }
   if (p.batch == 0 || p.seqlen_q == 0) return Status::ok();
-  if (prefill) return decode::run_prefill_route(p, static_cast<char*>(workspace) + rotated_q_bytes(call));
+  if (prefill) {
+    return decode::run_prefill_route(p, decode::prefill_route_on_hopper(call),
+                                     static_cast<char*>(workspace) + rotated_q_bytes(call));
+  }
   decode::SplitOutput so;
   so.num_splits = splits;
   so.row_chunks = static_cast<int>(row_chunks(p));

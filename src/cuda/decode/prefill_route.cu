@@ -157,14 +157,27 @@ AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
   return f;
 }
 
-/** Whether the Hopper forward takes f: the GPU and the call suit it (sm90_supports), it reads the
- *  cache in place (no workspace for a page gather: one page per sequence, or pages of whole key
- *  blocks), and q and out are contiguous across the batch (their packed views have no gap between
- *  sequences), as its varlen TMA maps of q and out assume. */
+/** The most workspace the route asks for to gather pages for the Hopper forward (pages it cannot
+ *  read in place: smaller than a key block); past it, the call stays on the decode kernel. */
+constexpr size_t kMaxGatherBytes = size_t(1) << 30;
+
+/** Whether the Hopper forward takes f: the GPU and the call suit it (sm90_supports), q and out are
+ *  contiguous across the batch (their packed views have no gap between sequences), as its varlen
+ *  TMA maps of q and out assume, and pages it cannot read in place need at most kMaxGatherBytes
+ *  of gather workspace (a copy of batch x capacity keys, O(N) next to the attention). */
 bool hopper_takes(const AttentionParams& f) {
   return (f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0)) && sm90_supports(f, nullptr) &&
-         sm90_forward_workspace(f) == 0;
+         sm90_forward_workspace(f) <= kMaxGatherBytes;
 }
+
+/** f with placeholder arrays: for the rules and the workspace size, which read only their presence. */
+AttentionParams shape_params(const KvCacheParams& p) {
+  int32_t* placeholder = const_cast<int32_t*>(p.cache_seqlens);
+  return forward_params(p, {placeholder, placeholder, placeholder, placeholder});
+}
+
+/** The route's own arrays (arrays_in), before the forward's workspace. */
+size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_bytes(batch); }
 
 }  // namespace
 
@@ -177,18 +190,19 @@ bool prefill_route_applies(const KvCacheParams& p) {
   if (p.batch * p.heads_q > INT_MAX / blocks) return false;
   constexpr int kDefaultSms = 132;
   if (2 * p.batch * p.heads_q * blocks < multiprocessor_count(p.device_id, kDefaultSms)) return false;  // half a block per SM
-  // The forward kernels' own rules (sm80: pages of 256k keys; sm90: 128k or one per sequence),
-  // before anything is launched (the arrays are placeholders: only their presence is read).
-  int32_t* placeholder = const_cast<int32_t*>(p.cache_seqlens);
-  const AttentionParams f = forward_params(p, {placeholder, placeholder, placeholder, placeholder});
-  return sm80_supports(f, nullptr) || hopper_takes(f);
+  // The forward kernels' own rules (sm80: pages of 256k keys; sm90: any, gathered where they are
+  // smaller than a key block), before anything is launched.
+  const AttentionParams f = shape_params(p);
+  return hopper_takes(f) || sm80_supports(f, nullptr);
 }
+
+bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(shape_params(p)); }
 
 size_t prefill_route_workspace(const KvCacheParams& p) {
-  return 2 * cu_bytes(p.batch) + 2 * per_seq_bytes(p.batch);  // the layout of arrays_in
+  return arrays_bytes(p.batch) + (prefill_route_on_hopper(p) ? sm90_forward_workspace(shape_params(p)) : 0);
 }
 
-Status run_prefill_route(const KvCacheParams& p, void* workspace) {
+Status run_prefill_route(const KvCacheParams& p, bool on_hopper, void* workspace) {
   const RouteArrays a = arrays_in(workspace, p.batch);
   const ScopedDevice on_device(p.device_id);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -197,7 +211,13 @@ Status run_prefill_route(const KvCacheParams& p, void* workspace) {
   if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
 
   const AttentionParams f = forward_params(p, a);
-  const Status s = hopper_takes(f) ? sm90_forward(f, nullptr, 0) : sm80_forward(f, nullptr, 0);
+  Status s;
+  if (on_hopper) {
+    const size_t bytes = sm90_forward_workspace(f);  // the page gather's, where there is one
+    s = sm90_forward(f, bytes ? static_cast<char*>(workspace) + arrays_bytes(p.batch) : nullptr, bytes);
+  } else {
+    s = sm80_forward(f, nullptr, 0);
+  }
   if (!s.is_ok()) return s;
   poison_kernel<<<static_cast<unsigned>(p.batch), RouteTraits::kThreads, 0, stream>>>(p, a.bad);
   err = cudaGetLastError();

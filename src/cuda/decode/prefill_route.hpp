@@ -4,9 +4,9 @@
 // a few new tokens and ~10x slower than the forward kernels from a few hundred rows on (H100,
 // docs/PERF.md session 27). Here the cache becomes the paged K/V of a varlen forward: contiguous
 // caches are pages of one cache row each (cache_batch_idx, or the identity, as the table;
-// cache_leftpad as each sequence's first slot), paged caches keep their block table. The Hopper
-// forward runs it where it reads those pages in place (one page per sequence, or pages of whole
-// 128-key blocks), cuda_sm80 otherwise. A one-CTA
+// cache_leftpad as each sequence's first slot), paged caches keep their block table. On Hopper the
+// sm90 forward runs it (reading a cache row per sequence or 128k-key pages in place, gathering
+// smaller pages into the workspace first), cuda_sm80 elsewhere. A one-CTA
 // kernel writes the varlen prefix sums from cache_seqlens on the device (no synchronization) and
 // marks sequences whose indices break the rules, whose rows a last small kernel sets to NaN (and
 // error_flag to 1), as the decode kernel does.
@@ -20,14 +20,21 @@
 namespace flashcore::cuda::decode {
 
 /** Whether p (after its append) runs on the forward kernels: many query rows per KV head, enough
- *  of the forward's 128-row blocks to fill half the GPU, and pages a forward reads in place (one
- *  per sequence; or multiples of 256 keys for sm80, of 128 for sm90). */
+ *  of the forward's 128-row blocks to fill half the GPU, and a forward that takes its cache (sm90:
+ *  any, pages smaller than a key block gathered within 1 GiB of workspace; sm80: a cache row per
+ *  sequence or pages of 256k keys). */
 bool prefill_route_applies(const KvCacheParams& p);
 
-/** Workspace of the route: the prefix sums, the identity table and the per-sequence marks. */
+/** Whether the route runs p on the Hopper forward (else cuda_sm80). Decided on the call as the
+ *  caller made it (before q is rotated into the workspace), as the workspace size is. */
+bool prefill_route_on_hopper(const KvCacheParams& p);
+
+/** Workspace of the route: the prefix sums, the identity table and the per-sequence marks; on
+ *  Hopper, the page gather's buffers for pages smaller than a key block. */
 size_t prefill_route_workspace(const KvCacheParams& p);
 
-/** The attention of p on the forward kernels, on p.stream (q may be the rotated copy). */
-Status run_prefill_route(const KvCacheParams& p, void* workspace);
+/** The attention of p on the forward kernels, on p.stream (q may be the rotated copy); on_hopper
+ *  is prefill_route_on_hopper of the call the workspace was sized for. */
+Status run_prefill_route(const KvCacheParams& p, bool on_hopper, void* workspace);
 
 }  // namespace flashcore::cuda::decode
