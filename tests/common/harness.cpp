@@ -295,6 +295,7 @@ ErrorReport compare(const std::string& what, const std::vector<float>& x, const 
 struct Problem {
   Case c;
   HostTensor q, k, v, out, lse, cu_q, cu_k;
+  int64_t used_q = 0;  // varlen: rows the sequences use (the rest is Case::packed_tail_rows)
 };
 
 Problem make_problem(const Case& c, std::mt19937_64& rng) {
@@ -334,6 +335,7 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
     poison_rows_from(p.k, tk);
     poison_rows_from(p.v, tk);
   }
+  p.used_q = tq;
   fill_nan(p.out);
   fill_nan(p.lse);
   return p;
@@ -555,10 +557,7 @@ Grads host_reference_backward(Problem& pr, const HostTensor& dout_in, cpu::Refer
 
 /** Varlen: NaN in dout's rows past the last sequence, as in q (Case::packed_tail_rows). */
 void poison_dout_tail(const Problem& pr, HostTensor& dout) {
-  if (!pr.c.is_varlen()) return;
-  int64_t tq = 0;
-  for (auto L : pr.c.varlen_q) tq += L;
-  poison_rows_from(dout, tq);
+  if (pr.c.is_varlen()) poison_rows_from(dout, pr.used_q);
 }
 
 /** Forward + backward through the public API on `mem`; results in the returned host tensors. */

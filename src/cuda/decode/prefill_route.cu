@@ -158,16 +158,18 @@ AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
 }
 
 /** The most workspace the route asks for to gather pages for the Hopper forward (pages it cannot
- *  read in place: smaller than a key block); past it, the call stays on the decode kernel. */
-constexpr size_t kMaxGatherBytes = size_t(1) << 30;
+ *  read in place: smaller than a key block); past it, the call stays on the decode kernel. Below
+ *  the Hopper forward's own 4 GiB bound (forward_api.cu), as a KV-cache call's workspace is
+ *  allocated per call. */
+constexpr size_t kMaxRouteGatherBytes = size_t(1) << 30;
 
 /** Whether the Hopper forward takes f: the GPU and the call suit it (sm90_supports), q and out are
  *  contiguous across the batch (their packed views have no gap between sequences), as its varlen
- *  TMA maps of q and out assume, and pages it cannot read in place need at most kMaxGatherBytes
+ *  TMA maps of q and out assume, and pages it cannot read in place need at most kMaxRouteGatherBytes
  *  of gather workspace (a copy of batch x capacity keys, O(N) next to the attention). */
 bool hopper_takes(const AttentionParams& f) {
   return (f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0)) && sm90_supports(f, nullptr) &&
-         sm90_forward_workspace(f) <= kMaxGatherBytes;
+         sm90_forward_workspace(f) <= kMaxRouteGatherBytes;
 }
 
 /** f with placeholder arrays: for the rules and the workspace size, which read only their presence. */
@@ -199,7 +201,8 @@ bool prefill_route_applies(const KvCacheParams& p) {
 bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(shape_params(p)); }
 
 size_t prefill_route_workspace(const KvCacheParams& p) {
-  return arrays_bytes(p.batch) + (prefill_route_on_hopper(p) ? sm90_forward_workspace(shape_params(p)) : 0);
+  const AttentionParams f = shape_params(p);
+  return arrays_bytes(p.batch) + (hopper_takes(f) ? sm90_forward_workspace(f) : 0);
 }
 
 Status run_prefill_route(const KvCacheParams& p, bool on_hopper, void* workspace) {
