@@ -1,15 +1,19 @@
 """What flash_attn_varlen_func's block_table (paged K/V, forward only) costs at a prefill shape
-(docs/PERF.md, session 27): TFLOP/s of the paged call (pages of 16 / 256 / 512 keys in shuffled
-order) on the default backend (cuda_sm90 on Hopper: the pages gathered into packed rows first) and
-on cuda_sm80 (pages read in place), next to the packed varlen call on each in the same process.
+(docs/PERF.md, sessions 27-29): TFLOP/s of the paged call (pages of 8 / 16 / 32 / 64 / 256 / 512
+keys in shuffled order) on the default backend (cuda_sm90 on Hopper: pages of 8 gathered into
+packed rows first, the others read in place) and on cuda_sm80 (pages of 256k keys read in place),
+next to the packed varlen call on each in the same process.
 bf16, GQA 32 / 8, d128, causal, 4 sequences of 2048 tokens.
 
 usage: PYTHONPATH=<a built flashcore package> python3 dev/paged_prefill_cost.py"""
-import statistics
+import os
+import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import torch
 
 import flashcore
+from timing import events_rate
 
 torch.manual_seed(0)
 batch, seqlen, hq, hkv, d = 4, 2048, 32, 8, 128
@@ -30,23 +34,12 @@ def paged(page):
 
 
 def rate(fn):
-    fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20):
-            fn()
-        e.record()
-        e.synchronize()
-        runs.append(flops / (s.elapsed_time(e) / 20 / 1e3) / 1e12)
-    return statistics.median(runs)
+    return events_rate(fn, flops)
 
 
 call = lambda kk, vv, **kw: flashcore.flash_attn_varlen_func(q, kk, vv, cu, cu, seqlen, seqlen, causal=True, **kw)
 with torch.no_grad():
-    pages = {page: paged(page) for page in (16, 256, 512)}
+    pages = {page: paged(page) for page in (8, 16, 32, 64, 256, 512)}
     ref = call(k, v)
     for page, (kp, vp, table) in pages.items():
         torch.testing.assert_close(call(kp, vp, block_table=table), ref, rtol=0, atol=2e-2)

@@ -116,9 +116,11 @@ typedef struct fc_attention_options {
    *  (batch, max_pages_per_seq) lists sequence b's pages in order: its key j (j < cu_seqlens_k[b +
    *  1] - cu_seqlens_k[b]) sits in page block_table[b, j / page_size] at slot j % page_size.
    *  cuda_sm80 reads the pages in place and takes page sizes that are multiples of 256 (as
-   *  flash_attn; any with one page per sequence); cuda_sm90 first gathers them into packed rows in
-   *  the workspace, 2 x batch x max_seqlen_k rows (any page size; above 4 GiB of it, pages of 256k
-   *  keys go to cuda_sm80 under FC_BACKEND_AUTO); the CPU backends take any. Page ids in GPU
+   *  flash_attn; any with one page per sequence); cuda_sm90 takes any page size: it reads pages of
+   *  128k keys, one page per sequence, and pages of 16 / 32 / 64 keys (head_dim <= 128, no
+   *  softcap; pages of 16 where the copy below would cost more) in place, and first gathers other
+   *  pages into packed rows in the workspace, 2 x batch x max_seqlen_k rows (above 4 GiB of it,
+   *  pages of 256k keys go to cuda_sm80 under FC_BACKEND_AUTO); the CPU backends take any. Page ids in GPU
    *  memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v (it
    *  is clamped) but the results are not meaningful. NULL = k/v are packed as usual. */
   const fc_tensor* block_table;

@@ -332,14 +332,15 @@ TEST(CudaPagedKv, Sm80AndAutoAgainstTheReference) {
   for (fc_backend b : {FC_BACKEND_CUDA_SM80, FC_BACKEND_AUTO}) expect_forward(grid_paged(g, {256, 512}), b);
 }
 
-// Pages of 1 and 16 keys are gathered into packed rows; pages of whole 128-key blocks (128 here,
-// 256 and 512 through AUTO above on a Hopper GPU) and one page per sequence (2048: every sequence
-// of the grid fits one) are read in place.
+// Pages of 1 and 8 keys are gathered into packed rows; pages that divide a key block (16, 32, 64:
+// one TMA box per page at d64 / d128, gathered at d256; pages of 16 where box_pages_pay), pages of whole 128-key blocks (128 here, 256 and 512 through AUTO above on
+// a Hopper GPU) and one page per sequence (2048: every sequence of the grid fits one) are read in
+// place. The harness shuffles the pages and fills every unused slot with NaN.
 TEST(CudaPagedKv, Sm90AnyPageSize) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   GridOptions g = cuda_grid();
   g.head_dims = {64, 128, 256};
-  expect_forward(grid_paged(g, {1, 16, 128, 2048}), FC_BACKEND_CUDA_SM90);
+  expect_forward(grid_paged(g, {1, 8, 16, 32, 64, 128, 2048}), FC_BACKEND_CUDA_SM90);
 }
 
 TEST(CudaPagedKv, Sm80PageSizeRuleIsAClearError) {

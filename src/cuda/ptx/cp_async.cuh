@@ -16,6 +16,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_
                "r"(src_bytes));
 }
 
+/** Copy 4 bytes through L1 (.ca: the 4-byte form has no .cg): small values that go to shared
+ *  memory without passing through a register, e.g. block-table entries a thread with few
+ *  registers needs later. */
+__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(gmem_src));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

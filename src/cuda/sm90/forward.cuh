@@ -110,6 +110,7 @@
 #include "api/status.hpp"
 #include "common/fast_divmod.hpp"
 #include "common/mask.hpp"
+#include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -137,7 +138,7 @@ using sm80::quad_allreduce_sum;
 
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
-          bool kPingPong_ = true, bool kScoreTransforms_ = false>
+          bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -185,6 +186,15 @@ struct ForwardTraits {
   static constexpr uint32_t kTileChunkBytes = kBlockN * kSwizzleBytes;
 
   static constexpr uint32_t kAlign = 1024;  // 128B-swizzle period: tiles start on it
+  // Paged K/V in pages smaller than a key block (kernels of their own, WithPageBoxes): at most
+  // this many pages (TMA boxes) per block, pages of 16 keys or more (forward_api.cu's
+  // kMinBoxPageKeys); their ids sit after the barriers. 128-key tiles only, without the score
+  // transforms (other such calls are gathered). Compiled into every kernel, the box path had made
+  // the d256 producer spill 16-28 bytes and moved unpaged cells by -5% to +2% (session 29).
+  static constexpr bool kPageBoxes = kPageBoxes_;
+  static_assert(!kPageBoxes || (kBlockN == 128 && !kScoreTransforms), "page boxes: 128-key tiles, folded scale");
+  static constexpr int kMaxPageBoxes = kPageBoxes ? kBlockN / 16 : 0;
+  static constexpr uint32_t kPageIdBytes = 4 * kMaxPageBoxes;
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
@@ -199,13 +209,14 @@ struct ForwardTraits {
   // all at once, d256 with 64-key tiles two of four). With no room (d256 with 80-key tiles) it
   // would store from registers.
   static constexpr uint32_t kOChunkBytes = kRowsPerConsumer * kSwizzleBytes;  // one consumer's box
-  static constexpr uint32_t kORoom = kSmemLimit - (kOOffset + 8 * kBarriers + kAlign);
+  static constexpr uint32_t kORoom = kSmemLimit - (kOOffset + 8 * kBarriers + kPageIdBytes + kAlign);
   static constexpr int kOChunksStaged =
       std::min<int>(kChunks, static_cast<int>(kORoom / (kConsumers * kOChunkBytes)));  // per round
   static constexpr bool kStageO = kOChunksStaged > 0;
   static constexpr uint32_t kOBytesPerConsumer = kOChunksStaged * kOChunkBytes;
   static constexpr uint32_t kBarrierOffset = kOOffset + kConsumers * kOBytesPerConsumer;
-  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
+  static constexpr uint32_t kPageIdOffset = kBarrierOffset + 8 * kBarriers;
+  static constexpr uint32_t kSmemBytes = kPageIdOffset + kPageIdBytes + kAlign;  // + base align
   static_assert(kSmemBytes <= kSmemLimit, "shared memory per block on sm_90");
   static_assert(!kStageO || kChunks % kOChunksStaged == 0, "staging rounds cover the chunks evenly");
 
@@ -237,6 +248,17 @@ inline bool masked_attention(const forward_params_t& p) {
   return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
 }
 
+/** Paged K/V read in place in pages smaller than a 128-key block, one TMA box per page (the launcher
+ *  admitted them: forward_api.cu's reads_pages_in_place), by the kernels that carry that path. */
+inline bool reads_page_boxes(const forward_params_t& p) {
+  return p.is_paged() && p.pages.per_seq > 1 && p.pages.page_size < 128;
+}
+
+/** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
+template <class T>
+using WithPageBoxes = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                    T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/true>;
+
 /** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
 constexpr int64_t kLongSeqlen = 4096;
 
@@ -259,6 +281,7 @@ struct ForwardConfigs<Element, 64> {
   using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;     // 2*16 + 4*32 + 16 KiB
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
+    if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
     if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
     if (masked_attention(p)) return launch(TileChoice<Narrow>{});
     return launch(TileChoice<WideTurns>{});
@@ -278,6 +301,7 @@ struct ForwardConfigs<Element, 128> {
   using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
+    if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
     const bool long_unmasked = !masked_attention(p) && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
     // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
     const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
@@ -302,6 +326,10 @@ struct ForwardKernelArgs {
   AttentionParams params;
   bool store_o_with_tma;  // the traits stage O and `out` is TMA-addressable (map_o is valid)
   bool prefetch_first_tile;  // warm L2 with the first tile before the wait (prefetch_first_tile)
+  // Paged K/V in pages smaller than a key block: a block is kv_boxes TMA boxes of one page each
+  // (kv_box_rows = page_size keys). 1 otherwise: one box of kBlockN rows per 64 columns.
+  int kv_boxes;
+  int kv_box_rows;
   int num_m_blocks;
   int tiles_per_item;  // 2: pairs of query blocks (see TileWalker); 1: single blocks
   int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
@@ -329,6 +357,9 @@ struct SmemPlan {
   __device__ uint8_t* o_ptr(int consumer) const {
     return base + T::kOOffset + consumer * T::kOBytesPerConsumer;
   }
+  // The block-table entries of the key block the producer loads (request_block_pages).
+  __device__ const int32_t* page_ids() const { return reinterpret_cast<const int32_t*>(base + T::kPageIdOffset); }
+  __device__ uint32_t page_ids_addr() const { return addr + T::kPageIdOffset; }
   __device__ uint32_t q_addr(int q) const { return addr + T::kQOffset + q * T::kQBytes; }
   __device__ uint32_t k_addr(int s) const { return addr + T::kKOffset + s * T::kTileBytes; }
   __device__ uint32_t v_addr(int s) const { return addr + T::kVOffset + s * T::kTileBytes; }
@@ -387,7 +418,8 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
  *  downwards from n_block_end - 1: produce_kv, prefetch_first_tile): a row of the tensor and the
  *  batch coordinate, or, for paged K/V read in place, a slot of a page and the page (the maps'
  *  batch dimension; the launcher admits only pages that hold whole key blocks, or one page per
- *  sequence, so a box never spans two pages). */
+ *  sequence, so a box never spans two pages). Pages smaller than a block (the kPageBoxes kernels):
+ *  the block's first column in the table as the row (request_block_pages). */
 struct KeyBlockCoord {
   int32_t row, batch;
 };
@@ -397,8 +429,37 @@ __device__ __forceinline__ KeyBlockCoord key_block_coord(const ForwardKernelArgs
   if (!args.params.is_paged()) {
     return {static_cast<int32_t>(w.k_row0 + key0), static_cast<int32_t>(w.batch_coord)};
   }
+  if (T::kPageBoxes && args.kv_boxes > 1) return {(w.n_block_end - 1 - it) * args.kv_boxes, 0};  // first column
   const PageSlot at = kv_page_slot(args.params, w.batch, key0);
   return {static_cast<int32_t>(at.slot), static_cast<int32_t>(at.page)};
+}
+
+/** Pages smaller than a key block (kv_boxes > 1, no first slot: forward_api.cu): requests the
+ *  block-table entries of a key block whose first column is `first_column` (key_block_coord) into
+ *  shared memory (`ids`, kv_boxes int32), box b's page in entry b; block_page reads them after the
+ *  copies' wait. cp.async keeps them out of the producer's 24 registers (eight loads in flight
+ *  into registers spilled 12-28 bytes there) and issues them together (one after another, each
+ *  load's latency held up the next box: 344 against 499 TFLOP/s gathered at 16 keys). A column
+ *  past the table reads its last entry, as kv_page_slot clamps it (its rows lie past the sequence:
+ *  masked for K, zeroed for V, unless the lengths themselves are out of range). */
+__device__ __forceinline__ void request_block_pages(const ForwardKernelArgs& args, uint32_t ids, int64_t batch,
+                                                    int first_column) {
+  const KvPages& pg = args.params.pages;
+  const int32_t* row = pg.table + batch * pg.batch_stride;
+  for (int box = 0; box < args.kv_boxes; ++box) {
+    const int64_t c = first_column + box;
+    const int64_t column = c < pg.per_seq ? c : pg.per_seq - 1;
+    ptx::cp_async_4(ids + 4 * box, row + column * pg.page_stride);
+  }
+  ptx::cp_async_commit();
+}
+
+/** Box `box`'s page from the entries request_block_pages copied (after their wait), clamped into
+ *  the pool as kv_page_slot clamps. */
+__device__ __forceinline__ int32_t block_page(const ForwardKernelArgs& args, const int32_t* ids, int box) {
+  const int32_t page = ids[box];
+  const auto last = static_cast<int32_t>(args.params.pages.num_pages - 1);
+  return page < 0 ? 0 : (page > last ? last : page);
 }
 
 /** Where a tile's output goes: what the epilogue needs of a BlockWork, compact enough to keep
@@ -964,15 +1025,30 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
   for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
-    // Before the slot's wait: a paged block's table lookup runs under it.
+    // Before the slot's wait: a paged block's table lookups run under it (pages smaller than the
+    // block: copies of one entry per page into shared memory, request_block_pages).
     const KeyBlockCoord at = key_block_coord<T>(args, w, it);
-    // One key block of K (then V): wait for the stage's slot, arm its full barrier, TMA the chunks.
+    if (T::kPageBoxes && args.kv_boxes > 1) request_block_pages(args, sm.page_ids_addr(), w.batch, at.row);
+    // One key block of K (then V): wait for the stage's slot, arm its full barrier, TMA the chunks
+    // (of pages smaller than the block: one box per page and chunk, each page's rows where its
+    // keys sit in the tile; a box of 8k rows starts on the 128-byte swizzle's 1024-byte period).
     auto load_block = [&](uint64_t* empty, uint64_t* full, uint8_t* dst, const CUtensorMap* map) {
       ptx::mbarrier_wait_parity(empty, parity ^ 1);
       ptx::mbarrier_arrive_expect_tx(full, T::kTileBytes);
+      if (!T::kPageBoxes || args.kv_boxes == 1) {
 #pragma unroll
-      for (int c = 0; c < T::kChunks; ++c)
-        ptx::tma_load_4d(dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, at.row, hk, at.batch);
+        for (int c = 0; c < T::kChunks; ++c)
+          ptx::tma_load_4d(dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, at.row, hk, at.batch);
+      } else {
+        ptx::cp_async_wait<0>();  // the block's entries (a no-op for V: K's wait took them)
+        for (int box = 0; box < args.kv_boxes; ++box) {
+          const int32_t page = block_page(args, sm.page_ids(), box);
+          uint8_t* box_dst = dst + box * args.kv_box_rows * T::kSwizzleBytes;
+#pragma unroll
+          for (int c = 0; c < T::kChunks; ++c)
+            ptx::tma_load_4d(box_dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, 0, hk, page);
+        }
+      }
     };
     load_block(sm.k_empty(stage), sm.k_full(stage), sm.k_ptr(stage), &args.map_k);
     FWD_TRACE(0, kKSlotFree, it);
@@ -1168,10 +1244,23 @@ Status launch_forward(const forward_params_t& p) {
   // copy is issued, and every row gets out = 0, lse = -inf.
   // Paged K/V read in place: (head_dim, page_size, heads_kv, num_pages), the page as the batch
   // coordinate (key_block_coord); a box reaching past its page reads zeros.
+  // Pages smaller than a key block (sequences of several pages): one box per page, so the pages
+  // divide the block; only the kernels compiled with that path take them (forward_api.cu admits
+  // such pages only where ForwardConfigs picks one; others are gathered first).
   const bool paged = p.is_paged();
+  const bool page_boxes = paged && p.pages.per_seq > 1 && p.pages.page_size < T::kBlockN;
+  if (page_boxes != T::kPageBoxes ||
+      (page_boxes && (T::kBlockN % p.pages.page_size != 0 || p.pages.first_slot != nullptr))) {
+    return Status::unsupported("cuda_sm90 forward: pages of " + std::to_string(p.pages.page_size) +
+                               " keys cannot be read in place by the " + std::to_string(T::kBlockN) +
+                               "-key tile chosen for this call (they are gathered first)");
+  }
+  args.kv_boxes = page_boxes ? static_cast<int>(T::kBlockN / p.pages.page_size) : 1;
+  args.kv_box_rows = page_boxes ? static_cast<int>(p.pages.page_size) : T::kBlockN;
+  const auto kv_box = static_cast<uint32_t>(args.kv_box_rows);
   const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
-                                  {"k", &p.k, paged ? p.pages.page_size : k_rows, p.heads_kv, T::kBlockN, &args.map_k},
-                                  {"v", &p.v, paged ? p.pages.page_size : k_rows, p.heads_kv, T::kBlockN, &args.map_v}};
+                                  {"k", &p.k, paged ? p.pages.page_size : k_rows, p.heads_kv, kv_box, &args.map_k},
+                                  {"v", &p.v, paged ? p.pages.page_size : k_rows, p.heads_kv, kv_box, &args.map_v}};
   Status s = encode_attention_maps(jobs, paged ? 1 : 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
   if (s.is_ok() && paged) {
     s = encode_attention_maps(jobs + 1, 2, element, p.pages.num_pages, p.head_dim, /*varlen=*/false,
@@ -1213,7 +1302,12 @@ using WithScoreTransforms = ForwardTraits<typename T::Element, T::kHeadDim, T::k
 template <class T>
 Status launch_for_transform(const forward_params_t& p) {
   if (resolve_score_scales(p).transform == ScoreTransform::kFoldedScale) return launch_forward<T>(p);
-  return launch_forward<WithScoreTransforms<T>>(p);
+  if constexpr (T::kPageBoxes) {  // forward_api.cu gathers such pages for these calls
+    return Status::unsupported("cuda_sm90 forward: paged k / v in pages smaller than a key block need the plain "
+                               "softmax scale (no softcap)");
+  } else {
+    return launch_forward<WithScoreTransforms<T>>(p);
+  }
 }
 
 /** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */

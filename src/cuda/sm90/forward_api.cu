@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include "cuda/paged_gather.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/compiled_dispatch.cuh"
+#include "cuda/forward_scores.hpp"
 #include "cuda/sm90/attention_views.hpp"
 
 namespace flashcore::cuda {
@@ -45,15 +47,46 @@ bool reject(Status* why, const std::string& message) {
 /** Keys per block of the tiles a paged call can get (ForwardConfigs: d64 and d128 128, d256 64; the
  *  80-key d128 tile is not chosen for pages of several blocks). */
 constexpr int64_t kPagedBlockKeys = 128;
+/** The smallest page read in place as one TMA box per page: 16 keys make 8 boxes per 128-key block
+ *  and 64 columns (vLLM's default page); smaller pages are gathered. */
+constexpr int64_t kMinBoxPageKeys = 16;
+/** The largest head-dim bucket with kernels that read pages smaller than a block in place
+ *  (sm90/forward.cuh, ForwardTraits::kPageBoxes: 128-key tiles). */
+constexpr int64_t kMaxBoxPagesHeadDim = 128;
+/** Pages of 16 keys read in place run the kernel ~20% slower than packed rows (8 boxes of 2 KiB per
+ *  block and 64 columns; docs/PERF.md, session 29), while the gather copies batch x max_seqlen_k
+ *  keys in and out once: in place only where the attention's FLOPs per gathered byte are below
+ *  this (measured at GQA 32 / 8, d128: gathering 10-25% faster at ~960-3000, in place 20-38%
+ *  faster at ~250, a short chunk against a long cache). Pages of 32 and 64 keys were faster in
+ *  place at every measured shape. */
+constexpr double kBoxPages16FlopsPerGatheredByte = 512;
 
-/** Whether the kernel reads p's pages in place (TMA boxes of whole key blocks from the pages, no
- *  gather): one page per sequence (a KV cache row: a box reaching past it reads zeros), or pages of
- *  whole key blocks with no first slot (a box never spans two pages); and the pages TMA-addressable.
- *  Otherwise the pages are gathered into packed rows first (cuda/paged_gather.hpp). */
+/** Whether reading pages of kMinBoxPageKeys..kPagedBlockKeys keys in place beats the gather. */
+bool box_pages_pay(const AttentionParams& p) {
+  if (p.pages.page_size > kMinBoxPageKeys) return true;
+  // Keys a query row sees, on average: bottom-right causal rows see seqlen_k - seqlen_q / 2.
+  const double keys = p.window_right == 0 ? p.seqlen_k - 0.5 * std::min(p.seqlen_q, p.seqlen_k) : double(p.seqlen_k);
+  const double flops = 4.0 * double(p.heads_q) * double(p.head_dim) * double(p.total_q) * keys;
+  const double gathered = 2.0 * double(paged_gather_bytes(p));  // read and written
+  return flops < kBoxPages16FlopsPerGatheredByte * gathered;
+}
+
+/** Whether the kernel reads p's pages in place (TMA boxes from the pages, no gather): one page per
+ *  sequence (a KV cache row: a box reaching past it reads zeros); pages of whole key blocks; or
+ *  pages that divide a key block, one box each (16, 32 or 64 keys, head_dim <= 128, no softcap,
+ *  where box_pages_pay); the last two with no first slot, so that a box never spans two pages; and the
+ *  pages TMA-addressable. Otherwise the pages are gathered into packed rows first
+ *  (cuda/paged_gather.hpp). */
 bool reads_pages_in_place(const AttentionParams& p) {
   const KvPages& pg = p.pages;
-  const bool whole_blocks = pg.page_size % kPagedBlockKeys == 0 && pg.first_slot == nullptr;
-  return p.is_paged() && (pg.per_seq == 1 || whole_blocks) &&
+  const bool whole_blocks = pg.page_size % kPagedBlockKeys == 0;
+  // Pages that divide a block: by kernels of their own (sm90/forward.cuh, WithPageBoxes), compiled
+  // for the 128-key tiles (d64 / d128) and the plain softmax scale only; other such calls gather.
+  const bool page_boxes = pg.page_size >= kMinBoxPageKeys && kPagedBlockKeys % pg.page_size == 0 &&
+                          compiled_head_dim_bucket(p.head_dim) <= kMaxBoxPagesHeadDim &&
+                          resolve_score_scales(p).transform == ScoreTransform::kFoldedScale && p.is_paged() &&
+                          box_pages_pay(p);
+  return p.is_paged() && (pg.per_seq == 1 || ((whole_blocks || page_boxes) && pg.first_slot == nullptr)) &&
          sm90::tma_addressable(p.k, false, pg.num_pages) && sm90::tma_addressable(p.v, false, pg.num_pages);
 }
 
