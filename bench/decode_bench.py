@@ -25,6 +25,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from timing import events_rate
 
 FC_DTYPE_BF16 = 2
 FC_DTYPE_I32 = 3
@@ -79,19 +80,7 @@ def fc_tensor(t):
 
 def time_tbps(fn, nbytes, iters, repeats):
     """Median TB/s of `iters` back-to-back calls between two CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    rates = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / iters
-        rates.append(nbytes / seconds / 1e12)
-    return statistics.median(rates)
+    return events_rate(fn, nbytes, repeats=repeats, calls=iters)
 
 
 def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None, ordered=False):

@@ -1,8 +1,20 @@
-"""CUDA-event timing shared by bench/peers.py, dev/fwd_variants.py and dev/seed_anatomy.py
-(TARGETS.md's rule: calls back to back between events, median of repeats)."""
+"""CUDA-event timing shared by bench/peers.py and the dev/ scripts (TARGETS.md's rule: calls back
+to back between events, median of repeats)."""
+import statistics
 import time
 
 import torch
+
+
+def _ms_per_call(fn, calls):
+    """Milliseconds per call of `calls` calls issued back to back between two CUDA events."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(calls):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / calls
 
 
 def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
@@ -18,26 +30,22 @@ def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
         if n % 8 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
+    one = _ms_per_call(fn, 1)
     # Calls back to back (TARGETS.md): at least 3 per timed repeat, ~10 ms worth. One call between
     # two events also times the host issuing it: a fwd+bwd step of ~1.2 ms at S=512 then read
     # ~1.7 ms for flashcore (whose host side takes ~0.6 ms to issue a training step).
-    inner = max(3, min(50, int(10.0 / max(s.elapsed_time(e), 1e-3))))
-    ts = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / inner)
-    ts.sort()
+    inner = max(3, min(50, int(10.0 / max(one, 1e-3))))
+    ts = sorted(_ms_per_call(fn, inner) for _ in range(rep))
     return ts[len(ts) // 2]
+
+
+def events_rate(fn, work, repeats=5, calls=20):
+    """`work` per call (FLOPs or bytes) / time, in units of 1e12 per second (TFLOP/s or TB/s): one
+    warm-up call, then the median of `repeats` timings of `calls` calls back to back (the dev/ A/B
+    scripts' fixed-count form of bench_ms)."""
+    fn()
+    torch.cuda.synchronize()
+    return statistics.median(work / (_ms_per_call(fn, calls) / 1e3) / 1e12 for _ in range(repeats))
 
 
 def graph_replay_us(fn, reps=200):

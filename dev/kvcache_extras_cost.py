@@ -4,7 +4,15 @@ token, and appending one token with rotary tables; torch CUDA tensors, GQA 32 / 
 plain call in the same process is the peer (no SDPA backend has these features).
 
 usage: PYTHONPATH=<a built flashcore package> python3 dev/kvcache_extras_cost.py"""
-import torch, flashcore, statistics
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import torch
+
+import flashcore
+from timing import events_rate
+
 torch.manual_seed(0)
 for batch, kv in ((16, 8192), (1, 65536)):
     q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -14,13 +22,7 @@ for batch, kv in ((16, 8192), (1, 65536)):
     pad = torch.zeros(batch, dtype=torch.int32, device="cuda")
     nbytes = 2 * k.numel() * 2
     def t(fn):
-        fn(); torch.cuda.synchronize(); rs = []
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(30): fn()
-            e.record(); e.synchronize(); rs.append(nbytes / (s.elapsed_time(e) / 30 / 1e3) / 1e12)
-        return statistics.median(rs)
+        return events_rate(fn, nbytes, calls=30)
     a = t(lambda: flashcore.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens))
     b = t(lambda: flashcore.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=pad))
     cos = torch.randn(kv + 8, 64, device="cuda", dtype=torch.bfloat16); sin = torch.randn_like(cos)

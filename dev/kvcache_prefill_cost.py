@@ -5,21 +5,22 @@ new keys), with a contiguous cache and with the same cache as pages of 16 keys. 
 serves the last row's 16 x 16 shape, the forward kernels the others.
 
 usage: PYTHONPATH=<a built flashcore package> python3 dev/kvcache_prefill_cost.py"""
-import statistics
+import os
+import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import torch
 
 import flashcore
+from timing import events_rate
 
 torch.manual_seed(0)
+
+
 def rate(fn, flops):
-    fn(); torch.cuda.synchronize(); rs=[]
-    for _ in range(5):
-        s,e=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(10): fn()
-        e.record(); e.synchronize(); rs.append(flops/(s.elapsed_time(e)/10/1e3)/1e12)
-    return statistics.median(rs)
+    return events_rate(fn, flops, calls=10)
+
+
 for batch, sq, cached in ((1, 2048, 2048), (4, 512, 3584), (8, 128, 8064), (16, 16, 4080)):
     sk = cached + sq
     q = torch.randn(batch, sq, 32, 128, device="cuda", dtype=torch.bfloat16)
