@@ -61,7 +61,7 @@ constexpr int64_t kMaxBoxPagesHeadDim = 128;
  *  place at every measured shape. */
 constexpr double kBoxPages16FlopsPerGatheredByte = 512;
 
-/** Whether reading pages of kMinBoxPageKeys..kPagedBlockKeys keys in place beats the gather. */
+/** Whether reading pages of 16 / 32 / 64 keys in place (one box per page) beats the gather. */
 bool box_pages_pay(const AttentionParams& p) {
   if (p.pages.page_size > kMinBoxPageKeys) return true;
   // Keys a query row sees, on average: bottom-right causal rows see seqlen_k - seqlen_q / 2.
