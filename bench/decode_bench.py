@@ -78,11 +78,6 @@ def fc_tensor(t):
     return x
 
 
-def time_tbps(fn, nbytes, iters, repeats):
-    """Median TB/s of `iters` back-to-back calls between two CUDA events."""
-    return events_rate(fn, nbytes, repeats=repeats, calls=iters)
-
-
 def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None, ordered=False):
     """Builds the ctypes arguments once; returns a closure that issues one call."""
     lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
@@ -163,7 +158,7 @@ def sdpa_call(backend, q, k, v):
 def read_ceiling(iters, repeats):
     """TB/s of summing a 4 GiB bf16 tensor (the measured read bandwidth)."""
     x = torch.randn(2 * 1024 ** 3, device="cuda", dtype=torch.bfloat16)
-    rate = time_tbps(lambda: x.sum(dtype=torch.float32), x.numel() * 2, max(1, iters // 5), repeats)
+    rate = events_rate(lambda: x.sum(dtype=torch.float32), x.numel() * 2, repeats, max(1, iters // 5))
     del x
     torch.cuda.empty_cache()
     return rate
@@ -230,14 +225,14 @@ def main():
         row = [f"{batch} x {kv_len}"]
         for backend in ("cudnn", "flash"):
             try:
-                row.append(f"{time_tbps(sdpa_call(backend, q, k, v), nbytes, a.iters, a.repeats):.2f}")
+                row.append(f"{events_rate(sdpa_call(backend, q, k, v), nbytes, a.repeats, a.iters):.2f}")
             except Exception as e:  # a backend that refuses the shape
                 row.append(f"n/a ({type(e).__name__})")
         info = {}
         for name, page in LAYOUTS:
             keep = []
             call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, info=info)
-            row.append(f"{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
+            row.append(f"{events_rate(call, nbytes, a.repeats, a.iters):.2f}")
             if a.profile:
                 profile_lines.append(f"profile {batch}x{kv_len} {name} (splits {info.get('splits')}): "
                                      + kernel_breakdown(call))
@@ -245,12 +240,12 @@ def main():
             if a.ordered_pages and page:
                 ordered_call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, ordered=True)
                 compare_lines.append(f"ordered pages {batch}x{kv_len} {name}: "
-                                  f"{time_tbps(ordered_call, nbytes, a.iters, a.repeats):.2f}")
+                                  f"{events_rate(ordered_call, nbytes, a.repeats, a.iters):.2f}")
                 print(compare_lines[-1], flush=True)
             if base_lib:
                 base_call = flashcore_call(base_lib, batch, kv_len, page, q, k, v, out, keep)
                 compare_lines.append(f"base-lib {batch}x{kv_len} {name}: "
-                                  f"{time_tbps(base_call, nbytes, a.iters, a.repeats):.2f}")
+                                  f"{events_rate(base_call, nbytes, a.repeats, a.iters):.2f}")
                 print(compare_lines[-1], flush=True)
             if a.env_variants:
                 name_env, values = a.env_variants.split("=", 1)
@@ -259,7 +254,7 @@ def main():
                 for _ in range(a.repeats):
                     for val in values:
                         os.environ[name_env] = val
-                        rates[val].append(time_tbps(call, nbytes, a.iters, 1))
+                        rates[val].append(events_rate(call, nbytes, 1, a.iters))
                 os.environ.pop(name_env, None)
                 compare_lines.append(f"{name_env} {batch}x{kv_len} {name}: " + " ".join(
                     f"{val}:{statistics.median(r):.3f}" for val, r in rates.items()))
@@ -271,7 +266,7 @@ def main():
                         continue
                     keep = []
                     call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=s)
-                    rates.append(f"{s}:{time_tbps(call, nbytes, a.iters, a.repeats):.2f}")
+                    rates.append(f"{s}:{events_rate(call, nbytes, a.repeats, a.iters):.2f}")
                 sweep_lines.append(f"sweep {batch}x{kv_len} {name}: " + " ".join(rates))
                 print(sweep_lines[-1], flush=True)
         row.append(str(info.get("splits", "?")))

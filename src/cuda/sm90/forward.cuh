@@ -251,7 +251,8 @@ inline bool masked_attention(const forward_params_t& p) {
 /** Paged K/V read in place in pages smaller than a 128-key block, one TMA box per page (the launcher
  *  admitted them: forward_api.cu's reads_pages_in_place), by the kernels that carry that path. */
 inline bool reads_page_boxes(const forward_params_t& p) {
-  return p.is_paged() && p.pages.per_seq > 1 && p.pages.page_size < 128;
+  constexpr int64_t kBoxTileKeys = 128;  // ForwardTraits::kPageBoxes's tiles
+  return p.is_paged() && p.pages.per_seq > 1 && p.pages.page_size < kBoxTileKeys;
 }
 
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
@@ -1248,7 +1249,7 @@ Status launch_forward(const forward_params_t& p) {
   // divide the block; only the kernels compiled with that path take them (forward_api.cu admits
   // such pages only where ForwardConfigs picks one; others are gathered first).
   const bool paged = p.is_paged();
-  const bool page_boxes = paged && p.pages.per_seq > 1 && p.pages.page_size < T::kBlockN;
+  const bool page_boxes = reads_page_boxes(p);
   if (page_boxes != T::kPageBoxes ||
       (page_boxes && (T::kBlockN % p.pages.page_size != 0 || p.pages.first_slot != nullptr))) {
     return Status::unsupported("cuda_sm90 forward: pages of " + std::to_string(p.pages.page_size) +
