@@ -192,10 +192,11 @@ TEST_P(CudaBackward, LongSequences) {
 
 // More tiles (key block x KV head x batch) than an H100 has SMs, without a window: the sm90
 // backward's persistent grid then walks several tiles per CTA, carrying its Q/dO stages, dS
-// buffers and K/V barrier phases across them (sm80 has no such path: sm90 only). Varlen adds
-// tiles past a sequence's keys (skipped) and sequences without queries (tiles of no steps,
-// dK = dV = 0). Short sequences keep the fp64 reference cheap: a first version with 1400-row
-// sequences passed on both backends but took 275 s each, mostly in the reference.
+// buffers and K/V barrier phases across them (sm80 has no such path: sm90 only). The ragged
+// varlen case runs one CTA per tile since session 30 (persistent_grid), with tiles past a
+// sequence's keys (no steps) and sequences without queries (tiles of no steps, dK = dV = 0), many
+// more tiles than SMs. Short sequences keep the fp64 reference cheap: a first version with
+// 1400-row sequences passed on both backends but took 275 s each, mostly in the reference.
 TEST(CudaSm90Backward, ManyTilesPerCta) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   Case dense;  // d64: 3 key blocks x 4 KV heads x 24 = 288 tiles of 2 query blocks x GQA 2

@@ -56,8 +56,8 @@
 // persistent: min(tiles, SMs) CTAs, CTA c taking tiles c, c + gridDim.x, ...; every role walks the
 // same tiles and keeps the same TileCursor, so query steps are numbered CTA-wide (stages, their
 // parities and the dS / P buffers run on from tile to tile) and K / V loads are counted. Under a
-// causal or local mask the tiles' costs differ and the grid is one CTA per tile (see
-// persistent_grid).
+// causal or local mask, and in varlen calls, the tiles' costs differ and the grid is one CTA per
+// tile (see persistent_grid).
 //
 // ---- Pipeline -------------------------------------------------------------------------------------
 //  kv_full/kv_empty:    K and V of a tile (TMA; phase = the count of earlier tiles that loaded
@@ -329,9 +329,10 @@ struct KeyBlockWork {
  *  one; under a causal or local mask the costs differ per key block, and a static stride left
  *  some CTAs the heavy halves of the heads (causal fwd+bwd d256 S = 8192: 302 -> 179 TFLOP/s;
  *  heaviest-first bands taken in snake order still gave 267), so those calls launch one CTA per
- *  tile and let the hardware balance them. */
+ *  tile and let the hardware balance them. So do varlen calls: a key block's cost is its
+ *  sequence's query count (docs/PERF.md, session 30, dev/varlen_peers.py). */
 __host__ __device__ __forceinline__ bool persistent_grid(const BackwardParams& p) {
-  return p.window_left < 0 && p.window_right < 0;
+  return p.window_left < 0 && p.window_right < 0 && p.cu_seqlens_q == nullptr;
 }
 
 template <class T>
