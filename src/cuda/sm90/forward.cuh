@@ -19,8 +19,8 @@
 //      registers, O += P V (wgmma with P from registers, the "RS" form). The consumers share
 //      each K/V tile and interleave naturally: while one does its softmax (FMA / MUFU pipes) the
 //      other's wgmmas occupy the tensor cores.
-// The grid is persistent (one CTA per SM; four for varlen calls under a causal mask,
-// kVarlenListsPerSm): the producer loads the next tile's first K/V blocks while the consumers
+// The grid is persistent (one CTA per SM; four for varlen calls of uneven lengths under a causal
+// mask, kVarlenListsPerSm): the producer loads the next tile's first K/V blocks while the consumers
 // finish the current one (the walk's divisions are FastDivmod: each tile's
 // resolve runs on one thread with nothing to hide it), and (d64, d128: two Q slots) the next tile's Q right
 // after the current tile's first key block (produce_all). Tiles come in pairs of equal total cost
@@ -1205,14 +1205,24 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 // ---- host -----------------------------------------------------------------------------------------
 
-/** CTAs per SM for varlen calls under a causal (one-sided) mask. A CTA's list of items is fixed by
- *  the stride over the grid, and with sequences of uneven lengths the lists' costs differ (the
- *  pairs of query blocks assume every sequence max_seqlen long); with four shorter lists per SM,
- *  the hardware starts the next waiting list on whichever SM frees first. Same process, ~16k tokens
- *  in sequences uniform in [mean / 2, 3 mean / 2) (dev/varlen_peers.py, docs/PERF.md session 30):
- *  causal +15% to +33% at mean 512 / 2048, d64 / d128; equal lengths -2% to -9%. Without a mask
- *  every query block of a sequence costs the same and it gained -4% to +12%: not used there. */
+/** CTAs per SM for varlen calls of uneven lengths (provably_uneven) under a causal (one-sided)
+ *  mask. A CTA's list of items is fixed by the stride over the grid, and with sequences of uneven
+ *  lengths the lists' costs differ (the pairs of query blocks assume every sequence max_seqlen
+ *  long); with four shorter lists per SM, the hardware starts the next waiting list on whichever
+ *  SM frees first. Same process, ~16k tokens in sequences uniform in [mean / 2, 3 mean / 2)
+ *  (dev/varlen_peers.py, docs/PERF.md session 30): causal +15% to +33% at mean 512 / 2048, d64 /
+ *  d128. Equal lengths lost 2% to 9% with it (the CTAs' restarts, where the pairs balanced
+ *  already), hence provably_uneven. Without a mask every query block of a sequence costs the same
+ *  and it gained -4% to +12%: not used there. */
 constexpr int64_t kVarlenListsPerSm = 4;
+
+/** Whether a varlen call's sequences are of uneven lengths, as far as the host can tell: fewer
+ *  packed rows than batch x max_seqlen (every length is at most max_seqlen). Packed tensors with
+ *  spare rows, or key lengths the host does not see (paged K/V, the KV-cache route), read as even. */
+inline bool provably_uneven(const forward_params_t& p) {
+  if (p.cu_seqlens_q == nullptr) return false;
+  return p.total_q < p.batch * p.seqlen_q || (!p.is_paged() && p.total_k < p.batch * p.seqlen_k);
+}
 
 template <class T>
 Status launch_forward(const forward_params_t& p) {
@@ -1294,9 +1304,9 @@ Status launch_forward(const forward_params_t& p) {
     return Status::cuda(std::string("cuda_sm90 forward: cannot reserve shared memory: ") +
                         cudaGetErrorString(err));
   }
-  // Persistent: one CTA per SM (fewer when there are fewer work items); varlen calls under a
-  // one-sided mask, kVarlenListsPerSm CTAs per SM (see there).
-  const int64_t lists_per_sm = p.cu_seqlens_q != nullptr && uneven_cost ? kVarlenListsPerSm : 1;
+  // Persistent: one CTA per SM (fewer when there are fewer work items); varlen calls of uneven
+  // lengths under a one-sided mask, kVarlenListsPerSm CTAs per SM (see there).
+  const int64_t lists_per_sm = uneven_cost && provably_uneven(p) ? kVarlenListsPerSm : 1;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_items, lists_per_sm * sm_count)));
   // A programmatic dependent of the kernel before it (each role waits for it before its first read).
   err = launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, static_cast<cudaStream_t>(p.stream),
