@@ -12,7 +12,9 @@
 # with a benchmark beside it (the backward grids alone took ~330 s on an H100 in session 4, both
 # backends): split it over calls with --filter, e.g. '*sm80*',
 # '*sm90*:*Sm90*:CudaRaces*:CudaSanitizer*:*SmallGrids*' and 'CudaKvCache*:CudaMergePartials*',
-# and raise --test-timeout (default 420 s) when one filter needs more. bench/peers.py times every
+# and raise --test-timeout (default 420 s) when one filter needs more. The backend-parametrized
+# suites are named Backends/CudaForward.Varlen/sm90 and so on: their patterns need a leading '*'
+# ('CudaBackward.Deterministic*' matches nothing, '*CudaBackward.Deterministic*' both backends). bench/peers.py times every
 # training-grid cell in two interleaved rounds by default: the bf16 forward grid takes ~2 min, forward
 # and forward+backward ~5; `--bench-args "--rounds 1"` halves that, and cells past --budget are
 # reported as skipped.
