@@ -231,7 +231,8 @@ TEST(CudaSm90Backward, ManyTilesPerCta) {
 INSTANTIATE_TEST_SUITE_P(Backends, CudaBackward,
                          ::testing::Values(FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90), backend_label);
 
-// Enough query blocks that the persistent sm90 grid pairs them (odd block count: a block alone).
+// Enough query blocks that the persistent sm90 grid pairs them (odd block count: a block alone),
+// and a varlen call that spreads them over more CTAs than SMs.
 TEST_P(CudaForward, ManyTiles) {
   REQUIRE_BACKEND(GetParam());
   std::vector<Case> cases;
@@ -247,6 +248,20 @@ TEST_P(CudaForward, ManyTiles) {
     c.causal = causal;
     cases.push_back(c);
   }
+  // Causal varlen of uneven lengths: the sm90 grid then holds four CTAs per SM (kVarlenListsPerSm)
+  // and still more pairs than CTAs (2 pairs x 8 heads x 40 sequences = 640 > 4 x 132), so CTAs
+  // take several items whose sequences differ in length, some without queries.
+  Case ragged;
+  for (int i = 0; i < 40; ++i) {
+    ragged.varlen_q.push_back(i % 9 == 4 ? 0 : (67 * i) % 450 + 1);
+    ragged.varlen_k.push_back(ragged.varlen_q.back());
+  }
+  ragged.heads_q = 8;
+  ragged.heads_kv = 2;
+  ragged.head_dim = 64;
+  ragged.dtype = FC_DTYPE_BF16;
+  ragged.causal = true;
+  cases.push_back(ragged);
   expect_forward(cases, GetParam());
 }
 
