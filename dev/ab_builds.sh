@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Base-vs-new timing of two source trees in one device call: the working tree (new) against a git
+# ref (base), each built as a Python package, a script run for each in alternating processes.
+#
+#   here:    bash dev/ab_builds.sh prepare REF
+#            (git archive REF into dev_ab/base: ignored by git, so the device call must carry it)
+#   device:  run(command="bash dev/ab_builds.sh run OUTDIR [--dims '64;128'] [--dtypes bf16]
+#                 [--rounds 2] -- python3 dev/varlen_peers.py --flashcore-only", carry=["dev_ab"])
+#
+# The GPU machine has no .git, hence the archive made here. Both packages build at once (bf16,
+# d64 / d128 by default: ~2 min on 16 cores); then each round runs the command with PYTHONPATH on
+# the base package, then on the new one (AB_LABEL=base / new in its environment), everything
+# appended to OUTDIR/ab.txt. The order inside a round stays fixed: judge a long cell on two
+# rounds at least (docs/PERF.md, session 21: the variant timed last in a round can read low).
+# Sessions 29-30 did this by hand each time (base-vs-new tables in docs/PERF.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:?usage: dev/ab_builds.sh prepare REF | run OUTDIR [options] -- COMMAND...}
+shift
+
+if [ "$MODE" = prepare ]; then
+  REF=${1:?usage: dev/ab_builds.sh prepare REF}
+  rm -rf dev_ab/base && mkdir -p dev_ab/base && git archive "$REF" | tar -x -C dev_ab/base || exit 1
+  echo "dev_ab/base: $(git rev-parse --short "$REF") ($(du -sh dev_ab/base | cut -f1)); carry [\"dev_ab\"] in the device call"
+  exit 0
+fi
+[ "$MODE" = run ] || { echo "unknown mode $MODE"; exit 2; }
+
+OUTDIR=${1:?usage: dev/ab_builds.sh run OUTDIR [options] -- COMMAND...}
+shift
+DIMS='64;128' DTYPES=bf16 ROUNDS=2
+while [ $# -gt 0 ] && [ "$1" != -- ]; do
+  case "$1" in
+    --dims) DIMS=$2; shift 2 ;;
+    --dtypes) DTYPES=$2; shift 2 ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
+    *) echo "unknown option $1"; exit 2 ;;
+  esac
+done
+[ "${1:-}" = -- ] && shift
+[ $# -gt 0 ] || { echo "no command after --"; exit 2; }
+[ -d dev_ab/base ] || { echo "dev_ab/base missing: run 'dev/ab_builds.sh prepare REF' here and carry dev_ab"; exit 2; }
+mkdir -p "$OUTDIR"
+
+# build TREE LABEL JOBS: a Python-only package of TREE in /tmp/ab_pkg_LABEL.
+build() {
+  local tree=$1 label=$2 jobs=$3 log="$OUTDIR/build_$2.log"
+  cmake -S "$tree" -B "$tree/build-ab" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON \
+    -DFLASHCORE_CUDA_ARCHS=90 -DFLASHCORE_BUILD_PYTHON=ON -DFLASHCORE_BUILD_TESTS=OFF -DFLASHCORE_BUILD_CLI=OFF \
+    -DFLASHCORE_DTYPES="$DTYPES" -DFLASHCORE_HEAD_DIMS="$DIMS" -DCMAKE_CUDA_FLAGS="-Xptxas=-v" >"$log" 2>&1 &&
+    cmake --build "$tree/build-ab" -j "$jobs" >>"$log" 2>&1 || { echo "$label: BUILD FAILED (see build_$label.log)"; return 1; }
+  rm -rf "/tmp/ab_pkg_$label" && mkdir -p "/tmp/ab_pkg_$label/flashcore" &&
+    cp "$tree"/python/flashcore/*.py "/tmp/ab_pkg_$label/flashcore/" && cp "$tree"/build-ab/python/_C*.so "/tmp/ab_pkg_$label/flashcore/"
+  echo "$label: built, kernels with spills: $(grep -E '[1-9][0-9]* bytes spill stores' "$log" | wc -l)"
+}
+T0=$(date +%s)
+build dev_ab/base base 8 >"$OUTDIR/build_base.status" 2>&1 &
+build . new 8 || exit 1
+wait
+cat "$OUTDIR/build_base.status"
+grep -q FAILED "$OUTDIR/build_base.status" && exit 1
+echo "builds: $(( $(date +%s) - T0 )) s"
+
+for round in $(seq 1 "$ROUNDS"); do
+  for label in base new; do
+    echo "#### $label, round $round: $*" | tee -a "$OUTDIR/ab.txt"
+    AB_LABEL=$label PYTHONPATH="/tmp/ab_pkg_$label" "$@" 2>&1 | tee -a "$OUTDIR/ab.txt"
+  done
+done
