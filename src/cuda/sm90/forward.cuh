@@ -20,9 +20,9 @@
 //      each K/V tile and interleave naturally: while one does its softmax (FMA / MUFU pipes) the
 //      other's wgmmas occupy the tensor cores.
 // The grid is persistent (one CTA per SM; four for varlen calls of uneven lengths under a causal
-// mask, kVarlenListsPerSm): the producer loads the next tile's first K/V blocks while the consumers
-// finish the current one (the walk's divisions are FastDivmod: each tile's
-// resolve runs on one thread with nothing to hide it), and (d64, d128: two Q slots) the next tile's Q right
+// mask, kVarlenListsPerSm): the producer loads the next tile's first K/V blocks while the
+// consumers finish the current one (the walk's divisions are FastDivmod: each tile's resolve runs
+// on one thread with nothing to hide it), and (d64, d128: two Q slots) the next tile's Q right
 // after the current tile's first key block (produce_all). Tiles come in pairs of equal total cost
 // under a causal mask, in order otherwise (TileWalker). Key blocks run from the last to the first, so
 // the tiles that need per-element masks (the causal diagonal, the partial last block) come first
