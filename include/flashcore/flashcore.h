@@ -34,8 +34,9 @@ extern "C" {
 
 /* 2: fc_kvcache_args gained rotary_cos / rotary_sin / rotary_interleaved / cache_leftpad (appended
  *    after error_flag) and fc_attention_options gained block_table (appended after reserved);
- *    callers built against version 1 pass shorter structs: rebuild them. */
-#define FC_ABI_VERSION 2
+ *    callers built against version 1 pass shorter structs: rebuild them.
+ * 3: fc_attention_options gained alibi_slopes (appended after block_table). */
+#define FC_ABI_VERSION 3
 #define FC_MAX_DIMS 4
 
 /** Element types. Values are part of the ABI. */
@@ -124,6 +125,13 @@ typedef struct fc_attention_options {
    *  memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v (it
    *  is clamped) but the results are not meaningful. NULL = k/v are packed as usual. */
   const fc_tensor* block_table;
+  /** Since FC_ABI_VERSION 3. ALiBi, as flash_attn's alibi_slopes: float32 (heads_q) or (batch,
+   *  heads_q) on q's device. The score of query i and key j (positions inside their sequence) gets
+   *  the bias -slope[b, h] * |i + seqlen_k - seqlen_q - j| after softmax_scale and softcap, in
+   *  forward and backward (lse includes it). Served by cpu_reference, cpu_flash and cuda_sm80
+   *  (FC_BACKEND_AUTO sends such calls there on Hopper too); not by cuda_sm90, paged K/V or the
+   *  KV-cache entry. CPU slopes must be finite; CUDA slopes are trusted. NULL = no bias. */
+  const fc_tensor* alibi_slopes;
 } fc_attention_options;
 
 /** Message of the last failed call on this thread ("" when none). Valid until the next call. */

@@ -61,6 +61,7 @@ struct Options {
   bool check_cu_seqlens = false;  // CUDA varlen: validate cu_seqlens on the host (synchronizes)
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device for bad cu_seqlens (no sync)
   const Tensor* block_table = nullptr;  // varlen forward: k / v are pages (fc_attention_options.block_table)
+  const Tensor* alibi_slopes = nullptr;  // float32 (heads_q) or (batch, heads_q): ALiBi bias
 
   fc_attention_options to_c() const {
     fc_attention_options o{};
@@ -81,6 +82,7 @@ struct Options {
     o.check_cu_seqlens = check_cu_seqlens ? 1 : 0;
     o.error_flag = error_flag;
     o.block_table = block_table;
+    o.alibi_slopes = alibi_slopes;
     return o;
   }
 };

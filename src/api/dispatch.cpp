@@ -62,18 +62,21 @@ Status backend_checks(const AttentionParams& p, const Args& a, fc_backend backen
 template <>
 Status backend_checks(const AttentionParams& p, const ForwardArgs& a, fc_backend backend, bool) {
   const fc_attention_options* o = a.options;
-  const fc_tensor* ts[] = {a.q, a.k, a.v, a.out, a.lse, o ? o->cu_seqlens_q : nullptr, o ? o->cu_seqlens_k : nullptr};
-  const char* ns[] = {"q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"};
-  return validate_for_backend(p, backend, ts, ns, 7);
+  const fc_tensor* ts[] = {a.q,   a.k, a.v, a.out, a.lse, o ? o->cu_seqlens_q : nullptr, o ? o->cu_seqlens_k : nullptr,
+                           o ? o->alibi_slopes : nullptr};
+  const char* ns[] = {"q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"};
+  return validate_for_backend(p, backend, ts, ns, 8);
 }
 
 template <>
 Status backend_checks(const AttentionParams& p, const BackwardArgs& a, fc_backend backend, bool) {
   const fc_attention_options* o = a.options;
   const fc_tensor* ts[] = {a.dout, a.q, a.k, a.v, a.out, a.lse, a.dq, a.dk, a.dv,
-                           o ? o->cu_seqlens_q : nullptr, o ? o->cu_seqlens_k : nullptr};
-  const char* ns[] = {"dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"};
-  return validate_for_backend(p, backend, ts, ns, 11);
+                           o ? o->cu_seqlens_q : nullptr, o ? o->cu_seqlens_k : nullptr,
+                           o ? o->alibi_slopes : nullptr};
+  const char* ns[] = {"dout", "q",  "k",  "v",  "out", "lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+                      "alibi_slopes"};
+  return validate_for_backend(p, backend, ts, ns, 12);
 }
 
 fc_backend requested_backend(const fc_attention_options* o) {

@@ -36,6 +36,8 @@ Status apply_options(const fc_attention_options& opt, int64_t head_dim, KvCacheP
   if (opt.cu_seqlens_q || opt.cu_seqlens_k)
     return Status::invalid(std::string(opt.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k") +
                            ": must be null for fc_attention_kvcache (lengths come from cache_seqlens)");
+  if (opt.alibi_slopes)
+    return Status::unsupported("alibi_slopes: not supported by fc_attention_kvcache (the forward takes them)");
   ResolvedOptions ro;
   const Status s = check_common_options(opt, head_dim, &ro);
   if (!s.is_ok()) return s;

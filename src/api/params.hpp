@@ -79,8 +79,16 @@ struct AttentionParams {
   void* stream = nullptr;     // cudaStream_t
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device when cu_seqlens break the rules
   KvPages pages;                  // forward only
+  // ALiBi (fc_attention_options.alibi_slopes): the score of query i and key j of sequence b, head
+  // h, gets -slope(b, h) * |i + seqlen_k - seqlen_q - j| (per-sequence lengths and positions).
+  const float* alibi_slopes = nullptr;  // on q's device; nullptr = no bias
+  int64_t alibi_batch_stride = 0;       // 0 for (heads_q) slopes; the head stride is 1
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FC_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
+  FC_HOST_DEVICE float alibi_slope(int64_t b, int64_t h) const {
+    return alibi_slopes != nullptr ? alibi_slopes[b * alibi_batch_stride + h] : 0.f;
+  }
   FC_HOST_DEVICE bool is_paged() const { return pages.table != nullptr; }
   int64_t group_size() const { return heads_q / heads_kv; }
 };

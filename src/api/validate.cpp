@@ -240,6 +240,43 @@ Status check_common_options(const fc_attention_options& opt, int64_t head_dim, R
 namespace {
 using namespace validate_detail;
 
+/** alibi_slopes: float32 (heads_q) or (batch, heads_q) on q's device; values checked on the CPU
+ *  (finite), trusted on a GPU as flash_attn does (reading them there would synchronize). */
+Status apply_alibi(const fc_tensor& slopes, int64_t batch, const fc_tensor* q, AttentionParams* p) {
+  if (slopes.ndim != 1 && slopes.ndim != 2)
+    return Status::invalid("alibi_slopes: has " + std::to_string(slopes.ndim) +
+                           " dimensions, expected 1 (heads_q) or 2 (batch, heads_q)");
+  Status s;
+  Extent e;
+  if (!(s = check_tensor_basics(&slopes, "alibi_slopes", slopes.ndim, &e)).is_ok()) return s;
+  if (!(s = check_dtype(&slopes, "alibi_slopes", FC_DTYPE_F32, "ALiBi slopes are float32")).is_ok()) return s;
+  if (!(s = check_same_device(&slopes, "alibi_slopes", q, "q")).is_ok()) return s;
+  const bool per_batch = slopes.ndim == 2;
+  if (per_batch) {
+    if (!(s = check_shape(&slopes, "alibi_slopes", {batch, p->heads_q}, "alibi_slopes is (heads_q) or (batch, heads_q)"))
+             .is_ok())
+      return s;
+  } else if (!(s = check_shape(&slopes, "alibi_slopes", {p->heads_q}, "alibi_slopes is (heads_q) or (batch, heads_q)"))
+                  .is_ok()) {
+    return s;
+  }
+  const float* values = static_cast<const float*>(slopes.data);
+  const int64_t batch_stride = per_batch ? slopes.strides[0] : 0;
+  if (q->device_type == FC_DEVICE_CPU) {
+    for (int64_t b = 0; b < (per_batch ? batch : 1); ++b) {
+      for (int64_t h = 0; h < p->heads_q; ++h) {
+        if (!std::isfinite(values[b * batch_stride + h])) {
+          return Status::invalid("alibi_slopes: entry " + (per_batch ? "[" + std::to_string(b) + ", " : std::string("[")) +
+                                 std::to_string(h) + "] is not finite");
+        }
+      }
+    }
+  }
+  p->alibi_slopes = values;
+  p->alibi_batch_stride = batch_stride;
+  return Status::ok();
+}
+
 TensorRef dense_ref(const fc_tensor* t) {
   return {t->data, t->strides[0], t->strides[1], t->strides[2]};
 }
@@ -373,7 +410,7 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
     p->q = dense_ref(q);
     p->k = dense_ref(k);
     p->v = dense_ref(v);
-    return Status::ok();
+    return opt.alibi_slopes ? apply_alibi(*opt.alibi_slopes, batch, q, p) : Status::ok();
   }
 
   const fc_tensor* cq = opt.cu_seqlens_q;
@@ -433,7 +470,7 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   p->q = varlen_ref(q);
   p->k = paged ? dense_ref(k) : varlen_ref(k);
   p->v = paged ? dense_ref(v) : varlen_ref(v);
-  return Status::ok();
+  return opt.alibi_slopes ? apply_alibi(*opt.alibi_slopes, batch, q, p) : Status::ok();
 }
 
 /** lse: dense (batch, heads_q, seqlen_q), varlen (heads_q, total_q); fp32. */
@@ -488,6 +525,12 @@ Status validate_forward(const ForwardArgs& a, bool for_workspace_query, Attentio
     check_tensor_basics(a.options->block_table, "block_table", 2, &et);  // validated above
     if (!(s = check_disjoint(a.out, eo, "out", a.options->block_table, et, "block_table")).is_ok()) return s;
   }
+  const fc_tensor* slopes = a.options ? a.options->alibi_slopes : nullptr;
+  Extent es;
+  if (slopes) {
+    check_tensor_basics(slopes, "alibi_slopes", slopes->ndim, &es);  // validated above
+    if (!(s = check_disjoint(a.out, eo, "out", slopes, es, "alibi_slopes")).is_ok()) return s;
+  }
   p->out = ref_of(a.out, p->is_varlen());
   if (a.lse) {
     if (!(s = validate_lse(a.lse, "lse", a.q, *p, &el)).is_ok()) return s;
@@ -496,6 +539,7 @@ Status validate_forward(const ForwardArgs& a, bool for_workspace_query, Attentio
     if (!(s = check_disjoint(a.lse, el, "lse", a.k, ek, "k")).is_ok()) return s;
     if (!(s = check_disjoint(a.lse, el, "lse", a.v, ev, "v")).is_ok()) return s;
     if (!(s = check_disjoint(a.lse, el, "lse", a.out, eo, "out")).is_ok()) return s;
+    if (slopes && !(s = check_disjoint(a.lse, el, "lse", slopes, es, "alibi_slopes")).is_ok()) return s;
     p->lse = lse_ref(a.lse, p->is_varlen());
   }
   return Status::ok();
@@ -522,8 +566,12 @@ Status validate_backward(const BackwardArgs& a, bool for_workspace_query, Backwa
   const fc_tensor* ins[] = {a.q, a.k, a.v, a.out, a.dout, a.lse};
   const Extent* eins[] = {&eq, &ek, &ev, &eo, &edo, &el};
   const char* inames[] = {"q", "k", "v", "out", "dout", "lse"};
+  const fc_tensor* slopes = a.options ? a.options->alibi_slopes : nullptr;
+  Extent es;
+  if (slopes) check_tensor_basics(slopes, "alibi_slopes", slopes->ndim, &es);  // validated above
   for (int i = 0; i < 3; ++i) {
     if (!(s = check_no_self_overlap(outs[i], onames[i])).is_ok()) return s;
+    if (slopes && !(s = check_disjoint(outs[i], *eouts[i], onames[i], slopes, es, "alibi_slopes")).is_ok()) return s;
     for (int j = 0; j < 6; ++j)
       if (!(s = check_disjoint(outs[i], *eouts[i], onames[i], ins[j], *eins[j], inames[j])).is_ok()) return s;
     for (int j = 0; j < i; ++j)

@@ -39,15 +39,17 @@ Real load_kv(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t ro
   return static_cast<Real>(load_as_float(t.data, kv_offset(p, t, b, row, h) + d, p.dtype));
 }
 
-/** Scores of one query row against keys [r.begin, r.end): scale * q.k, then softcap. Also
- *  returns the tanh values needed by the backward chain rule (tanh_out, when softcap > 0). */
+/** Scores of one query row against keys [r.begin, r.end): scale * q.k, then softcap, then the
+ *  ALiBi bias -slope * |i + seqlen_k - seqlen_q - j|. Also returns the tanh values needed by the
+ *  backward chain rule (tanh_out, when softcap > 0; the bias is a constant there). */
 template <typename Real>
 void row_scores(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t i, int64_t h, KeyRange r,
                 const std::vector<Real>& q_row, std::vector<Real>* scores, std::vector<Real>* tanh_out) {
   const int64_t hk = h / p.group_size();
   scores->assign(static_cast<size_t>(r.end - r.begin), Real(0));
   if (tanh_out) tanh_out->assign(scores->size(), Real(0));
-  (void)i;
+  const Real slope = static_cast<Real>(p.alibi_slope(b, h));
+  const int64_t diagonal = i + s.seqlen_k - s.seqlen_q;  // the key at distance 0
   for (int64_t j = r.begin; j < r.end; ++j) {
     Real dot = 0;
     for (int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * load_kv<Real>(p, p.k, b, s.k_start + j, hk, d);
@@ -58,6 +60,7 @@ void row_scores(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t i
       if (tanh_out) (*tanh_out)[j - r.begin] = t;
       sc = cap * t;
     }
+    if (slope != 0) sc -= slope * static_cast<Real>(diagonal > j ? diagonal - j : j - diagonal);
     (*scores)[j - r.begin] = sc;
   }
 }

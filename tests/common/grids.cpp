@@ -111,6 +111,57 @@ std::vector<Case> grid_masks(const GridOptions& g) {
   return v;
 }
 
+std::vector<Case> grid_alibi(const GridOptions& g) {
+  std::vector<Case> v;
+  struct Shape {
+    int64_t batch, sq, sk, heads_q, heads_kv;
+    bool causal;
+    int32_t left, right;
+    double softcap;
+    int alibi;
+  };
+  const Shape shapes[] = {
+      {2, 200, 200, 4, 4, true, -1, -1, 0, 1},     // causal, square
+      {2, 100, 300, 4, 2, false, -1, -1, 0, 2},    // keys on both sides of the diagonal, GQA, per batch
+      {1, 300, 100, 2, 1, true, -1, -1, 0, 1},     // rows before the first key (fully masked)
+      {1, 130, 190, 2, 2, false, 32, 7, 30, 2},    // window and softcap
+      {3, 1, 257, 8, 2, false, -1, -1, 0, 1},      // one query row against many keys
+      {1, 600, 600, 2, 1, true, -1, -1, 0, 2},     // several key blocks per row
+      {1, 520, 700, 2, 2, false, -1, -1, 0, 1},    // unmasked, several key blocks
+  };
+  for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
+    const Shape& sh = shapes[i];
+    Case c;
+    c.batch = sh.batch;
+    c.seqlen_q = sh.sq;
+    c.seqlen_k = sh.sk;
+    c.heads_q = sh.heads_q;
+    c.heads_kv = sh.heads_kv;
+    c.causal = sh.causal;
+    c.window_left = sh.left;
+    c.window_right = sh.right;
+    c.softcap = sh.softcap;
+    c.alibi = sh.alibi;
+    c.head_dim = g.head_dims[i % g.head_dims.size()];
+    c.dtype = g.dtypes[i % g.dtypes.size()];
+    c.padded = i == 1;
+    v.push_back(c);
+  }
+  for (bool causal : {false, true}) {  // varlen: each sequence's own diagonal and batch entry
+    Case c;
+    c.varlen_q = {5, 0, 130, 64};
+    c.varlen_k = {7, 33, 0, 200};
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = g.head_dims.back();
+    c.dtype = g.dtypes[0];
+    c.causal = causal;
+    c.alibi = causal ? 2 : 1;
+    v.push_back(c);
+  }
+  return v;
+}
+
 std::vector<Case> grid_varlen(const GridOptions& g) {
   std::vector<Case> v;
   const std::vector<std::vector<int32_t>> qs = {{5, 0, 130, 64}, {1, 1, 1}, {200, 17}};

@@ -27,6 +27,9 @@ std::vector<Case> grid_varlen(const GridOptions& g);
 /** Paged K/V (a varlen forward through a block table): the varlen grid at each page size, plus
  *  softcap with a window over sequences spanning several pages. */
 std::vector<Case> grid_paged(const GridOptions& g, const std::vector<int64_t>& page_sizes);
+/** ALiBi slopes ((heads_q) and (batch, heads_q)) with causal masks at both alignments, a window,
+ *  softcap, GQA, varlen batches with empty sequences, one query row, several key blocks. */
+std::vector<Case> grid_alibi(const GridOptions& g);
 /** Fully masked rows, seqlen_k = 0, huge logits. */
 std::vector<Case> grid_edges(const GridOptions& g);
 

@@ -295,11 +295,12 @@ ErrorReport compare(const std::string& what, const std::vector<float>& x, const 
 struct Problem {
   Case c;
   HostTensor q, k, v, out, lse, cu_q, cu_k;
+  HostTensor slopes;  // Case::alibi: float32 (heads_q) or (batch, heads_q)
   int64_t used_q = 0;  // varlen: rows the sequences use (the rest is Case::packed_tail_rows)
 };
 
 Problem make_problem(const Case& c, std::mt19937_64& rng) {
-  Problem p{c, {}, {}, {}, {}, {}, {}, {}};
+  Problem p{c, {}, {}, {}, {}, {}, {}, {}, {}};
   int64_t tq = 0, tk = 0;  // rows the sequences use (varlen)
   if (c.is_varlen()) {
     for (auto L : c.varlen_q) tq += L;
@@ -336,6 +337,16 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
     poison_rows_from(p.v, tk);
   }
   p.used_q = tq;
+  if (c.alibi != 0) {
+    // Slopes from ALiBi's range (2^-8 .. 1/2 for 8 heads) and past it, so that biases of a few
+    // units to a few hundred meet scores of order one.
+    const int64_t batch = c.is_varlen() ? static_cast<int64_t>(c.varlen_q.size()) : c.batch;
+    p.slopes = c.alibi == 2 ? make_tensor(FC_DTYPE_F32, {batch, c.heads_q}, false)
+                            : make_tensor(FC_DTYPE_F32, {c.heads_q}, false);
+    std::uniform_real_distribution<float> log2_slope(-9.f, 0.f);
+    auto* slopes = reinterpret_cast<float*>(p.slopes.bytes.data());
+    for (size_t i = 0; i < p.slopes.bytes.size() / sizeof(float); ++i) slopes[i] = std::exp2(log2_slope(rng));
+  }
   fill_nan(p.out);
   fill_nan(p.lse);
   return p;
@@ -373,6 +384,11 @@ void host_reference_forward(Problem& pr, bool low, HostTensor* out, HostTensor* 
             tl = view(*lse, lse->data(), FC_DEVICE_CPU), tcq = view(pr.cu_q, pr.cu_q.data(), FC_DEVICE_CPU),
             tck = view(pr.cu_k, pr.cu_k.data(), FC_DEVICE_CPU);
   fc_attention_options o = options_for(pr.c, FC_BACKEND_CPU_REFERENCE, &tcq, &tck, nullptr);
+  fc_tensor ts{};
+  if (pr.c.alibi != 0) {
+    ts = view(pr.slopes, pr.slopes.data(), FC_DEVICE_CPU);
+    o.alibi_slopes = &ts;
+  }
   AttentionParams params;
   Status s = validate_forward({&tq, &tk, &tv, &to, &tl, &o}, false, &params);
   if (!s.is_ok()) throw std::runtime_error("reference forward: " + s.message);
@@ -399,6 +415,7 @@ std::string Case::name() const {
   if (q_magnitude != 1.f) s << "_mag" << q_magnitude;
   if (deterministic) s << "_det";
   if (page_size > 0) s << "_pages" << page_size;
+  if (alibi != 0) s << "_alibi" << alibi;
   return s.str();
 }
 
@@ -474,10 +491,14 @@ std::string run_forward(Problem& pr, fc_backend backend, Memory& mem) {
   HostTensor& hv = paged ? paged->v : pr.v;
   HostTensor no_table;
   Mirror q(mem, pr.q), k(mem, hk), v(mem, hv), out(mem, pr.out), lse(mem, pr.lse), cq(mem, pr.cu_q),
-      ck(mem, pr.cu_k), table(mem, paged ? paged->table : no_table);
+      ck(mem, pr.cu_k), table(mem, paged ? paged->table : no_table), slopes(mem, pr.slopes);
   fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor(), to = out.tensor(), tl = lse.tensor(),
-            tcq = cq.tensor(), tck = ck.tensor(), ttable{};
+            tcq = cq.tensor(), tck = ck.tensor(), ttable{}, ts{};
   fc_attention_options o = options_for(pr.c, backend, &tcq, &tck, mem.stream());
+  if (pr.c.alibi != 0) {
+    ts = slopes.tensor();
+    o.alibi_slopes = &ts;
+  }
   if (paged) {
     ttable = table.tensor();
     o.block_table = &ttable;
@@ -547,6 +568,11 @@ Grads host_reference_backward(Problem& pr, const HostTensor& dout_in, cpu::Refer
             tdq = view(g.dq, g.dq.data(), 0), tdk = view(g.dk, g.dk.data(), 0), tdv = view(g.dv, g.dv.data(), 0),
             tcq = view(pr.cu_q, pr.cu_q.data(), 0), tck = view(pr.cu_k, pr.cu_k.data(), 0);
   fc_attention_options o = options_for(pr.c, FC_BACKEND_CPU_REFERENCE, &tcq, &tck, nullptr);
+  fc_tensor ts{};
+  if (pr.c.alibi != 0) {
+    ts = view(pr.slopes, pr.slopes.data(), FC_DEVICE_CPU);
+    o.alibi_slopes = &ts;
+  }
   BackwardParams params;
   Status s = validate_backward({&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &o}, false, &params);
   if (!s.is_ok()) throw std::runtime_error("reference backward: " + s.message);
@@ -569,11 +595,15 @@ std::string run_backward(Problem& pr, HostTensor& dout, Grads* g, fc_backend bac
   fill_nan(g->dk);
   fill_nan(g->dv);
   Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), out(mem, pr.out), lse(mem, pr.lse), cq(mem, pr.cu_q),
-      ck(mem, pr.cu_k), mdo(mem, dout), dq(mem, g->dq), dk(mem, g->dk), dv(mem, g->dv);
+      ck(mem, pr.cu_k), mdo(mem, dout), dq(mem, g->dq), dk(mem, g->dk), dv(mem, g->dv), slopes(mem, pr.slopes);
   fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor(), to = out.tensor(), tl = lse.tensor(),
             tcq = cq.tensor(), tck = ck.tensor(), tdo = mdo.tensor(), tdq = dq.tensor(), tdk = dk.tensor(),
-            tdv = dv.tensor();
+            tdv = dv.tensor(), ts{};
   fc_attention_options o = options_for(pr.c, backend, &tcq, &tck, mem.stream());
+  if (pr.c.alibi != 0) {
+    ts = slopes.tensor();
+    o.alibi_slopes = &ts;
+  }
   size_t fws = 0, bws = 0;
   if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &fws) != FC_OK) return fc_last_error();
   if (fc_attention_backward_workspace(&tq, &tk, &tv, &o, &bws) != FC_OK) return fc_last_error();

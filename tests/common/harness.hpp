@@ -67,6 +67,8 @@ struct Case {
   // preallocated buffer: no result may depend on them (a kernel whose loads read them, as TMA boxes
   // do, must zero them before they meet a 0 probability: 0 x NaN = NaN).
   int64_t packed_tail_rows = 37;
+  // ALiBi: 1 = random slopes of shape (heads_q), 2 = (batch, heads_q); 0 = none.
+  int alibi = 0;
 
   std::string name() const;
   bool is_varlen() const { return !varlen_q.empty(); }

@@ -204,5 +204,52 @@ TEST(Reference, ClosedForms) {
   EXPECT_FALSE(std::isinf(empty.lse[3]));
 }
 
+/** A float32 (n) tensor over `x`. */
+fc_tensor vector_tensor(std::vector<float>& x) {
+  fc_tensor t{};
+  t.data = x.data();
+  t.dtype = FC_DTYPE_F32;
+  t.ndim = 1;
+  t.shape[0] = static_cast<int64_t>(x.size());
+  t.strides[0] = 1;
+  return t;
+}
+
+TEST(Reference, AlibiClosedForm) {
+  // q = 0: every score is 0, so key j's weight is exp(-slope * |i + sk - sq - j|) alone.
+  for (bool causal : {false, true}) {
+    Tiny t(3, 7, 2, 1, 2, 24);
+    std::fill(t.q.begin(), t.q.end(), 0.f);
+    std::vector<float> slopes = {0.5f, 0.125f};
+    fc_tensor ts = vector_tensor(slopes);
+    t.opt.alibi_slopes = &ts;
+    t.opt.causal = causal;
+    AttentionParams p = t.params();
+    ASSERT_TRUE(cpu::reference_forward(p).is_ok());
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t i = 0; i < 3; ++i) {
+        const int64_t diagonal = i + 7 - 3;
+        double total = 0, out[2] = {0, 0};
+        for (int64_t j = 0; j <= (causal ? diagonal : 6); ++j) {
+          const double w = std::exp(-double(slopes[h]) * double(std::abs(diagonal - j)));
+          total += w;
+          for (int e = 0; e < 2; ++e) out[e] += w * t.v[j * 2 + e];
+        }
+        EXPECT_NEAR(t.lse[h * 3 + i], std::log(total), 1e-6) << "h " << h << " i " << i;
+        for (int e = 0; e < 2; ++e) EXPECT_NEAR(t.out[(i * 2 + h) * 2 + e], out[e] / total, 1e-6);
+      }
+  }
+}
+
+TEST(Reference, FiniteDifferencesAlibi) {
+  // The bias is a constant of the scores: gradients as without it, through other probabilities.
+  Tiny t(5, 6, 2, 1, 4, 25);
+  std::vector<float> slopes = {0.9f, 0.3f};
+  fc_tensor ts = vector_tensor(slopes);
+  t.opt.alibi_slopes = &ts;
+  t.opt.softcap = 3.0;
+  check_finite_differences(t);
+}
+
 }  // namespace
 }  // namespace flashcore
