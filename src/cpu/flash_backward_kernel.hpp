@@ -5,7 +5,8 @@
 //
 // Inside a task (backward_tasks.hpp) the FA2 loop order is kept: for each key block of its keys (its
 // K^T, V^T tiles packed once), for each query block that can see it:
-//   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2)
+//   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2;
+//                                          ALiBi: then s - slope * |i + seqlen_k - seqlen_q - j|)
 //   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
 //   dK^T += (scale Q)^T dS               dQ += dS K  (times scale once, when dQ is written)
 // with D_i = rowsum(dO_i * O_i) computed first. dQ accumulates in a per-thread fp32 buffer
@@ -218,7 +219,12 @@ class BackwardTaskRunner {
     // S = (scale Q) K^T, then P in place.
     gemm_bcast<kSet, Gemm>(m_valid, kN, head_dim, q, head_dim, 1, w_.k_t.data(), kN, probs, kN, nullptr, pf);
     PhaseTimer::lap(BackwardPhase::kScores);
-    probabilities(mask, m0, m_valid, n0, n_valid);
+    // ALiBi as a template argument: without it the loops are the bias-free ones.
+    if (p_.has_alibi()) {
+      probabilities</*kAlibi=*/true>(mask, m0, m_valid, n0, n_valid);
+    } else {
+      probabilities</*kAlibi=*/false>(mask, m0, m_valid, n0, n_valid);
+    }
     PhaseTimer::lap(BackwardPhase::kSoftmax);
     add_key_grads(dout, probs, w_.dv_t.data());  // dV^T += dO^T P
     // dP = dO V^T, then dS in place.
@@ -241,10 +247,17 @@ class BackwardTaskRunner {
     return key_passes * (2 * ceil_div(kM, kR) + 2 * ceil_div(p_.head_dim, kR)) + dq_passes * ceil_div(kM, kR);
   }
 
-  /** probs[r][j] = exp(s - lse) for allowed keys, else 0; under softcap also tanh' = 1 - t^2. */
+  /** probs[r][j] = exp(s - lse) for allowed keys, else 0; under softcap also tanh' = 1 - t^2. The
+   *  score s is the forward's: softcap, then the ALiBi bias (kAlibi: the call has slopes; a
+   *  constant, so dS keeps its form). */
+  template <bool kAlibi>
   void probabilities(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid) {
     constexpr int64_t kN = Config::kBlockKeys;
     const bool capped = p_.softcap > 0.f;
+    // ALiBi: the bias of key n0 + j is neg_slope * |diagonal - j|, the row's diagonal key taken
+    // relative to the tile; the distances are integers, exact in float below 2^24 (as the forward's).
+    const Vec neg_slope = kAlibi ? Simd::set1(-p_.alibi_slope(task_.batch, task_.head)) : Simd::zero();
+    const int64_t diagonal_shift = seq_.seqlen_k - seq_.seqlen_q - n0;
     const Vec cap = Simd::set1(p_.softcap);
     const Vec inv_cap = Simd::set1(capped ? 1.f / p_.softcap : 0.f);
     const Vec one = Simd::set1(1.f);
@@ -262,6 +275,7 @@ class BackwardTaskRunner {
       const Vec lo = Simd::set1(static_cast<float>(std::clamp<int64_t>(keys.begin - n0, 0, n_valid)));
       const Vec hi = Simd::set1(static_cast<float>(std::clamp<int64_t>(keys.end - n0, 0, n_valid)));
       const Vec row_lse = Simd::set1(lse);
+      const Vec diagonal = kAlibi ? Simd::set1(static_cast<float>(row + diagonal_shift)) : Simd::zero();
       Vec key = Simd::iota();
       const Vec step = Simd::set1(static_cast<float>(kSimdWidth));
       for (int64_t j = 0; j < kN; j += kSimdWidth, key = Simd::add(key, step)) {
@@ -270,6 +284,10 @@ class BackwardTaskRunner {
           const Vec t = vtanh(Simd::mul(x, inv_cap));
           x = Simd::mul(cap, t);
           Simd::store(tanh_grad + j, Simd::sub(one, Simd::mul(t, t)));
+        }
+        if constexpr (kAlibi) {
+          const Vec d = Simd::sub(diagonal, key);
+          x = Simd::fma(neg_slope, Simd::max(d, Simd::sub(Simd::zero(), d)), x);
         }
         const Vec prob = vexp_softmax(Simd::sub(x, row_lse));
         Simd::store(s + j, Simd::select(Simd::both(Simd::le(lo, key), Simd::lt(key, hi)), prob, Simd::zero()));

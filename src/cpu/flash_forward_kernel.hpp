@@ -13,7 +13,9 @@
 // Then K and V are only ever read by scalar broadcast in their natural row layout, the per-row
 // softmax state (max, sum, rescale factor) is one vector per 16 rows, and row max / row sum are
 // vertical vector ops with no horizontal reductions. Only the row dimension is padded (to the
-// SIMD width). Probabilities are vexp2_softmax((s - m) log2e).
+// SIMD width). Probabilities are vexp2_softmax((s - m) log2e). ALiBi's bias is added in the
+// softmax's pass over the tile, from a slope and a diagonal per row (lane): a block's stacked rows
+// mix query heads, each with its own slope.
 //
 // Relies on: cpu_common.hpp (Simd, vexp/vtanh, conversions, gemm_bcast, run_workers),
 // params.hpp (seq_info, offset_of) and mask.hpp (keys_for_row(s), tile_fully_visible).
@@ -124,11 +126,15 @@ struct ForwardScratch {
   AlignedFloats tile_max;  // [M] max score of each row in the current tile
   AlignedFloats key_lo;    // [M] first allowed key, relative to the current tile
   AlignedFloats key_hi;    // [M] one past the last allowed key, relative to the current tile
+  // ALiBi only (reserved when the call has slopes): per stacked row, -slope of its query head and
+  // q_row + seqlen_k - seqlen_q, the key on its diagonal (distance 0); padding rows 0 and 0.
+  AlignedFloats alibi_neg_slope;  // [blocks][M]
+  AlignedFloats alibi_diagonal;   // [blocks][M]
   std::vector<KeyRange> row_keys;  // [blocks][M] keys_for_row of each stacked row
   PrefetchQueue prefetch;          // next K/V tile, next task's queries, this task's outputs
 
   template <class Config>
-  void reserve(int64_t head_dim) {
+  void reserve(int64_t head_dim, bool alibi) {
     const int64_t m = Config::kBlockRows, n = Config::kBlockKeys;
     const int64_t blocks = Config::kMaxBlocksPerTask;
     q_t.reserve(blocks * head_dim * m);
@@ -140,6 +146,9 @@ struct ForwardScratch {
     row_max.reserve(blocks * m);
     row_sum.reserve(blocks * m);
     for (AlignedFloats* a : {&rescale, &tile_max, &key_lo, &key_hi}) a->reserve(m);
+    if (alibi) {
+      for (AlignedFloats* a : {&alibi_neg_slope, &alibi_diagonal}) a->reserve(blocks * m);
+    }
     row_keys.resize(static_cast<size_t>(blocks * m));
   }
 };
@@ -190,6 +199,8 @@ struct Block : BlockRows {
   bool started;  // O^T holds a partial sum
   float* q_t;
   float* o_t;
+  float* alibi_neg_slope;  // [m_pad] (ForwardScratch); null without ALiBi
+  float* alibi_diagonal;
 };
 
 /** Copies (fp32) or converts (fp16/bf16) `rows` K or V rows into contiguous fp32 [rows x D]. */
@@ -259,6 +270,12 @@ class ForwardTaskRunner {
       bl.started = false;
       bl.q_t = w_.q_t.data() + slot * head_dim * kM;
       bl.o_t = w_.o_t.data() + slot * head_dim * kM;
+      bl.alibi_neg_slope = bl.alibi_diagonal = nullptr;
+      if (p_.has_alibi()) {
+        bl.alibi_neg_slope = w_.alibi_neg_slope.data() + slot * kM;
+        bl.alibi_diagonal = w_.alibi_diagonal.data() + slot * kM;
+        set_alibi_rows(task, seq, bl);
+      }
       pack_queries(task, seq, bl);
     }
     Phases::lap(ForwardPhase::kRows);
@@ -292,10 +309,10 @@ class ForwardTaskRunner {
         if (!bl.overlaps(n0, n0 + n_valid)) continue;
         const int64_t n_block = std::min(n_valid, bl.keys.end - n0);  // keys of the tile this block may see
         const int64_t m_pad = bl.m_pad;
-        // S^T[n][m] = sum_d K[n][d] * Q^T[d][m]; on unmasked, uncapped tiles the GEMM also
-        // produces each row's max, sparing the softmax a pass over the tile.
+        // S^T[n][m] = sum_d K[n][d] * Q^T[d][m]; on unmasked, uncapped tiles without ALiBi the
+        // GEMM also produces each row's max, sparing the softmax a pass over the tile.
         const bool full = mask.tile_fully_visible(bl.first_q, bl.last_q + 1, n0, n0 + n_block);
-        const bool plain = full && p_.softcap <= 0.f;
+        const bool plain = full && p_.softcap <= 0.f && !p_.has_alibi();
         if (plain) {
           std::fill(w_.tile_max.data(), w_.tile_max.data() + m_pad, kNegInf);
           gemm_bcast<Accumulate::kOverwriteMax, ScoreGemm>(n_block, m_pad, head_dim, k_rows, head_dim, 1, bl.q_t,
@@ -306,7 +323,12 @@ class ForwardTaskRunner {
         }
         Phases::lap(ForwardPhase::kScores);
         if (!full) set_relative_key_bounds(bl, n0);
-        softmax_tile(bl, n_block, full, plain);
+        // ALiBi as a template argument: without it the softmax's loops are the bias-free ones.
+        if (p_.has_alibi()) {
+          softmax_tile</*kAlibi=*/true>(bl, n0, n_block, full, plain);
+        } else {
+          softmax_tile</*kAlibi=*/false>(bl, n0, n_block, full, plain);
+        }
         Phases::lap(ForwardPhase::kSoftmax);
         // O^T[d][m] = O^T[d][m] * rescale[m] + sum_n V[n][d] * P^T[n][m]
         if (!bl.started) {
@@ -352,6 +374,21 @@ class ForwardTaskRunner {
     transpose(stage, head_dim, bl.m_pad, head_dim, bl.q_t, bl.m_pad);
   }
 
+  /** The block's ALiBi row values (ForwardScratch::alibi_neg_slope, alibi_diagonal). The
+   *  distances softmax_tile derives from them are integers, exact in float below 2^24 (lengths
+   *  under 16M). */
+  void set_alibi_rows(const ForwardTask& task, const SeqInfo& seq, const Block& bl) {
+    const int64_t group = p_.group_size();
+    const int64_t diagonal_shift = seq.seqlen_k - seq.seqlen_q;
+    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+    for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
+      bl.alibi_neg_slope[r] = -p_.alibi_slope(task.batch, at.head);
+      bl.alibi_diagonal[r] = static_cast<float>(at.q_row + diagonal_shift);
+    }
+    std::fill(bl.alibi_neg_slope + bl.rows, bl.alibi_neg_slope + bl.m_pad, 0.f);
+    std::fill(bl.alibi_diagonal + bl.rows, bl.alibi_diagonal + bl.m_pad, 0.f);
+  }
+
   /** Each row's allowed keys relative to the tile at n0, clamped to small exact floats. */
   void set_relative_key_bounds(const Block& bl, int64_t n0) {
     const int64_t lo_clamp = -1, hi_clamp = Config::kBlockKeys + 1;
@@ -362,9 +399,11 @@ class ForwardTaskRunner {
     }
   }
 
-  /** Turns the score tile into probabilities against the updated running max, and updates
-   *  (row_max, row_sum) and the rescale factor the output accumulator needs. */
-  void softmax_tile(Block& bl, int64_t n_valid, bool full, bool plain) {
+  /** Turns the score tile at key n0 into probabilities against the updated running max, and
+   *  updates (row_max, row_sum) and the rescale factor the output accumulator needs. Scores get
+   *  softcap, then the ALiBi bias (kAlibi: the call has slopes), then the mask. */
+  template <bool kAlibi>
+  void softmax_tile(Block& bl, int64_t n0, int64_t n_valid, bool full, bool plain) {
     const int64_t m_pad = bl.m_pad;
     const bool capped = p_.softcap > 0.f;
     const Vec cap = Simd::set1(p_.softcap);
@@ -380,11 +419,19 @@ class ForwardTaskRunner {
       } else {
         const Vec lo = full ? Simd::zero() : Simd::load(w_.key_lo.data() + m);
         const Vec hi = full ? Simd::zero() : Simd::load(w_.key_hi.data() + m);
+        // ALiBi: the bias of key n (relative to the tile) is neg_slope * |diagonal - n|.
+        const Vec neg_slope = kAlibi ? Simd::load(bl.alibi_neg_slope + m) : Simd::zero();
+        const Vec diagonal = kAlibi ? Simd::sub(Simd::load(bl.alibi_diagonal + m), Simd::set1(static_cast<float>(n0)))
+                                    : Simd::zero();
         Vec key = Simd::zero();
         for (int64_t n = 0; n < n_valid; ++n, key = Simd::add(key, one)) {
           float* s = s_t + n * m_pad + m;
           Vec x = Simd::load(s);
           if (capped) x = Simd::mul(cap, vtanh(Simd::mul(x, inv_cap)));
+          if constexpr (kAlibi) {
+            const Vec d = Simd::sub(diagonal, key);
+            x = Simd::fma(neg_slope, Simd::max(d, Simd::sub(Simd::zero(), d)), x);
+          }
           if (!full) x = Simd::select(Simd::both(Simd::le(lo, key), Simd::lt(key, hi)), x, neg_inf);
           Simd::store(s, x);
           tile_max = Simd::max(tile_max, x);
@@ -533,7 +580,7 @@ template <class Config>
 Status flash_forward_with(const AttentionParams& p) {
   return run_forward_tasks<Config>(p, [&](TaskQueue& queue, const std::vector<ForwardTask>& tasks) {
     ForwardScratch scratch;
-    scratch.reserve<Config>(p.head_dim);
+    scratch.reserve<Config>(p.head_dim, p.has_alibi());
     ForwardTaskRunner<Config> runner(p, scratch);
     drain_tasks(runner, queue, tasks);
   });

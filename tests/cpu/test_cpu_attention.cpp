@@ -45,6 +45,8 @@ TEST(CpuFlashForward, Varlen) { expect_forward(grid_varlen(cpu_grid()), FC_BACKE
 TEST(CpuFlashForward, PagedKv) { expect_forward(grid_paged(cpu_grid(), {1, 16, 256}), FC_BACKEND_CPU_FLASH); }
 TEST(CpuReference, PagedKv) { expect_forward(grid_paged(cpu_grid(), {16}), FC_BACKEND_CPU_REFERENCE); }
 TEST(CpuFlashForward, Edges) { expect_forward(grid_edges(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+// cpu_grid's dtypes alternate over the cases: fp32 runs among them.
+TEST(CpuFlashForward, Alibi) { expect_forward(grid_alibi(cpu_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashForward, LargeSeqlens) {
   GridOptions g = cpu_grid();
   g.dtypes = {FC_DTYPE_BF16};
@@ -89,7 +91,8 @@ struct ScopedAmxSetting : ScopedEnv {
 /** Every TESTING.md grid of `g` through `expect` (expect_forward or expect_backward). */
 void expect_every_grid(const GridOptions& g, void (*expect)(const std::vector<Case>&, fc_backend)) {
   for (const auto& cases :
-       {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g), grid_paged(g, {16})}) {
+       {grid_seqlens(g), grid_shapes(g), grid_masks(g), grid_varlen(g), grid_edges(g), grid_paged(g, {16}),
+        grid_alibi(g)}) {
     expect(cases, FC_BACKEND_CPU_FLASH);
   }
 }
@@ -124,6 +127,7 @@ TEST(CpuFlashBackward, Shapes) { expect_backward(grid_shapes(small_grid()), FC_B
 TEST(CpuFlashBackward, Masks) { expect_backward(grid_masks(small_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashBackward, Varlen) { expect_backward(grid_varlen(small_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashBackward, Edges) { expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashBackward, Alibi) { expect_backward(grid_alibi(small_grid()), FC_BACKEND_CPU_FLASH); }
 
 TEST(CpuFlashRaces, RepeatsAreBitIdentical) {
   auto mem = host_memory();
