@@ -4,6 +4,7 @@
 //      into one FFMA, p = exp2(s * exp2_scale - m * exp2_scale).
 //  kLinear (scale < 0): s <- s * pre_scale first (a max of raw scores would be a min).
 //  kSoftcap: s <- post_scale * tanh(s * pre_scale) first (tanh must see natural-scale scores).
+//  ALiBi calls never fold the scale: their per-element bias is added to the transformed score.
 #pragma once
 
 #include "api/params.hpp"
@@ -26,7 +27,7 @@ inline ScoreScales resolve_score_scales(const AttentionParams& p) {
     s.transform = ScoreTransform::kSoftcap;
     s.pre_scale = p.softmax_scale / p.softcap;
     s.post_scale = p.softcap * kLog2e;
-  } else if (p.softmax_scale > 0.f) {
+  } else if (p.softmax_scale > 0.f && !p.has_alibi()) {
     s.exp2_scale = p.softmax_scale * kLog2e;
   } else {
     s.transform = ScoreTransform::kLinear;

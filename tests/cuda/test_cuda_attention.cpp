@@ -157,6 +157,51 @@ BACKWARD_TEST(Edges, grid_edges)
 BACKWARD_TEST(Deterministic, grid_varlen, true)
 #undef BACKWARD_TEST
 
+// ALiBi: served by cuda_sm80; cuda_sm90 declines it with an error naming alibi_slopes, and
+// FC_BACKEND_AUTO sends such calls to sm80 on Hopper (CudaAlibi.AutoBackend).
+std::vector<Case> alibi_cases(const GridOptions& g) {
+  std::vector<Case> cases = grid_alibi(g);
+  Case c = cases[1];  // keys on both sides of the diagonal, per-batch slopes
+  c.head_dim = 256;
+  cases.push_back(c);
+  return cases;
+}
+
+void expect_alibi_declined(const Case& c, fc_backend backend, bool backward) {
+  CudaMemory mem;
+  const CheckResult r = backward ? check_backward(c, backend, mem, 7) : check_forward(c, backend, mem, 7);
+  EXPECT_FALSE(r.ok) << c.name();
+  EXPECT_NE(r.status_error.find("alibi_slopes"), std::string::npos) << c.name() << ": " << r.status_error;
+}
+
+TEST_P(CudaForward, Alibi) {
+  REQUIRE_BACKEND(GetParam());
+  const std::vector<Case> cases = alibi_cases(cuda_grid());
+  if (GetParam() == FC_BACKEND_CUDA_SM90) return expect_alibi_declined(cases[0], GetParam(), false);
+  expect_forward(cases, GetParam());
+}
+
+TEST_P(CudaBackward, Alibi) {
+  REQUIRE_BACKEND(GetParam());
+  const std::vector<Case> cases = alibi_cases(cuda_bwd_grid());
+  if (GetParam() == FC_BACKEND_CUDA_SM90) return expect_alibi_declined(cases[0], GetParam(), true);
+  expect_backward(cases, GetParam());
+  expect_backward(grid_alibi(cuda_bwd_grid()), GetParam(), /*deterministic=*/true);
+}
+
+TEST(CudaAlibi, AutoBackend) {
+  REQUIRE_GPU();
+  std::vector<Case> cases = grid_alibi(cuda_bwd_grid());
+  Case seed_shape;  // where AUTO would otherwise weigh sm80's small-grid configuration
+  seed_shape.seqlen_q = seed_shape.seqlen_k = 512;
+  seed_shape.heads_q = seed_shape.heads_kv = 8;
+  seed_shape.causal = true;
+  seed_shape.alibi = 1;
+  cases.push_back(seed_shape);
+  expect_forward(cases, FC_BACKEND_AUTO);
+  expect_backward(cases, FC_BACKEND_AUTO);
+}
+
 // Many key blocks and query steps per CTA, GQA groups walked inside one CTA, a causal diagonal
 // crossing the tiles, and sequence ends inside a tile (the sm90 pipeline wraps its stages).
 TEST_P(CudaBackward, LongSequences) {

@@ -117,7 +117,8 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
     const int64_t dq_ctas = num_query_blocks * p.heads_q * p.batch;
     if (dq_ctas > INT_MAX) return Status::unsupported("q: too many query blocks for the backward grid");
     if (dq_ctas == 0) return Status::ok();
-    auto* kernel = backward_dq_kernel<Element, DqTraits>;
+    auto* kernel = p.has_alibi() ? backward_dq_kernel<Element, DqTraits, /*kAlibi=*/true>
+                                 : backward_dq_kernel<Element, DqTraits>;
     const int smem_bytes = static_cast<int>(sizeof(DqSharedStorage<Element, DqTraits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("backward dq smem: ") + cudaGetErrorString(err));
@@ -152,6 +153,9 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
   if (main_ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the sm80 backward grid");
   if (main_ctas > 0) {
     auto* kernel = backward_dkdv_kernel<Element, Traits>;
+    if constexpr (std::is_same_v<Traits, BackwardTraits<Traits::kHeadDim>>) {
+      if (p.has_alibi()) kernel = backward_dkdv_kernel<Element, Traits, /*kAlibi=*/true>;
+    }
     const int smem_bytes = static_cast<int>(sizeof(MainSharedStorage<Element, Traits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
@@ -169,7 +173,9 @@ template <typename Element, int kHeadDim>
 Status backward_run(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
   using PortableTraits = bwd::BackwardTraits<kHeadDim>;
   using LargeSmemTraits = typename bwd::LargeSmemBackwardTraits<kHeadDim>::type;
+  // ALiBi calls take the portable configuration only: one more kernel per unit instead of two.
   if constexpr (!std::is_same_v<PortableTraits, LargeSmemTraits>) {
+    if (p.has_alibi()) return bwd::launch_backward<Element, PortableTraits>(p, workspace, workspace_bytes);
     // Host-side attribute query only (no synchronization): take the larger configuration where
     // the device lets one block have its shared memory.
     int smem_optin = 0;

@@ -404,6 +404,12 @@ struct ScoreTransform {
     t.softcap_log2 = p.softcap * kLog2e;
     return t;
   }
+
+  /** The ALiBi bias per unit of distance (the scores carry -slope * |i + sk - sq - j|) for query
+   *  head h of batch entry b, in log2 units; 0 without ALiBi (a zero slope is no bias either). */
+  __device__ __forceinline__ static float alibi_log2(const BackwardParams& p, int64_t b, int64_t h) {
+    return p.alibi_slopes != nullptr ? -p.alibi_slope(b, h) * kLog2e : 0.f;
+  }
 };
 
 }  // namespace flashcore::cuda::sm80::bwd

@@ -52,7 +52,10 @@ __device__ __forceinline__ QueryBlockRange query_blocks_for_keys(const MaskInfo&
   return {row_first / block_m, row_last / block_m + 1};
 }
 
-template <typename Element, typename Traits>
+/** kAlibi: the scores carry ALiBi biases (p.alibi_slopes); a kernel of its own, so that the
+ *  bias's code does not change the register allocation of the common kernel (it made the d64
+ *  kernel spill, 0 -> 16-60 bytes, when both shared one body). */
+template <typename Element, typename Traits, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_dkdv_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_key_blocks) {
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
@@ -144,9 +147,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t h = query_head_of(it);
     const int64_t m0 = query_row0_of(it);
 
-    compute_p_and_ds<Element, Traits, /*kStoreP=*/true>(smem.q[stage], smem.dout[stage], smem.k, smem.v,
+    compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi>(smem.q[stage], smem.dout[stage], smem.k, smem.v,
                                                         smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
-                                                        smem.p, smem.ds, warp, lane);
+                                                        smem.p, smem.ds, warp, lane,
+                                                        kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f);
     __syncthreads();  // (B) P and dS visible to every warp
 
     // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T read transposed from the [m][n] tiles,

@@ -1,6 +1,6 @@
 // The recomputation step shared by the backward kernels: for one (kBlockM queries x kBlockN keys)
 // tile, with Q, dO, K, V and the per-row statistics already in shared memory, compute
-//   dP = dO V^T,  S = Q K^T,  P = exp(transform(S) - lse),  dS = P * (dP - D) [* (1 - tanh^2)]
+//   dP = dO V^T,  S = Q K^T,  P = exp(transform(S) [+ ALiBi bias] - lse),  dS = P * (dP - D) [* (1 - tanh^2)]
 // in registers (the S/dP warp layout of the traits), applying the causal/window mask and the
 // sequence bounds, and store P (optionally) and dS to shared memory as the element type.
 //
@@ -23,13 +23,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 /** The element-wise part: p (holding S on entry) becomes P, ds (holding dP on entry) becomes dS.
- *  kSoftcap selects the tanh-capped transform and kMasked the per-element visibility test at
- *  compile time, so the common path (no softcap, tile fully visible) stays lean. */
-template <typename Traits, bool kSoftcap, bool kMasked>
+ *  kSoftcap selects the tanh-capped transform, kMasked the per-element visibility test and kAlibi
+ *  the ALiBi bias (alibi_log2 per unit of distance) at compile time, so the common path (no
+ *  softcap, tile fully visible) stays lean. */
+template <typename Traits, bool kSoftcap, bool kMasked, bool kAlibi = false>
 __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpFragments<Traits>& ds,
                                                    const float* lse_log2_rows, const float* dsum_rows,
                                                    const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
-                                                   int64_t n0, int warp, int lane) {
+                                                   int64_t n0, int warp, int lane, float alibi_log2 = 0.f) {
   const int group = lane >> 2;
   const int quad = lane & 3;
   const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
@@ -41,6 +42,9 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
       const int row = row_origin + mt * 16 + half * 8 + group;
       const float lse_log2 = lse_log2_rows[row];
       const float dsum = dsum_rows[row];
+      // ALiBi: key column c of this tile lies diagonal - c keys before the row's diagonal key
+      // (i + sk - sq); tile-local, so it fits 32 bits.
+      const int diagonal = static_cast<int>(m0 + row + mask.seqlen_k - mask.seqlen_q - n0);
       // Visible keys of this row as tile-local columns [key_lo, key_hi); rows past the
       // sequence see none.
       int key_lo = 0;
@@ -60,14 +64,20 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
         for (int j = 0; j < 2; ++j) {
           const int e = half * 2 + j;
           const float s = p[mt][nt][e];
+          // The bias enters the exponent only: it is a constant of the score, so dS keeps its form.
+          float bias_minus_lse = -lse_log2;
+          if constexpr (kAlibi) {
+            const int distance = diagonal - (col_origin + nt * 8 + quad * 2 + j);
+            bias_minus_lse = fmaf(alibi_log2, static_cast<float>(distance < 0 ? -distance : distance), -lse_log2);
+          }
           float prob;
           float dscore;
           if constexpr (kSoftcap) {
             const float t = tanhf(s * tf.tanh_arg_scale);
-            prob = fast_exp2(t * tf.softcap_log2 - lse_log2);
+            prob = fast_exp2(t * tf.softcap_log2 + bias_minus_lse);
             dscore = prob * (ds[mt][nt][e] - dsum) * (1.f - t * t);
           } else {
-            prob = fast_exp2(s * tf.scale_log2 - lse_log2);
+            prob = fast_exp2(s * tf.scale_log2 + bias_minus_lse);
             dscore = prob * (ds[mt][nt][e] - dsum);
           }
           if constexpr (kMasked) {
@@ -91,12 +101,13 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
  *  Both GEMMs run before the element-wise step: computing P between them (to overlap the
  *  exponentials with the dP GEMM) was measured slower on an H100, since the extra live values
  *  made the d=64 and d=128 kernels spill. */
-template <typename Element, typename Traits, bool kStoreP>
+template <typename Element, typename Traits, bool kStoreP, bool kAlibi>
 __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const Element* dout_tile,
                                                  const Element* k_tile, const Element* v_tile,
                                                  const float* lse_log2_rows, const float* dsum_rows,
                                                  const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
-                                                 int64_t n0, Element* p_tile, Element* ds_tile, int warp, int lane) {
+                                                 int64_t n0, Element* p_tile, Element* ds_tile, int warp, int lane,
+                                                 float alibi_log2) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kKSteps = kD / 16;
   const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
@@ -112,7 +123,15 @@ __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const El
       p, q_tile, row_origin, 0, k_tile, col_origin, 0, lane);
   // Tiles with every (row, key) visible and inside both sequences skip the per-element test.
   const bool masked = !mask.tile_fully_visible(m0, m0 + Traits::kBlockM, n0, n0 + Traits::kBlockN);
-  if (tf.softcap > 0.f) {
+  if constexpr (kAlibi) {  // every tile through the masked body (the bias is per element anyway)
+    if (tf.softcap > 0.f) {
+      scores_to_p_and_ds<Traits, true, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane,
+                                                   alibi_log2);
+    } else {
+      scores_to_p_and_ds<Traits, false, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane,
+                                                    alibi_log2);
+    }
+  } else if (tf.softcap > 0.f) {
     if (masked) {
       scores_to_p_and_ds<Traits, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
     } else {

@@ -340,6 +340,30 @@ __device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Tra
   }
 }
 
+/** ALiBi: adds alibi_log2 * |i + sk - sq - j| to each (transformed, log2-unit) score. diagonal:
+ *  this lane's row of m-tile 0 plus seqlen_k - seqlen_q, minus the tile's key 0 (tile-local, so
+ *  32 bits hold it). Runs before mask_scores, which overwrites masked scores with -inf. */
+template <class Traits>
+__device__ __forceinline__ void add_alibi_bias(float (&s)[Traits::kMTiles][Traits::kNTilesS][4], float alibi_log2,
+                                               int diagonal, int lane_quad) {
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row_diagonal = diagonal + mt * Traits::kMmaM + 8 * h;
+#pragma unroll
+      for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int distance = row_diagonal - (nt * Traits::kMmaN + 2 * lane_quad + e);
+          float& x = s[mt][nt][2 * h + e];
+          x = fmaf(alibi_log2, static_cast<float>(distance < 0 ? -distance : distance), x);
+        }
+      }
+    }
+  }
+}
+
 /** -inf for every score whose key is outside its row's MaskInfo range (which also excludes keys
  *  >= seqlen_k). first_row: this lane's row of m-tile 0 (in-sequence index); n0: the tile's key 0. */
 template <class Traits>
@@ -573,7 +597,9 @@ __device__ __forceinline__ void merge_key_groups(
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-template <class Traits>
+/** kAlibi: the scores carry ALiBi biases (p.alibi_slopes; only the transforming bodies are
+ *  compiled). A kernel of its own, so that the common kernels keep their register allocation. */
+template <class Traits, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     forward_kernel(const __grid_constant__ ForwardKernelArgs args) {
   using Element = typename Traits::Element;
@@ -760,6 +786,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const LdmatrixLaneAddress<KVTile> k_address(0, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const LdmatrixLaneAddress<KVTile> v_address(0, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     const int lane_first_row = m0 + warp_row0 + lane_group;
+    const float alibi_log2 = kAlibi ? -p.alibi_slope(batch, head) * kLog2e : 0.f;  // per unit of distance
 
     uint32_t q_frag[Traits::kQFragMTiles][Traits::kQFragKSteps][4];
     // Carried from one iteration to the next: P of the previous tile (its P V runs one iteration
@@ -806,7 +833,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       float s[kMTiles][Traits::kNTilesS][4];
       qk_gemm<Traits>(s, q_frag, q_address, smem_k + stage * KVTile::kBytes, k_address);
-      if constexpr (decltype(general)::value) transform_scores<Traits>(s, args);
+      if constexpr (decltype(general)::value) {
+        transform_scores<Traits>(s, args);
+        // ALiBi (transforming bodies only: resolve_score_scales never folds the scale under it).
+        if constexpr (kAlibi) {
+          add_alibi_bias<Traits>(s, alibi_log2, lane_first_row + seqlen_k - seqlen_q - n_block * kBlockN, lane_quad);
+        }
+      }
       if constexpr (decltype(masked)::value) {
         mask_scores<Traits>(s, mask, lane_first_row, n_block * kBlockN, lane_quad);
       }
@@ -859,7 +892,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
     };
-    if (args.transform == ScoreTransform::kFoldedScale) {
+    if constexpr (kAlibi) {
+      mainloop(true_type{});
+    } else if (args.transform == ScoreTransform::kFoldedScale) {
       mainloop(false_type{});
     } else {
       mainloop(true_type{});
@@ -935,8 +970,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
 // ---- host side ------------------------------------------------------------------------------------
 
-/** Launches the forward kernel configured by Traits on p.stream. */
-template <class Traits>
+/** Launches the forward kernel configured by Traits (kAlibi: its ALiBi version) on p.stream. */
+template <class Traits, bool kAlibi = false>
 Status launch_forward(const forward_params_t& p,
                       float rescale_threshold_log2 = kRescaleThresholdLog2) {
   const int64_t num_m_blocks = ceil_div<int64_t>(p.seqlen_q, Traits::kBlockM);
@@ -961,7 +996,7 @@ Status launch_forward(const forward_params_t& p,
   args.rescale_threshold = rescale_threshold_log2 / args.exp2_scale;
 
   ScopedDevice device(p.device_id);
-  auto* kernel = forward_kernel<Traits>;
+  auto* kernel = forward_kernel<Traits, kAlibi>;
   constexpr int kDefaultSmemLimit = 48 * 1024;
   if (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err = cudaFuncSetAttribute(
@@ -1008,6 +1043,9 @@ template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
   using DefaultTraits = typename DefaultForwardTraits<Element, kHeadDim>::type;
   using SmallTraits = typename SmallGridForwardTraits<Element, kHeadDim>::type;
+  // ALiBi: the default tiles only (one more kernel per unit); paged K/V with ALiBi is declined by
+  // sm80_supports.
+  if (p.has_alibi()) return launch_forward<DefaultTraits, /*kAlibi=*/true>(p);
   if (p.is_paged()) return launch_forward<typename PagedForwardTraits<DefaultTraits>::type>(p);
   if constexpr (kSmallGridPathEnabled && !std::is_void_v<SmallTraits>) {
     if (prefer_small_grid<SmallTraits>(p)) return launch_forward<SmallTraits>(p);
