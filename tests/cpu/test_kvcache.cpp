@@ -147,7 +147,7 @@ KvCase small_case(int64_t page_size) {
 
 /** Builds a valid problem, breaks it, and expects a named error with nothing written. */
 void expect_rejected(const KvCase& c, const std::function<void(KvProblem&)>& breakit, const std::string& prefix,
-                     bool value_error = false) {
+                     bool value_error = false, fc_status code = FC_ERROR_INVALID_ARGUMENT) {
   auto mem = host_memory();
   KvProblem pr(c, *mem, 7);
   int32_t flag = 0;
@@ -156,7 +156,7 @@ void expect_rejected(const KvCase& c, const std::function<void(KvProblem&)>& bre
   pr.upload_indices();
   const fc_status st = fc_attention_kvcache(&pr.args, &pr.opt, nullptr, 0);
   pr.fetch();
-  EXPECT_EQ(st, FC_ERROR_INVALID_ARGUMENT) << prefix;
+  EXPECT_EQ(st, code) << prefix;
   const std::string msg = fc_last_error();
   EXPECT_EQ(msg.rfind(prefix, 0), 0u) << "expected the message to start with '" << prefix << "', got: " << msg;
   for (int64_t i = 0; i < pr.out.numel(); ++i) ASSERT_TRUE(std::isnan(pr.out.get(i))) << prefix << ": out written";
@@ -205,6 +205,10 @@ TEST(KvCacheCpuBadInput, Options) {
   expect_rejected(c, [](KvProblem& p) { p.opt.cu_seqlens_q = p.args.cache_seqlens; }, "cu_seqlens_q:");
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = 99; }, "backend:");
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = FC_BACKEND_CUDA_SM80; }, "q:");
+  // ALiBi is the forward's (fc_attention_forward): here a refusal that names it, not a bad argument.
+  std::vector<float> slopes(static_cast<size_t>(c.heads_q), 0.5f);
+  fc_tensor ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {c.heads_q});
+  expect_rejected(c, [&](KvProblem& p) { p.opt.alibi_slopes = &ts; }, "alibi_slopes:", false, FC_ERROR_UNSUPPORTED);
   auto mem = host_memory();
   EXPECT_EQ(fc_attention_kvcache(nullptr, nullptr, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(fc_last_error()).rfind("args:", 0), 0u);

@@ -230,6 +230,66 @@ TEST_F(BadInput, DeviceMismatch) {
   expect_forward_error("q: is a cuda tensor but backend cpu_flash needs cpu tensors");
 }
 
+// alibi_slopes: float32 (heads_q) or (batch, heads_q) on q's device, finite (checked on the CPU),
+// and never the memory of an output.
+TEST_F(BadInput, AlibiSlopes) {
+  std::vector<float> slopes(3 * 4, 0.25f);  // room for every shape below
+  fc_tensor ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {4});
+  opt.alibi_slopes = &ts;
+  ts.dtype = FC_DTYPE_F16;
+  expect_forward_error("alibi_slopes: dtype float16 does not match float32");
+  expect_backward_error("alibi_slopes: dtype float16 does not match float32");
+  ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {2, 2, 3});
+  expect_forward_error("alibi_slopes: has 3 dimensions, expected 1 (heads_q) or 2 (batch, heads_q)");
+  expect_backward_error("alibi_slopes: has 3 dimensions");
+  ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {5});  // heads_q + 1
+  expect_forward_error("alibi_slopes: shape [5]");
+  expect_backward_error("alibi_slopes: shape [5]");
+  ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {3, 4});  // batch + 1
+  expect_forward_error("alibi_slopes: shape [3, 4]");
+  expect_backward_error("alibi_slopes: shape [3, 4]");
+  ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {4});
+  slopes[2] = NAN;
+  expect_forward_error("alibi_slopes: entry [2] is not finite");
+  expect_backward_error("alibi_slopes: entry [2] is not finite");
+  slopes[2] = 0.25f;
+  ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {2, 4});
+  slopes[7] = INFINITY;
+  expect_forward_error("alibi_slopes: entry [1, 3] is not finite");
+  slopes[7] = -INFINITY;
+  expect_backward_error("alibi_slopes: entry [1, 3] is not finite");
+  slopes[7] = 0.25f;
+  ts.device_type = FC_DEVICE_CUDA;
+  expect_forward_error("alibi_slopes: is on cuda:0 but q is on cpu");
+  expect_backward_error("alibi_slopes: is on cuda:0 but q is on cpu");
+  ts = flashcore::make_tensor(ob.data() + 8, FC_DTYPE_F32, {4});  // inside out (values -7: finite)
+  expect_forward_error("out: memory overlaps alibi_slopes");
+  ts = flashcore::make_tensor(lb.data(), FC_DTYPE_F32, {2, 4});
+  expect_forward_error("lse: memory overlaps alibi_slopes");
+  ts = flashcore::make_tensor(dqb.data() + 40, FC_DTYPE_F32, {4});
+  expect_backward_error("dq: memory overlaps alibi_slopes");
+  ts = flashcore::make_tensor(dvb.data(), FC_DTYPE_F32, {2, 4});
+  expect_backward_error("dv: memory overlaps alibi_slopes");
+}
+
+// Slopes of shape (batch, heads_q) with a padded batch stride reach cpu_flash's rows as they
+// reach the reference's: the same lse (the bias is all that varies over the keys here).
+TEST_F(BadInput, AlibiSlopesStridedMatchReference) {
+  std::vector<float> slopes = {0.5f, 0.25f, 1.f, 0.125f, -1.f, -1.f, 2.f, 0.0625f, 0.75f, 0.375f};
+  fc_tensor ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {2, 4});
+  ts.strides[0] = 6;  // row 1 starts at slopes[6]; slopes[4, 5] are padding
+  opt.alibi_slopes = &ts;
+  opt.causal = 1;
+  opt.backend = FC_BACKEND_CPU_REFERENCE;
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
+  const std::vector<float> reference_lse = lb;
+  opt.backend = FC_BACKEND_CPU_FLASH;
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
+  for (size_t i = 0; i < lb.size(); ++i) EXPECT_NEAR(lb[i], reference_lse[i], 1e-5) << "lse entry " << i;
+  EXPECT_EQ(fc_attention_backward(&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv, &opt, nullptr, 0), FC_OK)
+      << fc_last_error();
+}
+
 TEST_F(BadInput, Sm90BackwardNeedsCudaTensors) {
   // The Hopper backward, forced on CPU tensors, names the tensor and the backend (its own
   // refusals on a GPU, e.g. head_dim 256, are tested in tests/cuda and tests/python).
