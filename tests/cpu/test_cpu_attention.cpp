@@ -47,6 +47,21 @@ TEST(CpuReference, PagedKv) { expect_forward(grid_paged(cpu_grid(), {16}), FC_BA
 TEST(CpuFlashForward, Edges) { expect_forward(grid_edges(cpu_grid()), FC_BACKEND_CPU_FLASH); }
 // cpu_grid's dtypes alternate over the cases: fp32 runs among them.
 TEST(CpuFlashForward, Alibi) { expect_forward(grid_alibi(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+// Paged K/V with ALiBi (the CPU serves both together): the bias follows key positions in the
+// sequence, whichever page holds the key.
+TEST(CpuFlashForward, AlibiPagedKv) {
+  std::vector<Case> cases;
+  for (const Case& c : grid_alibi(cpu_grid())) {
+    if (!c.is_varlen()) continue;
+    for (int64_t page_size : {1, 16}) {
+      Case paged = c;
+      paged.page_size = page_size;
+      cases.push_back(paged);
+    }
+  }
+  ASSERT_FALSE(cases.empty());
+  expect_forward(cases, FC_BACKEND_CPU_FLASH);
+}
 TEST(CpuFlashForward, LargeSeqlens) {
   GridOptions g = cpu_grid();
   g.dtypes = {FC_DTYPE_BF16};
