@@ -138,6 +138,15 @@ def _numpy_cu_seqlens(cu_seqlens, name):
     return _numpy_int32(cu_seqlens, name, lowest=0)
 
 
+def _numpy_alibi_slopes(slopes):
+    """numpy slopes of a dtype the extension cannot hand to the library as a float (float64, what
+    numpy arithmetic gives; ml_dtypes' bfloat16) are refused here with the library's rule; the
+    library names every other wrong dtype itself."""
+    if isinstance(slopes, np.ndarray) and slopes.dtype not in (np.float32, np.float16):
+        raise ValueError(f"alibi_slopes: dtype {slopes.dtype} is not supported (ALiBi slopes are float32)")
+    return slopes
+
+
 def _numpy_max_seqlen(cu_seqlens):
     if isinstance(cu_seqlens, np.ndarray) and cu_seqlens.ndim == 1 and cu_seqlens.size > 1:
         return int(np.max(np.diff(cu_seqlens.astype(np.int64))))
@@ -227,6 +236,7 @@ def attention_forward(
     check_cu_seqlens=False,
     error_flag=None,
     block_table=None,
+    alibi_slopes=None,
 ):
     """out = softmax(softmax_scale * q k^T + mask) v for numpy or DLPack arrays.
 
@@ -245,6 +255,9 @@ def attention_forward(
     such a call stays inside its tensors but its results are not meaningful. CPU cu_seqlens are
     always validated. ``block_table`` (varlen only, int32 (batch, max_pages_per_seq)): k / v are
     paged, (num_pages, page_size, heads_kv, head_dim); cu_seqlens_k then only gives the lengths.
+    ``alibi_slopes`` (float32 (heads_q) or (batch, heads_q) on q's device): flash_attn's ALiBi,
+    the score of query i and key j of a sequence gets -slope * |i + seqlen_k - seqlen_q - j|
+    (after softmax_scale and softcap; lse includes it).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(x, name)
@@ -276,7 +289,8 @@ def attention_forward(
     )
     q_, k_, v_, out_ = (_as_bfloat16_bits(_plain(x)) for x in (q, k, v, out))
     _C.forward(q_, k_, v_, out_, _plain(lse), cu_seqlens_q, cu_seqlens_k, workspace, options,
-               error_flag=_plain(error_flag), block_table=_numpy_int32(block_table, "block_table"))
+               error_flag=_plain(error_flag), block_table=_numpy_int32(block_table, "block_table"),
+               alibi_slopes=_plain(_numpy_alibi_slopes(alibi_slopes)))
     return (out, lse) if return_lse else out
 
 
@@ -306,13 +320,14 @@ def attention_backward(
     workspace=None,
     check_cu_seqlens=False,
     error_flag=None,
+    alibi_slopes=None,
 ):
     """Gradients (dq, dk, dv) of attention_forward for the same arguments and options.
 
     ``out`` and ``lse`` must come from that forward. With GQA/MQA the gradients of the query
     heads sharing a KV head are summed into dk/dv. dq/dk/dv may be passed in; otherwise they
-    are allocated like q/k/v with their framework. ``check_cu_seqlens`` and ``error_flag`` as in
-    attention_forward.
+    are allocated like q/k/v with their framework. ``check_cu_seqlens``, ``error_flag`` and
+    ``alibi_slopes`` (the forward's; the slopes get no gradient) as in attention_forward.
     """
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_array(x, name)
@@ -342,7 +357,8 @@ def attention_backward(
         uint16_is_bfloat16=_is_numpy_bfloat16(q),
     )
     tensors = (_as_bfloat16_bits(_plain(x)) for x in (dout, q, k, v, out, lse, dq, dk, dv))
-    _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options, error_flag=_plain(error_flag))
+    _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options, error_flag=_plain(error_flag),
+                alibi_slopes=_plain(_numpy_alibi_slopes(alibi_slopes)))
     return dq, dk, dv
 
 

@@ -340,7 +340,8 @@ int32_t* error_flag_pointer(OptionalOutput& flag, const fc_tensor& like) {
 
 void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
              nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle workspace,
-             const CallOptions& call, nb::handle error_flag, nb::handle block_table) {
+             const CallOptions& call, nb::handle error_flag, nb::handle block_table,
+             nb::handle alibi_slopes) {
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   Output out_t(out, "out", call);
   OptionalOutput lse_t(lse, "lse", call);
@@ -348,9 +349,11 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
   OptionalOutput flag(error_flag, "error_flag", call);
   OptionalInput table(block_table, "block_table", call);
+  OptionalInput slopes(alibi_slopes, "alibi_slopes", call);
   fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
   options.error_flag = error_flag_pointer(flag, q_t.tensor);
   options.block_table = table.get();
+  options.alibi_slopes = slopes.get();
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_forward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -366,7 +369,7 @@ void forward(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handl
 void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
               nb::handle lse, nb::handle dq, nb::handle dk, nb::handle dv,
               nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, nb::handle workspace,
-              const CallOptions& call, nb::handle error_flag) {
+              const CallOptions& call, nb::handle error_flag, nb::handle alibi_slopes) {
   Input dout_t(dout, "dout", call);
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   Input out_t(out, "out", call), lse_t(lse, "lse", call);
@@ -374,8 +377,10 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
   OptionalOutput flag(error_flag, "error_flag", call);
+  OptionalInput slopes(alibi_slopes, "alibi_slopes", call);
   fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
   options.error_flag = error_flag_pointer(flag, q_t.tensor);
+  options.alibi_slopes = slopes.get();
   Workspace ws(workspace, q_t.tensor, [&](size_t* bytes) {
     return fc_attention_backward_workspace(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, bytes);
   });
@@ -389,14 +394,20 @@ void backward(nb::handle dout, nb::handle q, nb::handle k, nb::handle v, nb::han
   raise_on_error(status);
 }
 
+/** The workspace queries take every argument that can change the backend or its scratch size:
+ *  a call with ALiBi or paged K/V may be served by another backend than one without. */
 template <typename WorkspaceFn>
 size_t workspace_bytes(WorkspaceFn fn, nb::handle q, nb::handle k, nb::handle v,
                        nb::handle cu_seqlens_q, nb::handle cu_seqlens_k,
-                       const CallOptions& call) {
+                       const CallOptions& call, nb::handle block_table, nb::handle alibi_slopes) {
   Input q_t(q, "q", call), k_t(k, "k", call), v_t(v, "v", call);
   OptionalInput cu_q(cu_seqlens_q, "cu_seqlens_q", call);
   OptionalInput cu_k(cu_seqlens_k, "cu_seqlens_k", call);
-  const fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
+  OptionalInput table(block_table, "block_table", call);
+  OptionalInput slopes(alibi_slopes, "alibi_slopes", call);
+  fc_attention_options options = make_options(call, cu_q.get(), cu_k.get());
+  options.block_table = table.get();
+  options.alibi_slopes = slopes.get();
   size_t bytes = 0;
   raise_on_error(fn(&q_t.tensor, &k_t.tensor, &v_t.tensor, &options, &bytes));
   return bytes;
@@ -560,29 +571,36 @@ NB_MODULE(_C, m) {
   m.def("forward", &forward, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(),
         "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(), "options"_a,
         "error_flag"_a.none() = nb::none(), "block_table"_a.none() = nb::none(),
+        "alibi_slopes"_a.none() = nb::none(),
         "out = attention(q, k, v); lse (optional) gets the log-sum-exp per row. workspace is "
         "None, an array, or a callable(nbytes) returning a uint8 array on the inputs' device. "
         "error_flag (CUDA varlen): an int32 array set to 1 on the device for bad cu_seqlens. "
-        "block_table (varlen): k / v are pages (num_pages, page_size, heads_kv, head_dim).");
+        "block_table (varlen): k / v are pages (num_pages, page_size, heads_kv, head_dim). "
+        "alibi_slopes: float32 (heads_q) or (batch, heads_q) on q's device, flash_attn's ALiBi.");
   m.def("backward", &backward, "dout"_a.none(), "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(), "dq"_a.none(), "dk"_a.none(),
         "dv"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(),
-        "options"_a, "error_flag"_a.none() = nb::none(),
-        "Writes dq, dk, dv for the forward that produced out and lse; error_flag as for forward().");
+        "options"_a, "error_flag"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
+        "Writes dq, dk, dv for the forward that produced out and lse (called with the same "
+        "alibi_slopes); error_flag as for forward().");
   m.def(
       "forward_workspace",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle cu_q, nb::handle cu_k,
-         const CallOptions& call) {
-        return workspace_bytes(fc_attention_forward_workspace, q, k, v, cu_q, cu_k, call);
+         const CallOptions& call, nb::handle block_table, nb::handle alibi_slopes) {
+        return workspace_bytes(fc_attention_forward_workspace, q, k, v, cu_q, cu_k, call,
+                               block_table, alibi_slopes);
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "options"_a,
+      "block_table"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
       "Bytes of scratch memory forward() needs for these arguments.");
   m.def(
       "backward_workspace",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle cu_q, nb::handle cu_k,
-         const CallOptions& call) {
-        return workspace_bytes(fc_attention_backward_workspace, q, k, v, cu_q, cu_k, call);
+         const CallOptions& call, nb::handle alibi_slopes) {
+        return workspace_bytes(fc_attention_backward_workspace, q, k, v, cu_q, cu_k, call,
+                               nb::none(), alibi_slopes);
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "options"_a,
+      "alibi_slopes"_a.none() = nb::none(),
       "Bytes of scratch memory backward() needs for these arguments.");
 
   m.def("kvcache", &kvcache, "q"_a.none(), "k_cache"_a.none(), "v_cache"_a.none(),
