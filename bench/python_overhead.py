@@ -89,8 +89,8 @@ def build_calls(device, shape, dtype):
     calls = {
         "fa_api": lambda: flashcore.flash_attn_func(q, k, v),
         "fa_api+bwd": fa_bwd,
-        "custom_op": lambda: torch.ops.flashcore.fwd(q, k, v, None, None, 0, 0, 0.0, False, -1, -1,
-                                                     0.0, 0, False),
+        "custom_op": lambda: torch.ops.flashcore.fwd(q, k, v, None, None, None, 0, 0, 0.0, False, -1,
+                                                     -1, 0.0, 0, False),
         "dlpack_api": lambda: flashcore.attention_forward(q, k, v, out=out, stream=stream),
         "ext_dlpack": lambda: _C.forward(q, k, v, out, lse, None, None, workspace, options),
         "ext_raw": lambda: _C.forward(raw["q"], raw["k"], raw["v"], raw["out"], raw["lse"], None,

@@ -128,8 +128,9 @@ class _OnDevice:
 # ---- implementations (shared by the custom ops and the eager fast path) -----------------------
 
 
-def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  causal, window_left, window_right, softcap, backend, deterministic, block_table=None):
+def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
+                  block_table=None):
     out = q.new_empty(q.shape)
     lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
@@ -138,13 +139,14 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
                    _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
                    _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options,
-                   block_table=_describe(block_table, "block_table"))
+                   block_table=_describe(block_table, "block_table"),
+                   alibi_slopes=_describe(alibi_slopes, "alibi_slopes"))
     return out, lse
 
 
-def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                   max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                   backend, deterministic):
+def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                   max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                   softcap, backend, deterministic):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -155,7 +157,8 @@ def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
                     _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),
                     _describe(dq, "dq"), _describe(dk, "dk"), _describe(dv, "dv"),
                     _describe(cu_seqlens_q, "cu_seqlens_q"), _describe(cu_seqlens_k, "cu_seqlens_k"),
-                    _workspace_allocator(q), options)
+                    _workspace_allocator(q), options,
+                    alibi_slopes=_describe(alibi_slopes, "alibi_slopes"))
     return dq, dk, dv
 
 
@@ -166,6 +169,8 @@ def _grad_output(dout, out):
 
 
 # ---- the custom ops (what torch.compile, export and dispatch modes see) -----------------------
+# The optional tensors (cu_seqlens, alibi_slopes) come before the scalar settings, so that
+# autograd can save them with the other tensors and hand the settings on as one tuple.
 
 
 @torch.library.custom_op("flashcore::fwd", mutates_args=())
@@ -175,6 +180,7 @@ def _fwd(
     v: Tensor,
     cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float,
@@ -185,14 +191,14 @@ def _fwd(
     backend: int,
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
-    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, window_left, window_right, softcap, backend,
-                         deterministic)
+    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                         backend, deterministic)
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              causal, window_left, window_right, softcap, backend, deterministic):
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
     out = q.new_empty(q.shape)
     lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
     return out, lse
@@ -208,6 +214,7 @@ def _bwd(
     lse: Tensor,
     cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float,
@@ -218,32 +225,35 @@ def _bwd(
     backend: int,
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                          backend, deterministic)
+    return _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                          max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                          window_right, softcap, backend, deterministic)
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, backend,
+              deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, *settings) = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     ctx.settings = settings  # max_seqlen_q ... deterministic, in _fwd's order
     # The library's backward takes no gradient for lse (as in flash_attn): lse is a constant.
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     dout = _grad_output(dout, out)
-    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.settings)
-    no_grad_for_settings = (None,) * (len(ctx.settings) + 2)  # + the two cu_seqlens
-    return (dq, dk, dv) + no_grad_for_settings
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                      *ctx.settings)
+    # No gradient for the cu_seqlens, the ALiBi slopes (as in flash_attn) or the settings.
+    no_grad_for_the_rest = (None,) * (len(ctx.settings) + 3)
+    return (dq, dk, dv) + no_grad_for_the_rest
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -260,19 +270,19 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *settings):
-        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *settings)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings):
+        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
         ctx.settings = settings
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
         dq, dk, dv = _backward_impl(_grad_output(dout, out), q, k, v, out, lse, cu_seqlens_q,
-                                    cu_seqlens_k, *ctx.settings)
-        return (dq, dk, dv) + (None,) * (len(ctx.settings) + 2)
+                                    cu_seqlens_k, alibi_slopes, *ctx.settings)
+        return (dq, dk, dv) + (None,) * (len(ctx.settings) + 3)
 
 
 _dispatch_stack_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
@@ -307,22 +317,24 @@ def _cu_seqlens(t):
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              causal, window_size, softcap, deterministic, backend):
-    """(out, lse) for torch tensors, differentiable in q, k, v (flash_attn semantics)."""
-    for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+              causal, window_size, softcap, deterministic, backend, alibi_slopes=None):
+    """(out, lse) for torch tensors, differentiable in q, k, v (flash_attn semantics; the
+    alibi_slopes get no gradient)."""
+    for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("alibi_slopes", alibi_slopes)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
     window_left, window_right = resolve_window(window_size)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     cu_seqlens_q, cu_seqlens_k = _cu_seqlens(cu_seqlens_q), _cu_seqlens(cu_seqlens_k)
     args = (
-        q, k, v, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
         max_seqlen_q if cu_seqlens_q is not None else 0,
         max_seqlen_k if cu_seqlens_q is not None else 0,
         resolve_scale(softmax_scale), bool(causal), window_left, window_right, float(softcap),
         backend_id(backend), bool(deterministic),
     )
-    if not _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k)):
+    if not _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)):
         return _fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)
@@ -342,6 +354,7 @@ def _paged_op(
     max_seqlen_q: int,
     max_seqlen_k: int,
     block_table: Tensor,
+    alibi_slopes: Optional[Tensor],
     softmax_scale: float,
     causal: bool,
     window_left: int,
@@ -349,24 +362,28 @@ def _paged_op(
     softcap: float,
     backend: int,
 ) -> Tuple[Tensor, Tensor]:
-    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         causal, window_left, window_right, softcap, backend, False, block_table)
+    return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, window_left, window_right, softcap, backend, False,
+                         block_table)
 
 
 @_paged_op.register_fake
 def _paged_op_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                   softmax_scale, causal, window_left, window_right, softcap, backend):
+                   alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, backend):
     return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape, True), dtype=torch.float32)
 
 
 def attention_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                    softmax_scale, causal, window_size, softcap, backend):
+                    softmax_scale, causal, window_size, softcap, backend, alibi_slopes=None):
     """(out, lse) of a varlen forward over paged k / v (flash_attn_varlen_func's block_table).
-    Forward only, as in flash_attn: inputs that require grad are an error."""
+    Forward only, as in flash_attn: inputs that require grad are an error. alibi_slopes reach
+    the library, which serves them where the backend does (NotImplementedError elsewhere)."""
     for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                     ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected a torch.Tensor like q, got {type(alibi_slopes).__name__}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError("block_table: paged K/V is forward only (as in flash_attn); call it "
                                   "under torch.no_grad() or with inputs that do not require grad")
@@ -377,9 +394,10 @@ def attention_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     lengths = (int(max_seqlen_q), int(max_seqlen_k))
     options = (resolve_scale(softmax_scale), bool(causal), window_left, window_right, float(softcap),
                backend_id(backend))
-    if _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)):
-        return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, *options, False, block_table)
-    return _paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, block_table, *options)
+    if _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)):
+        return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *lengths, *options, False,
+                             block_table)
+    return _paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, block_table, alibi_slopes, *options)
 
 
 # ---- inference: KV cache and merge of partial results -------------------------------------------

@@ -5,9 +5,11 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - torch tensors (CUDA or CPU) go through flashcore._torch: custom ops with autograd,
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
-What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0 and
-alibi_slopes. Paged caches: flash_attn_with_kvcache (with rotary_cos / rotary_sin and
-cache_leftpad, all inside the library call) and flash_attn_varlen_func's block_table (forward). return_attn_probs returns
+What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0, and
+alibi_slopes in flash_attn_with_kvcache (the other functions take ALiBi, forward and backward;
+a paged block_table call takes it where its backend does). Paged caches: flash_attn_with_kvcache
+(with rotary_cos / rotary_sin and cache_leftpad, all inside the library call) and
+flash_attn_varlen_func's block_table (forward). return_attn_probs returns
 (out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
 flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
@@ -45,11 +47,9 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
-def _check_unsupported(dropout_p, alibi_slopes):
+def _check_unsupported(dropout_p):
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p: only 0.0 is supported, got {dropout_p}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not supported; pass None")
 
 
 def _last_dim_contiguous_numpy(x):
@@ -62,17 +62,18 @@ def _last_dim_contiguous_numpy(x):
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_size, softcap, deterministic, return_attn_probs):
+               causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
     if _is_torch(q):
         out, lse = _load_torch_impl().attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, window_size, softcap, deterministic, _default_backend)
+            causal, window_size, softcap, deterministic, _default_backend, alibi_slopes)
     else:
         q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
         out, lse = _dlpack_api.attention_forward(
             q, k, v, return_lse=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-            causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend)
+            causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend,
+            alibi_slopes=alibi_slopes)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -90,31 +91,33 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
     nheads % nheads_k == 0 (GQA/MQA). Causal and window masks are aligned to the bottom-right
     corner; query i attends to keys in [i + sk - sq - window_size[0], i + sk - sq +
-    window_size[1]]. Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse,
-    None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    window_size[1]]. alibi_slopes (nheads,) or (batch, nheads), float32 on q's device: the
+    score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j| (no gradient for the
+    slopes). Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with
+    return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32."""
+    _check_unsupported(dropout_p)
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
-                      softcap, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """qkv: (batch, seqlen, 3, nheads, headdim). Otherwise as flash_attn_func."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p)
     q, k, v = _split_packed(qkv, 2, 3, "qkv")
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
-                      softcap, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p)
     k, v = _split_packed(kv, 2, 2, "kv")
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
-                      softcap, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -123,27 +126,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k:
     (batch + 1,) int32 prefix sums (int64 is converted); max_seqlen_q/k: ints >= every
-    length. Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with
-    softmax_lse (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v
-    are paged caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in
-    pages block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page
-    size on Hopper and on the CPU, multiples of 256 on other GPUs)."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    length. alibi_slopes as in flash_attn_func, positions counted inside each sequence.
+    Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with softmax_lse
+    (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v are paged
+    caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in pages
+    block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page size on
+    Hopper and on the CPU, multiples of 256 on other GPUs); with alibi_slopes only where the
+    backend serves ALiBi over pages (NotImplementedError otherwise)."""
+    _check_unsupported(dropout_p)
     if block_table is None:
         return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          softmax_scale, causal, window_size, softcap, deterministic,
+                          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                           return_attn_probs)
     if _is_torch(q):
         out, lse = _load_torch_impl().attention_paged(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-            softmax_scale, causal, window_size, softcap, _default_backend)
+            softmax_scale, causal, window_size, softcap, _default_backend, alibi_slopes)
     else:
         q = _last_dim_contiguous_numpy(q)
         out, lse = _dlpack_api.attention_forward(
             q, k, v, return_lse=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend,
-            block_table=block_table)
+            block_table=block_table, alibi_slopes=alibi_slopes)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -152,10 +157,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """qkv: (total, 3, nheads, headdim); cu_seqlens shared by queries and keys."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p)
     q, k, v = _split_packed(qkv, 1, 3, "qkv")
     return _attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale,
-                      causal, window_size, softcap, deterministic, return_attn_probs)
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -164,15 +169,18 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
-    _check_unsupported(dropout_p, alibi_slopes)
+    _check_unsupported(dropout_p)
     k, v = _split_packed(kv, 1, 2, "kv")
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      softmax_scale, causal, window_size, softcap, deterministic,
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                       return_attn_probs)
 
 
 def _check_unsupported_kvcache(cache_leftpad, block_table, alibi_slopes):
-    _check_unsupported(0.0, alibi_slopes)
+    if alibi_slopes is not None:
+        # The library's KV-cache entry has no ALiBi (fc_attention_kvcache declines it).
+        raise NotImplementedError("alibi_slopes: not supported by flash_attn_with_kvcache (the "
+                                  "flash_attn_func and flash_attn_varlen_* functions take it); pass None")
     if cache_leftpad is not None and block_table is not None:
         raise NotImplementedError("cache_leftpad: not supported with a paged cache (block_table), as in flash_attn")
 

@@ -118,7 +118,7 @@ def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic):
         pending = ring.shift(kv) if step + 1 < ring.world else None
         source = (ring.rank - step) % ring.world
         for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, seqlen, k.shape[1]):
-            out, lse = _forward_impl(q[:, rows], kv[0][:, keys], kv[1][:, keys], None, None, 0, 0, scale,
+            out, lse = _forward_impl(q[:, rows], kv[0][:, keys], kv[1][:, keys], None, None, None, 0, 0, scale,
                                      block_causal, -1, -1, 0.0, backend, deterministic)
             merge_into(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
         if pending is not None:
@@ -139,7 +139,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend
         source = (ring.rank - step) % ring.world
         for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, q.shape[1], k.shape[1]):
             dq_s, dk_s, dv_s = _backward_impl(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
-                                              out[:, rows], lse[:, :, rows].contiguous(), None, None, 0, 0,
+                                              out[:, rows], lse[:, :, rows].contiguous(), None, None, None, 0, 0,
                                               scale, block_causal, -1, -1, 0.0, backend, deterministic)
             dq[:, rows] += dq_s.float()
             dkv[0][:, keys] += dk_s.float()
@@ -200,8 +200,8 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     and one late), which gives every rank the same work under a causal mask. GQA / MQA as in
     flash_attn_func. ``causal`` masks across the whole sequence (query and key shards of one
     length). Returns this rank's out (the shape and dtype of q), and with ``return_lse`` also its
-    lse (batch, heads_q, seqlen_shard) in float32 over the whole sequence's keys. Softcap and
-    sliding windows are not supported here."""
+    lse (batch, heads_q, seqlen_shard) in float32 over the whole sequence's keys. Softcap,
+    sliding windows and ALiBi are not supported here."""
     if not dist.is_initialized():
         raise RuntimeError("group: torch.distributed is not initialized (init_process_group first)")
     _check(q, k, v, causal, layout)

@@ -572,8 +572,6 @@ def test_error_unsupported_features(rng):
     q, k, v = valid_inputs(rng)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flashcore.flash_attn_func(q, k, v, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flashcore.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, np.float32))
 
 
 @pytest.mark.parametrize(

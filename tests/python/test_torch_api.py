@@ -212,9 +212,9 @@ def test_deterministic_backward_is_bitwise_repeatable():
 # ---- custom ops and torch.compile -------------------------------------------------------------
 
 
-# flashcore::fwd's arguments after q, k, v: dense, default scale, causal, no window/softcap,
-# automatic backend, non-deterministic.
-OP_SETTINGS = (None, None, 0, 0, 0.0, True, -1, -1, 0.0, 0, False)
+# flashcore::fwd's arguments after q, k, v: dense, no ALiBi, default scale, causal, no
+# window/softcap, automatic backend, non-deterministic.
+OP_SETTINGS = (None, None, None, 0, 0, 0.0, True, -1, -1, 0.0, 0, False)
 
 
 def test_custom_op_opcheck():
@@ -233,7 +233,7 @@ def test_eager_fast_path_matches_custom_op():
 
     q, k, v = make_qkv((2, 21, 4, 32), (2, 27, 2, 32), requires_grad=True)
     dout = torch.randn(q.shape)
-    settings = (None, None, 0, 0, 0.0, True, 3, -1, 2.0, 0, False)
+    settings = (None, None, None, 0, 0, 0.0, True, 3, -1, 2.0, 0, False)
     fast = lambda *x: flash_attn.flash_attn_func(*x, causal=True, window_size=(3, -1), softcap=2.0)
     via_op = lambda *x: _torch._fwd(*x, *settings)[0]
     assert _torch._eager_fast_path_ok((q, k, v))
@@ -344,8 +344,6 @@ def test_error_unsupported_features():
     q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 16))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn.flash_attn_func(q, k, v, dropout_p=0.5)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
 
 
 def test_error_float_cu_seqlens():
