@@ -1,6 +1,6 @@
 """The fp64 numpy attention reference shared by the Python test files: bottom-right aligned
-causal / sliding-window masks, softcap, GQA, fully masked rows (out 0, lse -inf). Not a test
-module (no test_ prefix); the test files import it from their own directory."""
+causal / sliding-window masks, softcap, ALiBi, GQA, fully masked rows (out 0, lse -inf). Not a
+test module (no test_ prefix); the test files import it from their own directory."""
 
 import numpy as np
 
@@ -29,13 +29,25 @@ def scores(q, k, scale, softcap):
     return s
 
 
-def sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, p_dtype):
+def alibi_bias(seqlen_q, seqlen_k, slopes, dtype=np.float64):
+    """(hq, sq, sk) ALiBi bias of one sequence, flash_attn's: -slope[h] * |i + sk - sq - j|, added
+    to the scores after the scale and the softcap. slopes (hq,); None gives 0."""
+    if slopes is None:
+        return np.zeros((1, seqlen_q, seqlen_k), dtype)
+    rows = np.arange(seqlen_q)[:, None]
+    keys = np.arange(seqlen_k)[None, :]
+    distance = np.abs(rows + seqlen_k - seqlen_q - keys).astype(dtype)
+    return -np.asarray(slopes, dtype)[:, None, None] * distance[None]
+
+
+def sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, p_dtype, slopes=None):
     """One sequence: out (sq, hq, d) and lse (hq, sq). compute_dtype float64 is the truth;
-    float32 with p_dtype = the input dtype is the naive same-precision implementation."""
+    float32 with p_dtype = the input dtype is the naive same-precision implementation. slopes
+    (hq,): this sequence's ALiBi slopes, or None."""
     group = q.shape[1] // k.shape[1]
     q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = scores(q, k, scale, softcap)
+    s = scores(q, k, scale, softcap) + alibi_bias(q.shape[0], k.shape[0], slopes, compute_dtype)
     s = np.where(allowed_keys(q.shape[0], k.shape[0], causal, window)[None], s, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     row_max = np.where(np.isfinite(row_max), row_max, 0)

@@ -1,7 +1,7 @@
 """flashcore's Python package on numpy arrays (CPU backends): runs in CI without GPU or torch.
 
 Every result is checked against an fp64 numpy reference written here (bottom-right aligned
-causal/window masks, softcap, GQA, varlen), with TESTING.md's tolerance rule for float16 and
+causal/window masks, softcap, ALiBi, GQA, varlen), with TESTING.md's tolerance rule for float16 and
 bfloat16 (error <= 2x the error of a naive implementation in the same precision + one rounding)
 and a relative error below 1e-5 for float32. Outputs are poisoned with NaN first so that an
 element left unwritten fails. Bad inputs must raise ValueError/TypeError naming the argument.
@@ -14,7 +14,7 @@ import pytest
 
 import flashcore
 import flashcore.flash_attn_interface as fai
-from attention_reference import allowed_keys, scores as _scores, sequence_forward as _sequence_forward
+from attention_reference import allowed_keys, alibi_bias, scores as _scores, sequence_forward as _sequence_forward
 
 CPU_BACKENDS = ["cpu_flash", "cpu_reference"]
 FP32_RELATIVE_TOLERANCE = 1e-5
@@ -34,23 +34,25 @@ except ImportError:  # optional
 
 
 def _sequence_backward(q, k, v, dout, scale, causal, window, softcap, compute_dtype, round_dtype,
-                       stored_out=None):
+                       stored_out=None, slopes=None):
     """Gradients of one sequence: dq (sq, hq, d), dk/dv (sk, hkv, d). compute_dtype float64 is
     the truth; float32 with round_dtype = the input dtype is the naive same-precision backward
     (P and dS rounded to the dtype before their products, as tensor-core kernels do), whose
     D = rowsum(dO * O) reads `stored_out` (the O the backend's forward stored, as the backend's
-    backward does) when given."""
+    backward does) when given. slopes (hq,): ALiBi, a constant bias of the scores, so it enters
+    only P (the softcap's derivative reads the capped scores without it)."""
     heads_kv = k.shape[1]
     group = q.shape[1] // heads_kv
     q, k, v, dout = (x.astype(compute_dtype) for x in (q, k, v, dout))
     kx, vx = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    out, lse = _sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, round_dtype)
+    out, lse = _sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, round_dtype, slopes)
     if stored_out is not None:
         out = stored_out.astype(compute_dtype)
     rounded = lambda x: x.astype(round_dtype).astype(compute_dtype)
     s = _scores(q, kx, scale, softcap)
+    biased = s + alibi_bias(q.shape[0], k.shape[0], slopes, compute_dtype)
     with np.errstate(invalid="ignore", over="ignore"):
-        p = np.where(np.isfinite(lse)[..., None], np.exp(s - lse[..., None]), 0)
+        p = np.where(np.isfinite(lse)[..., None], np.exp(biased - lse[..., None]), 0)
     p = np.where(allowed_keys(q.shape[0], k.shape[0], causal, window)[None], p, 0)
     dp = np.einsum("ihd,jhd->hij", dout, vx)
     delta = np.einsum("ihd,ihd->hi", dout, rounded(out))[..., None]
@@ -75,16 +77,24 @@ def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
     ]
 
 
+def _sequence_slopes(alibi, b):
+    """Sequence b's ALiBi slopes (hq,) from slopes (hq,) or (batch, hq); None without ALiBi."""
+    if alibi is None:
+        return None
+    return alibi[b] if alibi.ndim == 2 else alibi
+
+
 def reference_forward(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                      cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False):
+                      cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False, alibi=None):
     """out and lse in the C ABI layouts; fp64 truth, or the naive same-precision result."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute, p_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
     out = np.zeros(q.shape, dtype=compute)
     varlen = cu_seqlens_q is not None
     lse = np.zeros((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]))
-    for qi, ki in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
-        o, l = _sequence_forward(q[qi], k[ki], v[ki], scale, causal, window, softcap, compute, p_dtype)
+    for b, (qi, ki) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
+        o, l = _sequence_forward(q[qi], k[ki], v[ki], scale, causal, window, softcap, compute, p_dtype,
+                                 _sequence_slopes(alibi, b))
         out[qi] = o
         if varlen:
             lse[:, qi[0]] = l
@@ -96,16 +106,18 @@ def reference_forward(q, k, v, *, scale=None, causal=False, window=(-1, -1), sof
 
 
 def reference_backward(q, k, v, dout, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                       cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False, stored_out=None):
+                       cu_seqlens_q=None, cu_seqlens_k=None, same_precision=False, stored_out=None,
+                       alibi=None):
     """dq, dk, dv; fp64 truth, or the naive same-precision result (in q's dtype), which takes D
     from `stored_out` (the backend's O) when given."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute, round_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
     dq, dk, dv = (np.zeros(x.shape, compute) for x in (q, k, v))
-    for qi, ki in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    for b, (qi, ki) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
         out_i = None if stored_out is None or not same_precision else stored_out[qi]
         dq[qi], dk[ki], dv[ki] = _sequence_backward(q[qi], k[ki], v[ki], dout[qi], scale, causal,
-                                                    window, softcap, compute, round_dtype, out_i)
+                                                    window, softcap, compute, round_dtype, out_i,
+                                                    _sequence_slopes(alibi, b))
     if same_precision:
         return tuple(x.astype(q.dtype) for x in (dq, dk, dv))
     return dq, dk, dv
@@ -477,6 +489,244 @@ def test_backward_fp16(rng):
     for name, got, want, naive in zip(("dq", "dk", "dv"), grads, expected, same):
         assert got.dtype == np.float16
         assert_low_precision_close(got, want, naive, np.float16, name, LOW_PRECISION_FACTOR_BWD)
+
+
+# ---- ALiBi ---------------------------------------------------------------------------------------
+# "auto" is the backend a caller gets by default (cpu_flash on a CPU); cpu_reference is the fp64
+# oracle. Both must match the reference above, which adds -slope * |i + sk - sq - j| per sequence.
+
+ALIBI_BACKENDS = ["auto", "cpu_reference"]
+
+
+@pytest.fixture(params=ALIBI_BACKENDS)
+def fa_backend(request):
+    """The flash_attn_* calls of the test run on this backend."""
+    flashcore.set_default_backend(request.param)
+    yield request.param
+    flashcore.set_default_backend("auto")
+
+
+def alibi_slopes(rng, batch, heads, per_batch):
+    """Slopes (batch, heads) or (heads,), float32, drawn large enough that the bias reorders the
+    softmax over a few dozen positions (flash_attn's tests draw them uniformly as well)."""
+    return rng.uniform(0.05, 1.0, (batch, heads) if per_batch else (heads,)).astype(np.float32)
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 37), (23, 41), (41, 23)])
+def test_alibi_forward(rng, fa_backend, per_batch, causal, seqlen_q, seqlen_k):
+    # GQA: 4 query heads on 2 KV heads; the slopes belong to the query heads.
+    q, k, v = random_inputs(rng, np.float32, (2, seqlen_q, 4, 32), (2, seqlen_k, 2, 32))
+    slopes = alibi_slopes(rng, 2, 4, per_batch)
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
+                                            return_attn_probs=True)
+    check_forward(q, k, v, out, lse, causal=causal, alibi=slopes)
+    # The bias is large enough here that ignoring it would fail the check above.
+    assert not np.allclose(out, reference_forward(q, k, v, causal=causal)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [dict(softcap=2.0), dict(softcap=5.0, causal=True), dict(window=(6, 3)), dict(window=(8, 2), causal=True)],
+    ids=["softcap", "softcap_causal", "window", "window_causal"],
+)
+def test_alibi_with_softcap_and_window(rng, fa_backend, mask):
+    q, k, v = random_inputs(rng, np.float32, (2, 30, 4, 32), (2, 45, 2, 32))
+    q *= 4  # large scores so that the cap matters
+    slopes = alibi_slopes(rng, 2, 4, per_batch=True)
+    out, lse, _ = flashcore.flash_attn_func(
+        q, k, v, causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+        softcap=mask.get("softcap", 0.0), alibi_slopes=slopes, return_attn_probs=True)
+    if mask.get("causal"):
+        mask = dict(mask, window=(mask.get("window", (-1, -1))[0], 0))
+    check_forward(q, k, v, out, lse, alibi=slopes, **mask)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=lambda d: np.dtype(d).name)
+def test_alibi_forward_low_precision(rng, fa_backend, dtype):
+    q, k, v = random_inputs(rng, dtype, (2, 64, 4, 64), (2, 96, 2, 64))
+    slopes = alibi_slopes(rng, 2, 4, per_batch=False)
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    assert out.dtype == q.dtype
+    check_forward(q, k, v, out, lse, causal=True, alibi=slopes)
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_varlen_with_empty_sequences(rng, fa_backend, per_batch, causal):
+    # Positions count inside each sequence. Sequence 1 has no queries, sequence 2 no keys.
+    lengths_q, lengths_k = [5, 0, 7, 33, 1], [9, 4, 0, 20, 1]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, lengths_q, lengths_k)
+    slopes = alibi_slopes(rng, len(lengths_q), 4, per_batch)
+    out, lse, _ = flashcore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                   causal=causal, alibi_slopes=slopes, return_attn_probs=True)
+    no_keys = slice(cu_q[2], cu_q[3])
+    assert np.all(out[no_keys] == 0) and np.all(lse[:, no_keys] == -np.inf)
+    check_forward(q, k, v, out, lse, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi=slopes)
+
+
+def test_alibi_packed_forms_match_unpacked(rng, fa_backend):
+    qkv = rng.standard_normal((2, 25, 3, 4, 32)).astype(np.float32)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    slopes = alibi_slopes(rng, 2, 4, per_batch=True)
+    expected = flashcore.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    assert_fp32_close(expected, reference_forward(q, k, v, causal=True, alibi=slopes)[0], "out")
+    np.testing.assert_array_equal(flashcore.flash_attn_qkvpacked_func(qkv, causal=True, alibi_slopes=slopes),
+                                  expected)
+    kv = np.ascontiguousarray(qkv[:, :, 1:])
+    np.testing.assert_array_equal(flashcore.flash_attn_kvpacked_func(q, kv, causal=True, alibi_slopes=slopes),
+                                  expected)
+
+    lengths = [7, 0, 19]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    qkv = rng.standard_normal((cu[-1], 3, 4, 16)).astype(np.float32)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    slopes = alibi_slopes(rng, len(lengths), 4, per_batch=True)
+    expected = flashcore.flash_attn_varlen_func(q, k, v, cu, cu, 19, 19, alibi_slopes=slopes)
+    assert_fp32_close(expected, reference_forward(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, alibi=slopes)[0],
+                      "out")
+    np.testing.assert_array_equal(flashcore.flash_attn_varlen_qkvpacked_func(qkv, cu, 19, alibi_slopes=slopes),
+                                  expected)
+    got = flashcore.flash_attn_varlen_kvpacked_func(q, qkv[:, 1:], cu, cu, 19, 19, alibi_slopes=slopes)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_alibi_paged_kv_is_served_or_declined(rng, fa_backend):
+    # A block_table call takes ALiBi where its backend serves it (cpu_reference does): then the
+    # result is the packed call's. A backend that does not says so; it never ignores the slopes.
+    lengths_q, lengths_k = [5, 12], [20, 37]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, lengths_q, lengths_k)
+    k_pages, table = paged_copy(rng, k, cu_k, 16)
+    v_pages = rng.standard_normal(k_pages.shape).astype(np.float32)
+    for b, n in enumerate(np.diff(cu_k)):
+        for j in range(n):
+            v_pages[table[b, j // 16], j % 16] = v[cu_k[b] + j]
+    slopes = alibi_slopes(rng, 2, 4, per_batch=True)
+    call = lambda k, v, **paged: flashcore.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True, alibi_slopes=slopes, **paged)
+    try:
+        out = call(k_pages, v_pages, block_table=table)
+    except NotImplementedError as error:
+        assert fa_backend != "cpu_reference"
+        assert str(error).startswith("alibi_slopes: ")
+        return
+    np.testing.assert_array_equal(out, call(k, v))
+    check_forward(q, k, v, out, reference_forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                  alibi=slopes)[1], causal=True, cu_seqlens_q=cu_q,
+                  cu_seqlens_k=cu_k, alibi=slopes)
+
+
+@pytest.mark.parametrize("backend", ALIBI_BACKENDS)
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
+@pytest.mark.parametrize(
+    "mask",
+    [dict(), dict(causal=True), dict(window=(6, 3)), dict(softcap=2.0, causal=True)],
+    ids=["full", "causal", "window", "softcap"],
+)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(23, 41), (41, 23)])
+def test_alibi_backward_fp32(rng, backend, per_batch, mask, seqlen_q, seqlen_k):
+    q, k, v = random_inputs(rng, np.float32, (2, seqlen_q, 4, 32), (2, seqlen_k, 2, 32))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = alibi_slopes(rng, 2, 4, per_batch)
+    options = dict(causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+                   softcap=mask.get("softcap", 0.0), alibi_slopes=slopes, backend=backend)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, **options)
+    check_forward(q, k, v, out, lse, alibi=slopes, **mask)
+    dq, dk, dv = (poisoned_like(x) for x in (q, k, v))
+    flashcore.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **options)
+    expected = reference_backward(q, k, v, dout, alibi=slopes, **mask)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        assert_fp32_close(got, want, name)
+
+
+@pytest.mark.parametrize("backend", ALIBI_BACKENDS)
+def test_alibi_backward_varlen_with_empty_sequences(rng, backend):
+    lengths_q, lengths_k = [6, 0, 11, 4], [8, 5, 0, 4]
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, lengths_q, lengths_k)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    slopes = alibi_slopes(rng, len(lengths_q), 4, per_batch=True)
+    common = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    options = dict(common, alibi_slopes=slopes, backend=backend)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, **options)
+    grads = flashcore.attention_backward(dout, q, k, v, out, lse, **options)
+    expected = reference_backward(q, k, v, dout, alibi=slopes, **common)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_fp32_close(got, want, name)
+
+
+@pytest.mark.parametrize("backend", ALIBI_BACKENDS)
+def test_alibi_backward_fp16(rng, backend):
+    q, k, v = random_inputs(rng, np.float16, (1, 37, 4, 64), (1, 53, 2, 64))
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    slopes = alibi_slopes(rng, 1, 4, per_batch=False)
+    options = dict(causal=True, alibi_slopes=slopes, backend=backend)
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, **options)
+    grads = flashcore.attention_backward(dout, q, k, v, out, lse, **options)
+    expected = reference_backward(q, k, v, dout, causal=True, alibi=slopes)
+    same = reference_backward(q, k, v, dout, causal=True, alibi=slopes, same_precision=True, stored_out=out)
+    for name, got, want, naive in zip(("dq", "dk", "dv"), grads, expected, same):
+        assert got.dtype == np.float16
+        assert_low_precision_close(got, want, naive, np.float16, name, LOW_PRECISION_FACTOR_BWD)
+
+
+@pytest.mark.parametrize(
+    "slopes,message",
+    [
+        (np.ones(2, np.float16), r"^alibi_slopes: dtype float16 .*float32"),
+        (np.ones(2, np.float64), r"^alibi_slopes: dtype float64 .*float32"),
+        (np.ones(3, np.float32), r"^alibi_slopes: shape"),  # heads_q is 2
+        (np.ones((2, 2), np.float32), r"^alibi_slopes: shape"),  # batch is 1
+        (np.ones((1, 1, 2), np.float32), r"^alibi_slopes: has 3 dimensions"),
+        (np.ones((1, 4), np.float32)[:, ::2], r"^alibi_slopes: .*stride"),
+        (np.array([0.5, np.inf], np.float32), r"^alibi_slopes: entry \[1\] is not finite"),
+    ],
+    ids=["float16", "float64", "heads", "batch", "ndim", "strided", "inf"],
+)
+def test_error_bad_alibi_slopes(rng, slopes, message):
+    # Checked before any backend is chosen: the same error on every backend, nothing written.
+    q, k, v = valid_inputs(rng)
+    out = poisoned_like(q)
+    for backend in ALIBI_BACKENDS:
+        with pytest.raises(ValueError, match=message):
+            flashcore.attention_forward(q, k, v, out=out, alibi_slopes=slopes, backend=backend)
+        assert np.isnan(out).all()
+    with pytest.raises(ValueError, match=message):
+        flashcore.flash_attn_func(q, k, v, alibi_slopes=slopes)
+
+
+def test_error_alibi_slopes_not_an_array_or_on_another_device(rng):
+    q, k, v = valid_inputs(rng)
+    with pytest.raises(TypeError, match=r"^alibi_slopes: "):
+        flashcore.flash_attn_func(q, k, v, alibi_slopes=[0.5, 0.25])
+    if BFLOAT16 is not None:
+        with pytest.raises(ValueError, match=r"^alibi_slopes: dtype bfloat16"):
+            flashcore.flash_attn_func(q, k, v, alibi_slopes=np.ones(2, BFLOAT16))
+    # A raw descriptor of device memory with CPU q: refused before anything reads the slopes.
+    slopes = np.ones(2, np.float32)
+    on_gpu = (slopes.ctypes.data, flashcore._C.DTYPE_F32, flashcore._C.DEVICE_CUDA, 0, (2,), (1,))
+    with pytest.raises(ValueError, match=r"^alibi_slopes: is on cuda:0 but q is on cpu"):
+        flashcore.attention_forward(q, k, v, alibi_slopes=on_gpu)
+
+
+def test_alibi_reaches_the_workspace_queries(rng):
+    # With ALiBi a call may run on another backend than without, so the queries must see the
+    # slopes: bad ones are refused there as in the call itself.
+    q, k, v = valid_inputs(rng)
+    options = flashcore._C.Options(backend=flashcore._dlpack_api.backend_id("cpu_reference"))
+    slopes = np.ones(2, np.float32)
+    assert flashcore._C.forward_workspace(q, k, v, None, None, options, alibi_slopes=slopes) >= 0
+    assert flashcore._C.backward_workspace(q, k, v, None, None, options, alibi_slopes=slopes) >= 0
+    for query in (flashcore._C.forward_workspace, flashcore._C.backward_workspace):
+        with pytest.raises(ValueError, match=r"^alibi_slopes: shape"):
+            query(q, k, v, None, None, options, alibi_slopes=np.ones(3, np.float32))
+    # The paged forward's query takes its block table too (k / v are pages then).
+    q, k, v, cu_q, cu_k = varlen_case(rng, np.float32, [3, 4], [10, 20])
+    k_pages, table = paged_copy(rng, k, cu_k, 16)
+    options.max_seqlen_q, options.max_seqlen_k = 4, 20
+    assert flashcore._C.forward_workspace(q, k_pages, k_pages, cu_q, cu_k, options, block_table=table) >= 0
+    with pytest.raises(ValueError, match=r"^k: "):
+        flashcore._C.forward_workspace(q, k_pages, k_pages, cu_q, cu_k, options)
 
 
 # ---- bad input: a clear error naming the argument, outputs untouched -----------------------------

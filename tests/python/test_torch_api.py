@@ -34,8 +34,19 @@ def allowed_keys(seqlen_q, seqlen_k, causal, window, device="cpu"):
     return allowed
 
 
+def alibi_bias(seqlen_q, seqlen_k, slopes, dtype):
+    """(batch or 1, heads, sq, sk) ALiBi bias: -slope * |i + sk - sq - j| (flash_attn's), for
+    slopes (heads,) or (batch, heads)."""
+    rows = torch.arange(seqlen_q)[:, None]
+    keys = torch.arange(seqlen_k)[None, :]
+    distance = (rows + seqlen_k - seqlen_q - keys).abs().to(dtype)
+    slopes = slopes.detach().to(dtype)
+    slopes = slopes[None] if slopes.dim() == 1 else slopes
+    return -slopes[:, :, None, None] * distance
+
+
 def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None,
-                        dtype=torch.float64):
+                        dtype=torch.float64, alibi_slopes=None):
     """Dense (batch, seq, heads, dim) attention in plain torch ops, differentiable; rows
     without keys give 0. Returns (out, lse) in `dtype`."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -45,6 +56,8 @@ def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, sca
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(q.shape[1], k.shape[1], alibi_slopes, dtype)
     allowed = allowed_keys(q.shape[1], k.shape[1], causal, window, q.device)
     s = s.masked_fill(~allowed, NO_KEY_SCORE)
     has_key = allowed.any(dim=-1)[:, None]  # (sq, 1)
@@ -322,6 +335,154 @@ def test_paged_kv_block_table_eager_and_compiled():
         step(q.requires_grad_(), k_pages, v_pages)
 
 
+# ---- ALiBi ---------------------------------------------------------------------------------------
+# "auto" is the default backend (cpu_flash on a CPU); cpu_reference is the fp64 oracle.
+
+ALIBI_BACKENDS = ["auto", "cpu_reference"]
+
+
+@pytest.fixture(params=ALIBI_BACKENDS)
+def fa_backend(request):
+    """The flash_attn_* calls of the test run on this backend."""
+    flash_attn.set_default_backend(request.param)
+    yield request.param
+    flash_attn.set_default_backend("auto")
+
+
+def alibi_slopes(batch, heads, per_batch):
+    """float32 slopes (batch, heads) or (heads,), large enough to reorder the softmax over a few
+    dozen positions."""
+    return torch.rand((batch, heads) if per_batch else (heads,)) * 0.95 + 0.05
+
+
+@pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(29, 47), (47, 29)])
+def test_alibi_autograd_fp32_matches_float64_math(fa_backend, mask, per_batch, seqlen_q, seqlen_k):
+    # GQA: 4 query heads on 2 KV heads.
+    options = MASKS[mask]
+    q, k, v = make_qkv((2, seqlen_q, 4, 32), (2, seqlen_k, 2, 32), requires_grad=True)
+    dout = torch.randn(q.shape)
+    slopes = alibi_slopes(2, 4, per_batch)
+    out, lse, _ = flash_attn.flash_attn_func(
+        q, k, v, causal=options.get("causal", False), window_size=options.get("window", (-1, -1)),
+        softcap=options.get("softcap", 0.0), alibi_slopes=slopes, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*inputs64, alibi_slopes=slopes, **options)
+    ref_grads = torch.autograd.grad(ref_out, inputs64, dout.double())
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert relative_error(lse[finite], ref_lse[finite]) < FP32_RELATIVE_TOLERANCE
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+
+
+def test_alibi_autograd_varlen_with_empty_sequences(fa_backend):
+    # Positions count inside each sequence; sequence 1 has no queries, sequence 2 no keys.
+    lengths_q, lengths_k = [5, 0, 9, 3], [6, 4, 0, 3]
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32)
+    q, k, v = make_qkv((int(cu_q[-1]), 4, 16), (int(cu_k[-1]), 2, 16), requires_grad=True)
+    dout = torch.randn(q.shape)
+    slopes = alibi_slopes(len(lengths_q), 4, per_batch=True)
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                            causal=True, alibi_slopes=slopes)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(len(lengths_q)):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lengths_q[b] == 0:
+            continue
+        inputs64 = [x.detach()[r][None].double().requires_grad_() for x, r in ((q, rq), (k, rk), (v, rk))]
+        reference = lambda *x: reference_attention(*x, causal=True, alibi_slopes=slopes[b])[0]
+        ref_out, ref_grads = grads_of(reference, inputs64, dout[rq][None].double())
+        torch.testing.assert_close(out[rq][None].double(), ref_out, rtol=1e-5, atol=1e-6)
+        for got, want, rows in zip(grads, ref_grads, (rq, rk, rk)):
+            torch.testing.assert_close(got[rows][None].double(), want, rtol=1e-5, atol=1e-6)
+    # Sequence 2 (no keys): out 0 and no gradient reaches its queries.
+    no_keys = slice(int(cu_q[2]), int(cu_q[3]))
+    assert torch.all(out[no_keys] == 0) and torch.all(grads[0][no_keys] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_alibi_forward_low_precision(fa_backend, dtype):
+    q, k, v = make_qkv((1, 64, 2, 64), (1, 96, 2, 64), dtype)
+    slopes = alibi_slopes(1, 2, per_batch=False)
+    out = flash_attn.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    assert out.dtype == dtype
+    ref, _ = reference_attention(q, k, v, causal=True, alibi_slopes=slopes)
+    same, _ = reference_attention(q, k, v, causal=True, alibi_slopes=slopes, dtype=torch.float32)
+    same_error = (same.to(dtype).double() - ref).abs().max().item()
+    atol = 2 * (ref.to(dtype) + 0.3 - 0.3 - ref.to(dtype)).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * same_error + atol
+
+
+def test_alibi_slopes_get_no_gradient(fa_backend):
+    # As in flash_attn: slopes that require grad are read, never differentiated (eager path and
+    # custom op alike).
+    from flashcore import _torch
+
+    q, k, v = make_qkv((1, 12, 2, 16), (1, 15, 2, 16), requires_grad=True)
+    slopes = alibi_slopes(1, 2, per_batch=False).requires_grad_()
+    out = flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes)
+    out.sum().backward()
+    assert slopes.grad is None and all(x.grad is not None for x in (q, k, v))
+    settings = (None, None, slopes, 0, 0, 0.0, False, -1, -1, 0.0, _torch.backend_id(fa_backend), False)
+    out_op = _torch._fwd(q, k, v, *settings)[0]
+    assert torch.equal(out_op, out)
+    grads = torch.autograd.grad(out_op.sum(), (q, k, v, slopes), allow_unused=True)
+    assert grads[3] is None
+    assert all(torch.equal(g, x.grad) for g, x in zip(grads, (q, k, v)))
+
+
+@pytest.mark.parametrize("backend", ALIBI_BACKENDS)
+def test_alibi_custom_op_opcheck(backend):
+    from torch.library import opcheck
+
+    from flashcore import _torch
+
+    q, k, v = make_qkv((2, 12, 2, 16), (2, 10, 1, 16), requires_grad=True)
+    settings = (None, None, alibi_slopes(2, 2, per_batch=True), 0, 0, 0.0, True, -1, -1, 0.0,
+                _torch.backend_id(backend), False)
+    opcheck(torch.ops.flashcore.fwd.default, (q, k, v) + settings)
+    q, k, v = (x.detach() for x in (q, k, v))
+    out, lse = torch.ops.flashcore.fwd(q, k, v, *settings)
+    opcheck(torch.ops.flashcore.bwd.default, (torch.randn_like(out), q, k, v, out, lse) + settings)
+
+
+def test_alibi_torch_compile_fullgraph(fa_backend):
+    q, k, v = make_qkv((2, 24, 4, 32), (2, 30, 2, 32), requires_grad=True)
+    dout = torch.randn(q.shape)
+    slopes = alibi_slopes(2, 4, per_batch=True)
+
+    def step(q, k, v, slopes):
+        return flash_attn.flash_attn_func(q, k, v, causal=True, softcap=4.0, alibi_slopes=slopes) * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    out, grads = grads_of(lambda *x: compiled(*x, slopes), (q, k, v), dout)
+    ref_out, ref_grads = grads_of(lambda *x: step(*x, slopes), (q, k, v), dout)
+    torch.testing.assert_close(out, ref_out)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_alibi_dlpack_api_with_torch_tensors():
+    q, k, v = make_qkv((1, 9, 2, 16), (1, 11, 2, 16))
+    slopes = alibi_slopes(1, 2, per_batch=True)
+    options = dict(causal=True, alibi_slopes=slopes, backend="cpu_reference")
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, **options)
+    inputs64 = [x.double().requires_grad_() for x in (q, k, v)]
+    ref, _ = reference_attention(*inputs64, causal=True, alibi_slopes=slopes)
+    assert relative_error(out, ref) < FP32_RELATIVE_TOLERANCE
+    dout = torch.randn(q.shape)
+    grads = flashcore.attention_backward(dout, q, k, v, out, lse, **options)
+    for got, want in zip(grads, torch.autograd.grad(ref, inputs64, dout.double())):
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 
@@ -344,6 +505,31 @@ def test_error_unsupported_features():
     q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 16))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn.flash_attn_func(q, k, v, dropout_p=0.5)
+
+
+@pytest.mark.parametrize(
+    "slopes,error,message",
+    [
+        (torch.ones(2, dtype=torch.float16), ValueError, r"^alibi_slopes: dtype float16 .*float32"),
+        (torch.ones(2, dtype=torch.float64), ValueError, r"^alibi_slopes: dtype torch.float64"),
+        (torch.ones(3), ValueError, r"^alibi_slopes: shape"),  # heads_q is 2
+        (torch.ones(3, 2), ValueError, r"^alibi_slopes: shape"),  # batch is 1
+        (torch.ones(1, 4)[:, ::2], ValueError, r"^alibi_slopes: .*stride"),
+        (torch.ones(2, device="meta"), ValueError, r"^alibi_slopes: device meta"),
+        ([0.5, 0.25], TypeError, r"^alibi_slopes: expected a torch.Tensor"),
+    ],
+    ids=["float16", "float64", "heads", "batch", "strided", "meta", "list"],
+)
+def test_error_bad_alibi_slopes(slopes, error, message):
+    # flash_attn takes float32 slopes only; nothing is converted, the call names the argument.
+    q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 16), requires_grad=True)
+    for backend in ALIBI_BACKENDS:
+        flash_attn.set_default_backend(backend)
+        try:
+            with pytest.raises(error, match=message):
+                flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes)
+        finally:
+            flash_attn.set_default_backend("auto")
 
 
 def test_error_float_cu_seqlens():

@@ -26,9 +26,11 @@ BWD_FACTOR = 3
 NO_KEY_SCORE = -1e30
 
 
-def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float64):
+def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float64,
+                        alibi_slopes=None):
     """Plain torch math in `dtype` (float64: the truth; the input dtype: the naive
-    same-precision result). Rows without keys give 0."""
+    same-precision result). Rows without keys give 0. alibi_slopes (heads,) or (batch, heads):
+    flash_attn's bias -slope * |i + sk - sq - j| after the softcap."""
     scale = q.shape[-1] ** -0.5
     group = q.shape[2] // k.shape[2]
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -37,6 +39,13 @@ def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, dty
     s = torch.einsum("bihd,bjhd->bhij", q, k).to(accumulate) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(accumulate)
+        slopes = slopes[None] if slopes.dim() == 1 else slopes
+        rows = torch.arange(q.shape[1], device=q.device)[:, None]
+        keys = torch.arange(k.shape[1], device=q.device)[None, :]
+        distance = (rows + k.shape[1] - q.shape[1] - keys).abs().to(accumulate)
+        s = s - slopes[:, :, None, None] * distance
     left, right = window
     right = 0 if causal else right
     rows = torch.arange(q.shape[1], device=q.device)[:, None]
@@ -311,6 +320,28 @@ def test_error_device_mismatch():
     k = torch.randn(1, 8, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"^k: "):
         flash_attn.flash_attn_func(q, k, k.to(DEVICE))
+    with pytest.raises(ValueError, match=r"^alibi_slopes: is on cpu"):
+        flash_attn.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
+def test_alibi_forward_backward_vs_torch_math(dtype, per_batch):
+    """ALiBi (cuda_sm80's kernels serve it; AUTO sends such calls there on Hopper too): causal
+    GQA with seqlen_q != seqlen_k, slopes per head or per (sequence, head)."""
+    batch, sq, sk, hq, hkv, d = 2, 113, 203, 8, 2, 64
+    q = torch.randn(batch, sq, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(batch, sk, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    slopes = torch.rand((batch, hq) if per_batch else (hq,), device=DEVICE) * 0.5 + 0.01
+    mask = dict(causal=True, alibi_slopes=slopes)
+    fa = lambda q, k, v: flash_attn.flash_attn_func(q, k, v, **mask)
+    got = forward_backward(fa, (q, k, v), dout)
+    ref = forward_backward(lambda *x: reference_attention(*x, **mask), (q, k, v), dout)
+    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), (q, k, v), dout)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
+        assert_within_rule(got[i], ref[i], same[i], dtype, factor, name)
 
 
 def test_dlpack_api_with_explicit_stream():
