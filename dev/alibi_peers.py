@@ -1,7 +1,8 @@
 """ALiBi (alibi_slopes) on the GPU against FlashAttention-2's ALiBi forward in the same process.
 
-flashcore serves ALiBi on cuda_sm80's kernels (cuda_sm90 declines it; FC_BACKEND_AUTO sends such
-calls there on Hopper too). The peer: PyTorch's FlashAttention-2 kernel called with its
+On Hopper flashcore runs an ALiBi forward in cuda_sm90's score-transform kernels and its backward
+on cuda_sm80 (the Hopper backward declines ALiBi); `--sm80` forces the portable forward too. The
+peer: PyTorch's FlashAttention-2 kernel called with its
 alibi_slopes argument (aten._flash_attention_forward; its backward entry takes no slopes, so the
 peer has no fwd+bwd). Training-grid shapes (16k tokens, heads 2048 / d, bf16, slopes of ALiBi's
 geometric sequence 2^(-8 (h + 1) / H)). Per cell: flashcore with ALiBi (fwd, fwd+bwd), FA2 with
@@ -10,7 +11,7 @@ ALiBi outputs are apart (max |difference|: the same bias by both; FA2's causal k
 slope * j where the documented bias is -slope * |i + sk - sq - j|, a constant per row, which
 changes its lse but not its output).
 
-usage: PYTHONPATH=<a built flashcore package> python3 dev/alibi_peers.py [--no-backward]"""
+usage: PYTHONPATH=<a built flashcore package> python3 dev/alibi_peers.py [--no-backward] [--sm80]"""
 import os
 import sys
 
@@ -21,6 +22,7 @@ import flashcore
 from timing import events_rate
 
 BACKWARD = "--no-backward" not in sys.argv
+SM80 = "--sm80" in sys.argv
 
 
 def rates(fwd, flop):
@@ -61,7 +63,9 @@ def cell(d, seqlen, causal):
 
 
 def main():
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}" + (", flashcore on cuda_sm80" if SM80 else ""))
+    if SM80:
+        flashcore.set_default_backend("cuda_sm80")
     for d in (64, 128):
         for seqlen in (512, 2048, 8192):
             for causal in (False, True):

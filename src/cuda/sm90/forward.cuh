@@ -523,12 +523,20 @@ struct RowState {
   float sum[2];  // this thread's partial sum of P per row
 };
 
+/** ALiBi of the two rows a consumer thread owns (kScoreTransforms kernels only): the bias per key
+ *  of distance, in log2 units (0: none), and each row's diagonal key i + seqlen_k - seqlen_q. */
+struct AlibiRows {
+  float log2 = 0.f;
+  int64_t diagonal[2] = {0, 0};
+};
+
 /** Turns the fp32 scores of one tile into unnormalized probabilities in place, updating the row
  *  state; returns through `correction` the factor O must be multiplied by (0 <= c <= 1). */
 template <class T, bool kMasked, bool kLeftHalf = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowState& st,
                                              float (&correction)[2], const ForwardKernelArgs& args,
-                                             const KeyRange (&rows)[2], int64_t key0, int quad) {
+                                             const KeyRange (&rows)[2], int64_t key0, int quad,
+                                             const AlibiRows& alibi) {
   // kLeftHalf: no stored row of this consumer sees the block's last kBlockN / 2 keys (see
   // ForwardTraits::kLeftHalfDiagonal): the softmax runs on the first half of s (the accumulator's
   // registers 0 .. kBlockN / 4 - 1 are exactly its first kBlockN / 2 columns) and sets P = 0 on
@@ -540,6 +548,18 @@ __device__ __forceinline__ void softmax_tile(float (&s)[T::kBlockN / 2], RowStat
     for (int i = 0; i < kRegs; ++i) {
       const float x = s[i] * args.pre_scale;
       s[i] = softcap ? args.post_scale * tanhf(x) : x;
+    }
+    // ALiBi, on every key block (ALiBi calls never fold the scale, so they take these kernels):
+    // distances from this thread's first column, whose register offsets are compile-time constants.
+    if (alibi.log2 != 0.f) {
+      const int64_t first = key0 + 2 * quad;
+      const int to_diagonal[2] = {static_cast<int>(alibi.diagonal[0] - first),
+                                  static_cast<int>(alibi.diagonal[1] - first)};
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const int distance = to_diagonal[(i % 4) / 2] - (8 * (i / 4) + (i % 2));
+        s[i] = fmaf(alibi.log2, static_cast<float>(distance < 0 ? -distance : distance), s[i]);
+      }
     }
   }
   if constexpr (kMasked) {
@@ -869,6 +889,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     KeyRange rows[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) rows[r] = w.mask.keys_for_row(row_base + 8 * r);
+    AlibiRows alibi;
+    if constexpr (T::kScoreTransforms) {
+      if (args.params.alibi_slopes != nullptr) {
+        alibi.log2 = -args.params.alibi_slope(w.batch, w.head) * kLog2e;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) alibi.diagonal[r] = row_base + 8 * r + w.seq.seqlen_k - w.seq.seqlen_q;
+      }
+    }
     const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
     RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
 
@@ -904,9 +932,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     auto softmax = [&](int n_block) {
       const int64_t key0 = int64_t(n_block) * T::kBlockN;
       if (masked(n_block)) {
-        softmax_tile<T, true>(s, st, correction, args, rows, key0, quad);
+        softmax_tile<T, true>(s, st, correction, args, rows, key0, quad, alibi);
       } else {
-        softmax_tile<T, false>(s, st, correction, args, rows, key0, quad);
+        softmax_tile<T, false>(s, st, correction, args, rows, key0, quad, alibi);
       }
     };
 
@@ -940,7 +968,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
       // O is still zero: its correction is irrelevant
       if (left_half) {
-        softmax_tile<T, true, true>(s, st, correction, args, rows, int64_t(n_first) * T::kBlockN, quad);
+        softmax_tile<T, true, true>(s, st, correction, args, rows, int64_t(n_first) * T::kBlockN, quad, alibi);
       } else {
         softmax(n_first);
       }

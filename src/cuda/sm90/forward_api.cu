@@ -113,8 +113,8 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.head_dim % kHeadDimAlignment != 0) {
     return reject(why, "head_dim " + std::to_string(p.head_dim) + " must be a multiple of 8 and at most 256");
   }
-  // ALiBi runs on cuda_sm80's kernels (FC_BACKEND_AUTO sends such calls there on Hopper).
-  if (p.has_alibi()) return reject(why, "alibi_slopes are not supported (cuda_sm80 serves ALiBi calls)");
+  // ALiBi runs in the score-transform kernels; paged K/V with ALiBi is declined on GPUs.
+  if (p.has_alibi() && p.is_paged()) return reject(why, "alibi_slopes with paged k / v are not supported");
   if (compiled_head_dim_bucket(p.head_dim) == 0) {
     return reject(why, "no compiled head-dim bucket holds head_dim " + std::to_string(p.head_dim) +
                            " (FLASHCORE_HEAD_DIMS)");
