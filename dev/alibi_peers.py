@@ -4,7 +4,9 @@ On Hopper flashcore runs an ALiBi forward in cuda_sm90's score-transform kernels
 on cuda_sm80 (the Hopper backward declines ALiBi); `--sm80` forces the portable forward too. The
 peer: PyTorch's FlashAttention-2 kernel called with its
 alibi_slopes argument (aten._flash_attention_forward; its backward entry takes no slopes, so the
-peer has no fwd+bwd). Training-grid shapes (16k tokens, heads 2048 / d, bf16, slopes of ALiBi's
+peer has no fwd+bwd). torch 2.11's build refuses it ("This flash attention build does not support
+alibi", docs/PERF.md session 31), and no other ALiBi kernel is installed there, so on that machine
+the line to read is flashcore without ALiBi: what the bias costs. Training-grid shapes (16k tokens, heads 2048 / d, bf16, slopes of ALiBi's
 geometric sequence 2^(-8 (h + 1) / H)). Per cell: flashcore with ALiBi (fwd, fwd+bwd), FA2 with
 ALiBi (fwd), flashcore without ALiBi (fwd, fwd+bwd: what the bias costs), and how far the two
 ALiBi outputs are apart (max |difference|: the same bias by both; FA2's causal kernel adds

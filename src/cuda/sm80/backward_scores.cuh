@@ -43,8 +43,10 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
       const float lse_log2 = lse_log2_rows[row];
       const float dsum = dsum_rows[row];
       // ALiBi: key column c of this tile lies diagonal - c keys before the row's diagonal key
-      // (i + sk - sq); tile-local, so it fits 32 bits.
-      const int diagonal = static_cast<int>(m0 + row + mask.seqlen_k - mask.seqlen_q - n0);
+      // (i + sk - sq); tile-local, and a float (exact below 2^24) so that no score needs an
+      // int-to-float conversion (they run on the exponentials' unit).
+      const float diagonal =
+          static_cast<float>(m0 + row + mask.seqlen_k - mask.seqlen_q - n0 - col_origin - quad * 2);
       // Visible keys of this row as tile-local columns [key_lo, key_hi); rows past the
       // sequence see none.
       int key_lo = 0;
@@ -67,8 +69,8 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
           // The bias enters the exponent only: it is a constant of the score, so dS keeps its form.
           float bias_minus_lse = -lse_log2;
           if constexpr (kAlibi) {
-            const int distance = diagonal - (col_origin + nt * 8 + quad * 2 + j);
-            bias_minus_lse = fmaf(alibi_log2, static_cast<float>(distance < 0 ? -distance : distance), -lse_log2);
+            const float distance = diagonal - static_cast<float>(nt * 8 + j);
+            bias_minus_lse = fmaf(alibi_log2, fabsf(distance), -lse_log2);
           }
           float prob;
           float dscore;

@@ -342,7 +342,9 @@ __device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Tra
 
 /** ALiBi: adds alibi_log2 * |i + sk - sq - j| to each (transformed, log2-unit) score. diagonal:
  *  this lane's row of m-tile 0 plus seqlen_k - seqlen_q, minus the tile's key 0 (tile-local, so
- *  32 bits hold it). Runs before mask_scores, which overwrites masked scores with -inf. */
+ *  32 bits hold it). Runs before mask_scores, which overwrites masked scores with -inf. The
+ *  distances are floats less compile-time column offsets (exact below 2^24): an int-to-float
+ *  conversion per score would run on the exponentials' 16-per-clock unit. */
 template <class Traits>
 __device__ __forceinline__ void add_alibi_bias(float (&s)[Traits::kMTiles][Traits::kNTilesS][4], float alibi_log2,
                                                int diagonal, int lane_quad) {
@@ -350,14 +352,14 @@ __device__ __forceinline__ void add_alibi_bias(float (&s)[Traits::kMTiles][Trait
   for (int mt = 0; mt < Traits::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row_diagonal = diagonal + mt * Traits::kMmaM + 8 * h;
+      const float row_diagonal = static_cast<float>(diagonal + mt * Traits::kMmaM + 8 * h - 2 * lane_quad);
 #pragma unroll
       for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int distance = row_diagonal - (nt * Traits::kMmaN + 2 * lane_quad + e);
+          const float distance = row_diagonal - static_cast<float>(nt * Traits::kMmaN + e);
           float& x = s[mt][nt][2 * h + e];
-          x = fmaf(alibi_log2, static_cast<float>(distance < 0 ? -distance : distance), x);
+          x = fmaf(alibi_log2, fabsf(distance), x);
         }
       }
     }
