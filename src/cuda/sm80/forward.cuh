@@ -322,11 +322,27 @@ __device__ __forceinline__ void pv_gemm(float (&o)[Traits::kMTiles][Traits::kNTi
   }
 }
 
-/** Softcap (or a negative scale): raw scores -> log2-domain scores, exp2 factor 1 afterwards. */
-template <class Traits>
+/** Softcap (or a negative scale): raw scores -> log2-domain scores, exp2 factor 1 afterwards.
+ *  kBranchOutside (the ALiBi kernels, whose calls mostly take the linear transform): one branch
+ *  around two loops, where the select inside one loop computes tanhf (two MUFU operations) for
+ *  every score of a linear transform too. The other kernels keep the one loop (their registers). */
+template <class Traits, bool kBranchOutside = false>
 __device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Traits::kNTilesS][4],
                                                  const ForwardKernelArgs& args) {
   const bool softcap = args.transform == ScoreTransform::kSoftcap;
+  if constexpr (kBranchOutside) {
+    if (!softcap) {
+#pragma unroll
+      for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < Traits::kNTilesS; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[mt][nt][i] *= args.pre_scale;
+        }
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int mt = 0; mt < Traits::kMTiles; ++mt) {
 #pragma unroll
@@ -836,7 +852,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       float s[kMTiles][Traits::kNTilesS][4];
       qk_gemm<Traits>(s, q_frag, q_address, smem_k + stage * KVTile::kBytes, k_address);
       if constexpr (decltype(general)::value) {
-        transform_scores<Traits>(s, args);
+        transform_scores<Traits, kAlibi>(s, args);
         // ALiBi (transforming bodies only: resolve_score_scales never folds the scale under it).
         if constexpr (kAlibi) {
           add_alibi_bias<Traits>(s, alibi_log2, lane_first_row + seqlen_k - seqlen_q - n_block * kBlockN, lane_quad);
