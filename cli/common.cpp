@@ -73,7 +73,7 @@ const std::map<std::string, bool>& problem_options() {
   static const std::map<std::string, bool> opts = {
       {"batch", true},  {"seqlen", true},   {"seqlen-k", true}, {"heads", true},    {"heads-kv", true},
       {"head-dim", true}, {"dtype", true},  {"causal", false},  {"window", true},   {"softcap", true},
-      {"backend", true}, {"threads", true}, {"help", false}};
+      {"alibi", false},  {"backend", true}, {"threads", true}, {"help", false}};
   return opts;
 }
 
@@ -88,6 +88,7 @@ std::string problem_options_help() {
          "  --causal             causal mask (bottom-right aligned)\n"
          "  --window L,R         sliding window, -1 = unbounded side\n"
          "  --softcap C          tanh soft-capping of scores (0 = off)\n"
+         "  --alibi              ALiBi biases, slopes 2^(-8 (h + 1) / heads)\n"
          "  --backend B          auto | cpu | cpu_reference | cuda | cuda_sm80 | cuda_sm90\n"
          "  --threads N          CPU threads (0 = all cores)\n";
 }
@@ -148,6 +149,7 @@ Problem parse_problem(const Args& a, const Problem& defaults) {
     }
   }
   p.softcap = a.real("softcap", 0);
+  p.alibi = a.has("alibi");
   const int64_t threads = a.num("threads", 0);
   if (threads < 0 || threads > 4096) throw UsageError("--threads: " + std::to_string(threads) + " is outside 0..4096");
   p.threads = static_cast<int32_t>(threads);
@@ -186,6 +188,7 @@ std::string Problem::describe() const {
     << heads_kv << ", head_dim " << head_dim << ", " << dt << (causal ? ", causal" : "");
   if (window_left != -1 || window_right != -1) s << ", window (" << window_left << "," << window_right << ")";
   if (softcap > 0) s << ", softcap " << softcap;
+  if (alibi) s << ", alibi";
   return s.str();
 }
 
@@ -256,6 +259,21 @@ Buffers::Buffers(const Problem& p, bool with_grads, uint64_t seed) : p_(p) {
   options.window_left = p.window_left;
   options.window_right = p.window_right;
   options.softcap = p.softcap;
+  if (p.alibi) {
+    for (int64_t h = 0; h < p.heads_q; ++h) alibi_host.push_back(std::exp2(-8.0f * float(h + 1) / float(p.heads_q)));
+    void* slopes = alloc_tensor(&alibi_slopes, FC_DTYPE_F32, {p.heads_q}, 0, false);
+    const size_t bytes = alibi_host.size() * sizeof(float);
+    if (p.on_gpu) {
+#if FLASHCORE_WITH_CUDA
+      cuda_check(cudaMemcpy(slopes, alibi_host.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+#else
+      cuda_missing();
+#endif
+    } else {
+      std::memcpy(slopes, alibi_host.data(), bytes);
+    }
+    options.alibi_slopes = &alibi_slopes;
+  }
   options.backend = p.backend;
   options.num_threads = p.threads;
   size_t fws = 0, bws = 0;

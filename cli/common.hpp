@@ -38,6 +38,7 @@ struct Problem {
   bool causal = false;
   int32_t window_left = -1, window_right = -1;
   double softcap = 0;
+  bool alibi = false;  // ALiBi with the geometric slopes 2^(-8 (h + 1) / heads_q)
   int32_t backend = FC_BACKEND_AUTO;
   int32_t threads = 0;
   bool on_gpu = false;
@@ -65,6 +66,8 @@ class Buffers {
   Buffers& operator=(const Buffers&) = delete;
 
   fc_tensor q, k, v, out, lse, dout, dq, dk, dv;
+  fc_tensor alibi_slopes{};         // Problem::alibi: float32 (heads_q), where q lives
+  std::vector<float> alibi_host;    // the same slopes in host memory (reference checks)
   fc_attention_options options{};
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

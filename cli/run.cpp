@@ -33,6 +33,13 @@ SpotCheck spot_check(Buffers& buf, const Problem& p, int64_t rows) {
   fc_tensor tq = host_f32(q, buf.q), tk = host_f32(k, buf.k), tv = host_f32(v, buf.v);
   fc_attention_options opt = buf.options;
   opt.backend = FC_BACKEND_CPU_REFERENCE;
+  fc_tensor host_slopes = buf.alibi_slopes;  // the reference reads the host copy
+  if (p.alibi) {
+    host_slopes.data = buf.alibi_host.data();
+    host_slopes.device_type = FC_DEVICE_CPU;
+    host_slopes.device_id = 0;
+    opt.alibi_slopes = &host_slopes;
+  }
   AttentionParams params;
   const Status s = validate_forward({&tq, &tk, &tv, nullptr, nullptr, &opt}, true, &params);
   if (!s.is_ok()) throw std::runtime_error(s.message);
