@@ -1,7 +1,7 @@
 """ALiBi (alibi_slopes) on the GPU against FlashAttention-2's ALiBi forward in the same process.
 
-On Hopper flashcore runs an ALiBi forward in cuda_sm90's score-transform kernels and its backward
-on cuda_sm80 (the Hopper backward declines ALiBi); `--sm80` forces the portable forward too. The
+On Hopper flashcore runs ALiBi in cuda_sm90's kernels (the forward's score-transform kernels, the
+backward's ALiBi instantiations); `--sm80` forces the portable kernels for both directions. The
 peer: PyTorch's FlashAttention-2 kernel called with its
 alibi_slopes argument (aten._flash_attention_forward; its backward entry takes no slopes, so the
 peer has no fwd+bwd). torch 2.11's build refuses it ("This flash attention build does not support

@@ -157,22 +157,14 @@ BACKWARD_TEST(Edges, grid_edges)
 BACKWARD_TEST(Deterministic, grid_varlen, true)
 #undef BACKWARD_TEST
 
-// ALiBi: forward on both backends (sm90 in its score-transform kernels), backward on cuda_sm80;
-// cuda_sm90's backward declines it with an error naming alibi_slopes, and FC_BACKEND_AUTO sends
-// it to sm80 on Hopper (CudaAlibi.AutoBackend: sm90's forward lse into sm80's backward).
+// ALiBi: forward and backward on both backends (sm90's forward in its score-transform kernels,
+// its backward and sm80's in kernels instantiated for ALiBi), and through FC_BACKEND_AUTO.
 std::vector<Case> alibi_cases(const GridOptions& g) {
   std::vector<Case> cases = grid_alibi(g);
   Case c = cases[1];  // keys on both sides of the diagonal, per-batch slopes
   c.head_dim = 256;
   cases.push_back(c);
   return cases;
-}
-
-void expect_alibi_backward_declined(const Case& c, fc_backend backend) {
-  CudaMemory mem;
-  const CheckResult r = check_backward(c, backend, mem, 7);
-  EXPECT_FALSE(r.ok) << c.name();
-  EXPECT_NE(r.status_error.find("alibi_slopes"), std::string::npos) << c.name() << ": " << r.status_error;
 }
 
 TEST_P(CudaForward, Alibi) {
@@ -182,9 +174,7 @@ TEST_P(CudaForward, Alibi) {
 
 TEST_P(CudaBackward, Alibi) {
   REQUIRE_BACKEND(GetParam());
-  const std::vector<Case> cases = alibi_cases(cuda_bwd_grid());
-  if (GetParam() == FC_BACKEND_CUDA_SM90) return expect_alibi_backward_declined(cases[0], GetParam());
-  expect_backward(cases, GetParam());
+  expect_backward(alibi_cases(cuda_bwd_grid()), GetParam());
   expect_backward(grid_alibi(cuda_bwd_grid()), GetParam(), /*deterministic=*/true);
 }
 

@@ -327,8 +327,8 @@ def test_error_device_mismatch():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["heads", "batch_heads"])
 def test_alibi_forward_backward_vs_torch_math(dtype, per_batch):
-    """ALiBi through the default backend (on Hopper: cuda_sm90's forward, cuda_sm80's backward):
-    causal GQA with seqlen_q != seqlen_k, slopes per head or per (sequence, head)."""
+    """ALiBi through the default backend (cuda_sm90 on Hopper, cuda_sm80 elsewhere): causal GQA
+    with seqlen_q != seqlen_k, slopes per head or per (sequence, head)."""
     batch, sq, sk, hq, hkv, d = 2, 113, 203, 8, 2, 64
     q = torch.randn(batch, sq, hq, d, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(batch, sk, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))

@@ -572,16 +572,45 @@ struct TileMask {
   }
 };
 
+/** ALiBi of one step (AlibiStep<true>, in the kernels instantiated with kAlibi): the bias per key
+ *  of distance in log2 units for the step's query head, and this thread's distance base: query
+ *  m0 + 2 quad + seqlen_k - seqlen_q less key key_row0, as a float (exact below 2^24), so that each
+ *  register's distance is the base plus a compile-time offset (an int-to-float conversion per score
+ *  would run on the exponentials' 16-per-clock unit). AlibiStep<false> is empty: the kernels
+ *  without ALiBi carry nothing for it. */
+template <bool kAlibi>
+struct AlibiStep {
+  __device__ __forceinline__ static AlibiStep make(const BackwardParams&, const KeyBlockWork&, int, int, int, int) {
+    return {};
+  }
+};
+template <>
+struct AlibiStep<true> {
+  float log2;
+  float base;
+
+  __device__ __forceinline__ static AlibiStep make(const BackwardParams& p, const KeyBlockWork& w, int step, int m0,
+                                                   int key_row0, int quad) {
+    return {-p.alibi_slope(w.batch, w.head_of(step)) * sm80::bwd::kLog2e,
+            static_cast<float>(m0 + 2 * quad + w.seqlen_k - w.seqlen_q - key_row0)};
+  }
+  /** log2 bias of register i (key row half (i % 4) / 2, query column 8 * (i / 4) + i % 2). */
+  __device__ __forceinline__ float bias(int i) const {
+    return log2 * fabsf(base + static_cast<float>(8 * (i / 4) + (i % 2) - 8 * ((i % 4) / 2)));
+  }
+};
+
 /** P^T = exp2(S^T * scale * log2e - lse_log2[query]) from S^T (element-wise, accumulator
  *  layout: register i of this thread is key `key_row0 + 8 * ((i % 4) / 2)` and query
  *  `m0 + 8 * (i / 4) + 2 * quad + i % 2`), rounded to 16 bits as RS A fragments in `pa`. `s` is
  *  left holding what dS^T = s (dP^T - D) needs: P^T, or P^T (1 - t^2) under softcap (the factor
  *  needs S^T, which is gone afterwards). Masked entries select 0 (not multiply), so an inf/NaN
  *  computed for one cannot leak. */
-template <class T, bool kSoftcap, bool kMasked>
+template <class T, bool kSoftcap, bool kMasked, bool kAlibi>
 __device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], uint32_t (&pa)[T::kBlockM / 16][4],
                                               const float* lse, const sm80::bwd::ScoreTransform& tf,
-                                              const TileMask& mask, int m0, int key_row0, int quad) {
+                                              const TileMask& mask, int m0, int key_row0, int quad,
+                                              AlibiStep<kAlibi> alibi) {
 #pragma unroll
   for (int j = 0; j < T::kBlockM / 8; ++j) {
     const int col = 8 * j + 2 * quad;
@@ -591,7 +620,9 @@ __device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], uint32
     for (int r = 0; r < 4; ++r) {
       const int i = 4 * j + r;
       const int e = r % 2;
-      const float lse_log2 = e == 0 ? l.x : l.y;
+      // ALiBi's bias enters the exponent only: a constant of the score, so dS keeps its form.
+      float lse_log2 = e == 0 ? l.x : l.y;
+      if constexpr (kAlibi) lse_log2 -= alibi.bias(i);
       float grad_factor = 1.f;
       if constexpr (kSoftcap) {
         const float t = tanhf(s[i] * tf.tanh_arg_scale);
@@ -631,11 +662,12 @@ __device__ __forceinline__ void grads(float (&dp)[T::kBlockM / 2], const float (
 
 /** P^T and dS^T from S^T and dP^T in place, in one pass (the d64 schedule; same layout and
  *  masking as `probabilities`). */
-template <class T, bool kSoftcap, bool kMasked>
+template <class T, bool kSoftcap, bool kMasked, bool kAlibi>
 __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 2], float (&dp)[T::kBlockM / 2],
                                                         const float* lse, const float* dsum,
                                                         const sm80::bwd::ScoreTransform& tf, const TileMask& mask,
-                                                        int m0, int key_row0, int quad) {
+                                                        int m0, int key_row0, int quad,
+                                                        AlibiStep<kAlibi> alibi) {
 #pragma unroll
   for (int j = 0; j < T::kBlockM / 8; ++j) {
     const int col = 8 * j + 2 * quad;
@@ -645,7 +677,8 @@ __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 
     for (int r = 0; r < 4; ++r) {
       const int i = 4 * j + r;
       const int e = r % 2;
-      const float lse_log2 = e == 0 ? l.x : l.y;
+      float lse_log2 = e == 0 ? l.x : l.y;
+      if constexpr (kAlibi) lse_log2 -= alibi.bias(i);  // the bias enters the exponent only
       const float dsum_row = e == 0 ? d.x : d.y;
       float prob, dscore;
       if constexpr (kSoftcap) {
@@ -1028,7 +1061,7 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
  *  step, then dK and dV to memory. kWithDq is a template parameter, not a run-time flag: a wgmma
  *  under a run-time branch made ptxas serialize every wgmma of the loop and spill ~680 bytes
  *  (d128). */
-template <class T, bool kWithDq, bool kCarryDk>
+template <class T, bool kWithDq, bool kCarryDk, bool kAlibi>
 __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                         const TileCursor& at, int consumer, [[maybe_unused]] int& trace_events) {
   [[maybe_unused]] const int role = 1 + consumer;  // trace role
@@ -1076,8 +1109,10 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     const int stat_shift = w.stat_index(p, step, T::kBlockM) % T::kStatAlign;  // see kStatAlign
     const float* lse = sm.lse(stage) + stat_shift;
     const float* dsum = sm.dsum(stage) + stat_shift;
-    const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, wg_key0, wg_key0 + T::kKeysPerConsumer);
+    // ALiBi: every tile through the masked bodies (the bias is per element anyway).
+    const bool masked = kAlibi || !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, wg_key0, wg_key0 + T::kKeysPerConsumer);
     const TileMask mask = TileMask::make(w.mask(p));
+    const auto alibi = AlibiStep<kAlibi>::make(p, w, step, m0, key_row0, quad);
     float s[T::kBlockM / 2], dp[T::kBlockM / 2];
     uint32_t pa[T::kBlockM / 16][4];  // P^T as RS A fragments
     ptx::wgmma_fence();
@@ -1094,7 +1129,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       retire_carried_dk(step);
       BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
-        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, pa, lse, tf, mask, m0, key_row0, quad);
+        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi>(s, pa, lse, tf, mask, m0,
+                                                                                     key_row0, quad, alibi);
       });
       ptx::wgmma_fence();
       issue_from_registers<T>(dv, pa, sm.do_addr(stage), 0);
@@ -1114,8 +1150,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       retire_carried_dk(step);
       BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
-        probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(s, dp, lse, dsum, tf, mask,
-                                                                                        m0, key_row0, quad);
+        probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi>(
+            s, dp, lse, dsum, tf, mask, m0, key_row0, quad, alibi);
       });
     }
     pack_a_fragments<T>(dp, dsa);
@@ -1159,7 +1195,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
  *  side can arrive twice ahead, because each waits on the other's barrier of the step before. The P and dS tiles are double-buffered by step parity: a consumer writes a
  *  buffer at step i + 2 only after a barrier the other consumer reaches once its step-i wgmmas
  *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2). */
-template <class T, bool kWithDq, int kConsumer>
+template <class T, bool kWithDq, int kConsumer, bool kAlibi>
 __device__ void consume_split_roles(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                                     const TileCursor& at, int& trace_events) {
   constexpr uint32_t kPReady = 2, kDsReady = 3;
@@ -1198,10 +1234,12 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
     uint32_t pa[T::kBlockM / 16][4];  // P^T as RS fragments (consumer 0)
     if constexpr (consumer == 0) {
       const float* lse = sm.lse(stage) + stat_shift;
-      const bool masked = !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, w.n0, w.n0 + T::kBlockN);
+      const bool masked = kAlibi || !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, w.n0, w.n0 + T::kBlockN);
       const TileMask mask = TileMask::make(w.mask(p));
+      const auto alibi = AlibiStep<kAlibi>::make(p, w, step, m0, key_row0, quad);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
-        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value>(x, pa, lse, tf, mask, m0, key_row0, quad);
+        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi>(x, pa, lse, tf, mask, m0,
+                                                                                     key_row0, quad, alibi);
       });
       store_key_tile<T>(pa, sm.p_ptr(buf), key_row, quad);
       if (softcap) {  // x = P^T (1 - t^2)
@@ -1240,7 +1278,9 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
 
 /** kWithDq: false in deterministic mode, where dq is recomputed by the sm80 dq kernel instead of
  *  accumulated here with atomics. */
-template <class T, bool kWithDq>
+/** kAlibi: the scores carry ALiBi biases (p.alibi_slopes): a kernel of its own, so that the
+ *  kernels without them keep their code and registers. */
+template <class T, bool kWithDq, bool kAlibi = false>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_constant__ BackwardKernelArgs args) {
   extern __shared__ uint8_t smem_raw[];
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
@@ -1302,17 +1342,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
     if constexpr (T::kSplitRoles) {
       if (warpgroup == 1) {
         for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-          consume_split_roles<T, kWithDq, 0>(args, sm, w, at, trace_events);
+          consume_split_roles<T, kWithDq, 0, kAlibi>(args, sm, w, at, trace_events);
         });
       } else {
         for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-          consume_split_roles<T, kWithDq, 1>(args, sm, w, at, trace_events);
+          consume_split_roles<T, kWithDq, 1, kAlibi>(args, sm, w, at, trace_events);
         });
       }
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
       for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-        consume<T, kWithDq, T::kCarryDk && kWithDq>(args, sm, w, at, consumer, trace_events);
+        consume<T, kWithDq, T::kCarryDk && kWithDq, kAlibi>(args, sm, w, at, consumer, trace_events);
       });
     }
     // The last dQ reductions and dK / dV stores complete before the CTA (and its shared memory)
@@ -1396,6 +1436,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
         encode_attention_maps(out_jobs, 2, element, p.batch, p.head_dim, varlen, "cuda_sm90 backward").is_ok();
   }
   auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;
+  if (p.has_alibi()) kernel = ws.dq_accum != nullptr ? backward_kernel<T, true, true> : backward_kernel<T, false, true>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) {
     return Status::cuda(std::string("cuda_sm90 backward: cannot reserve shared memory: ") + cudaGetErrorString(err));

@@ -38,12 +38,6 @@ struct BackwardEntry {
 
 bool sm90_backward_supports(const BackwardParams& p, Status* why) {
   if (!sm90_supports(p, why)) return false;  // dtype, device, q/k/v addressing
-  // ALiBi's backward runs on cuda_sm80 (FC_BACKEND_AUTO sends it there; the forward's lse, from
-  // either backend, carries the same bias).
-  if (p.has_alibi()) {
-    if (why != nullptr) *why = Status::unsupported("cuda_sm90: the backward does not take alibi_slopes (cuda_sm80 does)");
-    return false;
-  }
   // The kernel indexes rows, query steps (query blocks x GQA group) and the statistics
   // (heads_q x total_q, a TMA coordinate) in 32 bits.
   constexpr int64_t kMaxBlockM = 128;
