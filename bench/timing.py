@@ -48,6 +48,17 @@ def events_rate(fn, work, repeats=5, calls=20):
     return statistics.median(work / (_ms_per_call(fn, calls) / 1e3) / 1e12 for _ in range(repeats))
 
 
+def training_rates(fwd, flop, backward=True):
+    """Forward TFLOP/s and forward + backward TFLOP/s (3.5x the forward's FLOPs) of fwd(), which
+    returns the output of tensors that require grad; (forward, None) when not `backward`."""
+    with torch.no_grad():
+        f = events_rate(fwd, flop)
+    if not backward:
+        return f, None
+    dout = torch.randn_like(fwd())
+    return f, events_rate(lambda: fwd().backward(dout), 3.5 * flop)
+
+
 def graph_replay_us(fn, reps=200):
     """Device time per call of `fn` captured `reps` times back to back in one CUDA graph (the seed
     shape's measure: no host launch cost, only the kernels and the gaps between them)."""

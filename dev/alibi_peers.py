@@ -21,19 +21,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 import flashcore
-from timing import events_rate
+from timing import events_rate, training_rates
 
 BACKWARD = "--no-backward" not in sys.argv
 SM80 = "--sm80" in sys.argv
 
 
 def rates(fwd, flop):
-    with torch.no_grad():
-        f = events_rate(fwd, flop)
-    if not BACKWARD:
-        return f, None
-    dout = torch.randn_like(fwd())
-    return f, events_rate(lambda: fwd().backward(dout), 3.5 * flop)
+    return training_rates(fwd, flop, BACKWARD)
 
 
 def show(name, r):

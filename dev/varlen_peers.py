@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 import flashcore
-from timing import events_rate
+from timing import events_rate, training_rates
 
 BACKWARD = "--no-backward" not in sys.argv
 PEERS = "--flashcore-only" not in sys.argv
@@ -28,14 +28,7 @@ def uneven_lengths(mean, tokens=16384):
 
 
 def rates(fwd, flop):
-    """Forward TFLOP/s and forward + backward TFLOP/s (3.5x the forward's FLOPs) of fwd(),
-    which returns the output of tensors that require grad."""
-    with torch.no_grad():
-        f = events_rate(fwd, flop)
-    if not BACKWARD:
-        return f, None
-    dout = torch.randn_like(fwd())
-    return f, events_rate(lambda: fwd().backward(dout), 3.5 * flop)
+    return training_rates(fwd, flop, BACKWARD)
 
 
 def cell(lengths, d, causal, rows):
