@@ -129,8 +129,10 @@ typedef struct fc_attention_options {
    *  heads_q) on q's device. The score of query i and key j (positions inside their sequence) gets
    *  the bias -slope[b, h] * |i + seqlen_k - seqlen_q - j| after softmax_scale and softcap, in
    *  forward and backward (lse includes it). Served by cpu_reference, cpu_flash, cuda_sm80 and
-   *  cuda_sm90; not by paged K/V on a GPU or the KV-cache entry (fc_attention_kvcache). CPU
-   *  slopes must be finite; CUDA slopes are trusted (a NaN slope gives NaN rows). NULL = no bias. */
+   *  cuda_sm90, not by paged K/V on a GPU; fc_attention_kvcache takes them too (seqlen_k there
+   *  is the sequence's keys after the append; on a GPU such calls run on the decode kernel at
+   *  any seqlen_q). CPU slopes must be finite; CUDA slopes are trusted (a NaN slope gives NaN
+   *  rows). NULL = no bias. */
   const fc_tensor* alibi_slopes;
 } fc_attention_options;
 

@@ -69,6 +69,11 @@ struct KvCacheParams {
 
   float softmax_scale = 0.f;  // resolved (never 0)
   float softcap = 0.f;
+  // ALiBi (fc_attention_options.alibi_slopes): the score of query i and key j of sequence b, head
+  // h, gets -slope(b, h) * |i + seqlen_k - seqlen_q - j| after the scale and softcap, seqlen_k
+  // being the sequence's keys after the append (total_len), j counted from its first key.
+  const float* alibi_slopes = nullptr;  // on q's device; nullptr = no bias
+  int64_t alibi_batch_stride = 0;       // 0 for (heads_q) slopes; the head stride is 1
   bool causal = false;        // informational: folded into window_right = 0
   int64_t window_left = -1;
   int64_t window_right = -1;
@@ -79,6 +84,10 @@ struct KvCacheParams {
   void* stream = nullptr;
 
   int64_t group_size() const { return heads_q / heads_kv; }
+  FC_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
+  FC_HOST_DEVICE float alibi_slope(int64_t b, int64_t h) const {
+    return alibi_slopes != nullptr ? alibi_slopes[b * alibi_batch_stride + h] : 0.f;
+  }
   /** Tokens one sequence can hold. */
   FC_HOST_DEVICE int64_t capacity() const { return paged ? pages_per_seq * page_size : page_size; }
   bool appends() const { return k_new.data != nullptr; }

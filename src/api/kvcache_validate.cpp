@@ -31,16 +31,19 @@ Status check_int_vector(const fc_tensor* t, const char* name, int64_t len, const
   return check_shape(t, name, {len}, rule);
 }
 
-/** The options rules of the forward call that apply here (varlen fields must be unset). */
-Status apply_options(const fc_attention_options& opt, int64_t head_dim, KvCacheParams* p) {
+/** The options rules of the forward call that apply here (varlen fields must be unset; ALiBi slopes
+ *  as the forward takes them, q's shape already in p). */
+Status apply_options(const fc_attention_options& opt, const fc_tensor* q, KvCacheParams* p) {
   if (opt.cu_seqlens_q || opt.cu_seqlens_k)
     return Status::invalid(std::string(opt.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k") +
                            ": must be null for fc_attention_kvcache (lengths come from cache_seqlens)");
-  if (opt.alibi_slopes)
-    return Status::unsupported("alibi_slopes: not supported by fc_attention_kvcache (the forward takes them)");
   ResolvedOptions ro;
-  const Status s = check_common_options(opt, head_dim, &ro);
+  Status s = check_common_options(opt, p->head_dim, &ro);
   if (!s.is_ok()) return s;
+  if (opt.alibi_slopes &&
+      !(s = check_alibi_slopes(*opt.alibi_slopes, p->batch, p->heads_q, q, &p->alibi_slopes, &p->alibi_batch_stride))
+           .is_ok())
+    return s;
   p->softmax_scale = ro.softmax_scale;
   p->softcap = ro.softcap;
   p->causal = opt.causal != 0;
@@ -231,7 +234,7 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
     p->v_new = ref4(a.v_new);
   }
 
-  if (!(s = apply_options(opt, head_dim, p)).is_ok()) return s;
+  if (!(s = apply_options(opt, q, p)).is_ok()) return s;
   Extent elp, ecos, esin;
   if (a.cache_leftpad) {
     if (a.block_table)
@@ -270,10 +273,12 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
 
   // Aliasing: what is written (out, lse, and the caches when appending) must not overlap what is read.
   const fc_tensor* ins[] = {q,          a.k_cache,   a.v_cache,       a.k_new,      a.v_new,      a.cache_seqlens,
-                            a.rotary_cos, a.rotary_sin, a.cache_leftpad, a.block_table, a.cache_batch_idx};
+                            a.rotary_cos, a.rotary_sin, a.cache_leftpad, a.block_table, a.cache_batch_idx,
+                            opt.alibi_slopes};
   const char* in_names[] = {"q",          "k_cache",    "v_cache",       "k_new",       "v_new",          "cache_seqlens",
-                            "rotary_cos", "rotary_sin", "cache_leftpad", "block_table", "cache_batch_idx"};
-  constexpr int kInputs = 11;
+                            "rotary_cos", "rotary_sin", "cache_leftpad", "block_table", "cache_batch_idx",
+                            "alibi_slopes"};
+  constexpr int kInputs = 12;
   Extent ein[kInputs] = {eq, ekc, evc, ekn, evn, {}, ecos, esin, elp};
   for (int i = 5; i < kInputs; ++i)
     if (ins[i] && (i == 5 || i > 8)) check_tensor_basics(ins[i], in_names[i], ins[i]->ndim, &ein[i]);  // validated above

@@ -235,14 +235,8 @@ Status check_common_options(const fc_attention_options& opt, int64_t head_dim, R
   return Status::ok();
 }
 
-}  // namespace validate_detail
-
-namespace {
-using namespace validate_detail;
-
-/** alibi_slopes: float32 (heads_q) or (batch, heads_q) on q's device; values checked on the CPU
- *  (finite), trusted on a GPU as flash_attn does (reading them there would synchronize). */
-Status apply_alibi(const fc_tensor& slopes, int64_t batch, const fc_tensor* q, AttentionParams* p) {
+Status check_alibi_slopes(const fc_tensor& slopes, int64_t batch, int64_t heads_q, const fc_tensor* q,
+                          const float** values_out, int64_t* batch_stride_out) {
   if (slopes.ndim != 1 && slopes.ndim != 2)
     return Status::invalid("alibi_slopes: has " + std::to_string(slopes.ndim) +
                            " dimensions, expected 1 (heads_q) or 2 (batch, heads_q)");
@@ -252,19 +246,14 @@ Status apply_alibi(const fc_tensor& slopes, int64_t batch, const fc_tensor* q, A
   if (!(s = check_dtype(&slopes, "alibi_slopes", FC_DTYPE_F32, "ALiBi slopes are float32")).is_ok()) return s;
   if (!(s = check_same_device(&slopes, "alibi_slopes", q, "q")).is_ok()) return s;
   const bool per_batch = slopes.ndim == 2;
-  if (per_batch) {
-    if (!(s = check_shape(&slopes, "alibi_slopes", {batch, p->heads_q}, "alibi_slopes is (heads_q) or (batch, heads_q)"))
-             .is_ok())
-      return s;
-  } else if (!(s = check_shape(&slopes, "alibi_slopes", {p->heads_q}, "alibi_slopes is (heads_q) or (batch, heads_q)"))
-                  .is_ok()) {
+  const std::vector<int64_t> expected = per_batch ? std::vector<int64_t>{batch, heads_q} : std::vector<int64_t>{heads_q};
+  if (!(s = check_shape(&slopes, "alibi_slopes", expected, "alibi_slopes is (heads_q) or (batch, heads_q)")).is_ok())
     return s;
-  }
   const float* values = static_cast<const float*>(slopes.data);
   const int64_t batch_stride = per_batch ? slopes.strides[0] : 0;
   if (q->device_type == FC_DEVICE_CPU) {
     for (int64_t b = 0; b < (per_batch ? batch : 1); ++b) {
-      for (int64_t h = 0; h < p->heads_q; ++h) {
+      for (int64_t h = 0; h < heads_q; ++h) {
         if (!std::isfinite(values[b * batch_stride + h])) {
           return Status::invalid("alibi_slopes: entry " + (per_batch ? "[" + std::to_string(b) + ", " : std::string("[")) +
                                  std::to_string(h) + "] is not finite");
@@ -272,9 +261,19 @@ Status apply_alibi(const fc_tensor& slopes, int64_t batch, const fc_tensor* q, A
       }
     }
   }
-  p->alibi_slopes = values;
-  p->alibi_batch_stride = batch_stride;
+  *values_out = values;
+  *batch_stride_out = batch_stride;
   return Status::ok();
+}
+
+}  // namespace validate_detail
+
+namespace {
+using namespace validate_detail;
+
+/** alibi_slopes into p (check_alibi_slopes has the rules). */
+Status apply_alibi(const fc_tensor& slopes, int64_t batch, const fc_tensor* q, AttentionParams* p) {
+  return check_alibi_slopes(slopes, batch, p->heads_q, q, &p->alibi_slopes, &p->alibi_batch_stride);
 }
 
 TensorRef dense_ref(const fc_tensor* t) {

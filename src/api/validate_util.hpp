@@ -42,4 +42,11 @@ struct ResolvedOptions {
 };
 Status check_common_options(const fc_attention_options& opt, int64_t head_dim, ResolvedOptions* r);
 
+/** alibi_slopes (every entry point that takes them): float32 (heads_q) or (batch, heads_q) on q's
+ *  device, rows contiguous; the values are checked (finite) only for CPU tensors, and trusted on a
+ *  GPU as flash_attn does (reading them there would synchronize). On success *values and
+ *  *batch_stride (0 for (heads_q) slopes) describe them. */
+Status check_alibi_slopes(const fc_tensor& slopes, int64_t batch, int64_t heads_q, const fc_tensor* q,
+                          const float** values, int64_t* batch_stride);
+
 }  // namespace flashcore::validate_detail

@@ -147,6 +147,7 @@ class DecodeAttention {
    *  row saw no key). */
   void attend(int64_t b, const MaskInfo& mask, int64_t k0, int64_t k1, float* out, float* lse) {
     const int64_t hd = p_.head_dim, heads = p_.heads_kv;
+    b_ = b;
     load_queries(b);
     std::fill(acc_.data(), acc_.data() + heads * rows_ * d_pad_, 0.f);
     std::fill(max_.begin(), max_.end(), kNegInf);
@@ -163,7 +164,11 @@ class DecodeAttention {
         }
         flash_detail::gemm_bcast<flash_detail::Accumulate::kOverwrite>(
             rows_, n_pad, hd, q_rows_.data() + hk * rows_ * hd, hd, 1, k_t, n_pad, s_.data(), n_pad);
-        softmax_block(mask, hk, j0, n, n_pad);
+        if (p_.has_alibi()) {
+          softmax_block</*kAlibi=*/true>(mask, hk, j0, n, n_pad);
+        } else {
+          softmax_block</*kAlibi=*/false>(mask, hk, j0, n, n_pad);
+        }
         // acc += P V over the n keys (P's padding columns are never read).
         flash_detail::gemm_bcast<flash_detail::Accumulate::kAdd>(rows_, d_pad_, n, s_.data(), n_pad, 1,
                                                                  v_rows_.data() + hk * block_ * d_pad_, d_pad_,
@@ -229,8 +234,11 @@ class DecodeAttention {
   }
 
   /** Scores of keys j0..j0+n of KV head hk in S to probabilities, each row's running max / sum,
-   *  and the rescale of its accumulator. Keys outside a row's keys_for_row (and the padding
-   *  columns past n) get p = 0. */
+   *  and the rescale of its accumulator. Scores get softcap, then (kAlibi: the call has slopes)
+   *  the ALiBi bias -slope * |diagonal - key|, then the mask: keys outside a row's keys_for_row
+   *  (and the padding columns past n) get p = 0. ALiBi is a template argument so that calls
+   *  without it keep the bias-free loop. */
+  template <bool kAlibi>
   void softmax_block(const MaskInfo& mask, int64_t hk, int64_t j0, int64_t n, int64_t n_pad) {
     const bool capped = p_.softcap > 0.f;
     const Vec cap = Simd::set1(p_.softcap), inv_cap = Simd::set1(capped ? 1.f / p_.softcap : 0.f);
@@ -242,12 +250,24 @@ class DecodeAttention {
       const int64_t lo = std::clamp<int64_t>(keys.begin - j0, 0, n), hi = std::clamp<int64_t>(keys.end - j0, 0, n);
       const bool masked = lo > 0 || hi < n_pad;
       const Vec lo_v = Simd::set1(static_cast<float>(lo)), hi_v = Simd::set1(static_cast<float>(hi));
+      // ALiBi: key j0 + key of the row is at distance |diagonal - key| from the row's diagonal
+      // (exact as floats below 2^24 keys).
+      Vec neg_slope = Simd::zero(), diagonal = Simd::zero();
+      if constexpr (kAlibi) {
+        const int64_t h = hk * p_.group_size() + r / p_.seqlen_q;
+        neg_slope = Simd::set1(-p_.alibi_slope(b_, h));
+        diagonal = Simd::set1(static_cast<float>(mask.diagonal(r % p_.seqlen_q) - j0));
+      }
       Vec row_max = neg_inf;
       Vec key = Simd::iota();
       const Vec step = Simd::set1(static_cast<float>(kSimdWidth));
       for (int64_t j = 0; j < n_pad; j += kSimdWidth, key = Simd::add(key, step)) {
         Vec x = Simd::load(s + j);
         if (capped) x = Simd::mul(cap, flash_detail::vtanh(Simd::mul(x, inv_cap)));
+        if constexpr (kAlibi) {
+          const Vec d = Simd::sub(diagonal, key);
+          x = Simd::fma(neg_slope, Simd::max(d, Simd::sub(Simd::zero(), d)), x);
+        }
         if (masked) x = Simd::select(Simd::both(Simd::le(lo_v, key), Simd::lt(key, hi_v)), x, neg_inf);
         Simd::store(s + j, x);
         row_max = Simd::max(row_max, x);
@@ -280,6 +300,7 @@ class DecodeAttention {
 
   const KvCacheParams& p_;
   const int64_t rows_, d_pad_, block_;
+  int64_t b_ = 0;  // the sequence attend() works on
   AlignedFloats q_rows_, k_rows_, v_rows_, k_t_, s_, acc_;
   std::vector<float> max_, sum_;  // per (KV head, row)
 };

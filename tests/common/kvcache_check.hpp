@@ -49,6 +49,7 @@ struct KvCase {
   bool rotary_interleaved = true;
   bool rotary_fp32 = false;  // tables in float32 (else in the case's dtype)
   bool empty_append = false;  // seqlen_new == 0 but k_new / v_new given (zero tokens, null data)
+  int alibi = 0;  // ALiBi slopes: 0 none, 1 (heads_q), 2 (batch, heads_q); random, some negative
 
   /** flash_attn's rule for q's rotary positions: a window side as wide as the cache is unbounded;
    *  a causal mask or what stays bounded puts each query at its own position. */
@@ -70,6 +71,7 @@ struct KvCase {
     }
     if (rotary_half > 0)
       s << " rotary" << 2 * rotary_half << (rotary_interleaved ? " interleaved" : " neox") << (rotary_fp32 ? " f32" : "");
+    if (alibi > 0) s << (alibi == 1 ? " alibi(heads)" : " alibi(batch, heads)");
     return s.str();
   }
 };
@@ -127,9 +129,9 @@ struct KvBuffer {
 struct KvProblem {
   KvCase c;
   int64_t capacity = 0, pages_per_seq = 0, cache_rows = 0;
-  KvBuffer q, k_cache, v_cache, k_new, v_new, out, lse, seqlens, block_table, batch_idx, leftpad, cos, sin;
+  KvBuffer q, k_cache, v_cache, k_new, v_new, out, lse, seqlens, block_table, batch_idx, leftpad, cos, sin, slopes;
   std::vector<uint8_t> k_cache_before, v_cache_before;
-  fc_tensor tq{}, tkc{}, tvc{}, tkn{}, tvn{}, tout{}, tlse{}, tlens{}, tbt{}, tbi{}, tpad{}, tcos{}, tsin{};
+  fc_tensor tq{}, tkc{}, tvc{}, tkn{}, tvn{}, tout{}, tlse{}, tlens{}, tbt{}, tbi{}, tpad{}, tcos{}, tsin{}, tslopes{};
   fc_kvcache_args args{};
   fc_attention_options opt{};
 
@@ -179,6 +181,12 @@ struct KvProblem {
         sin.set(i, static_cast<float>(std::sin(a)));
       }
     }
+    if (c.alibi > 0) {  // slopes of both signs and several magnitudes (ALiBi's are 2^-8h/H, in (0, 1])
+      std::uniform_real_distribution<float> magnitude(-6.f, 0.f);
+      std::bernoulli_distribution negative(0.2);
+      slopes.init(mem, FC_DTYPE_F32, c.alibi == 1 ? std::vector<int64_t>{c.heads_q} : std::vector<int64_t>{c.batch, c.heads_q});
+      for (int64_t i = 0; i < slopes.numel(); ++i) slopes.set(i, (negative(rng) ? -0.1f : 1.f) * std::exp2(magnitude(rng)));
+    }
     if (c.seqlen_new > 0 || c.empty_append) {
       k_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
       v_new.init(mem, c.dtype, {c.batch, c.seqlen_new, c.heads_kv, c.head_dim});
@@ -196,7 +204,8 @@ struct KvProblem {
       for (int64_t b = 0; b < c.batch; ++b) batch_idx.ints()[b] = static_cast<int32_t>(cache_rows - 1 - b);
     }
     for (KvBuffer* t :
-         {&q, &k_cache, &v_cache, &k_new, &v_new, &out, &lse, &seqlens, &block_table, &batch_idx, &leftpad, &cos, &sin})
+         {&q, &k_cache, &v_cache, &k_new, &v_new, &out, &lse, &seqlens, &block_table, &batch_idx, &leftpad, &cos, &sin,
+          &slopes})
       if (t->mem) t->upload();
     tq = q.tensor();
     tkc = k_cache.tensor();
@@ -240,6 +249,10 @@ struct KvProblem {
     opt.window_left = c.window_left;
     opt.window_right = c.window_right;
     opt.softcap = c.softcap;
+    if (slopes.mem) {
+      tslopes = slopes.tensor();
+      opt.alibi_slopes = &tslopes;
+    }
     opt.stream = mem.stream();
   }
 
@@ -298,6 +311,12 @@ struct KvProblem {
     return first ? v * cs - w * sn : w * sn + v * cs;
   }
 
+  /** ALiBi slope of (sequence b, query head h); 0 without slopes. */
+  double slope(int64_t b, int64_t h) const {
+    if (c.alibi == 0) return 0;
+    return slopes.get(c.alibi == 1 ? h : b * c.heads_q + h);
+  }
+
   /** Query element (rotated when the case has rotary tables). */
   double query(int64_t b, int64_t i, int64_t h, int64_t d, bool emulate) const {
     const int64_t pos = start(b) + c.cache_lens[b] + (c.per_token_queries(capacity) ? i : 0);
@@ -347,6 +366,7 @@ inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* ou
           for (int64_t d = 0; d < hd; ++d) dot += pr.query(b, i, h, d, emulate) * K[j * hd + d];
           double sc = dot * scale;
           if (c.softcap > 0) sc = c.softcap * std::tanh(sc / c.softcap);
+          sc -= pr.slope(b, h) * std::fabs(double(mask.diagonal(i) - j));  // ALiBi (0 without slopes)
           if (emulate) sc = static_cast<float>(sc);
           s[j - r.begin] = sc;
           m = std::max(m, sc);
@@ -569,6 +589,52 @@ inline std::vector<KvCase> leftpad_rotary_cases(int32_t dtype, int64_t head_dim)
   KvCase both_window = pad_window;
   both_window.rotary_half = head_dim / 2;
   cases.push_back(both_window);
+  return cases;
+}
+
+/** ALiBi slopes over layouts, masks, GQA, appends, splits and left padding: the bias counts keys
+ *  from each sequence's first (after the padding) and includes the appended ones. */
+inline std::vector<KvCase> alibi_cases(int32_t dtype, int64_t head_dim) {
+  std::vector<KvCase> cases;
+  KvCase base;
+  base.dtype = dtype;
+  base.head_dim = head_dim;
+  base.batch = 3;
+  base.cache_lens = {0, 37, 300};
+  base.heads_q = 8;
+  base.heads_kv = 2;
+  base.alibi = 1;
+  cases.push_back(base);  // decode, GQA, (heads_q) slopes
+  KvCase paged = base;    // (batch, heads_q) slopes, paged, appending, causal, splits
+  paged.alibi = 2;
+  paged.page_size = 16;
+  paged.seqlen_q = 3;
+  paged.seqlen_new = 3;
+  paged.causal = true;
+  paged.num_splits = 3;
+  cases.push_back(paged);
+  KvCase window = base;  // window + softcap: the bias comes after the cap
+  window.alibi = 2;
+  window.seqlen_q = 2;
+  window.seqlen_new = 1;
+  window.window_left = 50;
+  window.window_right = 0;
+  window.softcap = 30;
+  window.heads_kv = 8;
+  cases.push_back(window);
+  KvCase pad = base;  // left padding and rows through cache_batch_idx, queries past the new keys
+  pad.leftpad = {6, 0, 21};
+  pad.cache_lens = {0, 37, 130};
+  pad.batch_idx = true;
+  pad.seqlen_q = 4;
+  pad.seqlen_new = 2;
+  pad.num_splits = 2;
+  cases.push_back(pad);
+  KvCase mqa = paged;  // MQA, pages of one key
+  mqa.heads_kv = 1;
+  mqa.page_size = 1;
+  mqa.num_splits = 1;
+  cases.push_back(mqa);
   return cases;
 }
 

@@ -1,7 +1,7 @@
 // CPU tests of the inference path (fc_attention_kvcache, fc_merge_partials) against the fp64
 // oracle of tests/common/kvcache_check.hpp: contiguous and paged caches (page sizes 1/16/64/256),
 // cache_batch_idx, in-place append, causal with seqlen_q > 1, windows, softcap, GQA/MQA, split-KV
-// (1..8 splits agree), many KV heads (short staged blocks), thread-count independence, merge of
+// (1..8 splits agree), many KV heads (short staged blocks), ALiBi, thread-count independence, merge of
 // partials incl. all -inf parts, and every bad input (the message names the argument; outputs and
 // caches stay untouched).
 #include <gtest/gtest.h>
@@ -205,10 +205,17 @@ TEST(KvCacheCpuBadInput, Options) {
   expect_rejected(c, [](KvProblem& p) { p.opt.cu_seqlens_q = p.args.cache_seqlens; }, "cu_seqlens_q:");
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = 99; }, "backend:");
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = FC_BACKEND_CUDA_SM80; }, "q:");
-  // ALiBi is the forward's (fc_attention_forward): here a refusal that names it, not a bad argument.
-  std::vector<float> slopes(static_cast<size_t>(c.heads_q), 0.5f);
-  fc_tensor ts = flashcore::make_tensor(slopes.data(), FC_DTYPE_F32, {c.heads_q});
-  expect_rejected(c, [&](KvProblem& p) { p.opt.alibi_slopes = &ts; }, "alibi_slopes:", false, FC_ERROR_UNSUPPORTED);
+  // ALiBi slopes: float32, (heads_q) or (batch, heads_q), finite, on q's device, not written over.
+  KvCase alibi = c;
+  alibi.alibi = 2;
+  expect_rejected(alibi, [](KvProblem& p) { p.tslopes.dtype = FC_DTYPE_F16; }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.tslopes.shape[1] = 3; }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.tslopes.shape[0] = 1; }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.tslopes.ndim = 3; }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.tslopes.device_type = FC_DEVICE_CUDA; }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.slopes.set(3, std::nanf("")); p.slopes.upload(); }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.slopes.set(1, INFINITY); p.slopes.upload(); }, "alibi_slopes:");
+  expect_rejected(alibi, [](KvProblem& p) { p.tlse.data = p.tslopes.data; }, "lse:");
   auto mem = host_memory();
   EXPECT_EQ(fc_attention_kvcache(nullptr, nullptr, nullptr, 0), FC_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(fc_last_error()).rfind("args:", 0), 0u);
@@ -261,6 +268,30 @@ TEST(KvCacheCpu, LeftPadAndRotary) {
 }
 
 /** The oracle must see a wrong rotation: positions off by one, or the other pairing, fail. */
+TEST(KvCacheCpu, Alibi) {
+  uint64_t seed = 2000;
+  for (int32_t dt : all_dtypes())
+    for (int64_t hd : {int64_t(64), int64_t(59)}) expect_cases(alibi_cases(dt, hd), seed += 50);
+}
+
+/** The oracle's ALiBi is not vacuous: the same problem without the bias differs from it by more
+ *  than the tolerance (so a backend ignoring the slopes fails KvCacheCpu.Alibi). */
+TEST(KvCacheCpu, AlibiCheckCatchesAMissingBias) {
+  auto mem = host_memory();
+  KvCase c = alibi_cases(FC_DTYPE_F32, 64)[1];
+  KvProblem pr(c, *mem, 11);
+  ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
+  pr.fetch();
+  ASSERT_EQ(check_kvcache_result(pr), "");
+  KvProblem plain(c, *mem, 11);  // same inputs
+  plain.opt.alibi_slopes = nullptr;
+  ASSERT_EQ(plain.run(*mem), FC_OK) << fc_last_error();
+  plain.fetch();
+  pr.out.host = plain.out.host;
+  pr.lse.host = plain.lse.host;
+  EXPECT_NE(check_kvcache_result(pr), "");
+}
+
 TEST(KvCacheCpu, RotaryCheckCatchesWrongPositionsAndPairs) {
   auto mem = host_memory();
   KvCase c = small_case(0);

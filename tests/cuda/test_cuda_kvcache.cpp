@@ -294,6 +294,31 @@ TEST(CudaKvCache, PrefillRoute) {
   EXPECT_EQ(bytes, 0u);
 }
 
+/** ALiBi slopes on the decode kernel, with and without splits; a call with many query rows, which
+ *  the forward-kernel route would take without slopes, stays on the decode kernel with them. */
+TEST(CudaKvCache, Alibi) {
+  REQUIRE_GPU();
+  uint64_t seed = 3000;
+  for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
+    for (int64_t hd : {int64_t(64), int64_t(128), int64_t(256)}) expect_cases(alibi_cases(dt, hd), {1, 4, 0}, seed += 50);
+  std::vector<KvCase> long_chunks;
+  for (int64_t page : {int64_t(0), int64_t(16)}) {
+    KvCase c = prefill_case({0, 100, 300}, page);
+    c.dtype = FC_DTYPE_BF16;
+    c.head_dim = 128;
+    c.alibi = 2;
+    long_chunks.push_back(c);
+  }
+  expect_cases(long_chunks, {0}, 4000);
+  CudaMemory mem;
+  KvCase c = long_chunks[0];
+  c.num_splits = 1;
+  KvProblem pr(c, mem, 5);
+  size_t bytes = 1;
+  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &bytes), FC_OK) << fc_last_error();
+  EXPECT_EQ(bytes, 0u) << "an ALiBi call asked for the forward route's workspace";
+}
+
 TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {
   REQUIRE_GPU();
   CudaMemory mem;

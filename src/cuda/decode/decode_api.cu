@@ -155,12 +155,11 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
                   static_cast<unsigned>(p.batch));
   constexpr int kSmem = decode::AttnTile<HD>::kSmemBytes;
+  auto* const kernel = p.has_alibi() ? decode::attention_kernel<T, HD, true> : decode::attention_kernel<T, HD, false>;
   // Per call (cheap, allowed during stream capture, and right for whichever device is current).
-  if (cudaFuncSetAttribute(decode::attention_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) !=
-      cudaSuccess)
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess)
     return launch_error("kvcache attention (shared memory size)");
-  Status s = launch("kvcache attention", decode::attention_kernel<T, HD>, grid, DecodeTraits::kThreads, kSmem, stream,
-                    programmatic, p, so);
+  Status s = launch("kvcache attention", kernel, grid, DecodeTraits::kThreads, kSmem, stream, programmatic, p, so);
   if (!s.is_ok() || so.num_splits == 1) return s;
   MergeParams m;
   m.out_dtype = p.dtype;

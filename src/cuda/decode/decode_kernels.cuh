@@ -334,7 +334,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
 // zero padding: the math is free, the kernel is bound by the cache reads). Shared-memory rows are
 // XOR-swizzled by 16-byte chunk (chunk ^ (key & 7)) so cp.async stores and ldmatrix loads are free
 // of bank conflicts. The warps' states are combined through shared memory at the end.
-template <typename T, int HD>
+// kAlibi: the call has ALiBi slopes (one FMA per score after the softcap, from a slope and a
+// diagonal per row); a template argument so that calls without them run the bias-free code.
+template <typename T, int HD, bool kAlibi>
 __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCacheParams p, SplitOutput so) {
   using Tl = AttnTile<HD>;
   constexpr int kWarps = Tl::kWarps, kKeys = Tl::kKeys, kRows = Tl::kRows, kStages = Tl::kStages;
@@ -542,15 +544,23 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
               (q_row[half] != nullptr && d < p.head_dim) ? *reinterpret_cast<const uint32_t*>(q_row[half] + d) : 0u;
         }
   }
-  // The visible keys of this thread's two rows, relative to k0.
+  // The visible keys of this thread's two rows, relative to k0; with ALiBi, the rows' slopes in
+  // log2 units (negated) and their diagonals relative to k0 (key k0 + rel is at distance
+  // |diagonal - rel|; exact as floats below 2^24 keys).
   int rel_lo[2], rel_hi[2];
+  float alibi_neg_slope[2] = {0.f, 0.f}, alibi_diagonal[2] = {0.f, 0.f};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     rel_lo[half] = rel_hi[half] = 0;
     if (g + 8 * half < nrows) {
-      const KeyRange kr = mask.keys_for_row(token_of(g + 8 * half));
+      const int i = token_of(g + 8 * half);
+      const KeyRange kr = mask.keys_for_row(i);
       rel_lo[half] = static_cast<int>(min(max(kr.begin - k0, int64_t(0)), int64_t(span)));
       rel_hi[half] = static_cast<int>(min(max(kr.end - k0, int64_t(0)), int64_t(span)));
+      if constexpr (kAlibi) {
+        alibi_neg_slope[half] = -p.alibi_slope(b, head_of(g + 8 * half)) * kLog2e;
+        alibi_diagonal[half] = static_cast<float>(mask.diagonal(i) - k0);
+      }
     }
   }
   const uint32_t q_smem = smem_addr(smem) + (Tl::kSmemBytes - Tl::kQBytes);
@@ -615,6 +625,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
           float x = sacc[j][2 * half + e] * score_scale;
           if (p.softcap > 0) x = cap_scale * tanhf(x);
           const int rel = rel0 + 8 * j + 2 * c + e;
+          if constexpr (kAlibi) x = fmaf(alibi_neg_slope[half], fabsf(alibi_diagonal[half] - static_cast<float>(rel)), x);
           x = (rel >= rel_lo[half] && rel < rel_hi[half]) ? x : kNegInf;
           sc[2 * j + e] = x;
           mx = fmaxf(mx, x);

@@ -186,6 +186,10 @@ size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_by
 bool prefill_route_applies(const KvCacheParams& p) {
   using R = RouteTraits;
   if (p.group_size() * p.seqlen_q < R::kMinRows || p.seqlen_q > INT_MAX) return false;
+  // The forward kernels decline ALiBi with paged K/V, which is how the route hands them the cache:
+  // ALiBi calls stay on the decode kernel, correct at any seqlen_q and slower from a few hundred
+  // query rows per KV head on.
+  if (p.has_alibi()) return false;
   // cu_seqlens_k is int32: every sequence's keys together must fit it.
   if (p.capacity() > INT_MAX || p.batch * p.capacity() > INT_MAX) return false;
   const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;
