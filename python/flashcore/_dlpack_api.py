@@ -412,6 +412,7 @@ def attention_kvcache(
     rotary_sin=None,
     rotary_interleaved=True,
     cache_leftpad=None,
+    alibi_slopes=None,
 ):
     """Attention of new queries against a KV cache (flash_attn_with_kvcache semantics) for numpy
     or DLPack arrays.
@@ -429,6 +430,9 @@ def attention_kvcache(
     (seqlen_ro, rotary_dim / 2), float32 or q's dtype, with k/v appended: rotary embedding of q and
     the appended k at their cache slots (rotary_interleaved: GPT-J pairs, else GPT-NeoX).
     cache_leftpad int32 (batch,), contiguous caches: sequence b starts at slot cache_leftpad[b].
+    alibi_slopes float32 (heads_q) or (batch, heads_q): ALiBi as in attention_forward, key j of a
+    sequence at distance |i + seqlen_k - seqlen_q - j| from query i, seqlen_k counting the
+    appended keys.
     Returns out, or (out, lse) when return_lse, lse float32 (batch, heads_q, seqlen_q).
     """
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -463,7 +467,8 @@ def attention_kvcache(
     _C.kvcache(q_, k_cache_, v_cache_, cache_seqlens, block_table, cache_batch_idx, k_, v_, out_,
                _plain(lse), error_flag, workspace, int(num_splits), options,
                rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-               rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad)
+               rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad,
+               alibi_slopes=_plain(_numpy_alibi_slopes(alibi_slopes)))
     return (out, lse) if return_lse else out
 
 

@@ -418,7 +418,8 @@ def _index_tensor(t, name):
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   softmax_scale, causal, window_left, window_right, softcap, num_splits, backend,
-                  rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, return_lse):
+                  rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, alibi_slopes,
+                  return_lse):
     out = q.new_empty(q.shape)
     lse = q.new_empty(kvcache_lse_shape(q.shape), dtype=torch.float32) if return_lse else None
     options = _options(q, 0, 0, softmax_scale, causal, window_left, window_right, softcap,
@@ -432,7 +433,8 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
                    rotary_cos=_describe(rotary_cos, "rotary_cos"),
                    rotary_sin=_describe(rotary_sin, "rotary_sin"),
                    rotary_interleaved=rotary_interleaved,
-                   cache_leftpad=_describe(cache_leftpad, "cache_leftpad"))
+                   cache_leftpad=_describe(cache_leftpad, "cache_leftpad"),
+                   alibi_slopes=_describe(alibi_slopes, "alibi_slopes"))
     return out, lse
 
 
@@ -457,18 +459,20 @@ def _kvcache_op(
     rotary_sin: Optional[Tensor],
     rotary_interleaved: bool,
     cache_leftpad: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor]:
     # An op returns a fixed number of tensors, so lse is always computed here.
     return _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                          softmax_scale, causal, window_left, window_right, softcap, num_splits,
                          backend, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
-                         return_lse=True)
+                         alibi_slopes, return_lse=True)
 
 
 @_kvcache_op.register_fake
 def _kvcache_op_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                      softmax_scale, causal, window_left, window_right, softcap, num_splits,
-                     backend, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad):
+                     backend, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
+                     alibi_slopes):
     return q.new_empty(q.shape), q.new_empty(kvcache_lse_shape(q.shape), dtype=torch.float32)
 
 
@@ -483,11 +487,12 @@ def cache_seqlens_tensor(cache_seqlens, q):
 def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                       softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                       backend, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                      cache_leftpad=None):
+                      cache_leftpad=None, alibi_slopes=None):
     """flash_attn_with_kvcache for torch tensors: out, or (out, lse) when return_lse."""
     named = (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
              ("cache_batch_idx", cache_batch_idx), ("block_table", block_table),
-             ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad))
+             ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad),
+             ("alibi_slopes", alibi_slopes))
     for name, t in named:
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
@@ -502,9 +507,9 @@ def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
             resolve_scale(softmax_scale), bool(causal), window_left, window_right,
             float(softcap), int(num_splits), backend_id(backend), rotary_cos, rotary_sin,
-            bool(rotary_interleaved), cache_leftpad)
+            bool(rotary_interleaved), cache_leftpad, alibi_slopes)
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, rotary_cos,
-               rotary_sin, cache_leftpad)
+               rotary_sin, cache_leftpad, alibi_slopes)
     if _eager_fast_path_ok(tensors):
         # No autograd to set up (as in flash_attn): the outputs are fresh tensors the library
         # writes through raw pointers, so they carry no graph.

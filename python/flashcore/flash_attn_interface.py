@@ -176,11 +176,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                       return_attn_probs)
 
 
-def _check_unsupported_kvcache(cache_leftpad, block_table, alibi_slopes):
-    if alibi_slopes is not None:
-        # The library's KV-cache entry has no ALiBi (fc_attention_kvcache declines it).
-        raise NotImplementedError("alibi_slopes: not supported by flash_attn_with_kvcache (the "
-                                  "flash_attn_func and flash_attn_varlen_* functions take it); pass None")
+def _check_unsupported_kvcache(cache_leftpad, block_table):
     if cache_leftpad is not None and block_table is not None:
         raise NotImplementedError("cache_leftpad: not supported with a paged cache (block_table), as in flash_attn")
 
@@ -213,9 +209,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     fused into the call (k[b, j] at position cache_seqlens[b] + j; q[b, i] at cache_seqlens[b] + i
     under a causal mask or a window, else at cache_seqlens[b]; rotary_interleaved picks GPT-J or
     GPT-NeoX pairs). cache_leftpad (batch,) int32, contiguous caches: sequence b's tokens sit at
-    slots cache_leftpad[b] .. cache_seqlens[b] - 1 of its row. Not supported
-    (NotImplementedError): alibi_slopes."""
-    _check_unsupported_kvcache(cache_leftpad, block_table, alibi_slopes)
+    slots cache_leftpad[b] .. cache_seqlens[b] - 1 of its row. alibi_slopes float32 (nheads) or
+    (batch, nheads): ALiBi, key j at distance |i + seqlen_k - seqlen_q - j| from query i, seqlen_k
+    counting the appended keys (on a GPU such calls run on the decode kernel at any seqlen_q)."""
+    _check_unsupported_kvcache(cache_leftpad, block_table)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (to append into the caches) or neither")
     if cache_seqlens is None:
@@ -223,7 +220,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError("cache_seqlens: is required when k and v are appended")
         cache_seqlens = _whole_cache_seqlens(k_cache, block_table)
     extras = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                  rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad)
+                  rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad,
+                  alibi_slopes=alibi_slopes)
     try:
         if _is_torch(q):
             return _load_torch_impl().attention_kvcache(

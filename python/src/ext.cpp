@@ -435,7 +435,7 @@ struct KvCacheCall {
   Input q;
   CacheArg k_cache, v_cache;
   Input cache_seqlens;
-  OptionalInput block_table, cache_batch_idx, k_new, v_new, rotary_cos, rotary_sin, cache_leftpad;
+  OptionalInput block_table, cache_batch_idx, k_new, v_new, rotary_cos, rotary_sin, cache_leftpad, alibi_slopes;
   Output out;
   OptionalOutput lse, error_flag;
   fc_attention_options options;
@@ -446,7 +446,7 @@ struct KvCacheCall {
               nb::handle cache_batch_idx_obj, nb::handle k_new_obj, nb::handle v_new_obj,
               nb::handle out_obj, nb::handle lse_obj, nb::handle error_flag_obj, int32_t num_splits,
               const CallOptions& call, nb::handle rotary_cos_obj, nb::handle rotary_sin_obj,
-              bool rotary_interleaved, nb::handle cache_leftpad_obj)
+              bool rotary_interleaved, nb::handle cache_leftpad_obj, nb::handle alibi_slopes_obj)
       : q(q_obj, "q", call),
         k_cache(k_cache_obj, "k_cache", call, /*appends=*/!k_new_obj.is_none()),
         v_cache(v_cache_obj, "v_cache", call, /*appends=*/!k_new_obj.is_none()),
@@ -458,6 +458,7 @@ struct KvCacheCall {
         rotary_cos(rotary_cos_obj, "rotary_cos", call),
         rotary_sin(rotary_sin_obj, "rotary_sin", call),
         cache_leftpad(cache_leftpad_obj, "cache_leftpad", call),
+        alibi_slopes(alibi_slopes_obj, "alibi_slopes", call),
         out(out_obj, "out", call),
         lse(lse_obj, "lse", call),
         error_flag(error_flag_obj, "error_flag", call),
@@ -478,6 +479,7 @@ struct KvCacheCall {
     args.rotary_sin = rotary_sin.get();
     args.rotary_interleaved = rotary_interleaved ? 1 : 0;
     args.cache_leftpad = cache_leftpad.get();
+    options.alibi_slopes = alibi_slopes.get();
   }
 
   fc_status query_workspace(size_t* bytes) const {
@@ -490,10 +492,10 @@ void kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle ca
              nb::handle v_new, nb::handle out, nb::handle lse, nb::handle error_flag,
              nb::handle workspace, int32_t num_splits, const CallOptions& call,
              nb::handle rotary_cos, nb::handle rotary_sin, bool rotary_interleaved,
-             nb::handle cache_leftpad) {
+             nb::handle cache_leftpad, nb::handle alibi_slopes) {
   KvCacheCall c(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
                 out, lse, error_flag, num_splits, call, rotary_cos, rotary_sin, rotary_interleaved,
-                cache_leftpad);
+                cache_leftpad, alibi_slopes);
   Workspace ws(workspace, c.q.tensor, [&](size_t* bytes) { return c.query_workspace(bytes); });
   fc_status status;
   {
@@ -508,10 +510,10 @@ size_t kvcache_workspace(nb::handle q, nb::handle k_cache, nb::handle v_cache,
                          nb::handle cache_batch_idx, nb::handle k_new, nb::handle v_new,
                          nb::handle out, nb::handle lse, int32_t num_splits,
                          const CallOptions& call, nb::handle rotary_cos, nb::handle rotary_sin,
-                         bool rotary_interleaved, nb::handle cache_leftpad) {
+                         bool rotary_interleaved, nb::handle cache_leftpad, nb::handle alibi_slopes) {
   KvCacheCall c(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
                 out, lse, nb::none(), num_splits, call, rotary_cos, rotary_sin, rotary_interleaved,
-                cache_leftpad);
+                cache_leftpad, alibi_slopes);
   size_t bytes = 0;
   raise_on_error(c.query_workspace(&bytes));
   return bytes;
@@ -608,7 +610,7 @@ NB_MODULE(_C, m) {
         "k_new"_a.none(), "v_new"_a.none(), "out"_a.none(), "lse"_a.none(), "error_flag"_a.none(),
         "workspace"_a.none(), "num_splits"_a, "options"_a, "rotary_cos"_a.none() = nb::none(),
         "rotary_sin"_a.none() = nb::none(), "rotary_interleaved"_a = true,
-        "cache_leftpad"_a.none() = nb::none(),
+        "cache_leftpad"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
         "Attention of q against a KV cache (flash_attn_with_kvcache); k_new/v_new, when given, "
         "are first written into the caches in place (k_new rotated by rotary_cos / rotary_sin "
         "when given, q too). workspace as for forward().");
@@ -617,7 +619,7 @@ NB_MODULE(_C, m) {
         "cache_batch_idx"_a.none(), "k_new"_a.none(), "v_new"_a.none(), "out"_a.none(),
         "lse"_a.none(), "num_splits"_a, "options"_a, "rotary_cos"_a.none() = nb::none(),
         "rotary_sin"_a.none() = nb::none(), "rotary_interleaved"_a = true,
-        "cache_leftpad"_a.none() = nb::none(),
+        "cache_leftpad"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
         "Bytes of scratch memory kvcache() needs for these arguments.");
   m.def("merge_partials", &merge_partials, "out_partials"_a.none(), "lse_partials"_a.none(),
         "out"_a.none(), "lse"_a.none(), "options"_a,

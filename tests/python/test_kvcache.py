@@ -74,8 +74,10 @@ def gather_sequence(cache, b, length, block_table, cache_batch_idx):
 
 def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None,
                       cache_batch_idx=None, scale=None, causal=False, window=(-1, -1),
-                      softcap=0.0, same_precision=False):
-    """(out, lse (batch, heads_q, seqlen_q), k_cache after append, v_cache after append)."""
+                      softcap=0.0, same_precision=False, alibi_slopes=None):
+    """(out, lse (batch, heads_q, seqlen_q), k_cache after append, v_cache after append).
+    alibi_slopes (heads_q) or (batch, heads_q): the bias over each sequence's keys after the
+    append (attention_reference's ALiBi, bottom-right aligned like the masks)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute, p_dtype = (np.float32, q.dtype) if same_precision else (np.float64, np.float64)
     k_after, v_after = append_reference(k_cache, v_cache, cache_seqlens, k, v, block_table,
@@ -87,8 +89,11 @@ def reference_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, blo
         length = int(cache_seqlens[b]) + seqlen_new
         keys = gather_sequence(k_after, b, length, block_table, cache_batch_idx)
         values = gather_sequence(v_after, b, length, block_table, cache_batch_idx)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
         out[b], lse[b] = attend(q[b], keys, values, scale, causal, window, softcap, compute,
-                                p_dtype)
+                                p_dtype, slopes)
     return out, lse, k_after, v_after
 
 
@@ -156,17 +161,19 @@ def make_case(rng, *, batch=3, seqlen_q=1, heads_q=4, heads_kv=2, capacity=40, s
 
 
 def run_and_check(case, *, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                  num_splits=0):
+                  num_splits=0, alibi_slopes=None):
     """Calls flash_attn_with_kvcache on copies of the caches and compares out, lse and the
     caches with the reference."""
     k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
     args = {key: value for key, value in case.items() if key not in ("q", "k_cache", "v_cache")}
     out, lse = flashcore.flash_attn_with_kvcache(
         case["q"], k_cache, v_cache, softmax_scale=scale, causal=causal, window_size=window,
-        softcap=softcap, num_splits=num_splits, return_softmax_lse=True, **args)
+        softcap=softcap, num_splits=num_splits, return_softmax_lse=True,
+        alibi_slopes=alibi_slopes, **args)
     reference_args = dict(k=case.get("k"), v=case.get("v"), block_table=case.get("block_table"),
                           cache_batch_idx=case.get("cache_batch_idx"), scale=scale,
-                          causal=causal, window=window, softcap=softcap)
+                          causal=causal, window=window, softcap=softcap,
+                          alibi_slopes=alibi_slopes)
     ref_out, ref_lse, ref_k, ref_v = reference_kvcache(
         case["q"], case["k_cache"], case["v_cache"], case["cache_seqlens"], **reference_args)
     assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
@@ -459,10 +466,53 @@ def test_error_readonly_cache_with_append(rng):
 
 
 def test_unsupported_features_raise_not_implemented(rng):
-    call_expecting_error(make_case(rng, seqlen_new=1, capacity=20), NotImplementedError, r"^alibi_slopes",
-                         alibi_slopes=np.ones(4, np.float32))
     call_expecting_error(make_case(rng, seqlen_new=1, capacity=32, page_size=16), NotImplementedError,
                          r"^cache_leftpad: not supported with a paged cache", cache_leftpad=np.zeros(3, np.int32))
+
+
+# ---- ALiBi (alibi_slopes) -----------------------------------------------------------------------
+
+
+def alibi_slopes_for(rng, batch, heads, per_batch):
+    """Random slopes of several magnitudes, one negative: (heads) or (batch, heads) float32."""
+    shape = (batch, heads) if per_batch else (heads,)
+    slopes = np.exp2(rng.uniform(-6, 0, shape))
+    slopes.flat[0] *= -0.1
+    return slopes.astype(np.float32)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("num_splits", SPLIT_COUNTS)
+def test_alibi(rng, per_batch, page_size, num_splits):
+    # Appending, causal, queries of several tokens: the bias counts the appended keys.
+    case = make_case(rng, seqlen_q=3, seqlen_new=3, capacity=90, page_size=page_size)
+    run_and_check(case, causal=True, num_splits=num_splits,
+                  alibi_slopes=alibi_slopes_for(rng, 3, 4, per_batch))
+
+
+def test_alibi_with_window_softcap_and_low_precision(rng):
+    case = make_case(rng, seqlen_q=2, seqlen_new=1, capacity=60, dtype=np.float16)
+    run_and_check(case, window=(20, 0), softcap=15.0, num_splits=2,
+                  alibi_slopes=alibi_slopes_for(rng, 3, 4, True))
+
+
+def test_alibi_changes_the_result(rng):
+    # The reference's bias is not vacuous: without it the same call differs.
+    case = make_case(rng, seqlen_q=2, capacity=40, lengths=[30, 40, 25])
+    slopes = alibi_slopes_for(rng, 3, 4, False)
+    with_bias = run_and_check(case, alibi_slopes=slopes)[0]
+    plain = flashcore.flash_attn_with_kvcache(case["q"], case["k_cache"], case["v_cache"],
+                                              cache_seqlens=case["cache_seqlens"])
+    assert np.max(np.abs(with_bias - plain)) > 1e-2
+
+
+def test_alibi_bad_slopes_raise(rng):
+    case = make_case(rng, seqlen_new=1, capacity=20)
+    call_expecting_error(case, ValueError, r"^alibi_slopes: ", alibi_slopes=np.ones(3, np.float32))
+    call_expecting_error(case, ValueError, r"^alibi_slopes: ", alibi_slopes=np.ones((2, 4), np.float32))
+    call_expecting_error(case, ValueError, r"^alibi_slopes: ",
+                         alibi_slopes=np.array([1, np.nan, 1, 1], np.float32))
 
 
 # ---- left-padded caches (cache_leftpad) ---------------------------------------------------------
@@ -732,6 +782,19 @@ def torch_case(torch, case):
             else value for key, value in case.items()}
 
 
+def test_torch_cpu_alibi_matches_numpy(rng, torch):
+    case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=48, page_size=16)
+    slopes = alibi_slopes_for(rng, 3, 4, True)
+    expected_out, expected_lse = run_and_check(case, causal=True, alibi_slopes=slopes)
+    tcase = torch_case(torch, case)
+    k_cache, v_cache = tcase.pop("k_cache"), tcase.pop("v_cache")
+    out, lse = flashcore.flash_attn_with_kvcache(tcase.pop("q"), k_cache, v_cache, causal=True,
+                                                 alibi_slopes=torch.from_numpy(slopes),
+                                                 return_softmax_lse=True, **tcase)
+    np.testing.assert_allclose(out.numpy(), expected_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), expected_lse, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_torch_cpu_matches_numpy_and_appends_in_place(rng, torch, page_size):
     case = make_case(rng, seqlen_q=2, seqlen_new=2, capacity=48, page_size=page_size)
@@ -764,9 +827,9 @@ def test_torch_cpu_int_cache_seqlens_and_errors(rng, torch):
         flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, case["k"], case["v"],
                                           cache_seqlens=torch.tensor([1, 20, 3], dtype=torch.int32))
     assert torch.equal(k_cache, before)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match=r"^alibi_slopes: "):
         flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5,
-                                          alibi_slopes=torch.ones(4, dtype=torch.float32))
+                                          alibi_slopes=torch.ones(3, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
