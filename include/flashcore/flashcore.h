@@ -71,7 +71,9 @@ typedef enum fc_backend {
   FC_BACKEND_CUDA_SM90 = 4,     /**< TMA + wgmma kernels (Hopper) */
 } fc_backend;
 
-/** A strided view of caller-owned memory. shape/strides beyond ndim are ignored. */
+/** A strided view of caller-owned memory. shape/strides beyond ndim are ignored. Every entry
+ *  point refuses views whose data pointer is not aligned to the element size, whose byte extent
+ *  does not fit int64 or reaches more than 2^57 bytes from data, or whose addresses wrap around. */
 typedef struct fc_tensor {
   void* data;
   int32_t dtype;       /**< fc_dtype */

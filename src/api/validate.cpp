@@ -92,12 +92,26 @@ Status check_tensor_basics(const fc_tensor* t, const char* name, int ndim, Exten
   }
   if (numel > 0) {
     if (t->data == nullptr) return Status::invalid(std::string(name) + ": data pointer is null");
+    // Element access through a misaligned pointer is undefined in C++ and faults on a GPU.
+    if (reinterpret_cast<uintptr_t>(t->data) % static_cast<uintptr_t>(elem) != 0)
+      return Status::invalid(std::string(name) + ": data pointer is not aligned to its " + std::to_string(elem) +
+                             "-byte elements");
     int64_t lo_b = 0, hi_b = 0;
     int64_t hi_end = 0;
     if (add_overflows(hi, 1, &hi_end) || mul_overflows(lo, elem, &lo_b) || mul_overflows(hi_end, elem, &hi_b))
       return Status::invalid(std::string(name) + ": byte extent overflows int64");
     lo = lo_b;
     hi = hi_b;
+    // A view that fits int64 may still reach past any memory: a stride left unset by a C caller,
+    // say. Spans beyond 2^57 bytes (the largest virtual address space, x86-64's 5-level paging)
+    // and views whose addresses wrap around are refused instead of faulting in a kernel.
+    constexpr int64_t kMaxSpanBytes = int64_t(1) << 57;
+    if (hi > kMaxSpanBytes || lo < -kMaxSpanBytes)
+      return Status::invalid(std::string(name) + ": its strides reach " + std::to_string(hi > kMaxSpanBytes ? hi : lo) +
+                             " bytes from the data pointer, more than an address space holds (2^57)");
+    const uintptr_t base = reinterpret_cast<uintptr_t>(t->data);
+    if ((lo < 0 && base < static_cast<uintptr_t>(-lo)) || base + static_cast<uintptr_t>(hi) < base)
+      return Status::invalid(std::string(name) + ": data pointer plus its strides wraps around the address space");
   }
   if (t->shape[ndim - 1] > 1 && t->strides[ndim - 1] != 1)
     return Status::invalid(std::string(name) + ": last dimension has stride " +

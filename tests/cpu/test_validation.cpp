@@ -158,6 +158,18 @@ TEST_F(BadInput, NegativeSizesAndOverflow) {
   k.shape[1] = v.shape[1] = 7;
   k.strides[1] = std::numeric_limits<int64_t>::max() / 2;
   expect_forward_error("k: stride");
+  // Fits int64 but no address space: refused, not a fault (an unset stride of a C caller, say).
+  k.strides[1] = int64_t(1) << 58;
+  expect_forward_error("k: its strides reach");
+  k.strides[1] = -(int64_t(1) << 58);
+  expect_forward_error("k: its strides reach");
+  k.strides[1] = 2 * 8;
+  v.strides[0] = -(int64_t(1) << 50);
+  v.data = reinterpret_cast<void*>(uintptr_t(1) << 20);  // 2^50 bytes below it is below address 0
+  expect_forward_error("v: data pointer plus its strides wraps around");
+  v.strides[0] = 7 * 2 * 8;
+  v.data = reinterpret_cast<unsigned char*>(vb.data()) + 2;
+  expect_forward_error("v: data pointer is not aligned to its 4-byte elements");
 }
 
 TEST_F(BadInput, Aliasing) {
