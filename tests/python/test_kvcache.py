@@ -881,7 +881,7 @@ def test_torch_cpu_custom_op_matches_eager(rng, torch):
         return_softmax_lse=True)
     out_op, lse_op = _torch._kvcache_op(
         op["q"], op["k_cache"], op["v_cache"], op["k"], op["v"], op["cache_seqlens"], None,
-        op["block_table"], 0.0, True, -1, 0, 0.0, 0, 0, None, None, True, None)
+        op["block_table"], 0.0, True, -1, 0, 0.0, 0, 0, None, None, True, None, None)
     assert torch.equal(out_eager, out_op) and torch.equal(lse_eager, lse_op)
     assert torch.equal(eager["k_cache"], op["k_cache"])
     assert torch.equal(eager["v_cache"], op["v_cache"])
@@ -923,14 +923,21 @@ def test_torch_cpu_custom_op_opcheck(rng, torch):
     case = torch_case(torch, make_case(rng, seqlen_q=2, seqlen_new=1, capacity=32, page_size=16))
     args = (case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
             case["cache_seqlens"], None, case["block_table"], 0.0, True, -1, 0, 0.0, 0, 0,
-            None, None, True, None)
+            None, None, True, None, None)
     torch.library.opcheck(_torch._kvcache_op, args)
     # with rotary tables and left padding (contiguous caches)
     case = torch_case(torch, make_case(rng, seqlen_q=2, seqlen_new=1, capacity=32, lengths=[4, 20, 9]))
     cos, sin = (torch.from_numpy(t) for t in rotary_tables(rng, 34, 4))
     args = (case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
             case["cache_seqlens"], None, None, 0.0, True, -1, 0, 0.0, 0, 0,
-            cos, sin, False, torch.tensor([1, 0, 9], dtype=torch.int32))
+            cos, sin, False, torch.tensor([1, 0, 9], dtype=torch.int32), None)
+    torch.library.opcheck(_torch._kvcache_op, args)
+    # with ALiBi slopes, (batch, heads_q)
+    case = torch_case(torch, make_case(rng, seqlen_q=2, seqlen_new=1, capacity=32))
+    slopes = torch.from_numpy(alibi_slopes_for(rng, 3, 4, True))
+    args = (case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
+            case["cache_seqlens"], None, None, 0.0, True, -1, 0, 0.0, 0, 0,
+            None, None, True, None, slopes)
     torch.library.opcheck(_torch._kvcache_op, args)
 
 
