@@ -261,12 +261,12 @@ class AmxBackwardRunner {
     // Every row of the group sees every key of the tile, and no chunk has padding keys: no mask.
     const bool unmasked = n_valid == key_chunks * 32 && g0 + row_blocks * 32 == g_end &&
                           mask.tile_fully_visible(g0, g_end, n0, n0 + n_valid);
-    if (parts_ == 1) {
-      unmasked ? probabilities_and_gradients<false, 1>(l0, key_chunks, row_blocks)
-               : probabilities_and_gradients<true, 1>(l0, key_chunks, row_blocks);
+    // ALiBi: query row g0 + c sits at distance |diagonal(g0) - n0 + c - j| from key n0 + j.
+    const float alibi_base = static_cast<float>(mask.diagonal(g0) - n0);
+    if (p_.has_alibi()) {
+      probabilities_for<true>(unmasked, l0, key_chunks, row_blocks, alibi_base);
     } else {
-      unmasked ? probabilities_and_gradients<false, 2>(l0, key_chunks, row_blocks)
-               : probabilities_and_gradients<true, 2>(l0, key_chunks, row_blocks);
+      probabilities_for<false>(unmasked, l0, key_chunks, row_blocks, alibi_base);
     }
     PhaseTimer::lap(BackwardPhase::kSoftmax);
     const int64_t pairs_part = (rows_pad_ / 32) * (d_pad_ / 16);
@@ -302,13 +302,29 @@ class AmxBackwardRunner {
     }
   }
 
+  /** probabilities_and_gradients for this call's parts and the group's mask. */
+  template <bool kAlibi>
+  void probabilities_for(bool unmasked, int64_t l0, int64_t key_chunks, int64_t row_blocks, float alibi_base) {
+    if (parts_ == 1) {
+      unmasked ? probabilities_and_gradients<false, 1, kAlibi>(l0, key_chunks, row_blocks, alibi_base)
+               : probabilities_and_gradients<true, 1, kAlibi>(l0, key_chunks, row_blocks, alibi_base);
+    } else {
+      unmasked ? probabilities_and_gradients<false, 2, kAlibi>(l0, key_chunks, row_blocks, alibi_base)
+               : probabilities_and_gradients<true, 2, kAlibi>(l0, key_chunks, row_blocks, alibi_base);
+    }
+  }
+
   /** P^T and dS^T from S^T and dP^T, as the row-major parts p_t / ds_t and, for dQ^T, dS^T's
    *  parts with key rows paired (ds_pairs). Keys are visited two at a time for the pairing.
    *  kMasked: apply each row's key range (first_key / end_key); kParts: parts_ (1 for bf16, whose
-   *  one rounding of dS serves both layouts). */
-  template <bool kMasked, int kParts>
-  void probabilities_and_gradients(int64_t l0, int64_t key_chunks, int64_t row_blocks) {
+   *  one rounding of dS serves both layouts); kAlibi: the scores get the bias -slope * |distance|
+   *  after softcap (a constant of the score: dS keeps its form), the distance of row column c and
+   *  key row j being alibi_base + c - j. A template argument so calls without ALiBi keep their loop. */
+  template <bool kMasked, int kParts, bool kAlibi>
+  void probabilities_and_gradients(int64_t l0, int64_t key_chunks, int64_t row_blocks, float alibi_base) {
     const bool capped = p_.softcap > 0.f;
+    const __m512 neg_slope = _mm512_set1_ps(kAlibi ? -p_.alibi_slope(task_.batch, task_.head) : 0.f);
+    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 scale = _mm512_set1_ps(p_.softmax_scale), log2e = _mm512_set1_ps(ExpConstants::kLog2e);
     const __m512 cap = _mm512_set1_ps(p_.softcap), inv_cap = _mm512_set1_ps(capped ? 1.f / p_.softcap : 0.f);
     const __m512 one = _mm512_set1_ps(1.f);
@@ -330,6 +346,10 @@ class AmxBackwardRunner {
             const __m512 t = vtanh(_mm512_mul_ps(x, inv_cap));
             x = _mm512_mul_ps(cap, t);
             tanh_grad = _mm512_sub_ps(one, _mm512_mul_ps(t, t));
+          }
+          if constexpr (kAlibi) {
+            const __m512 d = _mm512_add_ps(_mm512_set1_ps(alibi_base + static_cast<float>(c - (j + h))), lanes);
+            x = _mm512_fmadd_ps(neg_slope, _mm512_abs_ps(d), x);
           }
           __m512 prob = vexp2_softmax(_mm512_mul_ps(_mm512_sub_ps(x, lse), log2e));
           if (kMasked) {

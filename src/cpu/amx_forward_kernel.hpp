@@ -78,6 +78,8 @@ struct AmxScratch {
   AlignedFloats s_buf;     // [kM x kN] fp32 scores
   AlignedFloats p_parts;   // [3][kM x kN] bf16 probabilities
   AlignedFloats out_row;   // [d_pad] one output row on its way out
+  AlignedFloats alibi_neg_slope;  // [blocks][kM] ALiBi: -slope of each stacked row
+  AlignedFloats alibi_diagonal;   // [blocks][kM] ALiBi: each row's diagonal key (i + seqlen_k - seqlen_q)
   std::vector<KeyRange> row_keys;  // [blocks][kM]
   PrefetchQueue prefetch;
 
@@ -94,6 +96,8 @@ struct AmxScratch {
     s_buf.reserve(kM * kN);
     p_parts.reserve(kMaxParts * kM * kN / 2);
     out_row.reserve(d_pad);
+    alibi_neg_slope.reserve(blocks * kM);
+    alibi_diagonal.reserve(blocks * kM);
     row_keys.resize(static_cast<size_t>(blocks * kM));
   }
 };
@@ -187,6 +191,8 @@ class PackedKv {
 struct AmxBlock : BlockRows {
   uint16_t* q_parts;
   float* o;
+  float* alibi_neg_slope;  // [kM]: set only for calls with ALiBi slopes
+  float* alibi_diagonal;
 };
 
 template <int64_t kN, class PhaseTimer, int64_t kBlocks>
@@ -214,6 +220,9 @@ class AmxTaskRunner {
       bl.start(task, first, kM, kM, mask, group, keys);
       bl.q_parts = reinterpret_cast<uint16_t*>(w_.q_parts.data()) + slot * kMaxParts * kM * d_pad;
       bl.o = w_.o_acc.data() + slot * kM * d_pad;
+      bl.alibi_neg_slope = w_.alibi_neg_slope.data() + slot * kM;
+      bl.alibi_diagonal = w_.alibi_diagonal.data() + slot * kM;
+      if (p_.has_alibi()) set_alibi_rows(task, seq, bl);
       pack_queries(task, seq, bl);
       std::fill(bl.o, bl.o + kM * d_pad, 0.f);
     }
@@ -254,7 +263,12 @@ class AmxTaskRunner {
         scores(bl, key_chunks);
         PhaseTimer::lap(ForwardPhase::kScores);
         const bool full = n_block == kN && mask.tile_fully_visible(bl.first_q, bl.last_q + 1, n0, n0 + n_block);
-        softmax(bl, n0, n_block, full);
+        // ALiBi as a template argument: without it the softmax's loop is the bias-free one.
+        if (p_.has_alibi()) {
+          softmax</*kAlibi=*/true>(bl, n0, n_block, full);
+        } else {
+          softmax</*kAlibi=*/false>(bl, n0, n_block, full);
+        }
         PhaseTimer::lap(ForwardPhase::kSoftmax);
         accumulate_output(bl, key_chunks);
         PhaseTimer::lap(ForwardPhase::kOutput);
@@ -282,6 +296,19 @@ class AmxTaskRunner {
     }
   }
 
+  /** The block's ALiBi row values, as the AVX-512 forward's set_alibi_rows: the distances softmax
+   *  derives from them are integers, exact in float below 2^24. Padding rows get slope 0. */
+  void set_alibi_rows(const ForwardTask& task, const SeqInfo& seq, const AmxBlock& bl) {
+    const int64_t group = p_.group_size();
+    const int64_t diagonal_shift = seq.seqlen_k - seq.seqlen_q;
+    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+    for (int64_t r = 0; r < kM; ++r) {
+      bl.alibi_neg_slope[r] = r < bl.rows ? -p_.alibi_slope(task.batch, at.head) : 0.f;
+      bl.alibi_diagonal[r] = r < bl.rows ? static_cast<float>(at.q_row + diagonal_shift) : 0.f;
+      if (r < bl.rows) at.advance(group, task.kv_head);
+    }
+  }
+
   /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
   void scores(const AmxBlock& bl, int64_t key_chunks) {
     const int64_t d_pad = w_.d_pad, slices = d_pad / kSlice;
@@ -306,7 +333,9 @@ class AmxTaskRunner {
   }
 
   /** Scores into probabilities against the updated running max; updates (row_max, row_sum),
-   *  rescales the rows of O whose max moved, and writes P's parts. */
+   *  rescales the rows of O whose max moved, and writes P's parts. Scores get softcap, then
+   *  (kAlibi) the bias -slope * |diagonal - key|, then the mask. */
+  template <bool kAlibi>
   void softmax(AmxBlock& bl, int64_t n0, int64_t n_block, bool full) {
     const int64_t d_pad = w_.d_pad;
     const bool capped = p_.softcap > 0.f;
@@ -325,10 +354,17 @@ class AmxTaskRunner {
       }
       __m512 x[kN / 16];
       __m512 vmax = neg_inf;
+      // ALiBi: key n0 + 16 k + lane sits at distance |(diagonal - n0 - 16 k) - lane| from the row's diagonal.
+      const __m512 neg_slope = _mm512_set1_ps(kAlibi ? bl.alibi_neg_slope[r] : 0.f);
+      const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       for (int64_t k = 0; k < chunks; ++k) {
         x[k] = _mm512_loadu_ps(s + k * 16);
         if (!prescale_) x[k] = _mm512_mul_ps(x[k], scale);
         if (capped) x[k] = _mm512_mul_ps(cap, vtanh(_mm512_mul_ps(x[k], inv_cap)));
+        if constexpr (kAlibi) {
+          const __m512 d = _mm512_sub_ps(_mm512_set1_ps(bl.alibi_diagonal[r] - static_cast<float>(n0 + k * 16)), lanes);
+          x[k] = _mm512_fmadd_ps(neg_slope, _mm512_abs_ps(d), x[k]);
+        }
         if (!full) x[k] = _mm512_mask_blend_ps(lane_range(lo - k * 16, hi - k * 16), neg_inf, x[k]);
         vmax = _mm512_max_ps(vmax, x[k]);
       }

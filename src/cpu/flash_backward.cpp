@@ -175,8 +175,7 @@ Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
 }  // namespace backward_detail
 
 Status flash_backward(const BackwardParams& p) {
-  // The AMX backward has no ALiBi bias: calls with slopes take the AVX-512 kernel on every CPU.
-  if (amx_backward_enabled(p.dtype) && !p.has_alibi()) return amx_flash_backward(p);
+  if (amx_backward_enabled(p.dtype)) return amx_flash_backward(p);
   using namespace backward_detail;
   return avx_flash_backward_tiles<ShippedBackwardConfig>(p, min_chunk_keys_or_env(kAvxMinChunkKeys));
 }

@@ -10,8 +10,7 @@ namespace cpu {
 
 Status flash_forward(const AttentionParams& p) {
   using namespace forward_detail;
-  // The AMX forward has no ALiBi bias: calls with slopes take the AVX-512 kernel on every CPU.
-  if (amx_forward_enabled(p.dtype) && !p.has_alibi()) return amx_flash_forward(p);
+  if (amx_forward_enabled(p.dtype)) return amx_flash_forward(p);
   return flash_forward_with<ForwardConfig>(p);
 }
 
