@@ -12,10 +12,11 @@ flashcore cell >= cuDNN and >= 95% of that ceiling. --sweep also times explicit 
 into its kernels (torch.profiler: attention vs combine, and the launch gaps); --base-lib times
 another build of the library (e.g. the last commit's) on every flashcore cell in the same process;
 --ordered-pages also times the paged layouts with the pages in cache order (the contiguous
-addresses through the paged code path: what the random page order itself costs).
+addresses through the paged code path: what the random page order itself costs); --alibi also
+times every flashcore cell with ALiBi slopes (the decode kernel's ALiBi instantiation) beside it.
 
 Usage: python bench/decode_bench.py [--lib build-gpu/libflashcore.so] [--iters 50] [--repeats 5] [--sweep]
-                                    [--profile] [--base-lib OTHER/libflashcore.so] [--ordered-pages]
+                                    [--profile] [--base-lib OTHER/libflashcore.so] [--ordered-pages] [--alibi]
 """
 import argparse
 import os
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from timing import events_rate
 
+FC_DTYPE_F32 = 0
 FC_DTYPE_BF16 = 2
 FC_DTYPE_I32 = 3
 FC_DEVICE_CUDA = 1
@@ -69,7 +71,7 @@ FC_ABI_VERSION = 3  # the C ABI these structures mirror
 def fc_tensor(t):
     x = FcTensor()
     x.data = t.data_ptr()
-    x.dtype = {torch.bfloat16: FC_DTYPE_BF16, torch.int32: FC_DTYPE_I32}[t.dtype]
+    x.dtype = {torch.float32: FC_DTYPE_F32, torch.bfloat16: FC_DTYPE_BF16, torch.int32: FC_DTYPE_I32}[t.dtype]
     x.device_type = FC_DEVICE_CUDA
     x.device_id = t.device.index or 0
     x.ndim = t.dim()
@@ -79,10 +81,16 @@ def fc_tensor(t):
     return x
 
 
-def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None, ordered=False):
-    """Builds the ctypes arguments once; returns a closure that issues one call."""
+def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, info=None, ordered=False,
+                   alibi=False):
+    """Builds the ctypes arguments once; returns a closure that issues one call (with ALiBi slopes
+    2^(-8 (h + 1) / heads) when `alibi`)."""
     lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
     tensors = {"q": fc_tensor(q), "out": fc_tensor(out), "lens": fc_tensor(lens)}
+    if alibi:
+        slopes = torch.exp2(-8.0 * torch.arange(1, HEADS_Q + 1, device="cuda", dtype=torch.float32) / HEADS_Q)
+        tensors["slopes"] = fc_tensor(slopes)
+        keep += [slopes]
     if page:
         pages_per_seq = kv_len // page
         perm = (torch.arange(batch * pages_per_seq, device="cuda") if ordered
@@ -106,6 +114,8 @@ def flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, num_splits=0, i
     args.num_splits = num_splits
     opts = FcOptions()
     opts.stream = torch.cuda.current_stream().cuda_stream
+    if alibi:
+        opts.alibi_slopes = ctypes.addressof(tensors["slopes"])
     ws = ctypes.c_size_t(0)
     if lib.fc_attention_kvcache_workspace(ctypes.byref(args), ctypes.byref(opts), ctypes.byref(ws)) != 0:
         raise RuntimeError(lib.fc_last_error().decode())
@@ -195,6 +205,8 @@ def main():
     ap.add_argument("--ordered-pages", action="store_true",
                     help="also time the paged layouts with pages in cache order (block table = identity): "
                          "the same addresses as contiguous through the paged code path")
+    ap.add_argument("--alibi", action="store_true",
+                    help="also time every flashcore cell with ALiBi slopes, interleaved with the plain call")
     ap.add_argument("--base-lib", default="",
                     help="another build of libflashcore.so (e.g. the last commit's) timed on every flashcore cell too")
     ap.add_argument("--env-variants", default="",
@@ -242,6 +254,15 @@ def main():
                 ordered_call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, ordered=True)
                 compare_lines.append(f"ordered pages {batch}x{kv_len} {name}: "
                                   f"{events_rate(ordered_call, nbytes, a.repeats, a.iters):.2f}")
+                print(compare_lines[-1], flush=True)
+            if a.alibi:  # interleaved rounds: the plain call and the ALiBi one
+                alibi_call = flashcore_call(lib, batch, kv_len, page, q, k, v, out, keep, alibi=True)
+                plain, biased = [], []
+                for _ in range(a.repeats):
+                    plain.append(events_rate(call, nbytes, 1, a.iters))
+                    biased.append(events_rate(alibi_call, nbytes, 1, a.iters))
+                compare_lines.append(f"alibi {batch}x{kv_len} {name}: plain {statistics.median(plain):.2f}, "
+                                     f"alibi {statistics.median(biased):.2f} TB/s")
                 print(compare_lines[-1], flush=True)
             if base_lib:
                 base_call = flashcore_call(base_lib, batch, kv_len, page, q, k, v, out, keep)
