@@ -267,7 +267,7 @@ TEST(KvCacheCpu, LeftPadAndRotary) {
     for (int64_t hd : {int64_t(64), int64_t(24)}) expect_cases(leftpad_rotary_cases(dt, hd), seed += 50);
 }
 
-/** The oracle must see a wrong rotation: positions off by one, or the other pairing, fail. */
+/** ALiBi slopes over layouts, masks, splits, appends and left padding (alibi_cases). */
 TEST(KvCacheCpu, Alibi) {
   uint64_t seed = 2000;
   for (int32_t dt : all_dtypes())
@@ -292,6 +292,7 @@ TEST(KvCacheCpu, AlibiCheckCatchesAMissingBias) {
   EXPECT_NE(check_kvcache_result(pr), "");
 }
 
+/** The oracle must see a wrong rotation: positions off by one, or the other pairing, fail. */
 TEST(KvCacheCpu, RotaryCheckCatchesWrongPositionsAndPairs) {
   auto mem = host_memory();
   KvCase c = small_case(0);
