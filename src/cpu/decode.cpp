@@ -6,7 +6,9 @@
 // and all query rows go through each key block together, so every cached K/V row is converted
 // and read once (DecodeAttention below). The splits come from the shapes and lengths alone
 // (decode_splits), so results do not depend on the thread count; a second pass merges them.
-// fp32 throughout. Relies on: kvcache_params.hpp (validated params, cache addressing, masks),
+// fp32 throughout. Calls with many query rows per KV head (chunked prefill into the cache) run on
+// cpu_flash's forward instead, with the cache as its paged K/V (api/kvcache_forward_view.hpp), as
+// the GPU path's forward-kernel route does. Relies on: kvcache_params.hpp (validated params, cache addressing, masks),
 // the host dtype conversions in dtype_host.hpp, cpu_common.hpp (Simd, gemm_bcast, transpose,
 // the worker pool).
 #include <algorithm>
@@ -17,7 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "api/backends.hpp"
 #include "api/kvcache_backends.hpp"
+#include "api/kvcache_forward_view.hpp"
 #include "cpu/cpu_common.hpp"
 #include "common/dtype_host.hpp"
 #include "common/rotary.hpp"
@@ -34,6 +38,12 @@ struct DecodeTraits {
   static constexpr int64_t kKeyBlock = 64;       // keys per online-softmax step, at most
   static constexpr int64_t kTargetTasks = 64;    // the split heuristic's aim: tasks for 16+ threads
   static constexpr int64_t kMinSplitKeys = 128;  // ... with no split shorter than this
+  // Query rows per KV head (GQA group x seqlen_q) from which cpu_flash's forward takes the call.
+  // The decode pass's time grows with the rows (each key block's S and P V per row, no tiling),
+  // the forward's much less: on the development EPYC (2 threads, causal, contiguous caches) the
+  // forward took 0.87x the decode pass's time at 16 rows (GQA 32 / 8, d128), 0.67x at 16 rows
+  // (MHA, d64) and 0.53-0.59x from 64, and 1.09-1.34x at 1-4 rows (docs/PERF.md, session 32).
+  static constexpr int64_t kForwardMinRows = 16;
 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -379,6 +389,30 @@ void store_head(const KvCacheParams& p, int64_t b, int64_t hk, int splits, const
   }
 }
 
+/** Whether the forward takes p (after its append): enough query rows per KV head, and every
+ *  sequence's keys within the int32 prefix sums of a varlen call. */
+bool forward_takes(const KvCacheParams& p) {
+  if (p.group_size() * p.seqlen_q < DecodeTraits::kForwardMinRows) return false;
+  int64_t keys = 0;
+  for (int64_t b = 0; b < p.batch; ++b) keys += total_len(p, b);
+  return keys <= INT32_MAX && p.batch * p.seqlen_q <= INT32_MAX;
+}
+
+/** p's attention on cpu_flash's forward: the host arrays of the forward view (values validated
+ *  on the host, so every sequence is in bounds), then the forward writes out and lse. */
+Status forward_route(const KvCacheParams& p) {
+  std::vector<int32_t> cu_q(static_cast<size_t>(p.batch + 1)), cu_k(static_cast<size_t>(p.batch + 1)),
+      identity(static_cast<size_t>(p.batch));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    cu_q[static_cast<size_t>(b + 1)] = static_cast<int32_t>((b + 1) * p.seqlen_q);
+    cu_k[static_cast<size_t>(b + 1)] = static_cast<int32_t>(cu_k[static_cast<size_t>(b)] + total_len(p, b));
+    identity[static_cast<size_t>(b)] = static_cast<int32_t>(b);
+  }
+  AttentionParams f = kvcache_as_forward(p, {cu_q.data(), cu_k.data(), identity.data()});
+  f.total_k = cu_k.back();
+  return flash_forward(f);
+}
+
 }  // namespace
 
 Status kvcache_forward(const KvCacheParams& params) {
@@ -386,6 +420,7 @@ Status kvcache_forward(const KvCacheParams& params) {
   std::vector<unsigned char> rotated_q;
   if (p.rotary.on()) p.q = rotate_queries(params, rotated_q);
   if (p.appends()) append_new_tokens(p);
+  if (p.batch > 0 && forward_takes(p)) return forward_route(p);
   const int splits = decode_splits(p);
   const int64_t hd = p.head_dim, per_part = p.heads_kv * p.group_size() * p.seqlen_q;
   // Every (sequence, split) is a task writing its normalized partial out and lse for all heads;

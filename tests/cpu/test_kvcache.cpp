@@ -1,7 +1,8 @@
 // CPU tests of the inference path (fc_attention_kvcache, fc_merge_partials) against the fp64
 // oracle of tests/common/kvcache_check.hpp: contiguous and paged caches (page sizes 1/16/64/256),
 // cache_batch_idx, in-place append, causal with seqlen_q > 1, windows, softcap, GQA/MQA, split-KV
-// (1..8 splits agree), many KV heads (short staged blocks), ALiBi, thread-count independence, merge of
+// (1..8 splits agree), many KV heads (short staged blocks), ALiBi, the forward route of calls with
+// many query rows, thread-count independence, merge of
 // partials incl. all -inf parts, and every bad input (the message names the argument; outputs and
 // caches stay untouched).
 #include <gtest/gtest.h>
@@ -103,29 +104,91 @@ TEST(KvCacheCpu, ManyKvHeads) {
   expect_cases(cases, 400);
 }
 
-// Results do not depend on the thread count (the split heuristic looks at shapes and lengths).
+/** Calls with 16 or more query rows per KV head run on cpu_flash's forward with the cache as its
+ *  paged K/V (cpu/decode.cpp's forward route): every layout, appends, masks, rotary, ALiBi, and
+ *  rows that see no key, against the same oracle. */
+TEST(KvCacheCpu, ForwardRoute) {
+  std::vector<KvCase> cases;
+  uint64_t seed = 5000;
+  for (int32_t dt : all_dtypes())
+    for (int64_t page : {int64_t(0), int64_t(1), int64_t(16), int64_t(64)}) {
+      KvCase c;  // chunked prefill: 40 new tokens appended and attended, GQA 4
+      c.dtype = dt;
+      c.page_size = page;
+      c.batch = 3;
+      c.cache_lens = {0, 57, 200};
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.seqlen_q = 40;
+      c.seqlen_new = 40;
+      c.causal = true;
+      c.num_splits = 3;  // ignored by the forward
+      cases.push_back(c);
+      KvCase w = c;  // queries past the new keys, window + softcap + ALiBi, MHA, no append
+      w.seqlen_new = 0;
+      w.causal = false;
+      w.window_left = 30;
+      w.window_right = 4;
+      w.softcap = 20;
+      w.heads_kv = 8;
+      w.seqlen_q = 16;
+      w.alibi = 2;
+      cases.push_back(w);
+      if (page == 0) {
+        KvCase pad = c;  // left padding and rows through cache_batch_idx, rotary (NeoX, part of d)
+        pad.leftpad = {3, 0, 40};
+        pad.batch_idx = true;
+        pad.rotary_half = 12;
+        pad.rotary_interleaved = false;
+        cases.push_back(pad);
+      } else {
+        KvCase r = c;  // rotary on a paged cache with ALiBi, MQA
+        r.heads_kv = 1;
+        r.rotary_half = c.head_dim / 2;
+        r.alibi = 1;
+        cases.push_back(r);
+      }
+    }
+  KvCase masked;  // more queries than keys under a causal mask: the first rows see nothing
+  masked.batch = 2;
+  masked.cache_lens = {1, 0};
+  masked.seqlen_q = 20;
+  masked.seqlen_new = 2;
+  masked.causal = true;
+  cases.push_back(masked);
+  expect_cases(cases, seed);
+}
+
+// Results do not depend on the thread count (the split heuristic looks at shapes and lengths), on
+// the decode pass and on the forward route (a chunk of 24 query tokens, 96 rows per KV head).
 TEST(KvCacheCpu, ThreadCountDoesNotChangeBits) {
-  KvCase c;
-  c.batch = 1;
-  c.cache_lens = {3000};
-  c.heads_q = 8;
-  c.heads_kv = 2;
-  c.head_dim = 64;
-  c.dtype = FC_DTYPE_F32;
-  c.num_splits = 0;
+  KvCase decode;
+  decode.batch = 1;
+  decode.cache_lens = {3000};
+  decode.heads_q = 8;
+  decode.heads_kv = 2;
+  decode.head_dim = 64;
+  decode.dtype = FC_DTYPE_F32;
+  decode.num_splits = 0;
+  KvCase chunk = decode;
+  chunk.cache_lens = {700};
+  chunk.seqlen_q = chunk.seqlen_new = 24;
+  chunk.causal = true;
   auto mem = host_memory();
-  std::vector<uint8_t> first_out, first_lse;
-  for (int32_t threads : {1, 2, 3, 7}) {
-    KvProblem pr(c, *mem, 500);
-    pr.opt.num_threads = threads;
-    ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
-    pr.fetch();
-    if (first_out.empty()) {
-      first_out = pr.out.host;
-      first_lse = pr.lse.host;
-    } else {
-      EXPECT_TRUE(pr.out.host == first_out) << threads << " threads: out differs from 1 thread";
-      EXPECT_TRUE(pr.lse.host == first_lse) << threads << " threads: lse differs from 1 thread";
+  for (const KvCase& c : {decode, chunk}) {
+    std::vector<uint8_t> first_out, first_lse;
+    for (int32_t threads : {1, 2, 3, 7}) {
+      KvProblem pr(c, *mem, 500);
+      pr.opt.num_threads = threads;
+      ASSERT_EQ(pr.run(*mem), FC_OK) << fc_last_error();
+      pr.fetch();
+      if (first_out.empty()) {
+        first_out = pr.out.host;
+        first_lse = pr.lse.host;
+      } else {
+        EXPECT_TRUE(pr.out.host == first_out) << c.name() << ", " << threads << " threads: out differs from 1 thread";
+        EXPECT_TRUE(pr.lse.host == first_lse) << c.name() << ", " << threads << " threads: lse differs from 1 thread";
+      }
     }
   }
 }

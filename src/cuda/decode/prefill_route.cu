@@ -10,6 +10,7 @@
 #include <string>
 
 #include "api/backends.hpp"
+#include "api/kvcache_forward_view.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/scoped_device.hpp"
 
@@ -108,53 +109,10 @@ __global__ void __launch_bounds__(RouteTraits::kThreads) poison_kernel(KvCachePa
     }
 }
 
-/** The same call as a varlen forward over paged K/V: q and out rows b * seqlen_q + i of a packed
- *  view whose batch stride carries whatever q's (and out's, lse's) is; the cache as pages. */
+/** The same call as a varlen forward over paged K/V (api/kvcache_forward_view.hpp) on the route's
+ *  arrays. The route declines ALiBi (prefill_route_applies), so the slopes it carries are null. */
 AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
-  AttentionParams f;
-  f.dtype = p.dtype;
-  f.device_type = p.device_type;
-  f.device_id = p.device_id;
-  auto packed_view = [&](const TensorRef& t) {
-    return TensorRef{t.data, t.batch_stride - p.seqlen_q * t.row_stride, t.row_stride, t.head_stride};
-  };
-  f.q = packed_view(p.q);
-  f.out = packed_view(p.out);
-  if (p.lse.data)
-    f.lse = {p.lse.data, p.lse.batch_stride - p.seqlen_q * p.lse.row_stride, p.lse.head_stride, p.lse.row_stride};
-  f.k = p.k_cache;
-  f.v = p.v_cache;
-  f.batch = p.batch;
-  f.seqlen_q = p.seqlen_q;
-  f.seqlen_k = p.capacity();
-  f.heads_q = p.heads_q;
-  f.heads_kv = p.heads_kv;
-  f.head_dim = p.head_dim;
-  f.cu_seqlens_q = a.cu_q;
-  f.cu_seqlens_k = a.cu_k;
-  f.total_q = p.batch * p.seqlen_q;
-  f.total_k = INT32_MAX;
-  f.softmax_scale = p.softmax_scale;
-  f.softcap = p.softcap;
-  f.causal = p.causal;
-  f.window_left = p.window_left;
-  f.window_right = p.window_right;
-  f.stream = p.stream;
-  f.pages.page_size = p.page_size;
-  f.pages.num_pages = p.cache_rows;
-  f.pages.per_seq = p.pages_per_seq;
-  if (p.paged) {
-    f.pages.table = p.block_table;
-    f.pages.batch_stride = p.block_table_batch_stride;
-    f.pages.page_stride = p.block_table_page_stride;
-  } else {
-    f.pages.table = p.cache_batch_idx ? p.cache_batch_idx : a.identity;
-    f.pages.batch_stride = p.cache_batch_idx ? p.cache_batch_idx_stride : 1;
-    f.pages.page_stride = 1;
-    f.pages.first_slot = p.cache_leftpad;
-    f.pages.first_slot_stride = p.cache_leftpad_stride;
-  }
-  return f;
+  return kvcache_as_forward(p, {a.cu_q, a.cu_k, a.identity});
 }
 
 /** The most workspace the route asks for to gather pages for the Hopper forward (pages it cannot

@@ -1,0 +1,80 @@
+// A KV-cache call (KvCacheParams) seen as a varlen forward over paged K/V (AttentionParams): how
+// the calls with many query rows per KV head run on the forward kernels instead of the decode
+// ones, on the GPU (cuda/decode/prefill_route.*) and on the CPU (cpu/decode.cpp). q and out rows
+// b * seqlen_q + i form a packed view whose batch stride carries what q's (and out's, lse's) has
+// beyond the packed rows; the cache is the K/V pages: a paged cache's block table as it is, a
+// contiguous cache as pages of one cache row each (cache_batch_idx, or the identity, as the table;
+// cache_leftpad as each sequence's first slot). Host code only: no device or backend dependency.
+// Relies on: api/kvcache_params.hpp, api/params.hpp.
+#pragma once
+
+#include <cstdint>
+
+#include "api/kvcache_params.hpp"
+#include "api/params.hpp"
+
+namespace flashcore {
+
+/** The int32 arrays the forward view reads, in the call's memory: prefix sums of the query rows
+ *  (b * seqlen_q) and of each sequence's keys after the append (total_len), and the identity
+ *  table 0 .. batch - 1 (contiguous caches without cache_batch_idx). */
+struct KvForwardArrays {
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  const int32_t* identity;
+};
+
+/** p as a varlen forward over paged K/V (see the file comment). total_k is left at INT32_MAX
+ *  (only a clamp for paged K/V); the caller may set it exactly. ALiBi slopes and the thread count
+ *  travel too; the backends' own rules decide whether they take the result. */
+inline AttentionParams kvcache_as_forward(const KvCacheParams& p, const KvForwardArrays& a) {
+  AttentionParams f;
+  f.dtype = p.dtype;
+  f.device_type = p.device_type;
+  f.device_id = p.device_id;
+  auto packed_view = [&](const TensorRef& t) {
+    return TensorRef{t.data, t.batch_stride - p.seqlen_q * t.row_stride, t.row_stride, t.head_stride};
+  };
+  f.q = packed_view(p.q);
+  f.out = packed_view(p.out);
+  if (p.lse.data)
+    f.lse = {p.lse.data, p.lse.batch_stride - p.seqlen_q * p.lse.row_stride, p.lse.head_stride, p.lse.row_stride};
+  f.k = p.k_cache;
+  f.v = p.v_cache;
+  f.batch = p.batch;
+  f.seqlen_q = p.seqlen_q;
+  f.seqlen_k = p.capacity();
+  f.heads_q = p.heads_q;
+  f.heads_kv = p.heads_kv;
+  f.head_dim = p.head_dim;
+  f.cu_seqlens_q = a.cu_q;
+  f.cu_seqlens_k = a.cu_k;
+  f.total_q = p.batch * p.seqlen_q;
+  f.total_k = INT32_MAX;
+  f.softmax_scale = p.softmax_scale;
+  f.softcap = p.softcap;
+  f.causal = p.causal;
+  f.window_left = p.window_left;
+  f.window_right = p.window_right;
+  f.num_threads = p.num_threads;
+  f.stream = p.stream;
+  f.alibi_slopes = p.alibi_slopes;
+  f.alibi_batch_stride = p.alibi_batch_stride;
+  f.pages.page_size = p.page_size;
+  f.pages.num_pages = p.cache_rows;
+  f.pages.per_seq = p.pages_per_seq;
+  if (p.paged) {
+    f.pages.table = p.block_table;
+    f.pages.batch_stride = p.block_table_batch_stride;
+    f.pages.page_stride = p.block_table_page_stride;
+  } else {
+    f.pages.table = p.cache_batch_idx ? p.cache_batch_idx : a.identity;
+    f.pages.batch_stride = p.cache_batch_idx ? p.cache_batch_idx_stride : 1;
+    f.pages.page_stride = 1;
+    f.pages.first_slot = p.cache_leftpad;
+    f.pages.first_slot_stride = p.cache_leftpad_stride;
+  }
+  return f;
+}
+
+}  // namespace flashcore
