@@ -41,8 +41,8 @@ struct DecodeTraits {
   // Query rows per KV head (GQA group x seqlen_q) from which cpu_flash's forward takes the call.
   // The decode pass's time grows with the rows (each key block's S and P V per row, no tiling),
   // the forward's much less: on the development EPYC (2 threads, causal, contiguous caches) the
-  // forward took 0.87x the decode pass's time at 16 rows (GQA 32 / 8, d128), 0.67x at 16 rows
-  // (MHA, d64) and 0.53-0.59x from 64, and 1.09-1.34x at 1-4 rows (docs/PERF.md, session 32).
+  // forward took 0.87x (GQA 32 / 8, d128) and 0.67x (MHA, d64) the decode pass's time at 16 rows,
+  // 0.53-0.76x at more, and 1.09-1.34x at 1-4 rows (docs/PERF.md, session 32).
   static constexpr int64_t kForwardMinRows = 16;
 };
 
