@@ -133,8 +133,8 @@ typedef struct fc_attention_options {
    *  forward and backward (lse includes it). Served by cpu_reference, cpu_flash, cuda_sm80 and
    *  cuda_sm90, not by paged K/V on a GPU; fc_attention_kvcache takes them too (seqlen_k there
    *  is the sequence's keys after the append; on a GPU such calls run on the decode kernel, whose
-   *  grid takes heads_q x seqlen_q rows up to 65535 blocks of 16 rows per call). CPU slopes must be finite; CUDA slopes are trusted (a NaN slope gives NaN
-   *  rows). NULL = no bias. */
+   *  grid takes heads_q x seqlen_q rows up to 65535 blocks of 16 rows per call). CPU slopes must
+   *  be finite; CUDA slopes are trusted (a NaN slope gives NaN rows). NULL = no bias. */
   const fc_tensor* alibi_slopes;
 } fc_attention_options;
 

@@ -191,8 +191,6 @@ class PackedKv {
 struct AmxBlock : BlockRows {
   uint16_t* q_parts;
   float* o;
-  float* alibi_neg_slope;  // [kM]: set only for calls with ALiBi slopes
-  float* alibi_diagonal;
 };
 
 template <int64_t kN, class PhaseTimer, int64_t kBlocks>
@@ -222,7 +220,7 @@ class AmxTaskRunner {
       bl.o = w_.o_acc.data() + slot * kM * d_pad;
       bl.alibi_neg_slope = w_.alibi_neg_slope.data() + slot * kM;
       bl.alibi_diagonal = w_.alibi_diagonal.data() + slot * kM;
-      if (p_.has_alibi()) set_alibi_rows(task, seq, bl);
+      if (p_.has_alibi()) bl.set_alibi_rows(p_, task, seq, kM);
       pack_queries(task, seq, bl);
       std::fill(bl.o, bl.o + kM * d_pad, 0.f);
     }
@@ -296,19 +294,6 @@ class AmxTaskRunner {
     }
   }
 
-  /** The block's ALiBi row values, as the AVX-512 forward's set_alibi_rows: the distances softmax
-   *  derives from them are integers, exact in float below 2^24. Padding rows get slope 0. */
-  void set_alibi_rows(const ForwardTask& task, const SeqInfo& seq, const AmxBlock& bl) {
-    const int64_t group = p_.group_size();
-    const int64_t diagonal_shift = seq.seqlen_k - seq.seqlen_q;
-    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
-    for (int64_t r = 0; r < kM; ++r) {
-      bl.alibi_neg_slope[r] = r < bl.rows ? -p_.alibi_slope(task.batch, at.head) : 0.f;
-      bl.alibi_diagonal[r] = r < bl.rows ? static_cast<float>(at.q_row + diagonal_shift) : 0.f;
-      if (r < bl.rows) at.advance(group, task.kv_head);
-    }
-  }
-
   /** S[32 x 32 * key_chunks] = Q K^T, stored row-major into s_buf. */
   void scores(const AmxBlock& bl, int64_t key_chunks) {
     const int64_t d_pad = w_.d_pad, slices = d_pad / kSlice;
@@ -354,7 +339,7 @@ class AmxTaskRunner {
       }
       __m512 x[kN / 16];
       __m512 vmax = neg_inf;
-      // ALiBi: key n0 + 16 k + lane sits at distance |(diagonal - n0 - 16 k) - lane| from the row's diagonal.
+      // ALiBi: key n0 + 16 k + lane is at distance |(diagonal - n0 - 16 k) - lane| from the diagonal.
       const __m512 neg_slope = _mm512_set1_ps(kAlibi ? bl.alibi_neg_slope[r] : 0.f);
       const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       for (int64_t k = 0; k < chunks; ++k) {

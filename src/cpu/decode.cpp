@@ -8,9 +8,9 @@
 // (decode_splits), so results do not depend on the thread count; a second pass merges them.
 // fp32 throughout. Calls with many query rows per KV head (chunked prefill into the cache) run on
 // cpu_flash's forward instead, with the cache as its paged K/V (api/kvcache_forward_view.hpp), as
-// the GPU path's forward-kernel route does. Relies on: kvcache_params.hpp (validated params, cache addressing, masks),
-// the host dtype conversions in dtype_host.hpp, cpu_common.hpp (Simd, gemm_bcast, transpose,
-// the worker pool).
+// the GPU path's forward-kernel route does. Relies on: kvcache_params.hpp (validated params,
+// cache addressing, masks), the host dtype conversions in dtype_host.hpp, cpu_common.hpp (Simd,
+// gemm_bcast, transpose, the worker pool).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -163,6 +163,8 @@ struct BlockRows {
   float* row_max;
   float* row_sum;
   KeyRange* row_keys;
+  float* alibi_neg_slope;  // ALiBi (set_alibi_rows): each row's -slope; null without ALiBi
+  float* alibi_diagonal;   // ... and its diagonal key
 
   /** Whether any row of the block may see a key of [n_begin, n_end). */
   bool overlaps(int64_t n_begin, int64_t n_end) const {
@@ -191,6 +193,22 @@ struct BlockRows {
                       : KeyRange{std::min(task_keys.begin, keys.begin), std::max(task_keys.end, keys.end)};
     }
   }
+
+  /** alibi_neg_slope / alibi_diagonal (which must be set): each stacked row's -slope and its
+   *  diagonal key (q_row + seqlen_k - seqlen_q), from which the softmaxes derive integer
+   *  distances, exact in float below 2^24 (lengths under 16M); rows from `rows` to `pad_rows` get
+   *  0 (no bias). Shared by the AVX-512 and the AMX forward. */
+  void set_alibi_rows(const AttentionParams& p, const ForwardTask& task, const SeqInfo& seq, int64_t pad_rows) const {
+    const int64_t group = p.group_size();
+    const int64_t diagonal_shift = seq.seqlen_k - seq.seqlen_q;
+    StackedRow at = StackedRow::first_of(first_row, task.kv_head, group);
+    for (int64_t r = 0; r < rows; ++r, at.advance(group, task.kv_head)) {
+      alibi_neg_slope[r] = -p.alibi_slope(task.batch, at.head);
+      alibi_diagonal[r] = static_cast<float>(at.q_row + diagonal_shift);
+    }
+    std::fill(alibi_neg_slope + rows, alibi_neg_slope + pad_rows, 0.f);
+    std::fill(alibi_diagonal + rows, alibi_diagonal + pad_rows, 0.f);
+  }
 };
 
 /** One block of up to kBlockRows stacked rows of the AVX-512 forward. */
@@ -199,8 +217,6 @@ struct Block : BlockRows {
   bool started;  // O^T holds a partial sum
   float* q_t;
   float* o_t;
-  float* alibi_neg_slope;  // [m_pad] (ForwardScratch); null without ALiBi
-  float* alibi_diagonal;
 };
 
 /** Copies (fp32) or converts (fp16/bf16) `rows` K or V rows into contiguous fp32 [rows x D]. */
@@ -274,7 +290,7 @@ class ForwardTaskRunner {
       if (p_.has_alibi()) {
         bl.alibi_neg_slope = w_.alibi_neg_slope.data() + slot * kM;
         bl.alibi_diagonal = w_.alibi_diagonal.data() + slot * kM;
-        set_alibi_rows(task, seq, bl);
+        bl.set_alibi_rows(p_, task, seq, bl.m_pad);
       }
       pack_queries(task, seq, bl);
     }
@@ -372,21 +388,6 @@ class ForwardTaskRunner {
     }
     std::fill(stage + bl.rows * head_dim, stage + bl.m_pad * head_dim, 0.f);
     transpose(stage, head_dim, bl.m_pad, head_dim, bl.q_t, bl.m_pad);
-  }
-
-  /** The block's ALiBi row values (ForwardScratch::alibi_neg_slope, alibi_diagonal). The
-   *  distances softmax_tile derives from them are integers, exact in float below 2^24 (lengths
-   *  under 16M). */
-  void set_alibi_rows(const ForwardTask& task, const SeqInfo& seq, const Block& bl) {
-    const int64_t group = p_.group_size();
-    const int64_t diagonal_shift = seq.seqlen_k - seq.seqlen_q;
-    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
-    for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
-      bl.alibi_neg_slope[r] = -p_.alibi_slope(task.batch, at.head);
-      bl.alibi_diagonal[r] = static_cast<float>(at.q_row + diagonal_shift);
-    }
-    std::fill(bl.alibi_neg_slope + bl.rows, bl.alibi_neg_slope + bl.m_pad, 0.f);
-    std::fill(bl.alibi_diagonal + bl.rows, bl.alibi_diagonal + bl.m_pad, 0.f);
   }
 
   /** Each row's allowed keys relative to the tile at n0, clamped to small exact floats. */
