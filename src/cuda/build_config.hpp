@@ -15,6 +15,9 @@ int compiled_head_dim_bucket(int64_t head_dim);
 
 /** Multiprocessors of a device, or `fallback` when the query fails (the error is cleared). */
 int multiprocessor_count(int device_id, int fallback);
+/** The DRAM's peak bytes / s (memory clock x bus width, double data rate); 0 when the device does
+ *  not report them. */
+double dram_peak_bytes_per_second(int device_id);
 /** What the Hopper launchers assume when the SM-count query fails (H100 SXM). */
 inline constexpr int kFallbackSmCount = 132;
 

@@ -7,6 +7,9 @@
 // Relies on: the CUDA runtime, scoped_device.hpp.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <string>
 
 #include "api/backends.hpp"
@@ -79,6 +82,29 @@ int multiprocessor_count(int device_id, int fallback) {
     return fallback;
   }
   return sms;
+}
+
+double dram_peak_bytes_per_second(int device_id) {
+  // The memory-clock query is a driver round trip of a few hundred microseconds (it made every
+  // decode call ~10x slower, docs/PERF.md session 33): asked once per device, kept.
+  // 0: not asked yet; < 0: the device does not say.
+  static std::array<std::atomic<double>, 64> known{};
+  const bool cached = device_id >= 0 && device_id < int(known.size());
+  if (cached) {
+    const double v = known[device_id].load(std::memory_order_relaxed);
+    if (v != 0) return std::max(v, 0.0);
+  }
+  int khz = 0, bus_bits = 0;
+  double peak = -1;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device_id) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device_id) == cudaSuccess && khz > 0 &&
+      bus_bits > 0) {
+    peak = 2.0 * khz * 1e3 * bus_bits / 8;
+  } else {
+    cudaGetLastError();
+  }
+  if (cached) known[device_id].store(peak, std::memory_order_relaxed);
+  return std::max(peak, 0.0);
 }
 
 }  // namespace flashcore::cuda

@@ -15,6 +15,7 @@
 #include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
 #include "cuda/decode/prefill_route.hpp"
+#include "cuda/decode/split_heuristic.hpp"
 #include "cuda/programmatic_launch.hpp"
 
 
@@ -23,11 +24,13 @@ namespace {
 using decode::DecodeTraits;
 
 struct HeuristicTraits {
-  // A CTA keeps (stages - 1) x 4 tiles of K+V in flight (64-96 KB): one CTA per SM is taken to
-  // saturate the memory system, so the split count only has to give every SM at least one CTA
-  // without leaving a short last wave.
-  static constexpr double kSaturatingCtasPerSm = 1.0;
-  static constexpr double kNearBest = 0.95;
+  // The split model's constants (decode/split_heuristic.hpp). A tile's round trip: one CTA per SM
+  // with 64 KB of K+V in flight read 3.04-3.08 TB/s on 132 SMs of an H100 and of an H200 (23.3 GB/s
+  // a CTA), docs/PERF.md session 33.
+  static constexpr double kTileRoundTripSeconds = 2.8e-6;
+  // The share of the DRAM's peak (memory clock x bus width) a streaming read reaches: the read
+  // ceilings bench/decode_bench.py measured, H100 3.07 of 3.35 TB/s, H200 4.21-4.32 of 4.8.
+  static constexpr double kReadCeilingShare = 0.9;
   static constexpr int64_t kMinKeysPerSplit = 256;  // below this a split costs more than it hides
   static constexpr int kMaxSplits = 128;
   static constexpr int kDefaultSms = 132;        // when the device query fails
@@ -50,6 +53,14 @@ int attention_smem(const KvCacheParams& p) {
   return bucket <= 64 ? decode::AttnTile<64>::kSmemBytes
          : bucket <= 128 ? decode::AttnTile<128>::kSmemBytes
                          : decode::AttnTile<256>::kSmemBytes;
+}
+
+/** Bytes of K and V one attention CTA keeps in flight for p's head-dim bucket. */
+int attention_bytes_in_flight(const KvCacheParams& p) {
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
+  return bucket <= 64 ? decode::AttnTile<64>::kBytesInFlight
+         : bucket <= 128 ? decode::AttnTile<128>::kBytesInFlight
+                         : decode::AttnTile<256>::kBytesInFlight;
 }
 
 bool dtype_compiled(DType t) {
@@ -213,10 +224,6 @@ int kvcache_num_splits(const KvCacheParams& p) {
   if (p.window_left >= 0 && p.window_right >= 0)
     max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
   const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
-  const int64_t max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
-  // CTAs of a call do about the same work and share the memory bandwidth. A wave of resident CTAs
-  // runs at full bandwidth when it has at least `saturating` CTAs; a smaller (last) wave takes as
-  // long as a saturating one. Pick the fewest splits within kNearBest of the best efficiency.
   const int sms = multiprocessor_count(p.device_id, H::kDefaultSms);
   int smem_per_sm = 0;
   if (cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, p.device_id) != cudaSuccess ||
@@ -224,21 +231,14 @@ int kvcache_num_splits(const KvCacheParams& p) {
     cudaGetLastError();
     smem_per_sm = H::kDefaultSmemPerSm;
   }
-  const int per_sm = std::clamp(smem_per_sm / (attention_smem(p) + H::kSmemReservedPerCta), 1, H::kMaxCtasPerSm);
-  const double resident = double(sms) * per_sm;
-  const double saturating = std::min(resident, double(sms) * H::kSaturatingCtasPerSm);
-  auto efficiency = [&](int64_t s) {
-    const double n = double(ctas * s);
-    const double full = std::floor(n / resident);
-    const double rest = n - full * resident;
-    const double time = full * resident + (rest > 0 ? std::max(rest, saturating) : 0.0);
-    return n / time;
-  };
-  double best = 0;
-  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
-  for (int64_t s = 1; s <= max_splits; ++s)
-    if (efficiency(s) >= H::kNearBest * best) return static_cast<int>(s);
-  return 1;
+  decode::SplitModel m;
+  m.ctas = ctas;
+  m.max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
+  m.sms = sms;
+  m.ctas_per_sm = std::clamp(smem_per_sm / (attention_smem(p) + H::kSmemReservedPerCta), 1, H::kMaxCtasPerSm);
+  m.cta_read_rate = attention_bytes_in_flight(p) / H::kTileRoundTripSeconds;
+  m.read_rate = H::kReadCeilingShare * dram_peak_bytes_per_second(p.device_id);  // 0 when unknown
+  return decode::choose_num_splits(m);
 }
 
 size_t kvcache_workspace(const KvCacheParams& p) {

@@ -192,6 +192,7 @@ struct AttnTile {
   // 5 tiles in flight per warp) was slower on every decode target cell of the H100 (2026-11-23).
   static constexpr int kStages = HD <= 64 ? 6 : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kBytesInFlight = kWarps * (kStages - 1) * kStageBytes;  // (the split model's)
   static constexpr int kCombineBytes = kWarps * kRows * HD * int(sizeof(float));
   // HD 256: Q's mma fragments (64 registers) would spill next to the 128 accumulators; they are
   // read from shared memory (ldmatrix per k-step) instead, placed after the ring.

@@ -1,0 +1,68 @@
+// The split-KV count of a decode call, from a model of how its CTAs share the memory system.
+// Plain C++ (no CUDA): decode_api.cu fills SplitModel from the device's attributes, and the CPU
+// tests check the choices on the H100's and the H200's numbers.
+//
+// The model. The attention CTAs of a call stream about the same number of bytes each. A CTA keeps
+// a fixed number of bytes in flight, so alone it reads at most `cta_read_rate` (its bytes in flight
+// over a tile's round trip). The memory system reads at most `read_rate` in all, shared evenly by
+// the SMs, and an SM's share is split among the CTAs resident on it. A wave of n resident CTAs
+// therefore ends when a CTA on its busiest SM (ceil(n / sms) CTAs) has read its bytes at
+//     min(cta_read_rate, read_rate / sms / ceil(n / sms)).
+// Measured (docs/PERF.md, session 33, d128 bf16 decode, K+V TB/s by explicit split count):
+// - One CTA per SM (128 CTAs) reads 3.04-3.08 TB/s on both an H100 (ceiling 3.07) and an H200
+//   (ceiling 4.21-4.32): a CTA's rate, not the memory system, bounds it, so the H200 needs two
+//   CTAs per SM: 16 x 8192 reads 3.08 with one split and 4.05 with two; 1 x 65536 2.87 with 16
+//   splits and 3.61 with 32.
+// - 192 CTAs on 132 SMs (1 x 65536, 24 splits) read 3.18 on the H200, not more than 128 CTAs: the
+//   CTAs sharing an SM set the wave's time, hence the busiest-SM term.
+// Among the split counts, the fewest within kNearBest of the best modeled rate wins (each split
+// adds partials and a combine that the model does not count).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace flashcore::cuda::decode {
+
+struct SplitModel {
+  int64_t ctas = 1;            // attention CTAs of one split (KV heads x row chunks x sequences)
+  int64_t max_splits = 1;      // the most splits the key range allows
+  int sms = 1;                 // streaming multiprocessors
+  int ctas_per_sm = 1;         // attention CTAs resident on one SM (shared memory bound)
+  double cta_read_rate = 1;    // bytes / s one CTA reads alone
+  double read_rate = 0;        // bytes / s the device reads in all; <= 0: unknown (see below)
+};
+
+inline constexpr double kNearBest = 0.95;
+
+/** Bytes / s per CTA while a wave of `n` resident CTAs streams (the model above). With the device's
+ *  read rate unknown, one CTA per SM is taken to saturate it (the H100's case). */
+inline double wave_cta_rate(const SplitModel& m, double n) {
+  const double read_rate = m.read_rate > 0 ? m.read_rate : m.cta_read_rate * m.sms;
+  const double busiest_sm = std::ceil(n / m.sms);
+  return std::min(m.cta_read_rate, read_rate / m.sms / busiest_sm);
+}
+
+/** Modeled bytes / s of a call cut into `splits` (in units of one CTA's bytes, which cancel). */
+inline double split_read_rate(const SplitModel& m, int64_t splits) {
+  const double n = double(m.ctas) * double(splits);
+  const double resident = double(m.sms) * m.ctas_per_sm;
+  const double full_waves = std::floor(n / resident);
+  const double rest = n - full_waves * resident;
+  double time = full_waves / wave_cta_rate(m, resident);
+  if (rest > 0) time += 1.0 / wave_cta_rate(m, rest);
+  return n / time;
+}
+
+/** The fewest splits whose modeled rate is within kNearBest of the best one. */
+inline int choose_num_splits(const SplitModel& m) {
+  const int64_t max_splits = std::max<int64_t>(1, m.max_splits);
+  double best = 0;
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, split_read_rate(m, s));
+  for (int64_t s = 1; s <= max_splits; ++s)
+    if (split_read_rate(m, s) >= kNearBest * best) return static_cast<int>(s);
+  return 1;
+}
+
+}  // namespace flashcore::cuda::decode

@@ -1,0 +1,69 @@
+// The decode path's split-KV count (src/cuda/decode/split_heuristic.hpp), a host-only model, on
+// the numbers of the devices it was measured on: the decode target cells (GQA 32 / 8 heads, d128,
+// so 8 CTAs per sequence) on 132 SMs, two d128 CTAs resident per SM.
+#include <gtest/gtest.h>
+
+#include "cuda/decode/split_heuristic.hpp"
+
+namespace {
+using flashcore::cuda::decode::choose_num_splits;
+using flashcore::cuda::decode::split_read_rate;
+using flashcore::cuda::decode::SplitModel;
+
+constexpr double kCtaRate = 65536 / 2.8e-6;  // 64 KB in flight, 2.8 us round trip
+
+SplitModel cell(int64_t batch, int64_t kv_len, double dram_peak) {
+  SplitModel m;
+  m.ctas = batch * 8;
+  m.max_splits = std::min<int64_t>(kv_len / 256, 128);
+  m.sms = 132;
+  m.ctas_per_sm = 2;
+  m.cta_read_rate = kCtaRate;
+  m.read_rate = 0.9 * dram_peak;
+  return m;
+}
+
+TEST(DecodeSplitHeuristic, H100KeepsOneCtaPerSm) {
+  // Measured (docs/PERF.md session 18): 16 splits best at 1 x 65536, one split at 16 x 8192 and
+  // 64 x 2048.
+  EXPECT_EQ(choose_num_splits(cell(1, 65536, 3.35e12)), 16);
+  EXPECT_EQ(choose_num_splits(cell(16, 8192, 3.35e12)), 1);
+  EXPECT_EQ(choose_num_splits(cell(64, 2048, 3.35e12)), 1);
+}
+
+TEST(DecodeSplitHeuristic, H200FillsTwoCtasPerSm) {
+  // Measured (session 33): 32 splits at 1 x 65536 (3.61 TB/s against 2.87 with 16), two at
+  // 16 x 8192 (4.05 against 3.08 with one), one at 64 x 2048 (512 CTAs already fill the SMs).
+  EXPECT_EQ(choose_num_splits(cell(1, 65536, 4.8e12)), 32);
+  EXPECT_EQ(choose_num_splits(cell(16, 8192, 4.8e12)), 2);
+  EXPECT_EQ(choose_num_splits(cell(64, 2048, 4.8e12)), 1);
+}
+
+TEST(DecodeSplitHeuristic, UnknownBandwidthTakesOneCtaPerSmAsSaturating) {
+  EXPECT_EQ(choose_num_splits(cell(1, 65536, 0)), 16);
+  EXPECT_EQ(choose_num_splits(cell(16, 8192, 0)), 1);
+}
+
+TEST(DecodeSplitHeuristic, UnevenSmsCostTheirWave) {
+  // 192 CTAs on 132 SMs: 60 SMs hold two, and their CTAs set the wave's time (the H200 read 3.18
+  // TB/s with 24 splits at 1 x 65536, about what 16 splits read, against 3.61 with 32).
+  const SplitModel m = cell(1, 65536, 4.8e12);
+  EXPECT_LT(split_read_rate(m, 24), 1.1 * split_read_rate(m, 16));
+  EXPECT_GT(split_read_rate(m, 32), 1.3 * split_read_rate(m, 16));
+}
+
+TEST(DecodeSplitHeuristic, StaysWithinTheAllowedSplits) {
+  for (int64_t ctas : {1, 3, 8, 100, 1000, 100000}) {
+    for (int64_t max_splits : {0, 1, 2, 7, 128}) {
+      for (double peak : {0.0, 2.0e12, 3.35e12, 8.0e12}) {
+        SplitModel m = cell(1, 256, peak);
+        m.ctas = ctas;
+        m.max_splits = max_splits;
+        const int s = choose_num_splits(m);
+        EXPECT_GE(s, 1);
+        EXPECT_LE(s, std::max<int64_t>(1, max_splits));
+      }
+    }
+  }
+}
+}  // namespace
