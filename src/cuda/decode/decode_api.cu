@@ -55,6 +55,24 @@ int attention_smem(const KvCacheParams& p) {
                          : decode::AttnTile<256>::kSmemBytes;
 }
 
+/** The SMs of p's device and how many attention CTAs of p's head-dim bucket one of them holds
+ *  (shared memory bound). */
+struct Occupancy {
+  int sms;
+  int ctas_per_sm;
+};
+Occupancy attention_occupancy(const KvCacheParams& p) {
+  using H = HeuristicTraits;
+  int smem_per_sm = 0;
+  if (cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, p.device_id) != cudaSuccess ||
+      smem_per_sm <= 0) {
+    cudaGetLastError();
+    smem_per_sm = H::kDefaultSmemPerSm;
+  }
+  return {multiprocessor_count(p.device_id, H::kDefaultSms),
+          std::clamp(smem_per_sm / (attention_smem(p) + H::kSmemReservedPerCta), 1, H::kMaxCtasPerSm)};
+}
+
 /** Bytes of K and V one attention CTA keeps in flight for p's head-dim bucket. */
 int attention_bytes_in_flight(const KvCacheParams& p) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
@@ -154,11 +172,17 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   so.row_chunks = static_cast<int>(row_chunks(p));
   // Two tiles per warp warmed in L2 before the wait, where the CTAs wait for the previous call's
   // tail (a programmatic launch) and that tail is this call's last use of the memory system:
-  // without splits. With splits the combine kernel lets the next call's CTAs be placed while this
-  // call's attention still streams, so the prefetch lands early and competes with it. Same process
-  // (docs/PERF.md, session 26): 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3%, 1 x 65536 (16 splits)
-  // -0.3% to -0.7% with it; 4 tiles per warp gained less.
-  so.prefetch_tiles = programmatic && so.num_splits == 1 ? 2 : 0;
+  // without splits, or with splits whose CTAs leave no SM a free slot. Otherwise the next call's
+  // CTAs are placed on the free slots while this call's attention still streams (its combine
+  // kernel lets them launch), and their prefetch competes with it. Same process (docs/PERF.md):
+  // without splits 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3% (H100, session 26); 1 x 65536 on an
+  // H100 (16 splits, 128 CTAs in 264 slots) -0.3% to -0.7%; on an H200 (session 33, 256 CTAs in
+  // 264 slots) 1 x 65536 with 32 splits +2.3% to +2.6%, 16 x 8192 with 2 splits +1.1% to +1.2%.
+  // 4 tiles per warp gained less on both.
+  const Occupancy occ = attention_occupancy(p);
+  const int64_t attention_ctas = int64_t(so.num_splits) * p.heads_kv * so.row_chunks * p.batch;
+  const bool slots_filled = attention_ctas > int64_t(occ.sms) * (occ.ctas_per_sm - 1);
+  so.prefetch_tiles = programmatic && (so.num_splits == 1 || slots_filled) ? 2 : 0;
   if (so.num_splits > 1) {
     so.part_o = static_cast<float*>(workspace);
     so.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + part_o_bytes(p, so.num_splits));
@@ -224,18 +248,12 @@ int kvcache_num_splits(const KvCacheParams& p) {
   if (p.window_left >= 0 && p.window_right >= 0)
     max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
   const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
-  const int sms = multiprocessor_count(p.device_id, H::kDefaultSms);
-  int smem_per_sm = 0;
-  if (cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, p.device_id) != cudaSuccess ||
-      smem_per_sm <= 0) {
-    cudaGetLastError();
-    smem_per_sm = H::kDefaultSmemPerSm;
-  }
+  const Occupancy occ = attention_occupancy(p);
   decode::SplitModel m;
   m.ctas = ctas;
   m.max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
-  m.sms = sms;
-  m.ctas_per_sm = std::clamp(smem_per_sm / (attention_smem(p) + H::kSmemReservedPerCta), 1, H::kMaxCtasPerSm);
+  m.sms = occ.sms;
+  m.ctas_per_sm = occ.ctas_per_sm;
   m.cta_read_rate = attention_bytes_in_flight(p) / H::kTileRoundTripSeconds;
   m.read_rate = H::kReadCeilingShare * dram_peak_bytes_per_second(p.device_id);  // 0 when unknown
   return decode::choose_num_splits(m);
