@@ -34,6 +34,18 @@
 namespace fc = flashcore;
 namespace dec = flashcore::cuda::decode;
 
+// The traced cells have one query token, so the forward-kernel route (prefill_route.cu and the
+// forward kernels behind it) never applies: it is left out of this build, its entry points
+// declining every call.
+namespace flashcore::cuda::decode {
+bool prefill_route_applies(const KvCacheParams&) { return false; }
+bool prefill_route_on_hopper(const KvCacheParams&) { return false; }
+size_t prefill_route_workspace(const KvCacheParams&) { return 0; }
+Status run_prefill_route(const KvCacheParams&, bool, void*) {
+  return Status::internal("decode_trace: the forward-kernel route is not built into this tool");
+}
+}  // namespace flashcore::cuda::decode
+
 namespace {
 
 constexpr int64_t kHeadsQ = 32, kHeadsKv = 8, kDim = 128;
