@@ -5,9 +5,10 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - torch tensors (CUDA or CPU) go through flashcore._torch: custom ops with autograd,
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
-What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0, and
-alibi_slopes in flash_attn_with_kvcache (the other functions take ALiBi, forward and backward;
-a paged block_table call takes it where its backend does). Paged caches: flash_attn_with_kvcache
+What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0.
+alibi_slopes works everywhere (forward and backward, and flash_attn_with_kvcache), except that a
+paged block_table call of flash_attn_varlen_func takes it only where its backend does (the CPU).
+Paged caches: flash_attn_with_kvcache
 (with rotary_cos / rotary_sin and cache_leftpad, all inside the library call) and
 flash_attn_varlen_func's block_table (forward). return_attn_probs returns
 (out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
