@@ -39,6 +39,22 @@ TEST(DecodeSplitHeuristic, H200FillsTwoCtasPerSm) {
   EXPECT_EQ(choose_num_splits(cell(64, 2048, 4.8e12)), 1);
 }
 
+TEST(DecodeSplitHeuristic, EightWarpCtasOnePerSm) {
+  // Where one split's CTAs fit on the SMs one each, Hopper runs 8-warp CTAs (128 KB in flight, one
+  // per SM). Measured on the H200 (session 33): 16 splits best at 1 x 65536 (3.78 TB/s against
+  // 3.51 with 32), one at 16 x 8192 (4.18 against 3.99 with two).
+  for (double peak : {3.35e12, 4.8e12}) {
+    SplitModel wide = cell(1, 65536, peak);
+    wide.ctas_per_sm = 1;
+    wide.cta_read_rate = 2 * kCtaRate;
+    EXPECT_EQ(choose_num_splits(wide), 16) << peak;
+    wide = cell(16, 8192, peak);
+    wide.ctas_per_sm = 1;
+    wide.cta_read_rate = 2 * kCtaRate;
+    EXPECT_EQ(choose_num_splits(wide), 1) << peak;
+  }
+}
+
 TEST(DecodeSplitHeuristic, UnknownBandwidthTakesOneCtaPerSmAsSaturating) {
   EXPECT_EQ(choose_num_splits(cell(1, 65536, 0)), 16);
   EXPECT_EQ(choose_num_splits(cell(16, 8192, 0)), 1);

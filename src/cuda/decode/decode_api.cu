@@ -35,8 +35,7 @@ struct HeuristicTraits {
   static constexpr int kMaxSplits = 128;
   static constexpr int kDefaultSms = 132;        // when the device query fails
   static constexpr int kDefaultSmemPerSm = 228 * 1024;
-  static constexpr int kStaticSmem = 1280;  // the attention kernel's static shared memory (1152 B)
-  static constexpr int kSmemReservedPerCta = 1024 + kStaticSmem;  // driver reserve + static
+  static constexpr int kSmemReservedPerCta = 1024;  // the driver's reserve per CTA
   static constexpr int kMaxCtasPerSm = 16;
   static constexpr int64_t kMaxGridYZ = 65535;
   static constexpr size_t kWorkspaceAlign = 256;
@@ -47,16 +46,48 @@ int64_t row_chunks(const KvCacheParams& p) {
   return (rows + DecodeTraits::kRows - 1) / DecodeTraits::kRows;
 }
 
-/** Dynamic shared memory of the attention kernel for p's head-dim bucket. */
-int attention_smem(const KvCacheParams& p) {
-  const int bucket = compiled_head_dim_bucket(p.head_dim);
-  return bucket <= 64 ? decode::AttnTile<64>::kSmemBytes
-         : bucket <= 128 ? decode::AttnTile<128>::kSmemBytes
-                         : decode::AttnTile<256>::kSmemBytes;
+/** What the host needs of an attention kernel's tile shape (decode::AttnTile). */
+struct TileNumbers {
+  int smem;             // dynamic shared memory
+  int static_smem;      // static shared memory
+  int bytes_in_flight;  // K and V one CTA keeps requested
+  int warps;
+};
+template <int HD, int kWarps>
+constexpr TileNumbers tile_numbers() {
+  using Tl = decode::AttnTile<HD, kWarps>;
+  return {Tl::kSmemBytes, Tl::kStaticSmemBytes, Tl::kBytesInFlight, kWarps};
 }
 
-/** The SMs of p's device and how many attention CTAs of p's head-dim bucket one of them holds
- *  (shared memory bound). */
+/** The 4-warp tile of p's head-dim bucket (every GPU the decode kernel supports holds it). */
+TileNumbers narrow_tile(const KvCacheParams& p) {
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
+  return bucket <= 64 ? tile_numbers<64, 4>() : bucket <= 128 ? tile_numbers<128, 4>() : tile_numbers<256, 4>();
+}
+
+/** The tile p's attention runs with: decode::kWideWarps warps at head dims up to 128 where the
+ *  device lets a block take their shared memory and one split's CTAs fit on the SMs one each,
+ *  else 4. With more CTAs than SMs, two 4-warp CTAs per SM overlap one's start and end with the
+ *  other's reads; one 8-warp CTA per SM pays them in every wave. Same process on an H200
+ *  (docs/PERF.md session 33), 8 warps against 4: 1 x 65536 (8 CTAs a split, 16 splits against 32)
+ *  +1.7% to +3.0%, 16 x 8192 (128 CTAs, no split against 2) +1.2% to +2.4%, 64 x 2048 (512 CTAs)
+ *  -8% to -13%. */
+TileNumbers attention_tile(const KvCacheParams& p) {
+  const int bucket = compiled_head_dim_bucket(p.head_dim);
+  if (decode::kWideWarps == 4 || bucket > 128) return narrow_tile(p);
+  const int64_t ctas = p.batch * p.heads_kv * row_chunks(p);
+  if (ctas > multiprocessor_count(p.device_id, HeuristicTraits::kDefaultSms)) return narrow_tile(p);
+  const TileNumbers wide = bucket <= 64 ? tile_numbers<64, decode::kWideWarps>() : tile_numbers<128, decode::kWideWarps>();
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return narrow_tile(p);
+  }
+  return optin >= wide.smem + wide.static_smem ? wide : narrow_tile(p);
+}
+
+/** The SMs of p's device and how many of p's attention CTAs one of them holds (shared memory
+ *  bound). */
 struct Occupancy {
   int sms;
   int ctas_per_sm;
@@ -69,16 +100,9 @@ Occupancy attention_occupancy(const KvCacheParams& p) {
     cudaGetLastError();
     smem_per_sm = H::kDefaultSmemPerSm;
   }
-  return {multiprocessor_count(p.device_id, H::kDefaultSms),
-          std::clamp(smem_per_sm / (attention_smem(p) + H::kSmemReservedPerCta), 1, H::kMaxCtasPerSm)};
-}
-
-/** Bytes of K and V one attention CTA keeps in flight for p's head-dim bucket. */
-int attention_bytes_in_flight(const KvCacheParams& p) {
-  const int bucket = compiled_head_dim_bucket(p.head_dim);
-  return bucket <= 64 ? decode::AttnTile<64>::kBytesInFlight
-         : bucket <= 128 ? decode::AttnTile<128>::kBytesInFlight
-                         : decode::AttnTile<256>::kBytesInFlight;
+  const TileNumbers tile = attention_tile(p);
+  const int per_cta = tile.smem + tile.static_smem + H::kSmemReservedPerCta;
+  return {multiprocessor_count(p.device_id, H::kDefaultSms), std::clamp(smem_per_sm / per_cta, 1, H::kMaxCtasPerSm)};
 }
 
 bool dtype_compiled(DType t) {
@@ -138,6 +162,19 @@ Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
                 DecodeTraits::kMergeThreads, 0, static_cast<cudaStream_t>(m.stream), programmatic_dependent, m);
 }
 
+/** The attention kernel of p with kWarps warps per CTA. */
+template <typename T, int HD, int kWarps>
+Status launch_attention(const KvCacheParams& p, const decode::SplitOutput& so, dim3 grid, cudaStream_t stream,
+                        bool programmatic) {
+  using Tl = decode::AttnTile<HD, kWarps>;
+  auto* const kernel =
+      p.has_alibi() ? decode::attention_kernel<T, HD, kWarps, true> : decode::attention_kernel<T, HD, kWarps, false>;
+  // Per call (cheap, allowed during stream capture, and right for whichever device is current).
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tl::kSmemBytes) != cudaSuccess)
+    return launch_error("kvcache attention (shared memory size)");
+  return launch("kvcache attention", kernel, grid, Tl::kThreads, Tl::kSmemBytes, stream, programmatic, p, so);
+}
+
 template <typename T, int HD>
 Status run_typed(const KvCacheParams& call, void* workspace) {
   const cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
@@ -189,12 +226,16 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   }
   const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
                   static_cast<unsigned>(p.batch));
-  constexpr int kSmem = decode::AttnTile<HD>::kSmemBytes;
-  auto* const kernel = p.has_alibi() ? decode::attention_kernel<T, HD, true> : decode::attention_kernel<T, HD, false>;
-  // Per call (cheap, allowed during stream capture, and right for whichever device is current).
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess)
-    return launch_error("kvcache attention (shared memory size)");
-  Status s = launch("kvcache attention", kernel, grid, DecodeTraits::kThreads, kSmem, stream, programmatic, p, so);
+  Status s = Status::ok();
+  if constexpr (HD <= 128 && decode::kWideWarps != 4) {
+    if (attention_tile(p).warps == decode::kWideWarps) {
+      s = launch_attention<T, HD, decode::kWideWarps>(p, so, grid, stream, programmatic);
+    } else {
+      s = launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
+    }
+  } else {
+    s = launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
+  }
   if (!s.is_ok() || so.num_splits == 1) return s;
   MergeParams m;
   m.out_dtype = p.dtype;
@@ -254,7 +295,7 @@ int kvcache_num_splits(const KvCacheParams& p) {
   m.max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
   m.sms = occ.sms;
   m.ctas_per_sm = occ.ctas_per_sm;
-  m.cta_read_rate = attention_bytes_in_flight(p) / H::kTileRoundTripSeconds;
+  m.cta_read_rate = attention_tile(p).bytes_in_flight / H::kTileRoundTripSeconds;
   m.read_rate = H::kReadCeilingShare * dram_peak_bytes_per_second(p.device_id);  // 0 when unknown
   return decode::choose_num_splits(m);
 }
@@ -274,12 +315,12 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
                                " has no compiled CUDA KV-cache kernel (FLASHCORE_HEAD_DIMS)");
     return false;
   }
-  const int smem = attention_smem(p);
+  const TileNumbers tile = narrow_tile(p);
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) == cudaSuccess &&
-      optin > 0 && optin < smem + HeuristicTraits::kStaticSmem) {
+      optin > 0 && optin < tile.smem + tile.static_smem) {
     *why = Status::unsupported("q: head_dim " + std::to_string(p.head_dim) + ": the CUDA KV-cache kernel needs " +
-                               std::to_string(smem + HeuristicTraits::kStaticSmem) +
+                               std::to_string(tile.smem + tile.static_smem) +
                                " bytes of shared memory per block, this GPU offers " + std::to_string(optin));
     return false;
   }

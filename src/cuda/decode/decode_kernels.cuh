@@ -4,8 +4,8 @@
 //
 // Attention CTA = (split, KV head x chunk of kRows query rows, sequence). The query rows of one CTA
 // are the GQA heads sharing the KV head times the query tokens, so every K/V row is read once for
-// all of them. The CTA's key range is cut into tiles of 16 keys; each of the 4 warps streams every
-// 4th tile through its own multi-stage cp.async ring in shared memory (several tiles in flight per
+// all of them. The CTA's key range is cut into tiles of 16 keys; each of the 4 or 8 warps streams
+// every 4th or 8th tile through its own multi-stage cp.async ring in shared memory (several tiles in flight per
 // warp, so the memory system always has enough bytes requested) and computes S = Q K^T and
 // O += P V with mma.sync (m16n8k16, fp32 accumulation; the query rows are the M dimension, padded
 // to 16, so the tensor cores make the math free and the kernel is bound by the cache reads). Each
@@ -177,19 +177,23 @@ struct SplitOutput {
   int prefetch_tiles = 0;  // tiles per warp warmed in L2 before the wait (prefetch_first_tiles)
 };
 
-/** Shapes of the attention kernel for one head-dim bucket. The shared-memory ring holds, per warp,
- *  kStages tiles of kKeys keys (K and V): (kStages - 1) tiles stay in flight while one is used. */
-template <int HD>
+/** Shapes of the attention kernel for one head-dim bucket and warp count. The shared-memory ring
+ *  holds, per warp, kStages tiles of kKeys keys (K and V): (kStages - 1) tiles stay in flight while
+ *  one is used. kWarpsPerCta: 4, or 8 (HD <= 128) where a block may take the doubled ring
+ *  (kWideWarps). */
+template <int HD, int kWarpsPerCta>
 struct AttnTile {
-  static constexpr int kWarps = DecodeTraits::kThreads / DecodeTraits::kWarp;
+  static constexpr int kWarps = kWarpsPerCta;
+  static constexpr int kThreads = kWarps * DecodeTraits::kWarp;
   static constexpr int kKeys = 16;                        // keys per tile (the k of the P.V mma)
   static constexpr int kRows = DecodeTraits::kRows;       // query rows per CTA (the m of the mma)
   static constexpr int kChunks = HD / DecodeTraits::kVec;  // 16-byte chunks per key row
   static constexpr int kRowBytes = HD * 2;
   static constexpr int kStageBytes = 2 * kKeys * kRowBytes;  // K + V of one tile
-  // 96 KB of ring for HD 64 / 128 (two CTAs per SM on H100; fits the 99 KB of sm_86/89); HD 256
-  // takes 2 stages (136 KB with Q: fits A100's 163 KB). A ring twice as deep (one CTA per SM,
-  // 5 tiles in flight per warp) was slower on every decode target cell of the H100 (2026-11-23).
+  // 4 warps: 96 KB of ring for HD 64 / 128 (two CTAs per SM on Hopper; fits the 99 KB of
+  // sm_86/89); HD 256 takes 2 stages (136 KB with Q: fits A100's 163 KB). 8 warps: 192 KB, one CTA
+  // per SM. A ring twice as deep (one 4-warp CTA per SM, 5 tiles in flight per warp) was slower on
+  // every decode target cell of the H100 (2026-11-23), 4 and 5 stages on the H200 (session 33).
   static constexpr int kStages = HD <= 64 ? 6 : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kBytesInFlight = kWarps * (kStages - 1) * kStageBytes;  // (the split model's)
@@ -199,8 +203,23 @@ struct AttnTile {
   static constexpr bool kQInSmem = HD > 128;
   static constexpr int kQBytes = kQInSmem ? kRows * kRowBytes : 0;
   static constexpr int kSmemBytes = (kRingBytes > kCombineBytes ? kRingBytes : kCombineBytes) + kQBytes;
+  // The kernel's static shared memory (s_m, s_l, s_w, s_lse, the output offsets), rounded up.
+  static constexpr int kStaticSmemBytes = (3 * kWarps * kRows * 4 + kRows * 4 + 2 * kRows * 8 + 255) / 256 * 256;
   static_assert(kChunks >= 8 && kChunks % 8 == 0, "the swizzle needs rows of 8k 16-byte chunks");
+  static_assert(kWarps == 4 || (kWarps == 8 && HD <= 128), "4 warps, or 8 at head dims up to 128");
 };
+
+// The attention CTA's warps at head dims up to 128 where a block may hold their ring (192 KB:
+// Hopper's 227 KB, not A100's 163 KB or sm_86/89's 99 KB): one CTA of 8 warps per SM instead of
+// two CTAs of 4. One CTA of 4 warps per SM reads ~23 GB/s on Hopper, whatever its ring's depth
+// (docs/PERF.md session 33: 3-5 stages, 64-128 KB in flight, all 3.0-3.1 TB/s on 132 SMs); two
+// per SM read the H200's 4.2 TB/s, but reaching them took splits and their combine.
+// FLASHCORE_DECODE_WARPS=4 builds the 4-warp kernel alone (for A/B measurements).
+#ifndef FLASHCORE_DECODE_WARPS
+#define FLASHCORE_DECODE_WARPS 8
+#endif
+inline constexpr int kWideWarps = FLASHCORE_DECODE_WARPS;
+static_assert(kWideWarps == 4 || kWideWarps == 8, "FLASHCORE_DECODE_WARPS: 4 or 8");
 
 /** The keys split `split` of `num_splits` reads: [k0, k1) inside the rows' visible keys `all`.
  *  Splits start on multiples of kKeys so that tiles never straddle a page of 16 or more keys. */
@@ -329,17 +348,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// CTA = (split, KV head x chunk of kRows query rows, sequence); 4 warps, each owning every 4th
-// tile of the CTA's key range with its own cp.async ring and its own online-softmax state.
+// CTA = (split, KV head x chunk of kRows query rows, sequence); kWarps warps (4 or 8), each owning
+// every kWarps-th tile of the CTA's key range with its own cp.async ring and online-softmax state.
 // Per tile: S (16 rows x 16 keys) = Q K^T and O += P V on tensor cores (rows past the GQA group are
 // zero padding: the math is free, the kernel is bound by the cache reads). Shared-memory rows are
 // XOR-swizzled by 16-byte chunk (chunk ^ (key & 7)) so cp.async stores and ldmatrix loads are free
 // of bank conflicts. The warps' states are combined through shared memory at the end.
 // kAlibi: the call has ALiBi slopes (one FMA per score after the softcap, from a slope and a
 // diagonal per row); a template argument so that calls without them run the bias-free code.
-template <typename T, int HD, bool kAlibi>
-__global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCacheParams p, SplitOutput so) {
-  using Tl = AttnTile<HD>;
+template <typename T, int HD, int kWarpsPerCta, bool kAlibi>
+__global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_kernel(KvCacheParams p, SplitOutput so) {
+  using Tl = AttnTile<HD, kWarpsPerCta>;
   constexpr int kWarps = Tl::kWarps, kKeys = Tl::kKeys, kRows = Tl::kRows, kStages = Tl::kStages;
   constexpr int kSteps = HD / 16;  // k-steps of Q K^T, n-tiles of P V: HD / 8
   const float kNegInf = -__int_as_float(0x7f800000);
@@ -566,7 +585,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   }
   const uint32_t q_smem = smem_addr(smem) + (Tl::kSmemBytes - Tl::kQBytes);
   if constexpr (Tl::kQInSmem) {
-    for (int idx = tid; idx < kRows * Tl::kChunks; idx += DecodeTraits::kThreads) {
+    for (int idx = tid; idx < kRows * Tl::kChunks; idx += Tl::kThreads) {
       const int r = idx / Tl::kChunks, ch = idx % Tl::kChunks;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (r < nrows && ch < hd_chunks)
@@ -701,7 +720,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) attention_kernel(KvCac
   // address was formed before the wait.
   const float nan = __int_as_float(0x7fc00000);
   constexpr int kOutVecs = HD / DecodeTraits::kVec;
-  for (int idx = tid; idx < nrows * kOutVecs; idx += DecodeTraits::kThreads) {
+  for (int idx = tid; idx < nrows * kOutVecs; idx += Tl::kThreads) {
     const int r = idx / kOutVecs, d = (idx % kOutVecs) * DecodeTraits::kVec;
     if (d >= p.head_dim) continue;
     float o[8];
