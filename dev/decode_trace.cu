@@ -80,7 +80,6 @@ int main() {
   CHECK(cudaMalloc(&table, max_tokens / 16 * sizeof(int32_t)));
   void* workspace = nullptr;
   CHECK(cudaMalloc(&workspace, 64 << 20));
-  constexpr int kWarps = 4;
   const int64_t trace_slots = 1 << 20;
   uint64_t* trace;
   CHECK(cudaMalloc(&trace, trace_slots * sizeof(uint64_t)));
@@ -125,8 +124,9 @@ int main() {
       p.v_cache = p.k_cache;
       p.v_cache.data = v;
       const int splits = fc::cuda::kvcache_num_splits(p);
+      const int warps = fc::cuda::attention_tile(p).warps;  // 4 or 8 (decode_api.cu's choice)
       const int64_t ctas = int64_t(splits) * kHeadsKv * c.batch;
-      if (ctas * kWarps * dec::kDecodePhases > trace_slots || fc::cuda::kvcache_workspace(p) > (64u << 20)) {
+      if (ctas * warps * dec::kDecodePhases > trace_slots || fc::cuda::kvcache_workspace(p) > (64u << 20)) {
         std::fprintf(stderr, "trace or workspace too small\n");
         return 1;
       }
@@ -136,9 +136,9 @@ int main() {
       const double call_us = ms_per_call(run, kCalls) * 1e3;
       const double bytes = 2.0 * c.batch * c.kv_len * kHeadsKv * kDim * 2;
 
-      std::vector<uint64_t> t(ctas * kWarps * dec::kDecodePhases);
+      std::vector<uint64_t> t(ctas * warps * dec::kDecodePhases);
       CHECK(cudaMemcpy(t.data(), trace, t.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-      auto at = [&](int64_t cta, int w, int ph) { return double(t[(cta * kWarps + w) * dec::kDecodePhases + ph]); };
+      auto at = [&](int64_t cta, int w, int ph) { return double(t[(cta * warps + w) * dec::kDecodePhases + ph]); };
       double t0 = 1e300, t_end = 0;
       for (int64_t i = 0; i < ctas; ++i) {
         t0 = std::min(t0, at(i, 0, dec::kDecodeEntry));
@@ -154,7 +154,7 @@ int main() {
         qready.add((at(i, 0, dec::kDecodeQReady) - w0) / 1e3);
         landed.add((at(i, 0, dec::kDecodeTile0Landed) - w0) / 1e3);
         double lo = 1e300, hi = 0;
-        for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < warps; ++w) {
           lo = std::min(lo, at(i, w, dec::kDecodeLoopDone));
           hi = std::max(hi, at(i, w, dec::kDecodeLoopDone));
         }
@@ -163,9 +163,9 @@ int main() {
         epilogue.add((at(i, 0, dec::kDecodeEnd) - hi) / 1e3);
         end.add((at(i, 0, dec::kDecodeEnd) - t0) / 1e3);
       }
-      std::printf("\n%lld x %lld %s: splits %d, %lld CTAs; %.2f us per call = %.3f TB/s; attention span %.2f us "
+      std::printf("\n%lld x %lld %s: splits %d, %lld CTAs of %d warps; %.2f us per call = %.3f TB/s; attention span %.2f us "
                   "(%.3f TB/s)\n",
-                  (long long)c.batch, (long long)c.kv_len, page ? "paged 16" : "contiguous", splits, (long long)ctas,
+                  (long long)c.batch, (long long)c.kv_len, page ? "paged 16" : "contiguous", splits, (long long)ctas, warps,
                   call_us, bytes / (call_us * 1e-6) / 1e12, (t_end - t0) / 1e3, bytes / ((t_end - t0) * 1e-9) / 1e12);
       std::printf("  us (min / median / p90 / max over CTAs)\n");
       auto row = [](const char* name, Stat& s) {

@@ -86,8 +86,8 @@ int multiprocessor_count(int device_id, int fallback) {
 
 double dram_peak_bytes_per_second(int device_id) {
   // The memory-clock query is a driver round trip of a few hundred microseconds (it made every
-  // decode call ~10x slower, docs/PERF.md session 33): asked once per device, kept.
-  // 0: not asked yet; < 0: the device does not say.
+  // decode call ~10x slower, docs/PERF.md session 33): a device's answer is kept (0: not asked
+  // yet; < 0: the device reports no clock or bus width). A failed query is not kept.
   static std::array<std::atomic<double>, 64> known{};
   const bool cached = device_id >= 0 && device_id < int(known.size());
   if (cached) {
@@ -95,14 +95,12 @@ double dram_peak_bytes_per_second(int device_id) {
     if (v != 0) return std::max(v, 0.0);
   }
   int khz = 0, bus_bits = 0;
-  double peak = -1;
-  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device_id) == cudaSuccess &&
-      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device_id) == cudaSuccess && khz > 0 &&
-      bus_bits > 0) {
-    peak = 2.0 * khz * 1e3 * bus_bits / 8;
-  } else {
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device_id) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device_id) != cudaSuccess) {
     cudaGetLastError();
+    return 0;
   }
+  const double peak = khz > 0 && bus_bits > 0 ? 2.0 * khz * 1e3 * bus_bits / 8 : -1;
   if (cached) known[device_id].store(peak, std::memory_order_relaxed);
   return std::max(peak, 0.0);
 }

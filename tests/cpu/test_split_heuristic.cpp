@@ -7,10 +7,11 @@
 
 namespace {
 using flashcore::cuda::decode::choose_num_splits;
+using flashcore::cuda::decode::one_wave_fills_sms;
 using flashcore::cuda::decode::split_read_rate;
 using flashcore::cuda::decode::SplitModel;
 
-constexpr double kCtaRate = 65536 / 2.8e-6;  // 64 KB in flight, 2.8 us round trip
+constexpr double kCtaRate = 23.3e9;  // one 4-warp CTA (4 x HeuristicTraits::kWarpReadRate)
 
 SplitModel cell(int64_t batch, int64_t kv_len, double dram_peak) {
   SplitModel m;
@@ -40,19 +41,33 @@ TEST(DecodeSplitHeuristic, H200FillsTwoCtasPerSm) {
 }
 
 TEST(DecodeSplitHeuristic, EightWarpCtasOnePerSm) {
-  // Where one split's CTAs fit on the SMs one each, Hopper runs 8-warp CTAs (128 KB in flight, one
-  // per SM). Measured on the H200 (session 33): 16 splits best at 1 x 65536 (3.78 TB/s against
-  // 3.51 with 32), one at 16 x 8192 (4.18 against 3.99 with two).
+  // Where one wave of them fills the SMs, Hopper runs 8-warp CTAs (one per SM; the host caps the
+  // splits at that wave). Measured on the H200 (session 33): 16 splits best at 1 x 65536 (3.78
+  // TB/s against 3.51 with 32), one at 16 x 8192 (4.18 against 3.99 with two).
   for (double peak : {3.35e12, 4.8e12}) {
     SplitModel wide = cell(1, 65536, peak);
     wide.ctas_per_sm = 1;
     wide.cta_read_rate = 2 * kCtaRate;
+    wide.max_splits = 132 / wide.ctas;
     EXPECT_EQ(choose_num_splits(wide), 16) << peak;
     wide = cell(16, 8192, peak);
     wide.ctas_per_sm = 1;
     wide.cta_read_rate = 2 * kCtaRate;
+    wide.max_splits = 132 / wide.ctas;
     EXPECT_EQ(choose_num_splits(wide), 1) << peak;
   }
+}
+
+TEST(DecodeSplitHeuristic, EightWarpCtasOnlyWhereOneWaveFillsTheSms) {
+  // 8 KV heads per sequence: batch 1, 2, 4, 8, 16 (with 16 / 8 / 4 / 2 / 1 splits) fill 128 of
+  // 132 SMs; batch 3 (24 CTAs) fills 120 at best, batch 64 (512 CTAs) needs four waves.
+  for (int64_t batch : {1, 2, 4, 8, 16}) EXPECT_TRUE(one_wave_fills_sms(batch * 8, 132)) << batch;
+  for (int64_t batch : {3, 5, 12, 17, 64}) EXPECT_FALSE(one_wave_fills_sms(batch * 8, 132)) << batch;
+  EXPECT_TRUE(one_wave_fills_sms(33, 132));
+  EXPECT_TRUE(one_wave_fills_sms(132, 132));
+  EXPECT_FALSE(one_wave_fills_sms(133, 132));
+  EXPECT_FALSE(one_wave_fills_sms(0, 132));
+  EXPECT_FALSE(one_wave_fills_sms(8, 0));
 }
 
 TEST(DecodeSplitHeuristic, UnknownBandwidthTakesOneCtaPerSmAsSaturating) {
@@ -66,6 +81,18 @@ TEST(DecodeSplitHeuristic, UnevenSmsCostTheirWave) {
   const SplitModel m = cell(1, 65536, 4.8e12);
   EXPECT_LT(split_read_rate(m, 24), 1.1 * split_read_rate(m, 16));
   EXPECT_GT(split_read_rate(m, 32), 1.3 * split_read_rate(m, 16));
+}
+
+TEST(DecodeSplitHeuristic, DegenerateModelsTakeOneSplit) {
+  SplitModel m = cell(1, 65536, 4.8e12);
+  m.cta_read_rate = 0;
+  EXPECT_EQ(choose_num_splits(m), 1);
+  m = cell(1, 65536, 4.8e12);
+  m.sms = 0;
+  EXPECT_EQ(choose_num_splits(m), 1);
+  m = cell(1, 65536, 4.8e12);
+  m.ctas = 0;
+  EXPECT_EQ(choose_num_splits(m), 1);
 }
 
 TEST(DecodeSplitHeuristic, StaysWithinTheAllowedSplits) {

@@ -24,10 +24,10 @@ namespace {
 using decode::DecodeTraits;
 
 struct HeuristicTraits {
-  // The split model's constants (decode/split_heuristic.hpp). A tile's round trip: one CTA per SM
-  // with 64 KB of K+V in flight read 3.04-3.08 TB/s on 132 SMs of an H100 and of an H200 (23.3 GB/s
-  // a CTA), docs/PERF.md session 33.
-  static constexpr double kTileRoundTripSeconds = 2.8e-6;
+  // The split model's constants (decode/split_heuristic.hpp). One warp's read rate: one 4-warp
+  // CTA per SM read 3.04-3.08 TB/s on 132 SMs of an H100 and of an H200 (23.3 GB/s a CTA, d128),
+  // with 2 to 4 tiles in flight per warp alike (docs/PERF.md session 33).
+  static constexpr double kWarpReadRate = 23.3e9 / 4;
   // The share of the DRAM's peak (memory clock x bus width) a streaming read reaches: the read
   // ceilings bench/decode_bench.py measured, H100 3.07 of 3.35 TB/s, H200 4.21-4.32 of 4.8.
   static constexpr double kReadCeilingShare = 0.9;
@@ -50,13 +50,12 @@ int64_t row_chunks(const KvCacheParams& p) {
 struct TileNumbers {
   int smem;             // dynamic shared memory
   int static_smem;      // static shared memory
-  int bytes_in_flight;  // K and V one CTA keeps requested
   int warps;
 };
 template <int HD, int kWarps>
 constexpr TileNumbers tile_numbers() {
   using Tl = decode::AttnTile<HD, kWarps>;
-  return {Tl::kSmemBytes, Tl::kStaticSmemBytes, Tl::kBytesInFlight, kWarps};
+  return {Tl::kSmemBytes, Tl::kStaticSmemBytes, kWarps};
 }
 
 /** The 4-warp tile of p's head-dim bucket (every GPU the decode kernel supports holds it). */
@@ -66,17 +65,17 @@ TileNumbers narrow_tile(const KvCacheParams& p) {
 }
 
 /** The tile p's attention runs with: decode::kWideWarps warps at head dims up to 128 where the
- *  device lets a block take their shared memory and one split's CTAs fit on the SMs one each,
- *  else 4. With more CTAs than SMs, two 4-warp CTAs per SM overlap one's start and end with the
- *  other's reads; one 8-warp CTA per SM pays them in every wave. Same process on an H200
- *  (docs/PERF.md session 33), 8 warps against 4: 1 x 65536 (8 CTAs a split, 16 splits against 32)
- *  +1.7% to +3.0%, 16 x 8192 (128 CTAs, no split against 2) +1.2% to +2.4%, 64 x 2048 (512 CTAs)
- *  -8% to -13%. */
+ *  device lets a block take their shared memory and one wave of them, one per SM, fills the SMs
+ *  (decode::one_wave_fills_sms; the split count then keeps to that wave), else 4. Same process on
+ *  an H200 (docs/PERF.md session 33), 8 warps against 4: 1 x 65536 (8 CTAs a split, 16 splits
+ *  against 32) +2.9% to +3.2%, 16 x 8192 (128 CTAs, no split against 2) +2.0% to +4.6%; 64 x 2048
+ *  (512 CTAs, 4 waves of 8 warps against 2 of two 4-warp CTAs per SM) -8% to -13%. */
 TileNumbers attention_tile(const KvCacheParams& p) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (decode::kWideWarps == 4 || bucket > 128) return narrow_tile(p);
   const int64_t ctas = p.batch * p.heads_kv * row_chunks(p);
-  if (ctas > multiprocessor_count(p.device_id, HeuristicTraits::kDefaultSms)) return narrow_tile(p);
+  if (!decode::one_wave_fills_sms(ctas, multiprocessor_count(p.device_id, HeuristicTraits::kDefaultSms)))
+    return narrow_tile(p);
   const TileNumbers wide = bucket <= 64 ? tile_numbers<64, decode::kWideWarps>() : tile_numbers<128, decode::kWideWarps>();
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) != cudaSuccess) {
@@ -209,13 +208,15 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   so.row_chunks = static_cast<int>(row_chunks(p));
   // Two tiles per warp warmed in L2 before the wait, where the CTAs wait for the previous call's
   // tail (a programmatic launch) and that tail is this call's last use of the memory system:
-  // without splits, or with splits whose CTAs leave no SM a free slot. Otherwise the next call's
-  // CTAs are placed on the free slots while this call's attention still streams (its combine
-  // kernel lets them launch), and their prefetch competes with it. Same process (docs/PERF.md):
-  // without splits 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3% (H100, session 26); 1 x 65536 on an
-  // H100 (16 splits, 128 CTAs in 264 slots) -0.3% to -0.7%; on an H200 (session 33, 256 CTAs in
-  // 264 slots) 1 x 65536 with 32 splits +2.3% to +2.6%, 16 x 8192 with 2 splits +1.1% to +1.2%.
-  // 4 tiles per warp gained less on both.
+  // without splits, or with splits whose CTAs leave fewer free slots than there are SMs. With more
+  // free, the next call's CTAs are placed on them while this call's attention still streams (its
+  // combine kernel lets them launch), and their prefetch competes with it. Same process
+  // (docs/PERF.md): without splits 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3% (H100, session 26);
+  // 4-warp CTAs, 1 x 65536 on an H100 (16 splits, 128 CTAs in 264 slots) -0.3% to -0.7%; on an
+  // H200 (session 33, 256 CTAs in 264 slots) 1 x 65536 with 32 splits +2.3% to +2.6%, 16 x 8192
+  // with 2 splits +1.1% to +1.2%; 4 tiles per warp gained less on both. 8-warp CTAs with splits
+  // fill one wave (at most 5% of the SMs free) and take it for the same reason (timed with it on
+  // only).
   const Occupancy occ = attention_occupancy(p);
   const int64_t attention_ctas = int64_t(so.num_splits) * p.heads_kv * so.row_chunks * p.batch;
   const bool slots_filled = attention_ctas > int64_t(occ.sms) * (occ.ctas_per_sm - 1);
@@ -290,12 +291,14 @@ int kvcache_num_splits(const KvCacheParams& p) {
     max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
   const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
   const Occupancy occ = attention_occupancy(p);
+  const TileNumbers tile = attention_tile(p);
   decode::SplitModel m;
   m.ctas = ctas;
   m.max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
+  if (tile.warps > 4) m.max_splits = std::max<int64_t>(1, std::min<int64_t>(m.max_splits, occ.sms / ctas));  // one wave
   m.sms = occ.sms;
   m.ctas_per_sm = occ.ctas_per_sm;
-  m.cta_read_rate = attention_tile(p).bytes_in_flight / H::kTileRoundTripSeconds;
+  m.cta_read_rate = tile.warps * H::kWarpReadRate;
   m.read_rate = H::kReadCeilingShare * dram_peak_bytes_per_second(p.device_id);  // 0 when unknown
   return decode::choose_num_splits(m);
 }

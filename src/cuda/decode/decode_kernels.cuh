@@ -4,16 +4,17 @@
 //
 // Attention CTA = (split, KV head x chunk of kRows query rows, sequence). The query rows of one CTA
 // are the GQA heads sharing the KV head times the query tokens, so every K/V row is read once for
-// all of them. The CTA's key range is cut into tiles of 16 keys; each of the 4 or 8 warps streams
-// every 4th or 8th tile through its own multi-stage cp.async ring in shared memory (several tiles in flight per
-// warp, so the memory system always has enough bytes requested) and computes S = Q K^T and
-// O += P V with mma.sync (m16n8k16, fp32 accumulation; the query rows are the M dimension, padded
-// to 16, so the tensor cores make the math free and the kernel is bound by the cache reads). Each
-// warp keeps its own online-softmax state; the warps are combined through shared memory at the
-// end. Cache indices that live on the device (cache_seqlens, cache_batch_idx, block_table) are
-// checked before use: nothing out of bounds is read or written; a bad sequence gets NaN rows and
-// *error_flag = 1. On sm_90 every kernel here is launched as a programmatic dependent of the
-// kernel before it on the stream (ptx::wait_previous_grid / allow_next_grid).
+// all of them. The CTA's key range is cut into tiles of 16 keys; each of its 4 or 8 warps streams
+// every 4th or 8th tile through its own multi-stage cp.async ring in shared memory (several tiles
+// in flight per warp, so the memory system always has enough bytes requested) and computes
+// S = Q K^T and O += P V with mma.sync (m16n8k16, fp32 accumulation; the query rows are the M
+// dimension, padded to 16, so the tensor cores make the math free and the kernel is bound by the
+// cache reads). Each warp keeps its own online-softmax state; the warps are combined through
+// shared memory at the end. Cache indices that live on the device (cache_seqlens,
+// cache_batch_idx, block_table) are checked before use: nothing out of bounds is read or written;
+// a bad sequence gets NaN rows and *error_flag = 1. On sm_90 every kernel here is launched as a
+// programmatic dependent of the kernel before it on the stream (ptx::wait_previous_grid /
+// allow_next_grid).
 // Relies on: api/kvcache_params.hpp (addressing and checks shared with the CPU backend),
 // cuda/ptx/grid_dependency.cuh, decode_trace.cuh (phase records for dev/decode_trace.cu; no-ops
 // unless FLASHCORE_DECODE_TRACE is defined).
@@ -196,7 +197,6 @@ struct AttnTile {
   // every decode target cell of the H100 (2026-11-23), 4 and 5 stages on the H200 (session 33).
   static constexpr int kStages = HD <= 64 ? 6 : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kBytesInFlight = kWarps * (kStages - 1) * kStageBytes;  // (the split model's)
   static constexpr int kCombineBytes = kWarps * kRows * HD * int(sizeof(float));
   // HD 256: Q's mma fragments (64 registers) would spill next to the 128 accumulators; they are
   // read from shared memory (ldmatrix per k-step) instead, placed after the ring.

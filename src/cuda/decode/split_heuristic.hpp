@@ -2,17 +2,18 @@
 // Plain C++ (no CUDA): decode_api.cu fills SplitModel from the device's attributes, and the CPU
 // tests check the choices on the H100's and the H200's numbers.
 //
-// The model. The attention CTAs of a call stream about the same number of bytes each. A CTA keeps
-// a fixed number of bytes in flight, so alone it reads at most `cta_read_rate` (its bytes in flight
-// over a tile's round trip). The memory system reads at most `read_rate` in all, shared evenly by
-// the SMs, and an SM's share is split among the CTAs resident on it. A wave of n resident CTAs
-// therefore ends when a CTA on its busiest SM (ceil(n / sms) CTAs) has read its bytes at
+// The model. The attention CTAs of a call stream about the same number of bytes each. Alone a CTA
+// reads at most `cta_read_rate`, which its warps set (each streams its tiles one after another; a
+// deeper ring per warp did not raise it, more warps on the SM did). The memory system reads at most
+// `read_rate` in all, shared evenly by the SMs, and an SM's share is split among the CTAs resident
+// on it. A wave of n resident CTAs therefore ends when a CTA on its busiest SM (ceil(n / sms)
+// CTAs) has read its bytes at
 //     min(cta_read_rate, read_rate / sms / ceil(n / sms)).
 // Measured (docs/PERF.md, session 33, d128 bf16 decode, K+V TB/s by explicit split count):
-// - One CTA per SM (128 CTAs) reads 3.04-3.08 TB/s on both an H100 (ceiling 3.07) and an H200
-//   (ceiling 4.21-4.32): a CTA's rate, not the memory system, bounds it, so the H200 needs two
-//   CTAs per SM: 16 x 8192 reads 3.08 with one split and 4.05 with two; 1 x 65536 2.87 with 16
-//   splits and 3.61 with 32.
+// - One 4-warp CTA per SM (128 CTAs) reads 3.04-3.08 TB/s on both an H100 (ceiling 3.07) and an
+//   H200 (ceiling 4.21-4.32): a CTA's rate, not the memory system, bounds it, so the H200 needs
+//   two such CTAs per SM: 16 x 8192 reads 3.08 with one split and 4.05 with two; 1 x 65536 2.87
+//   with 16 splits and 3.61 with 32. One 8-warp CTA per SM reads 4.18 at 16 x 8192 unsplit.
 // - 192 CTAs on 132 SMs (1 x 65536, 24 splits) read 3.18 on the H200, not more than 128 CTAs: the
 //   CTAs sharing an SM set the wave's time, hence the busiest-SM term.
 // Among the split counts, the fewest within kNearBest of the best modeled rate wins (each split
@@ -36,6 +37,15 @@ struct SplitModel {
 
 inline constexpr double kNearBest = 0.95;
 
+/** Whether 8-warp CTAs (one per SM) suit a call whose splits have `ctas` CTAs each: some split
+ *  count fills the SMs within kNearBest in one wave. Several waves of one CTA per SM pay every
+ *  CTA's start and end in turn, which two 4-warp CTAs per SM overlap (docs/PERF.md session 33:
+ *  64 x 2048, 512 CTAs, -8% to -13% on 8 warps). */
+inline bool one_wave_fills_sms(int64_t ctas, int sms) {
+  if (ctas <= 0 || sms <= 0 || ctas > sms) return false;
+  return double(sms / ctas * ctas) >= kNearBest * sms;
+}
+
 /** Bytes / s per CTA while a wave of `n` resident CTAs streams (the model above). With the device's
  *  read rate unknown, one CTA per SM is taken to saturate it (the H100's case). */
 inline double wave_cta_rate(const SplitModel& m, double n) {
@@ -55,9 +65,11 @@ inline double split_read_rate(const SplitModel& m, int64_t splits) {
   return n / time;
 }
 
-/** The fewest splits whose modeled rate is within kNearBest of the best one. */
+/** The fewest splits whose modeled rate is within kNearBest of the best one (1 for a model
+ *  without CTAs, SMs or rates). */
 inline int choose_num_splits(const SplitModel& m) {
-  const int64_t max_splits = std::max<int64_t>(1, m.max_splits);
+  if (m.ctas <= 0 || m.sms <= 0 || m.ctas_per_sm <= 0 || !(m.cta_read_rate > 0)) return 1;
+  const int64_t max_splits = std::clamp<int64_t>(m.max_splits, 1, 1 << 16);
   double best = 0;
   for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, split_read_rate(m, s));
   for (int64_t s = 1; s <= max_splits; ++s)
