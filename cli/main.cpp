@@ -14,6 +14,11 @@ int command_info() {
   std::printf("%s\n", fc_build_info());
   const int n = fc_cuda_device_count();
   std::printf("  cuda devices: %d\n", n);
+  for (int d = 0; d < n; ++d) {
+    char line[256];
+    if (fc_cuda_device_describe(d, line, sizeof(line)) == FC_OK) std::printf("    %d: %s\n", d, line);
+    else std::printf("    %d: (%s)\n", d, fc_last_error());
+  }
   for (int b = FC_BACKEND_CPU_REFERENCE; b <= FC_BACKEND_CUDA_SM90; ++b)
     std::printf("  backend %-14s %s\n", fc_backend_name(b), fc_backend_available(b, 0) ? "available" : "not available");
   return 0;

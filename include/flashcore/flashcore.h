@@ -159,6 +159,12 @@ FC_API int32_t fc_backend_available(int32_t backend, int32_t device_id);
 /** Number of CUDA devices visible (0 when CUDA support is not compiled in or no GPU). */
 FC_API int32_t fc_cuda_device_count(void);
 
+/** One line about CUDA device device_id into buffer (NUL-terminated, cut to size - 1 bytes): its
+ *  name, compute capability, SMs, memory and DRAM peak bandwidth (memory clock x bus width), e.g.
+ *  "NVIDIA H200, sm_90, 132 SMs, 139.8 GiB, DRAM peak 4.81 TB/s". On error (no such device,
+ *  buffer null or size 0) nothing is written. Since flashcore 0.1 with FC_ABI_VERSION 3. */
+FC_API fc_status fc_cuda_device_describe(int32_t device_id, char* buffer, size_t size);
+
 /** Scratch memory (bytes, on the tensors' device) that fc_attention_forward needs for these
  *  arguments. Validates like the call itself. */
 FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_tensor* k,

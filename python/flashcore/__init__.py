@@ -55,6 +55,12 @@ def cuda_device_count():
     return _C.cuda_device_count()
 
 
+def cuda_device_description(device_id=0):
+    """One line about a visible CUDA device: name, compute capability, SMs, memory, DRAM peak
+    bandwidth. ValueError when no such device is visible."""
+    return _C.cuda_device_description(device_id)
+
+
 # Register the torch custom ops now when torch is loaded already: registration then happens
 # outside any torch.compile trace. Otherwise flash_attn_interface loads them on first use.
 if "torch" in _sys.modules:
@@ -71,6 +77,7 @@ __all__ = [
     "backends",
     "build_info",
     "cuda_device_count",
+    "cuda_device_description",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -630,6 +630,14 @@ NB_MODULE(_C, m) {
   m.def("build_info", [] { return fc_build_info(); });
   m.def("cuda_device_count", [] { return fc_cuda_device_count(); });
   m.def(
+      "cuda_device_description",
+      [](int32_t device_id) {
+        char line[256];
+        raise_on_error(fc_cuda_device_describe(device_id, line, sizeof(line)));
+        return std::string(line);
+      },
+      "device_id"_a = 0);
+  m.def(
       "backend_available",
       [](int32_t backend, int32_t device_id) {
         return fc_backend_available(backend, device_id) != 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "api/params.hpp"
 #include "api/status.hpp"
@@ -35,6 +36,9 @@ namespace cuda {
 int device_count();
 // Compute capability major*10+minor of a device, or 0.
 int compute_capability(int device_id);
+// One line about a device (name, compute capability, SMs, memory, DRAM peak), or "" when it cannot
+// be queried.
+std::string device_description(int device_id);
 // Copies `bytes` from device memory to the host in stream order and waits for the copy (a host
 // synchronization: only for checks the caller asked for).
 Status copy_to_host(void* host, const void* device_ptr, size_t bytes, int device_id, void* stream);

@@ -1,5 +1,7 @@
 // The C ABI: converts internal Status to fc_status, keeps the last error message per thread, and
 // guarantees no C++ exception crosses the boundary.
+#include <algorithm>
+#include <cstring>
 #include <exception>
 #include <string>
 
@@ -66,6 +68,23 @@ FC_API int32_t fc_cuda_device_count(void) {
   } catch (...) {
     return 0;
   }
+}
+
+FC_API fc_status fc_cuda_device_describe(int32_t device_id, char* buffer, size_t size) {
+  return guarded([&] {
+    if (buffer == nullptr || size == 0) return flashcore::Status::invalid("buffer: is null or has size 0");
+    const int visible = flashcore::cuda::device_count();
+    if (device_id < 0 || device_id >= visible) {
+      return flashcore::Status::invalid("device_id: " + std::to_string(device_id) + " is not a visible CUDA device (" +
+                                        std::to_string(visible) + " visible)");
+    }
+    const std::string line = flashcore::cuda::device_description(device_id);
+    if (line.empty()) return flashcore::Status::cuda("device_id: CUDA device " + std::to_string(device_id) + " could not be queried");
+    const size_t n = std::min(line.size(), size - 1);
+    std::memcpy(buffer, line.data(), n);
+    buffer[n] = '\0';
+    return flashcore::Status::ok();
+  });
 }
 
 FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,

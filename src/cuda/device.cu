@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <string>
 
 #include "api/backends.hpp"
@@ -38,6 +39,25 @@ int compute_capability(int device_id) {
   }
   constexpr int kMajorWeight = 10;
   return major * kMajorWeight + minor;
+}
+
+std::string device_description(int device_id) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  char line[512];
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  const int n = std::snprintf(line, sizeof(line), "%s, sm_%d%d, %d SMs, %.1f GiB", prop.name, prop.major, prop.minor,
+                              prop.multiProcessorCount, double(prop.totalGlobalMem) / kGiB);
+  std::string text(line, n > 0 ? std::min<size_t>(size_t(n), sizeof(line) - 1) : 0);
+  const double peak = dram_peak_bytes_per_second(device_id);
+  if (peak > 0) {
+    std::snprintf(line, sizeof(line), ", DRAM peak %.2f TB/s", peak / 1e12);
+    text += line;
+  }
+  return text;
 }
 
 Status copy_to_host(void* host, const void* device_ptr, size_t bytes, int device_id, void* stream) {

@@ -6,6 +6,7 @@ namespace flashcore::cuda {
 
 int device_count() { return 0; }
 int compute_capability(int) { return 0; }
+std::string device_description(int) { return ""; }
 Status check_cu_seqlens_on_device(const AttentionParams&) { return Status::ok(); }
 Status copy_to_host(void*, const void*, size_t, int, void*) {
   return Status::unsupported("CUDA is not compiled into this build: device memory cannot be read");

@@ -466,6 +466,41 @@ TEST(BackendRules, UnavailableCudaBackendIsAClearError) {
   EXPECT_NE(std::string(fc_last_error()).find("cuda_sm80 is not available"), std::string::npos) << fc_last_error();
 }
 
+TEST(DeviceInfo, DescribeRejectsBadArgumentsAndWritesNothing) {
+  char buf[16];
+  std::memset(buf, 'x', sizeof(buf));
+  auto untouched = [&] {
+    for (char c : buf)
+      if (c != 'x') return false;
+    return true;
+  };
+  EXPECT_EQ(fc_cuda_device_describe(0, nullptr, sizeof(buf)), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("buffer: is null"), std::string::npos) << fc_last_error();
+  EXPECT_EQ(fc_cuda_device_describe(0, buf, 0), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("buffer:"), std::string::npos) << fc_last_error();
+  for (int32_t bad : {-1, fc_cuda_device_count(), 1 << 30}) {
+    EXPECT_EQ(fc_cuda_device_describe(bad, buf, sizeof(buf)), FC_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(std::string(fc_last_error()).find("device_id: " + std::to_string(bad) + " is not a visible CUDA device"),
+              std::string::npos)
+        << fc_last_error();
+  }
+  EXPECT_TRUE(untouched());
+}
+
+TEST(DeviceInfo, DescribesEveryVisibleDevice) {
+  const int n = fc_cuda_device_count();
+  if (n == 0) GTEST_SKIP() << "no CUDA device visible";
+  for (int d = 0; d < n; ++d) {
+    char line[256];
+    ASSERT_EQ(fc_cuda_device_describe(d, line, sizeof(line)), FC_OK) << fc_last_error();
+    EXPECT_NE(std::string(line).find(", sm_"), std::string::npos) << line;
+    EXPECT_NE(std::string(line).find(" SMs, "), std::string::npos) << line;
+  }
+  char small[8];
+  ASSERT_EQ(fc_cuda_device_describe(0, small, sizeof(small)), FC_OK) << fc_last_error();
+  EXPECT_EQ(std::strlen(small), sizeof(small) - 1);  // cut, terminated
+}
+
 }  // namespace
 
 namespace {

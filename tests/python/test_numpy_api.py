@@ -195,6 +195,12 @@ def test_package_info():
     for backend in CPU_BACKENDS:
         assert flashcore.backend_available(backend)
     assert flashcore.cuda_device_count() >= 0
+    for device_id in range(flashcore.cuda_device_count()):
+        assert " SMs, " in flashcore.cuda_device_description(device_id)
+    with pytest.raises(ValueError, match="device_id: -1 is not a visible CUDA device"):
+        flashcore.cuda_device_description(-1)
+    with pytest.raises(ValueError, match="is not a visible CUDA device"):
+        flashcore.cuda_device_description(flashcore.cuda_device_count())
     # flash_attn's names are importable from the package and from flash_attn_interface.
     for name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                  "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
