@@ -7,6 +7,7 @@
 
 namespace {
 using flashcore::cuda::decode::choose_num_splits;
+using flashcore::cuda::decode::eight_warp_ctas_suit;
 using flashcore::cuda::decode::one_wave_fills_sms;
 using flashcore::cuda::decode::split_read_rate;
 using flashcore::cuda::decode::SplitModel;
@@ -68,6 +69,15 @@ TEST(DecodeSplitHeuristic, EightWarpCtasOnlyWhereOneWaveFillsTheSms) {
   EXPECT_FALSE(one_wave_fills_sms(133, 132));
   EXPECT_FALSE(one_wave_fills_sms(0, 132));
   EXPECT_FALSE(one_wave_fills_sms(8, 0));
+  // A caller's num_splits: 8 warps while its CTAs make one wave (bench/decode_bench.py --sweep then
+  // times 1 x 65536 with 16 splits on 8 warps and with 32 on 4).
+  EXPECT_TRUE(eight_warp_ctas_suit(8, 0, 132));
+  EXPECT_FALSE(eight_warp_ctas_suit(24, 0, 132));
+  EXPECT_TRUE(eight_warp_ctas_suit(8, 16, 132));
+  EXPECT_FALSE(eight_warp_ctas_suit(8, 32, 132));
+  EXPECT_TRUE(eight_warp_ctas_suit(24, 5, 132));
+  EXPECT_FALSE(eight_warp_ctas_suit(24, 6, 132));
+  EXPECT_FALSE(eight_warp_ctas_suit(0, 1, 132));
 }
 
 TEST(DecodeSplitHeuristic, UnknownBandwidthTakesOneCtaPerSmAsSaturating) {

@@ -66,7 +66,7 @@ TileNumbers narrow_tile(const KvCacheParams& p) {
 
 /** The tile p's attention runs with: decode::kWideWarps warps at head dims up to 128 where the
  *  device lets a block take their shared memory and one wave of them, one per SM, fills the SMs
- *  (decode::one_wave_fills_sms; the split count then keeps to that wave), else 4. Same process on
+ *  (decode::eight_warp_ctas_suit; the split count then keeps to that wave), else 4. Same process on
  *  an H200 (docs/PERF.md session 33), 8 warps against 4: 1 x 65536 (8 CTAs a split, 16 splits
  *  against 32) +2.9% to +3.2%, 16 x 8192 (128 CTAs, no split against 2) +2.0% to +4.6%; 64 x 2048
  *  (512 CTAs, 4 waves of 8 warps against 2 of two 4-warp CTAs per SM) -8% to -13%. */
@@ -74,7 +74,7 @@ TileNumbers attention_tile(const KvCacheParams& p) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (decode::kWideWarps == 4 || bucket > 128) return narrow_tile(p);
   const int64_t ctas = p.batch * p.heads_kv * row_chunks(p);
-  if (!decode::one_wave_fills_sms(ctas, multiprocessor_count(p.device_id, HeuristicTraits::kDefaultSms)))
+  if (!decode::eight_warp_ctas_suit(ctas, p.num_splits, multiprocessor_count(p.device_id, HeuristicTraits::kDefaultSms)))
     return narrow_tile(p);
   const TileNumbers wide = bucket <= 64 ? tile_numbers<64, decode::kWideWarps>() : tile_numbers<128, decode::kWideWarps>();
   int optin = 0;

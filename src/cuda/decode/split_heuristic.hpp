@@ -46,6 +46,14 @@ inline bool one_wave_fills_sms(int64_t ctas, int sms) {
   return double(sms / ctas * ctas) >= kNearBest * sms;
 }
 
+/** Whether a call takes 8-warp CTAs: with the split count left to choose_num_splits, where
+ *  one_wave_fills_sms (the splits then keep to that wave); with `forced_splits` > 0 (the caller's
+ *  num_splits), while its CTAs make one wave. */
+inline bool eight_warp_ctas_suit(int64_t ctas, int64_t forced_splits, int sms) {
+  if (forced_splits <= 0) return one_wave_fills_sms(ctas, sms);
+  return ctas > 0 && sms > 0 && ctas <= sms / forced_splits;
+}
+
 /** Bytes / s per CTA while a wave of `n` resident CTAs streams (the model above). With the device's
  *  read rate unknown, one CTA per SM is taken to saturate it (the H100's case). */
 inline double wave_cta_rate(const SplitModel& m, double n) {
