@@ -109,6 +109,8 @@ int command_run(int argc, char** argv) {
   std::printf("flashcore %s  run\n", fc_version());
   std::printf("  problem : %s\n", p.describe().c_str());
   std::printf("  backend : %s\n", backend);
+  char device[256];
+  if (p.on_gpu && fc_cuda_device_describe(0, device, sizeof(device)) == FC_OK) std::printf("  device  : %s\n", device);
   if (buf.forward() != FC_OK) {
     std::fprintf(stderr, "flashcore run: %s\n", fc_last_error());
     return 1;
