@@ -160,9 +160,11 @@ FC_API int32_t fc_backend_available(int32_t backend, int32_t device_id);
 FC_API int32_t fc_cuda_device_count(void);
 
 /** One line about CUDA device device_id into buffer (NUL-terminated, cut to size - 1 bytes): its
- *  name, compute capability, SMs, memory and DRAM peak bandwidth (memory clock x bus width), e.g.
- *  "NVIDIA H200, sm_90, 132 SMs, 139.8 GiB, DRAM peak 4.81 TB/s". On error (no such device,
- *  buffer null or size 0) nothing is written. Since flashcore 0.1 with FC_ABI_VERSION 3. */
+ *  name, compute capability, SMs, memory and, when the device reports its memory clock and bus
+ *  width, the DRAM peak bandwidth, e.g. "NVIDIA H200, sm_90, 132 SMs, 139.8 GiB, DRAM peak 4.81
+ *  TB/s". FC_ERROR_INVALID_ARGUMENT for no such device or a null / empty buffer, FC_ERROR_CUDA
+ *  when the device cannot be queried; on error nothing is written. Added without a change of
+ *  FC_ABI_VERSION (a new function, no layout change): a library without it fails to link or load. */
 FC_API fc_status fc_cuda_device_describe(int32_t device_id, char* buffer, size_t size);
 
 /** Scratch memory (bytes, on the tensors' device) that fc_attention_forward needs for these
@@ -212,6 +214,7 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
  *   out, lse     as in fc_attention_forward; queries sit at the end of each sequence, so causal
  *                means query i attends keys 0 .. cache_seqlens[b] + seqlen_new - seqlen_q + i
  *   num_splits   split-KV (flash-decoding) partitions; 0 = heuristic from batch, heads, length, SMs
+ *                and the memory bandwidth
  *   cache_leftpad int32 (batch) or NULL, contiguous caches only: sequence b's tokens sit at slots
  *                cache_leftpad[b] .. cache_seqlens[b] - 1 of its cache row (left-padded batches);
  *                it attends over cache_seqlens[b] - cache_leftpad[b] cached tokens (plus the appended
@@ -224,8 +227,10 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
  *                rotary_interleaved != 0 rotates pairs (0, 1), (2, 3), ... (GPT-J), else (i, i +
  *                rotary_dim / 2) (GPT-NeoX). Every position must be a row of the tables. q itself is
  *                not modified: CUDA calls rotate it into the workspace.
- * Options: softmax_scale, causal, window, softcap, backend, stream, num_threads as usual (varlen
- * fields must be unset). Values inside cache_seqlens / block_table on the GPU are checked on the
+ * Options: softmax_scale, causal, window, softcap, alibi_slopes, stream, num_threads as usual;
+ * backend auto, cpu_flash or cpu_reference (both run the CPU decode path) or cuda_sm80 (cuda_sm90
+ * is refused: the CUDA path picks its kernels itself); cu_seqlens_*, block_table and error_flag
+ * must be null (this call's table and flag are fields of fc_kvcache_args). Values inside cache_seqlens / block_table on the GPU are checked on the
  * device: a sequence whose length exceeds its capacity, whose page id is out of range, whose
  * cache_leftpad is outside 0..cache_seqlens or whose rotary positions pass the tables' rows is not
  * read or written out of bounds; its output rows are set to NaN and *error_flag (when given, int32

@@ -171,7 +171,9 @@ inline size_t kvcache_workspace(const KvCacheArgs& args, const Options& opt = {}
 }
 
 /** Attention of args.q against the cache (flash_attn_with_kvcache); workspace: kvcache_workspace()
- *  bytes on the device (CUDA split-KV partials and the rotated q), none on the CPU. */
+ *  bytes on the device (CUDA: split-KV partials, the rotated q, and for calls with many query rows
+ *  the forward route's prefix sums, table and gathered pages), none on the CPU. opt.error_flag and
+ *  opt.block_table must stay null (the call's own are args.error_flag and args.block_table). */
 inline void kvcache(const KvCacheArgs& args, const Options& opt = {}, void* workspace = nullptr,
                     size_t workspace_bytes = 0) {
   const fc_kvcache_args a = args.to_c();

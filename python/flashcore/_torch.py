@@ -13,7 +13,8 @@ The KV-cache call (``flashcore::kvcache``, declared as mutating k_cache and v_ca
 appends into) has no autograd, as in flash_attn; int64 index tensors are narrowed to int32 on
 their device with saturation, so out-of-range values reach the library as invalid (rejected on
 the CPU, NaN output rows on the GPU) instead of wrapping, without a host synchronization.
-Imported only when torch is already importable (see __init__.py).
+Imported when the package is loaded after torch (__init__.py), or on the first call that
+passes torch tensors (flash_attn_interface._load_torch_impl); numpy-only use never imports torch.
 """
 
 from typing import Optional, Tuple

@@ -5,9 +5,11 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - torch tensors (CUDA or CPU) go through flashcore._torch: custom ops with autograd,
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
-What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0.
-alibi_slopes works everywhere (forward and backward, and flash_attn_with_kvcache), except that a
-paged block_table call of flash_attn_varlen_func takes it only where its backend does (the CPU).
+What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0; on a GPU
+a head_dim that is not a multiple of 8, alibi_slopes in a paged block_table call of
+flash_attn_varlen_func (the CPU takes it), and a flash_attn_with_kvcache call with alibi_slopes
+whose query rows (heads x seqlen_q) need more than 65535 blocks of 16 (chunk seqlen_q).
+alibi_slopes works everywhere else, forward and backward.
 Paged caches: flash_attn_with_kvcache
 (with rotary_cos / rotary_sin and cache_leftpad, all inside the library call) and
 flash_attn_varlen_func's block_table (forward). return_attn_probs returns

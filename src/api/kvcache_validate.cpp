@@ -37,6 +37,13 @@ Status apply_options(const fc_attention_options& opt, const fc_tensor* q, KvCach
   if (opt.cu_seqlens_q || opt.cu_seqlens_k)
     return Status::invalid(std::string(opt.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k") +
                            ": must be null for fc_attention_kvcache (lengths come from cache_seqlens)");
+  // The forward's fields with a KV-cache counterpart: set here they would be ignored.
+  if (opt.block_table)
+    return Status::invalid("block_table: must be null in fc_attention_options for fc_attention_kvcache (a paged "
+                           "cache's table is fc_kvcache_args.block_table)");
+  if (opt.error_flag)
+    return Status::invalid("error_flag: must be null in fc_attention_options for fc_attention_kvcache (its flag is "
+                           "fc_kvcache_args.error_flag)");
   ResolvedOptions ro;
   Status s = check_common_options(opt, p->head_dim, &ro);
   if (!s.is_ok()) return s;

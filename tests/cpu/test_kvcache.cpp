@@ -266,6 +266,12 @@ TEST(KvCacheCpuBadInput, Options) {
   expect_rejected(c, [](KvProblem& p) { p.opt.softcap = -1; }, "softcap:");
   expect_rejected(c, [](KvProblem& p) { p.opt.softmax_scale = std::nan(""); }, "softmax_scale:");
   expect_rejected(c, [](KvProblem& p) { p.opt.cu_seqlens_q = p.args.cache_seqlens; }, "cu_seqlens_q:");
+  // The forward's block_table / error_flag would be ignored here: the call has its own.
+  expect_rejected(c, [](KvProblem& p) { p.opt.block_table = p.args.cache_seqlens; }, "block_table: must be null in "
+                                                                                       "fc_attention_options");
+  static int32_t flag = 0;
+  expect_rejected(c, [](KvProblem& p) { p.opt.error_flag = &flag; }, "error_flag: must be null in fc_attention_options");
+  EXPECT_EQ(flag, 0);
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = 99; }, "backend:");
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = FC_BACKEND_CUDA_SM80; }, "q:");
   // ALiBi slopes: float32, (heads_q) or (batch, heads_q), finite, on q's device, not written over.

@@ -336,11 +336,13 @@ TEST(MalformedCalls, KvCache) {
       } else if (pick(rng, {0, 1})) {
         break_options(&c.opt, rng);
       } else {  // optional tensors where they do not belong, or missing where they must be
-        switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
+        switch (std::uniform_int_distribution<int>(0, 6)(rng)) {
           case 0: c.args.k_new = nullptr; break;
           case 1: c.args.cache_seqlens = nullptr; break;
           case 2: c.args.rotary_sin = nullptr; break;
           case 3: c.args.block_table = &c.table; break;
+          case 4: c.opt.block_table = &c.table; break;  // the varlen forward's field, not the cache's
+          case 5: c.opt.error_flag = &c.flag; break;    // the forward's flag; the call has its own
           default: c.opt.cu_seqlens_q = &c.lens; break;
         }
       }
