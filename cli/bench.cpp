@@ -177,6 +177,8 @@ int command_bench(int argc, char** argv) {
   const double div = base.on_gpu ? 1e12 : 1e9;
   std::printf("flashcore bench: backend %s, grid %s, threads %d\n", backend_name.c_str(), grid_name.c_str(),
               base.on_gpu ? 0 : threads);
+  char device[256];
+  if (base.on_gpu && fc_cuda_device_describe(0, device, sizeof(device)) == FC_OK) std::printf("device: %s\n", device);
   std::printf("%-6s %-7s %-6s %-6s %-6s %-8s %10s %10s", "batch", "seqlen", "heads", "hdim", "mask", "dir", "ms", unit);
   if (naive) std::printf(" %12s %10s %8s", "naive ms", "naive", "speedup");
   std::printf("\n");
