@@ -79,6 +79,30 @@ TEST(CudaKvCache, TargetShapesSmall) {
   expect_cases(cases, {0, 1, 8, 16, 17, 24}, 200);
 }
 
+TEST(CudaKvCache, BothWarpCounts) {
+  REQUIRE_GPU();
+  // On Hopper d64 / d128 calls run 8-warp CTAs where one wave of them fills the SMs (batch 2 x 8 KV
+  // heads, or a caller's split count whose CTAs make one wave: 24 x 5) and 4-warp CTAs elsewhere
+  // (batch 3's 24 CTAs with the heuristic's splits, 24 x 6 CTAs), so each shape below runs both
+  // kernels (decode/split_heuristic.hpp: eight_warp_ctas_suit). Other GPUs run 4 warps throughout.
+  std::vector<KvCase> cases;
+  for (int64_t hd : {64, 128}) {
+    for (int64_t batch : {2, 3}) {
+      KvCase c;
+      c.dtype = hd == 64 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+      c.head_dim = hd;
+      c.heads_q = 32;
+      c.heads_kv = 8;
+      c.batch = batch;
+      c.cache_lens = batch == 2 ? std::vector<int32_t>{3000, 17} : std::vector<int32_t>{2500, 0, 1777};
+      c.page_size = batch == 2 ? 16 : 0;
+      c.seqlen_new = 1;
+      cases.push_back(c);
+    }
+  }
+  expect_cases(cases, {0, 1, 5, 6}, 300);
+}
+
 TEST(CudaKvCache, LongPagedTables) {
   REQUIRE_GPU();
   // Pages of 16+ keys (powers of two) read the block table in batches of 32 tiles per warp, the
