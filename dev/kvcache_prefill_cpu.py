@@ -8,7 +8,7 @@ one process, torch CPU tensors, fp32, causal. Two tables:
 Best of 3 timings of `calls` calls each. The threads are torch's (THREADS) and the library's
 (all cores unless FLASHCORE_NUM_THREADS is set).
 
-Usage: python3 dev/kvcache_prefill_cpu.py [--calls 3]   (session 32: the CPU forward route)
+Usage: python3 dev/kvcache_prefill_cpu.py [--calls 3]   (sessions 32-33: the CPU forward route)
 """
 import argparse
 import os
@@ -39,11 +39,11 @@ def main():
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("crossover (forward time / KV-cache call time):")
-    for batch, cache, heads, heads_kv, d in [(4, 4096, 32, 8, 128), (2, 2048, 16, 16, 64)]:
+    for batch, cache, heads, heads_kv, d in [(4, 4096, 32, 8, 128), (2, 2048, 16, 16, 64), (2, 2048, 16, 16, 128)]:
         k = torch.randn(batch, cache, heads_kv, d)
         v = torch.randn_like(k)
         lens = torch.full((batch,), cache, dtype=torch.int32)
-        for sq in [1, 2, 4, 8, 16, 32, 64]:
+        for sq in [1, 2, 3, 4, 8, 12, 16, 32, 64]:
             q = torch.randn(batch, sq, heads, d)
             kv = best_seconds(lambda: flashcore.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True),
                               a.calls)

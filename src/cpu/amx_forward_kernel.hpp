@@ -109,12 +109,12 @@ struct AmxScratch {
 template <int64_t kN>
 void pack_kv_tile(const AttentionParams& p, int64_t batch, int64_t kv_head, int64_t first, int64_t n_valid, int parts,
                   int64_t d_pad, float* stage, float* k_pack, float* v_pack) {
-  auto k_row = [&](int64_t n) -> const void* {
-    return n < n_valid ? kv_row_ptr(p, p.k, batch, first + n, kv_head) : nullptr;
-  };
-  auto v_row = [&](int64_t n) -> const void* {
-    return n < n_valid ? kv_row_ptr(p, p.v, batch, first + n, kv_head) : nullptr;
-  };
+  const void* k_rows[kN];
+  const void* v_rows[kN];
+  for_kv_rows(p, p.k, batch, first, n_valid, kv_head, [&](int64_t n, const void* row) { k_rows[n] = row; });
+  for_kv_rows(p, p.v, batch, first, n_valid, kv_head, [&](int64_t n, const void* row) { v_rows[n] = row; });
+  auto k_row = [&](int64_t n) -> const void* { return n < n_valid ? k_rows[n] : nullptr; };
+  auto v_row = [&](int64_t n) -> const void* { return n < n_valid ? v_rows[n] : nullptr; };
   const int64_t n_pack = round_up(n_valid, int64_t{32}), slices = d_pad / kSlice;
   pack_column_pairs(p.dtype, k_row, n_pack, p.head_dim, d_pad, parts, stage, k_pack, kN / 16, slices * (kN / 16));
   pack_row_pairs(p.dtype, v_row, n_pack, p.head_dim, d_pad, parts, v_pack, (kN / 32) * (d_pad / 16));

@@ -42,8 +42,11 @@ struct DecodeTraits {
   // The decode pass's time grows with the rows (each key block's S and P V per row, no tiling),
   // the forward's much less: on the development EPYC (2 threads, causal, contiguous caches) the
   // forward took 0.87x (GQA 32 / 8, d128) and 0.67x (MHA, d64) the decode pass's time at 16 rows,
-  // 0.53-0.76x at more, and 1.09-1.34x at 1-4 rows (docs/PERF.md, session 32).
-  static constexpr int64_t kForwardMinRows = 16;
+  // 0.53-0.76x at more, and 1.09-1.34x at 1-4 rows (docs/PERF.md, session 32); at 12 rows
+  // 0.94-0.95x (GQA 32 / 8, d128), 0.90-0.94x (MHA d64), 0.76-0.78x (MHA d128), at 8 rows
+  // 1.04-1.07x (GQA), 0.92-1.05x (MHA d64), 0.85-0.87x (MHA d128) (session 33, once the forward
+  // read a paged view as fast as the same keys unpaged).
+  static constexpr int64_t kForwardMinRows = 12;
 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -222,9 +222,8 @@ struct Block : BlockRows {
 /** Copies (fp32) or converts (fp16/bf16) `rows` K or V rows into contiguous fp32 [rows x D]. */
 inline void load_kv_tile(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t first_row, int64_t rows,
                   int64_t kv_head, float* buffer) {
-  for (int64_t r = 0; r < rows; ++r) {
-    load_row(p.dtype, kv_row_ptr(p, t, b, first_row + r, kv_head), p.head_dim, buffer + r * p.head_dim);
-  }
+  for_kv_rows(p, t, b, first_row, rows, kv_head,
+              [&](int64_t r, const void* row) { load_row(p.dtype, row, p.head_dim, buffer + r * p.head_dim); });
 }
 
 /** Queues the prefetch of `rows` K and V rows from first_row on (paged K/V: the rows in first_row's
