@@ -83,8 +83,9 @@ TEST(CudaKvCache, BothWarpCounts) {
   REQUIRE_GPU();
   // On Hopper d64 / d128 calls run 8-warp CTAs where one wave of them fills the SMs (batch 2 x 8 KV
   // heads, or a caller's split count whose CTAs make one wave: 24 x 5) and 4-warp CTAs elsewhere
-  // (batch 3's 24 CTAs with the heuristic's splits, 24 x 6 CTAs), so each shape below runs both
-  // kernels (decode/split_heuristic.hpp: eight_warp_ctas_suit). Other GPUs run 4 warps throughout.
+  // (batch 3's 24 CTAs with the heuristic's splits, 24 x 6 CTAs): the batch-3 shapes run both
+  // kernels, the batch-2 ones 8 warps with and without splits (decode/split_heuristic.hpp:
+  // eight_warp_ctas_suit). Other GPUs run 4 warps throughout.
   std::vector<KvCase> cases;
   for (int64_t hd : {64, 128}) {
     for (int64_t batch : {2, 3}) {
