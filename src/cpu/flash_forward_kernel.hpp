@@ -226,14 +226,20 @@ inline void load_kv_tile(const AttentionParams& p, const TensorRef& t, int64_t b
               [&](int64_t r, const void* row) { load_row(p.dtype, row, p.head_dim, buffer + r * p.head_dim); });
 }
 
-/** Queues the prefetch of `rows` K and V rows from first_row on (paged K/V: the rows in first_row's
- *  page; a prefetch past it only warms other lines). */
+/** Queues the prefetch of `rows` K and V rows from first_row on: one range per page they touch
+ *  (paged K/V). With only the first page's rows queued, pages of 16 keys left most of a tile
+ *  unprefetched: paged prefill 5-26% slower than over the same keys unpaged (docs/PERF.md,
+ *  session 33). */
 inline void queue_kv_tile(const AttentionParams& p, int64_t b, int64_t first_row, int64_t rows, int64_t kv_head,
                           PrefetchQueue& queue) {
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
-  if (p.is_paged()) rows = std::min(rows, p.pages.page_size - first_row % p.pages.page_size);
-  queue.add(kv_row_ptr(p, p.k, b, first_row, kv_head), rows, p.k.row_stride * elem, p.head_dim * elem);
-  queue.add(kv_row_ptr(p, p.v, b, first_row, kv_head), rows, p.v.row_stride * elem, p.head_dim * elem);
+  for (int64_t r = 0; r < rows;) {
+    int64_t run = rows - r;
+    if (p.is_paged()) run = std::min(run, p.pages.page_size - kv_page_slot(p, b, first_row + r).slot);
+    queue.add(kv_row_ptr(p, p.k, b, first_row + r, kv_head), run, p.k.row_stride * elem, p.head_dim * elem);
+    queue.add(kv_row_ptr(p, p.v, b, first_row + r, kv_head), run, p.v.row_stride * elem, p.head_dim * elem);
+    r += run;
+  }
 }
 
 /** Queues the rows of `t` (q or out) that a task covers: for each query head of its KV head,
