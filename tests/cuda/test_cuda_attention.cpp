@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -463,6 +464,21 @@ TEST(CudaRaces, ChainedForwardCallsReadFinishedInputs) {
 /** A contiguous view of device memory, for tests that build C-ABI calls by hand. */
 fc_tensor device_tensor(void* data, fc_dtype dtype, std::initializer_list<int64_t> shape) {
   return flashcore::make_tensor(data, dtype, shape, FC_DEVICE_CUDA);
+}
+
+TEST(CudaDeviceInfo, DescribesEveryVisibleDevice) {
+  // (The bad-argument cases run in the CPU tests: DeviceInfo.*.)
+  const int n = fc_cuda_device_count();
+  if (n == 0) GTEST_SKIP() << "no CUDA device visible";
+  for (int d = 0; d < n; ++d) {
+    char line[256];
+    ASSERT_EQ(fc_cuda_device_describe(d, line, sizeof(line)), FC_OK) << fc_last_error();
+    EXPECT_NE(std::string(line).find(", sm_"), std::string::npos) << line;
+    EXPECT_NE(std::string(line).find(" SMs, "), std::string::npos) << line;
+  }
+  char small[8];
+  ASSERT_EQ(fc_cuda_device_describe(0, small, sizeof(small)), FC_OK) << fc_last_error();
+  EXPECT_EQ(std::strlen(small), sizeof(small) - 1);  // cut, terminated
 }
 
 // cu_seqlens on the GPU are trusted unless the caller asks for a check (check_cu_seqlens or
