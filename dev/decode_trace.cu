@@ -123,8 +123,8 @@ int main() {
       }
       p.v_cache = p.k_cache;
       p.v_cache.data = v;
-      const int splits = fc::cuda::kvcache_num_splits(p);
-      const int warps = fc::cuda::attention_tile(p).warps;  // 4 or 8 (decode_api.cu's choice)
+      const fc::cuda::AttentionPlan plan = fc::cuda::plan_attention(p);  // decode_api.cu's choices
+      const int splits = plan.splits, warps = plan.tile.warps;
       const int64_t ctas = int64_t(splits) * kHeadsKv * c.batch;
       if (ctas * warps * dec::kDecodePhases > trace_slots || fc::cuda::kvcache_workspace(p) > (64u << 20)) {
         std::fprintf(stderr, "trace or workspace too small\n");

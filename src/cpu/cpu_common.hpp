@@ -401,21 +401,30 @@ inline const void* element_ptr(const TensorRef& t, DType dtype, int64_t b, int64
 inline const void* kv_row_ptr(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h) {
   return static_cast<const char*>(t.data) + kv_offset(p, t, b, row, h) * static_cast<int64_t>(dtype_size(p.dtype));
 }
-/** Calls fn(r, row) for the `rows` key / value rows first_row, first_row + 1, ... of sequence b,
- *  head h, of k or v, in order. Paged K/V take one page lookup per run of rows inside a page: a
- *  lookup per row (a 64-bit division) made a d64 forward over a paged view ~25% slower than over
- *  the same keys unpaged (docs/PERF.md, session 33). */
+/** Calls fn(r, row, run) for the `rows` key / value rows first_row, first_row + 1, ... of
+ *  sequence b, head h, of k or v, in order, a run of consecutive rows at a time: rows r .. r +
+ *  run - 1 sit `row_stride` elements apart from `row` on. Paged K/V take one page lookup per run
+ *  (a page, or what the range holds of one): a lookup per row (a 64-bit division) made a d64
+ *  forward over a paged view ~25% slower than over the same keys unpaged (docs/PERF.md,
+ *  session 33). */
+template <class Fn>
+inline void for_kv_runs(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t first_row, int64_t rows,
+                        int64_t h, Fn&& fn) {
+  for (int64_t r = 0; r < rows;) {
+    int64_t run = rows - r;
+    if (p.is_paged()) run = std::min(run, p.pages.page_size - kv_page_slot(p, b, first_row + r).slot);
+    fn(r, static_cast<const char*>(kv_row_ptr(p, t, b, first_row + r, h)), run);
+    r += run;
+  }
+}
+/** for_kv_runs row by row: fn(r, row). */
 template <class Fn>
 inline void for_kv_rows(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t first_row, int64_t rows,
                         int64_t h, Fn&& fn) {
   const int64_t row_bytes = t.row_stride * static_cast<int64_t>(dtype_size(p.dtype));
-  for (int64_t r = 0; r < rows;) {
-    const char* row = static_cast<const char*>(kv_row_ptr(p, t, b, first_row + r, h));
-    int64_t run = rows - r;
-    if (p.is_paged()) run = std::min(run, p.pages.page_size - kv_page_slot(p, b, first_row + r).slot);
+  for_kv_runs(p, t, b, first_row, rows, h, [&](int64_t r, const char* row, int64_t run) {
     for (int64_t i = 0; i < run; ++i) fn(r + i, static_cast<const void*>(row + i * row_bytes));
-    r += run;
-  }
+  });
 }
 inline void* element_ptr_mut(const TensorRef& t, DType dtype, int64_t b, int64_t row, int64_t h) {
   return static_cast<char*>(t.data) + offset_of(t, b, row, h) * static_cast<int64_t>(dtype_size(dtype));

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -233,12 +234,10 @@ inline void load_kv_tile(const AttentionParams& p, const TensorRef& t, int64_t b
 inline void queue_kv_tile(const AttentionParams& p, int64_t b, int64_t first_row, int64_t rows, int64_t kv_head,
                           PrefetchQueue& queue) {
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
-  for (int64_t r = 0; r < rows;) {
-    int64_t run = rows - r;
-    if (p.is_paged()) run = std::min(run, p.pages.page_size - kv_page_slot(p, b, first_row + r).slot);
-    queue.add(kv_row_ptr(p, p.k, b, first_row + r, kv_head), run, p.k.row_stride * elem, p.head_dim * elem);
-    queue.add(kv_row_ptr(p, p.v, b, first_row + r, kv_head), run, p.v.row_stride * elem, p.head_dim * elem);
-    r += run;
+  for (const TensorRef* t : {&p.k, &p.v}) {
+    for_kv_runs(p, *t, b, first_row, rows, kv_head, [&](int64_t, const char* row, int64_t run) {
+      queue.add(row, run, t->row_stride * elem, p.head_dim * elem);
+    });
   }
 }
 

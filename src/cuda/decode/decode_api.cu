@@ -70,12 +70,10 @@ TileNumbers narrow_tile(const KvCacheParams& p) {
  *  an H200 (docs/PERF.md session 33), 8 warps against 4: 1 x 65536 (8 CTAs a split, 16 splits
  *  against 32) +2.9% to +3.2%, 16 x 8192 (128 CTAs, no split against 2) +2.0% to +4.6%; 64 x 2048
  *  (512 CTAs, 4 waves of 8 warps against 2 of two 4-warp CTAs per SM) -8% to -13%. */
-TileNumbers attention_tile(const KvCacheParams& p) {
+TileNumbers attention_tile(const KvCacheParams& p, int64_t ctas, int sms) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (decode::kWideWarps == 4 || bucket > 128) return narrow_tile(p);
-  const int64_t ctas = p.batch * p.heads_kv * row_chunks(p);
-  if (!decode::eight_warp_ctas_suit(ctas, p.num_splits, multiprocessor_count(p.device_id, HeuristicTraits::kDefaultSms)))
-    return narrow_tile(p);
+  if (!decode::eight_warp_ctas_suit(ctas, p.num_splits, sms)) return narrow_tile(p);
   const TileNumbers wide = bucket <= 64 ? tile_numbers<64, decode::kWideWarps>() : tile_numbers<128, decode::kWideWarps>();
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id) != cudaSuccess) {
@@ -85,23 +83,48 @@ TileNumbers attention_tile(const KvCacheParams& p) {
   return optin >= wide.smem + wide.static_smem ? wide : narrow_tile(p);
 }
 
-/** The SMs of p's device and how many of p's attention CTAs one of them holds (shared memory
- *  bound). */
-struct Occupancy {
+/** How p's attention (the decode kernel) runs, from one round of device queries shared by the
+ *  workspace size and the launch: its tile, the SMs, how many of its CTAs one SM holds (shared
+ *  memory bound), and the split count (the caller's num_splits, else the split model's). */
+struct AttentionPlan {
+  TileNumbers tile;
   int sms;
   int ctas_per_sm;
+  int splits;
 };
-Occupancy attention_occupancy(const KvCacheParams& p) {
+AttentionPlan plan_attention(const KvCacheParams& p) {
   using H = HeuristicTraits;
+  AttentionPlan plan;
+  plan.sms = multiprocessor_count(p.device_id, H::kDefaultSms);
+  const int64_t ctas = p.batch * p.heads_kv * row_chunks(p);  // of one split
+  plan.tile = attention_tile(p, ctas, plan.sms);
   int smem_per_sm = 0;
   if (cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, p.device_id) != cudaSuccess ||
       smem_per_sm <= 0) {
     cudaGetLastError();
     smem_per_sm = H::kDefaultSmemPerSm;
   }
-  const TileNumbers tile = attention_tile(p);
-  const int per_cta = tile.smem + tile.static_smem + H::kSmemReservedPerCta;
-  return {multiprocessor_count(p.device_id, H::kDefaultSms), std::clamp(smem_per_sm / per_cta, 1, H::kMaxCtasPerSm)};
+  const int per_cta = plan.tile.smem + plan.tile.static_smem + H::kSmemReservedPerCta;
+  plan.ctas_per_sm = std::clamp(smem_per_sm / per_cta, 1, H::kMaxCtasPerSm);
+  if (p.num_splits > 0) {
+    plan.splits = p.num_splits;
+    return plan;
+  }
+  // Device lengths are unknown on the host: size for the longest possible sequence.
+  int64_t max_keys = p.capacity();
+  if (p.window_left >= 0 && p.window_right >= 0)
+    max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
+  const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
+  decode::SplitModel m;
+  m.ctas = std::max<int64_t>(1, ctas);
+  m.max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
+  if (plan.tile.warps > 4) m.max_splits = std::max<int64_t>(1, std::min<int64_t>(m.max_splits, plan.sms / m.ctas));  // one wave
+  m.sms = plan.sms;
+  m.ctas_per_sm = plan.ctas_per_sm;
+  m.cta_read_rate = plan.tile.warps * H::kWarpReadRate;
+  m.read_rate = H::kReadCeilingShare * dram_peak_bytes_per_second(p.device_id);  // 0 when unknown
+  plan.splits = decode::choose_num_splits(m);
+  return plan;
 }
 
 bool dtype_compiled(DType t) {
@@ -180,7 +203,8 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   const bool programmatic = supports_programmatic_launch(call.device_id);
   // Many query rows: the forward kernels attend (decode/prefill_route.hpp), without splits.
   const bool prefill = decode::prefill_route_applies(call);
-  const int splits = prefill ? 1 : kvcache_num_splits(call);
+  const AttentionPlan plan = prefill ? AttentionPlan{} : plan_attention(call);
+  const int splits = prefill ? 1 : plan.splits;
   // With rotary tables the append kernel writes q rotated into the workspace, and the attention
   // reads that copy.
   KvCacheParams p = call;
@@ -217,9 +241,8 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   // with 2 splits +1.1% to +1.2%; 4 tiles per warp gained less on both. 8-warp CTAs with splits
   // fill one wave (at most 5% of the SMs free) and take it for the same reason (timed with it on
   // only).
-  const Occupancy occ = attention_occupancy(p);
   const int64_t attention_ctas = int64_t(so.num_splits) * p.heads_kv * so.row_chunks * p.batch;
-  const bool slots_filled = attention_ctas > int64_t(occ.sms) * (occ.ctas_per_sm - 1);
+  const bool slots_filled = attention_ctas > int64_t(plan.sms) * (plan.ctas_per_sm - 1);
   so.prefetch_tiles = programmatic && (so.num_splits == 1 || slots_filled) ? 2 : 0;
   if (so.num_splits > 1) {
     so.part_o = static_cast<float*>(workspace);
@@ -229,7 +252,7 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
                   static_cast<unsigned>(p.batch));
   Status s = Status::ok();
   if constexpr (HD <= 128 && decode::kWideWarps != 4) {
-    if (attention_tile(p).warps == decode::kWideWarps) {
+    if (plan.tile.warps == decode::kWideWarps) {
       s = launch_attention<T, HD, decode::kWideWarps>(p, so, grid, stream, programmatic);
     } else {
       s = launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
@@ -281,27 +304,7 @@ Status run_dtype(const KvCacheParams& p, void* workspace) {
 
 }  // namespace
 
-int kvcache_num_splits(const KvCacheParams& p) {
-  if (p.num_splits > 0) return p.num_splits;
-  using H = HeuristicTraits;
-  const int64_t ctas = std::max<int64_t>(1, p.batch * p.heads_kv * row_chunks(p));
-  // Device lengths are unknown on the host: size for the longest possible sequence.
-  int64_t max_keys = p.capacity();
-  if (p.window_left >= 0 && p.window_right >= 0)
-    max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
-  const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
-  const Occupancy occ = attention_occupancy(p);
-  const TileNumbers tile = attention_tile(p);
-  decode::SplitModel m;
-  m.ctas = ctas;
-  m.max_splits = std::min<int64_t>(by_length, H::kMaxSplits);
-  if (tile.warps > 4) m.max_splits = std::max<int64_t>(1, std::min<int64_t>(m.max_splits, occ.sms / ctas));  // one wave
-  m.sms = occ.sms;
-  m.ctas_per_sm = occ.ctas_per_sm;
-  m.cta_read_rate = tile.warps * H::kWarpReadRate;
-  m.read_rate = H::kReadCeilingShare * dram_peak_bytes_per_second(p.device_id);  // 0 when unknown
-  return decode::choose_num_splits(m);
-}
+int kvcache_num_splits(const KvCacheParams& p) { return plan_attention(p).splits; }
 
 size_t kvcache_workspace(const KvCacheParams& p) {
   if (decode::prefill_route_applies(p)) return rotated_q_bytes(p) + decode::prefill_route_workspace(p);
