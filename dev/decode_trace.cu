@@ -132,9 +132,28 @@ int main() {
       }
       auto run = [&] { require_ok(fc::cuda::kvcache_forward(p, workspace, 64 << 20)); };
       for (int i = 0; i < 5; ++i) run();
-      constexpr int kCalls = 30;
+      constexpr int kCalls = 50;
       const double call_us = ms_per_call(run, kCalls) * 1e3;
       const double bytes = 2.0 * c.batch * c.kv_len * kHeadsKv * kDim * 2;
+      // The call's pieces timed alone, back to back (the trace below is of the full calls'):
+      // the attention kernel without the merge, the merge alone, and the full call with ordinary
+      // launches instead of programmatic dependents.
+      const dec::SplitOutput so = fc::cuda::split_output(p, plan, workspace, true);
+      auto attention = [&](bool programmatic) {
+        require_ok(fc::cuda::launch_planned_attention<__nv_bfloat16, kDim>(p, plan, so, nullptr, programmatic));
+      };
+      const double attention_us = ms_per_call([&] { attention(true); }, kCalls) * 1e3;
+      double merge_us = 0, ordinary_us = call_us;
+      if (splits > 1) {
+        const fc::MergeParams m = fc::cuda::merge_params(p, so);
+        merge_us = ms_per_call([&] { require_ok(fc::cuda::launch_merge<__nv_bfloat16>(m, true)); }, kCalls) * 1e3;
+        const dec::SplitOutput plain = fc::cuda::split_output(p, plan, workspace, false);
+        ordinary_us = ms_per_call([&] {
+          require_ok(fc::cuda::launch_planned_attention<__nv_bfloat16, kDim>(p, plan, plain, nullptr, false));
+          require_ok(fc::cuda::launch_merge<__nv_bfloat16>(fc::cuda::merge_params(p, plain), false));
+        }, kCalls) * 1e3;
+      }
+      run();  // the traced call: the last one before the trace is read
 
       std::vector<uint64_t> t(ctas * warps * dec::kDecodePhases);
       CHECK(cudaMemcpy(t.data(), trace, t.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
@@ -167,6 +186,8 @@ int main() {
                   "(%.3f TB/s)\n",
                   (long long)c.batch, (long long)c.kv_len, page ? "paged 16" : "contiguous", splits, (long long)ctas, warps,
                   call_us, bytes / (call_us * 1e-6) / 1e12, (t_end - t0) / 1e3, bytes / ((t_end - t0) * 1e-9) / 1e12);
+      std::printf("  pieces alone, us per call: attention %.2f (%.3f TB/s), merge %.2f; the call with ordinary launches %.2f\n",
+                  attention_us, bytes / (attention_us * 1e-6) / 1e12, merge_us, ordinary_us);
       std::printf("  us (min / median / p90 / max over CTAs)\n");
       auto row = [](const char* name, Stat& s) {
         std::printf("  %-34s %8.2f %8.2f %8.2f %8.2f\n", name, s.q(0), s.q(0.5), s.q(0.9), s.q(1));

@@ -197,6 +197,75 @@ Status launch_attention(const KvCacheParams& p, const decode::SplitOutput& so, d
   return launch("kvcache attention", kernel, grid, Tl::kThreads, Tl::kSmemBytes, stream, programmatic, p, so);
 }
 
+/** Where the attention kernel of p puts its result under `plan`: partial O / LSE in the workspace
+ *  when it splits (the merge combines them), else the output itself; and whether its CTAs warm L2
+ *  before the wait. */
+decode::SplitOutput split_output(const KvCacheParams& p, const AttentionPlan& plan, void* workspace,
+                                 bool programmatic) {
+  decode::SplitOutput so;
+  so.num_splits = plan.splits;
+  so.row_chunks = static_cast<int>(row_chunks(p));
+  // Two tiles per warp warmed in L2 before the wait, where the CTAs wait for the previous call's
+  // tail (a programmatic launch) and that tail is this call's last use of the memory system:
+  // without splits, or with splits whose CTAs leave fewer free slots than there are SMs. With more
+  // free, the next call's CTAs are placed on them while this call's attention still streams (its
+  // combine kernel lets them launch), and their prefetch competes with it. Same process
+  // (docs/PERF.md): without splits 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3% (H100, session 26);
+  // 4-warp CTAs, 1 x 65536 on an H100 (16 splits, 128 CTAs in 264 slots) -0.3% to -0.7%; on an
+  // H200 (session 33, 256 CTAs in 264 slots) 1 x 65536 with 32 splits +2.3% to +2.6%, 16 x 8192
+  // with 2 splits +1.1% to +1.2%; 4 tiles per warp gained less on both. 8-warp CTAs with splits
+  // fill one wave (at most 5% of the SMs free) and take it for the same reason (timed with it on
+  // only).
+  const int64_t attention_ctas = int64_t(so.num_splits) * p.heads_kv * so.row_chunks * p.batch;
+  const bool slots_filled = attention_ctas > int64_t(plan.sms) * (plan.ctas_per_sm - 1);
+  so.prefetch_tiles = programmatic && (so.num_splits == 1 || slots_filled) ? 2 : 0;
+  if (so.num_splits > 1) {
+    so.part_o = static_cast<float*>(workspace);
+    so.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + part_o_bytes(p, so.num_splits));
+  }
+  return so;
+}
+
+/** The attention kernel of p for `plan`'s tile (kWideWarps or 4 warps), writing `so`. */
+template <typename T, int HD>
+Status launch_planned_attention(const KvCacheParams& p, const AttentionPlan& plan, const decode::SplitOutput& so,
+                                cudaStream_t stream, bool programmatic) {
+  const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
+                  static_cast<unsigned>(p.batch));
+  if constexpr (HD <= 128 && decode::kWideWarps != 4) {
+    if (plan.tile.warps == decode::kWideWarps)
+      return launch_attention<T, HD, decode::kWideWarps>(p, so, grid, stream, programmatic);
+  }
+  return launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
+}
+
+/** The merge of a split attention's partials (`so`) into p's out and lse. */
+MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) {
+  MergeParams m;
+  m.out_dtype = p.dtype;
+  m.device_type = p.device_type;
+  m.device_id = p.device_id;
+  m.out_partials = so.part_o;
+  m.op_head_stride = p.head_dim;
+  m.op_row_stride = p.heads_q * p.head_dim;
+  m.op_batch_stride = p.seqlen_q * m.op_row_stride;
+  m.op_part_stride = p.batch * m.op_batch_stride;
+  m.lse_partials = so.part_lse;
+  m.lp_row_stride = 1;
+  m.lp_head_stride = p.seqlen_q;
+  m.lp_batch_stride = p.heads_q * p.seqlen_q;
+  m.lp_part_stride = p.batch * m.lp_batch_stride;
+  m.out = p.out;
+  m.lse = p.lse;
+  m.parts = so.num_splits;
+  m.batch = p.batch;
+  m.seqlen_q = p.seqlen_q;
+  m.heads = p.heads_q;
+  m.head_dim = p.head_dim;
+  m.stream = p.stream;
+  return m;
+}
+
 template <typename T, int HD>
 Status run_typed(const KvCacheParams& call, void* workspace) {
   const cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
@@ -227,63 +296,10 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
     return decode::run_prefill_route(p, decode::prefill_route_on_hopper(call),
                                      static_cast<char*>(workspace) + rotated_q_bytes(call));
   }
-  decode::SplitOutput so;
-  so.num_splits = splits;
-  so.row_chunks = static_cast<int>(row_chunks(p));
-  // Two tiles per warp warmed in L2 before the wait, where the CTAs wait for the previous call's
-  // tail (a programmatic launch) and that tail is this call's last use of the memory system:
-  // without splits, or with splits whose CTAs leave fewer free slots than there are SMs. With more
-  // free, the next call's CTAs are placed on them while this call's attention still streams (its
-  // combine kernel lets them launch), and their prefetch competes with it. Same process
-  // (docs/PERF.md): without splits 64 x 2048 +1.3% to +1.9%, 16 x 8192 +0.3% (H100, session 26);
-  // 4-warp CTAs, 1 x 65536 on an H100 (16 splits, 128 CTAs in 264 slots) -0.3% to -0.7%; on an
-  // H200 (session 33, 256 CTAs in 264 slots) 1 x 65536 with 32 splits +2.3% to +2.6%, 16 x 8192
-  // with 2 splits +1.1% to +1.2%; 4 tiles per warp gained less on both. 8-warp CTAs with splits
-  // fill one wave (at most 5% of the SMs free) and take it for the same reason (timed with it on
-  // only).
-  const int64_t attention_ctas = int64_t(so.num_splits) * p.heads_kv * so.row_chunks * p.batch;
-  const bool slots_filled = attention_ctas > int64_t(plan.sms) * (plan.ctas_per_sm - 1);
-  so.prefetch_tiles = programmatic && (so.num_splits == 1 || slots_filled) ? 2 : 0;
-  if (so.num_splits > 1) {
-    so.part_o = static_cast<float*>(workspace);
-    so.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + part_o_bytes(p, so.num_splits));
-  }
-  const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
-                  static_cast<unsigned>(p.batch));
-  Status s = Status::ok();
-  if constexpr (HD <= 128 && decode::kWideWarps != 4) {
-    if (plan.tile.warps == decode::kWideWarps) {
-      s = launch_attention<T, HD, decode::kWideWarps>(p, so, grid, stream, programmatic);
-    } else {
-      s = launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
-    }
-  } else {
-    s = launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
-  }
+  const decode::SplitOutput so = split_output(p, plan, workspace, programmatic);
+  const Status s = launch_planned_attention<T, HD>(p, plan, so, stream, programmatic);
   if (!s.is_ok() || so.num_splits == 1) return s;
-  MergeParams m;
-  m.out_dtype = p.dtype;
-  m.device_type = p.device_type;
-  m.device_id = p.device_id;
-  m.out_partials = so.part_o;
-  m.op_head_stride = p.head_dim;
-  m.op_row_stride = p.heads_q * p.head_dim;
-  m.op_batch_stride = p.seqlen_q * m.op_row_stride;
-  m.op_part_stride = p.batch * m.op_batch_stride;
-  m.lse_partials = so.part_lse;
-  m.lp_row_stride = 1;
-  m.lp_head_stride = p.seqlen_q;
-  m.lp_batch_stride = p.heads_q * p.seqlen_q;
-  m.lp_part_stride = p.batch * m.lp_batch_stride;
-  m.out = p.out;
-  m.lse = p.lse;
-  m.parts = so.num_splits;
-  m.batch = p.batch;
-  m.seqlen_q = p.seqlen_q;
-  m.heads = p.heads_q;
-  m.head_dim = p.head_dim;
-  m.stream = p.stream;
-  return launch_merge<T>(m, programmatic);
+  return launch_merge<T>(merge_params(p, so), programmatic);
 }
 
 template <typename T>
