@@ -300,6 +300,60 @@ TEST_P(CudaForward, ManyTiles) {
   expect_forward(cases, GetParam());
 }
 
+// GQA calls with few query tokens per head: the sm90 forward packs each KV head's group of query
+// heads into its tiles (sm90/pack_gqa.hpp: groups of 2 to 64 that divide 64, the packed tiles
+// fuller than the per-head ones). Every shape below packs there but the group of 3 and the
+// 192-token call (control cases that keep the per-head tiles); sm80 runs them all per head.
+// Causal rows are bottom-right aligned, so a token's row sees keys up to its own position.
+TEST_P(CudaForward, PackedGqa) {
+  REQUIRE_BACKEND(GetParam());
+  std::vector<Case> cases;
+  struct Shape {
+    int64_t seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+    int32_t dtype;
+  };
+  const Shape shapes[] = {{1, 300, 8, 2, 64, FC_DTYPE_BF16},    {5, 257, 32, 8, 128, FC_DTYPE_F16},
+                          {16, 1000, 16, 2, 128, FC_DTYPE_BF16}, {33, 129, 8, 1, 64, FC_DTYPE_F16},
+                          {7, 200, 64, 1, 128, FC_DTYPE_BF16},   {20, 333, 16, 4, 256, FC_DTYPE_BF16},
+                          {3, 90, 4, 2, 96, FC_DTYPE_F16},       {40, 40, 32, 2, 64, FC_DTYPE_BF16},
+                          {9, 150, 12, 4, 128, FC_DTYPE_BF16},   {192, 400, 8, 2, 128, FC_DTYPE_F16}};
+  for (const Shape& sh : shapes) {
+    for (int mask = 0; mask < 4; ++mask) {
+      Case c;
+      c.batch = 2;
+      c.seqlen_q = sh.seqlen_q;
+      c.seqlen_k = sh.seqlen_k;
+      c.heads_q = sh.heads_q;
+      c.heads_kv = sh.heads_kv;
+      c.head_dim = sh.head_dim;
+      c.dtype = sh.dtype;
+      c.causal = mask == 1;
+      if (mask == 2) {  // a sliding window on both sides
+        c.window_left = 37;
+        c.window_right = 5;
+      }
+      if (mask == 3) {  // softcap, on padded (non-contiguous) tensors
+        c.softcap = 20;
+        c.padded = true;
+      }
+      cases.push_back(c);
+    }
+  }
+  // Varlen: short query chunks against longer keys, an empty sequence among them.
+  for (int64_t d : {64, 128}) {
+    Case v;
+    v.varlen_q = {3, 0, 17, 1, 40};
+    v.varlen_k = {100, 7, 300, 65, 40};
+    v.heads_q = 16;
+    v.heads_kv = 4;
+    v.head_dim = d;
+    v.dtype = FC_DTYPE_BF16;
+    v.causal = d == 64;
+    cases.push_back(v);
+  }
+  expect_forward(cases, GetParam());
+}
+
 // The sm90 forward serves long masked calls with its wide tiles (d64: 192 query rows, d256: 80
 // keys), which the grids above reach only without a mask: causal and window masks from
 // seqlen_k = 4096 on, a partial last query block, GQA and varlen among them.

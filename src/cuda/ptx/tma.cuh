@@ -89,6 +89,28 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+/** 5D tile load at {c0 (inner), c1, c2, c3, c4}. The box lands in shared memory in row-major order
+ *  of its dimensions, innermost first, so a box of {64, G, R, 1, 1} is G x R rows of 128 bytes:
+ *  row j * G + i holds index i of dimension 1 and j of dimension 2 (the packed GQA rows of the
+ *  Hopper forward: G query heads of one token, token after token). */
+__device__ __forceinline__ void tma_load_5d(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
+                                            int32_t c0, int32_t c1, int32_t c2, int32_t c3, int32_t c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(tensor_map_operand(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
+/** The 5D form of tma_prefetch_l2_4d. */
+__device__ __forceinline__ void tma_prefetch_l2_5d(const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                                   int32_t c3, int32_t c4) {
+  asm volatile("cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];\n" ::"l"(
+                   tensor_map_operand(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+               : "memory");
+}
+
 /** Requests the 4D box at {c0 (inner), c1, c2, c3} into L2 without copying it anywhere
  *  (cp.async.bulk.prefetch.tensor): no barrier, no completion, out-of-bounds parts are skipped.
  *  Safe before griddepcontrol.wait (cuda/ptx/l2_prefetch.cuh says why). */
@@ -127,6 +149,17 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
       "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
           tensor_map_operand(map)),
       "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+/** 5D tile store (the shared box laid out as tma_load_5d lands it); out-of-bounds elements are not
+ *  written. */
+__device__ __forceinline__ void tma_store_5d(const CUtensorMap* map, const void* smem_src,
+                                             int32_t c0, int32_t c1, int32_t c2, int32_t c3, int32_t c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n" ::"l"(
+          tensor_map_operand(map)),
+      "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
       : "memory");
 }
 

@@ -63,6 +63,30 @@ inline TiledViewNd attention_view(const TensorRef& t, TmaElement element, int64_
   return v;
 }
 
+/** The 5-D view of a q / out tensor whose query heads are packed by GQA group (the forward's
+ *  pack-GQA kernels): (head_dim, group, rows, heads_kv, batch), so that a box of {64, group,
+ *  box_rows / group, 1, 1} is box_rows packed rows of one KV head's group, row j * group + i
+ *  being query head kv_head * group + i of token row0 + j (tma_load_5d). */
+inline TiledViewNd packed_group_view(const TensorRef& t, TmaElement element, int64_t rows, int64_t heads_kv,
+                                     int64_t group, int64_t batch, int64_t head_dim, bool varlen,
+                                     uint32_t box_rows) {
+  TiledViewNd v = attention_view(t, element, rows, heads_kv * group, batch, head_dim, varlen, box_rows);
+  v.rank = 5;
+  v.dims[1] = static_cast<uint64_t>(group);
+  v.dims[2] = static_cast<uint64_t>(rows);
+  v.dims[3] = static_cast<uint64_t>(heads_kv);
+  v.dims[4] = varlen ? 1 : static_cast<uint64_t>(batch);
+  v.strides[1] = static_cast<uint64_t>(t.head_stride);
+  v.strides[2] = static_cast<uint64_t>(t.row_stride);
+  v.strides[3] = static_cast<uint64_t>(t.head_stride * group);
+  v.strides[4] = varlen || batch == 1 ? static_cast<uint64_t>(t.row_stride) : static_cast<uint64_t>(t.batch_stride);
+  v.box[1] = static_cast<uint32_t>(group);
+  v.box[2] = box_rows / static_cast<uint32_t>(group);
+  v.box[3] = 1;
+  v.box[4] = 1;
+  return v;
+}
+
 /** One tensor map a launcher needs: which tensor, how many rows and heads its view has, and the
  *  rows of one box. */
 struct AttentionMapJob {

@@ -124,6 +124,7 @@
 #include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
 #include "cuda/sm90/attention_views.hpp"
 #include "cuda/sm90/forward_trace.cuh"
+#include "cuda/sm90/pack_gqa.hpp"
 #include "cuda/sm90/tail_rows.cuh"
 #include "cuda/sm90/tensor_map.hpp"
 
@@ -139,7 +140,8 @@ using sm80::quad_allreduce_sum;
 
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
-          bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false>
+          bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
+          bool kPackGqa_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -195,6 +197,12 @@ struct ForwardTraits {
   static constexpr bool kPageBoxes = kPageBoxes_;
   static_assert(!kPageBoxes || (kBlockN == 128 && !kScoreTransforms), "page boxes: 128-key tiles, folded scale");
   static constexpr int kMaxPageBoxes = kPageBoxes ? kBlockN / 16 : 0;
+  // Pack-GQA kernels (WithPackedGqa): a tile is kBlockM rows of one KV head's packed query rows,
+  // row r being query head kv_head * group + r % group of token r / group (see "Packed GQA"
+  // above). Kernels of their own, so the others keep their code; no page boxes, no ALiBi (a
+  // slope per row).
+  static constexpr bool kPackGqa = kPackGqa_;
+  static_assert(!kPackGqa || !kPageBoxes, "pack-GQA kernels read K / V in rows or whole-block pages");
   static constexpr uint32_t kPageIdBytes = 4 * kMaxPageBoxes;
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
@@ -261,6 +269,12 @@ template <class T>
 using WithPageBoxes = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
                                     T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/true>;
 
+/** The same tile over packed GQA rows (ForwardTraits::kPackGqa). */
+template <class T>
+using WithPackedGqa = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                    T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
+                                    /*kPackGqa=*/true>;
+
 /** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
 constexpr int64_t kLongSeqlen = 4096;
 
@@ -284,6 +298,8 @@ struct ForwardConfigs<Element, 64> {
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
+    const int64_t block_m = masked_attention(p) && p.seqlen_k < kLongSeqlen ? Narrow::kBlockM : Wide::kBlockM;
+    if (pack_gqa_chosen(p, block_m, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
     if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
     if (masked_attention(p)) return launch(TileChoice<Narrow>{});
     return launch(TileChoice<WideTurns>{});
@@ -304,6 +320,7 @@ struct ForwardConfigs<Element, 128> {
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
+    if (pack_gqa_chosen(p, Narrow::kBlockM, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
     const bool long_unmasked = !masked_attention(p) && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
     // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
     const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
@@ -314,7 +331,8 @@ template <typename Element>
 struct ForwardConfigs<Element, 256> {
   using Tile = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 + 2*16 (O) KiB
   template <class Launch>
-  static Status dispatch(const forward_params_t&, Launch&& launch) {
+  static Status dispatch(const forward_params_t& p, Launch&& launch) {
+    if (pack_gqa_chosen(p, Tile::kBlockM, Tile::kBlockM)) return launch(TileChoice<WithPackedGqa<Tile>>{});
     return launch(TileChoice<Tile>{});
   }
 };
@@ -332,12 +350,13 @@ struct ForwardKernelArgs {
   // (kv_box_rows = page_size keys). 1 otherwise: one box of kBlockN rows per 64 columns.
   int kv_boxes;
   int kv_box_rows;
+  int pack_shift;      // pack-GQA kernels: log2 of the GQA group (packed rows per token)
   int num_m_blocks;
   int tiles_per_item;  // 2: pairs of query blocks (see TileWalker); 1: single blocks
   int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
   // The tile walk's divisors (TileWalker, resolve_block), fixed per launch.
   FastDivmod items_per_head;  // ceil(num_m_blocks / tiles_per_item)
-  FastDivmod heads_q;
+  FastDivmod heads_q;  // the heads the tiles walk: heads_kv in pack-GQA kernels
   FastDivmod group;  // heads_q / heads_kv
   ScoreTransform transform;
   float exp2_scale;  // factor of the (transformed) score in the exponent
@@ -377,7 +396,8 @@ struct SmemPlan {
 
 /** The work of one CTA, resolved identically by every warpgroup. */
 struct BlockWork {
-  int64_t batch, head, kv_head, m0;
+  int64_t batch, head, kv_head, m0;  // pack-GQA kernels: head is the KV head, m0 a packed row
+  int64_t rows;  // the sequence's query rows: seqlen_q, times the group in pack-GQA kernels
   SeqInfo seq;
   MaskInfo mask;
   int n_block_end;  // key blocks [n_block_end - n_tiles, n_block_end), visited downwards
@@ -386,6 +406,25 @@ struct BlockWork {
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
 };
 
+/** The token of query row `row` (pack-GQA kernels: of packed row `row`), and the end of the tokens
+ *  of rows [.., row_end): what the masks (MaskInfo) take. */
+template <class T>
+__device__ __forceinline__ int64_t token_of(const ForwardKernelArgs& args, int64_t row) {
+  if constexpr (T::kPackGqa) {
+    return row >> args.pack_shift;
+  } else {
+    return row;
+  }
+}
+template <class T>
+__device__ __forceinline__ int64_t token_end(const ForwardKernelArgs& args, int64_t row_end) {
+  if constexpr (T::kPackGqa) {
+    return ((row_end - 1) >> args.pack_shift) + 1;  // 0 for row_end 0: -1 >> s is -1
+  } else {
+    return row_end;
+  }
+}
+
 template <class T>
 __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, int head,
                                    int batch) {
@@ -393,16 +432,17 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   BlockWork w;
   w.head = head;
   w.batch = batch;
-  w.kv_head = args.group.div(static_cast<uint32_t>(head));
+  w.kv_head = T::kPackGqa ? head : args.group.div(static_cast<uint32_t>(head));
   w.m0 = int64_t(m_block) * T::kBlockM;
   w.seq = seq_info(p, w.batch);
   w.mask = mask_info(p, w.seq);
   w.n_tiles = 0;
   w.n_block_end = 0;
-  w.has_rows = w.m0 < w.seq.seqlen_q;  // varlen: a sequence shorter than max_seqlen_q
+  w.rows = T::kPackGqa ? w.seq.seqlen_q << args.pack_shift : w.seq.seqlen_q;
+  w.has_rows = w.m0 < w.rows;  // varlen: a sequence shorter than max_seqlen_q
   if (w.has_rows) {
-    const int64_t row_end = w.m0 + T::kBlockM < w.seq.seqlen_q ? w.m0 + T::kBlockM : w.seq.seqlen_q;
-    const KeyRange keys = w.mask.keys_for_rows(w.m0, row_end);
+    const int64_t row_end = w.m0 + T::kBlockM < w.rows ? w.m0 + T::kBlockM : w.rows;
+    const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, w.m0), token_end<T>(args, row_end));
     if (!keys.empty()) {
       const int first = static_cast<int>(keys.begin / T::kBlockN);
       w.n_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
@@ -410,7 +450,7 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
     }
   }
   const bool varlen = p.cu_seqlens_q != nullptr;
-  w.q_row0 = w.seq.q_start + w.m0;
+  w.q_row0 = w.seq.q_start + token_of<T>(args, w.m0);  // pack-GQA kernels: a token (the maps are 5-D)
   w.k_row0 = w.seq.k_start;
   w.batch_coord = varlen ? 0 : w.batch;
   return w;
@@ -467,13 +507,23 @@ __device__ __forceinline__ int32_t block_page(const ForwardKernelArgs& args, con
 /** Where a tile's output goes: what the epilogue needs of a BlockWork, compact enough to keep
  *  while the next tile's first key block runs (consume). */
 struct TileOutput {
-  int64_t m0, q_start, seqlen_q;
+  int64_t m0, q_start, rows;  // rows: BlockWork::rows
   int32_t batch, head, q_row0, batch_coord;  // TMA coordinates are int32
 };
 
 __device__ __forceinline__ TileOutput tile_output(const BlockWork& w) {
-  return {w.m0, w.seq.q_start, w.seq.seqlen_q, static_cast<int32_t>(w.batch), static_cast<int32_t>(w.head),
+  return {w.m0, w.seq.q_start, w.rows, static_cast<int32_t>(w.batch), static_cast<int32_t>(w.head),
           static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.batch_coord)};
+}
+
+/** The query head of a tile's row (pack-GQA kernels: of its packed row; out.head is the KV head). */
+template <class T>
+__device__ __forceinline__ int64_t head_of_row(const ForwardKernelArgs& args, const TileOutput& out, int64_t row) {
+  if constexpr (T::kPackGqa) {
+    return (int64_t(out.head) << args.pack_shift) + (row & ((int64_t(1) << args.pack_shift) - 1));
+  } else {
+    return out.head;
+  }
 }
 
 /** Rows of the tile's first key block (its last keys, loaded first) that lie inside the sequence,
@@ -511,9 +561,15 @@ __device__ void produce_q(const ForwardKernelArgs& args, const SmemPlan<T>& sm, 
   ptx::mbarrier_arrive_expect_tx(sm.q_full(q_slot), T::kQBytes);
 #pragma unroll
   for (int c = 0; c < T::kChunks; ++c) {
-    ptx::tma_load_4d(sm.q_ptr(q_slot) + c * T::kQChunkBytes, &args.map_q, sm.q_full(q_slot),
-                     c * T::kChunkCols, static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.head),
-                     static_cast<int32_t>(w.batch_coord));
+    if constexpr (T::kPackGqa) {  // {64 columns, the group's heads, kBlockM / group tokens}
+      ptx::tma_load_5d(sm.q_ptr(q_slot) + c * T::kQChunkBytes, &args.map_q, sm.q_full(q_slot),
+                       c * T::kChunkCols, 0, static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.head),
+                       static_cast<int32_t>(w.batch_coord));
+    } else {
+      ptx::tma_load_4d(sm.q_ptr(q_slot) + c * T::kQChunkBytes, &args.map_q, sm.q_full(q_slot),
+                       c * T::kChunkCols, static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.head),
+                       static_cast<int32_t>(w.batch_coord));
+    }
   }
 }
 
@@ -744,11 +800,17 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
     FWD_TRACE(1 + consumer, kEpilogueStaged, 0);
     epilogue_barrier<T>(consumer);
     if (t == 0) {
-      const int32_t row0 = static_cast<int32_t>(out.q_row0 + consumer * T::kRowsPerConsumer);
+      const int32_t row0 =
+          static_cast<int32_t>(out.q_row0 + token_of<T>(args, int64_t(consumer) * T::kRowsPerConsumer));
 #pragma unroll
       for (int c = c0; c < c0 + T::kOChunksStaged; ++c) {
-        ptx::tma_store_4d(&args.map_o, buf + (c - c0) * T::kOChunkBytes, c * T::kChunkCols, row0,
-                          out.head, out.batch_coord);
+        if constexpr (T::kPackGqa) {
+          ptx::tma_store_5d(&args.map_o, buf + (c - c0) * T::kOChunkBytes, c * T::kChunkCols, 0, row0, out.head,
+                            out.batch_coord);
+        } else {
+          ptx::tma_store_4d(&args.map_o, buf + (c - c0) * T::kOChunkBytes, c * T::kChunkCols, row0,
+                            out.head, out.batch_coord);
+        }
       }
       ptx::tma_store_commit_group();
     }
@@ -778,7 +840,7 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
   bool staged = false;
   if constexpr (T::kStageO) {
     staged = args.store_o_with_tma &&
-             (p.cu_seqlens_q == nullptr || wg_row0 + T::kRowsPerConsumer <= out.seqlen_q);
+             (p.cu_seqlens_q == nullptr || wg_row0 + T::kRowsPerConsumer <= out.rows);
   }
   if (staged) {
     store_o_staged<T>(args, sm, out, consumer, o, sums, t, pc);
@@ -789,8 +851,9 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
     for (int r = 0; r < 2; ++r) {
       const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
       const int64_t row = row_base + 8 * r;
-      if (row >= out.seqlen_q) continue;
-      typename T::Element* dst = dst_base + offset_of(p.out, out.batch, out.q_start + row, out.head);
+      if (row >= out.rows) continue;
+      typename T::Element* dst =
+          dst_base + offset_of(p.out, out.batch, out.q_start + token_of<T>(args, row), head_of_row<T>(args, out, row));
 #pragma unroll
       for (int j = 0; j < T::kHeadDim / 8; ++j) {
         const int col = 8 * j + 2 * quad;
@@ -805,11 +868,11 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row_base + 8 * r;
-      if (row >= out.seqlen_q) continue;
+      if (row >= out.rows) continue;
       const float lse =
           sums[r] > 0.f ? (st.max[r] * args.exp2_scale + sm80::log2_positive(sums[r])) * kLn2 : -INFINITY;
-      p.lse.data[out.batch * p.lse.batch_stride + out.head * p.lse.head_stride +
-                 (out.q_start + row) * p.lse.row_stride] = lse;
+      p.lse.data[out.batch * p.lse.batch_stride + head_of_row<T>(args, out, row) * p.lse.head_stride +
+                 (out.q_start + token_of<T>(args, row)) * p.lse.row_stride] = lse;
     }
   }
 }
@@ -894,9 +957,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     const int64_t row_base = w.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
     KeyRange rows[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) rows[r] = w.mask.keys_for_row(row_base + 8 * r);
+    for (int r = 0; r < 2; ++r) rows[r] = w.mask.keys_for_row(token_of<T>(args, row_base + 8 * r));
     AlibiRows alibi;
-    if constexpr (T::kScoreTransforms) {
+    if constexpr (T::kScoreTransforms && !T::kPackGqa) {
       if (args.params.alibi_slopes != nullptr) {
         alibi.log2 = -args.params.alibi_slope(w.batch, w.head) * kLog2e;
 #pragma unroll
@@ -923,17 +986,19 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     // inputs and are discarded, so they take the branch-free body. Counting them made every key
     // block of a partial query block masked, and a CTA that always drew the partial block of its
     // heads (132 SMs, 22 blocks of 192 rows per head at S = 4096) ran the whole kernel at 0.6x.
-    const int64_t stored_rows_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.seq.seqlen_q);
+    const int64_t stored_rows_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.rows);
+    const int64_t stored_tokens_begin = token_of<T>(args, wg_row0);
+    const int64_t stored_tokens_end = token_end<T>(args, stored_rows_end);
     auto masked = [&](int n_block) {
       const int64_t key0 = int64_t(n_block) * T::kBlockN;
       return wg_row0 < stored_rows_end &&
-             !w.mask.tile_fully_visible(wg_row0, stored_rows_end, key0, key0 + T::kBlockN);
+             !w.mask.tile_fully_visible(stored_tokens_begin, stored_tokens_end, key0, key0 + T::kBlockN);
     };
     // The tile's first block (its last keys) on a causal diagonal: the first consumer of a 128-row
     // tile sees at most its left half.
     const int n_first = w.n_block_end - 1;
     const bool left_half = T::kLeftHalfDiagonal && masked(n_first) &&
-                           w.mask.keys_for_rows(wg_row0, stored_rows_end).end <=
+                           w.mask.keys_for_rows(stored_tokens_begin, stored_tokens_end).end <=
                                int64_t(n_first) * T::kBlockN + T::kBlockN / 2;
     auto softmax = [&](int n_block) {
       const int64_t key0 = int64_t(n_block) * T::kBlockN;
@@ -1153,9 +1218,15 @@ __device__ void prefetch_first_tile(const ForwardKernelArgs& args) {
   if (!tiles.next(w)) return;
   const int32_t bc = static_cast<int32_t>(w.batch_coord), hk = static_cast<int32_t>(w.kv_head);
 #pragma unroll
-  for (int c = 0; c < T::kChunks; ++c)
-    ptx::tma_prefetch_l2_4d(&args.map_q, c * T::kChunkCols, static_cast<int32_t>(w.q_row0),
-                            static_cast<int32_t>(w.head), bc);
+  for (int c = 0; c < T::kChunks; ++c) {
+    if constexpr (T::kPackGqa) {
+      ptx::tma_prefetch_l2_5d(&args.map_q, c * T::kChunkCols, 0, static_cast<int32_t>(w.q_row0),
+                              static_cast<int32_t>(w.head), bc);
+    } else {
+      ptx::tma_prefetch_l2_4d(&args.map_q, c * T::kChunkCols, static_cast<int32_t>(w.q_row0),
+                              static_cast<int32_t>(w.head), bc);
+    }
+  }
   const int blocks = w.n_tiles < T::kStages ? w.n_tiles : T::kStages;
   for (int it = 0; it < blocks; ++it) {
     const KeyBlockCoord at = key_block_coord<T>(args, w, it);
@@ -1260,15 +1331,24 @@ inline bool provably_uneven(const forward_params_t& p) {
 
 template <class T>
 Status launch_forward(const forward_params_t& p) {
-  const int64_t num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
-  if (num_m_blocks == 0 || p.heads_q == 0 || p.batch == 0) return Status::ok();
-  if (num_m_blocks * p.heads_q * p.batch > INT_MAX) {  // sm90_supports rules this out
+  // Pack-GQA kernels walk (packed rows, KV head, batch) tiles: a KV head's group of query heads is
+  // one head of seqlen_q x group rows.
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  if (T::kPackGqa && !pack_gqa_fits(p)) {
+    return Status::unsupported("cuda_sm90 forward: this call's GQA group cannot be packed");
+  }
+  const int64_t walk_rows = T::kPackGqa ? p.seqlen_q * group : p.seqlen_q;
+  const int64_t walk_heads = T::kPackGqa ? p.heads_kv : p.heads_q;
+  const int64_t num_m_blocks = (walk_rows + T::kBlockM - 1) / T::kBlockM;
+  if (num_m_blocks == 0 || walk_heads == 0 || p.batch == 0) return Status::ok();
+  if (num_m_blocks * walk_heads * p.batch > INT_MAX) {  // sm90_supports rules this out
     return Status::unsupported("cuda_sm90 forward: more than 2^31 - 1 query tiles");
   }
 
   ForwardKernelArgs args{};
   args.params = p;
   args.num_m_blocks = static_cast<int>(num_m_blocks);
+  args.pack_shift = T::kPackGqa ? log2_of_power_of_two(group) : 0;
   // Pairs only where the cost of a query block grows (causal) or shrinks with its index (a window
   // bounded on one side only), and only when they still give every SM work: a small problem keeps
   // one block per item (twice the CTAs), since an idle SM costs more than an uneven one. Without
@@ -1276,13 +1356,13 @@ Status launch_forward(const forward_params_t& p) {
   // of a head together and read its K/V from DRAM once (pairs read it a second time for the second
   // block: 1.6x the DRAM bytes at d256 S=512).
   const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
-  const int64_t pairs = (num_m_blocks + 1) / 2 * p.heads_q * p.batch;
+  const int64_t pairs = (num_m_blocks + 1) / 2 * walk_heads * p.batch;
   const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
   args.tiles_per_item = uneven_cost && pairs >= sm_count ? 2 : 1;
-  args.num_items = static_cast<int>(args.tiles_per_item == 2 ? pairs : num_m_blocks * p.heads_q * p.batch);
+  args.num_items = static_cast<int>(args.tiles_per_item == 2 ? pairs : num_m_blocks * walk_heads * p.batch);
   args.items_per_head = FastDivmod(static_cast<uint32_t>((num_m_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
-  args.heads_q = FastDivmod(static_cast<uint32_t>(p.heads_q));
-  args.group = FastDivmod(static_cast<uint32_t>(p.heads_q / p.heads_kv));
+  args.heads_q = FastDivmod(static_cast<uint32_t>(walk_heads));
+  args.group = FastDivmod(static_cast<uint32_t>(group));
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
   args.exp2_scale = scales.exp2_scale;
@@ -1316,7 +1396,16 @@ Status launch_forward(const forward_params_t& p) {
   const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
                                   {"k", &p.k, paged ? p.pages.page_size : k_rows, p.heads_kv, kv_box, &args.map_k},
                                   {"v", &p.v, paged ? p.pages.page_size : k_rows, p.heads_kv, kv_box, &args.map_v}};
-  Status s = encode_attention_maps(jobs, paged ? 1 : 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
+  Status s = T::kPackGqa ? encode_attention_maps(jobs + 1, paged ? 0 : 2, element, p.batch, p.head_dim, varlen,
+                                                 "cuda_sm90 forward")
+                         : encode_attention_maps(jobs, paged ? 1 : 3, element, p.batch, p.head_dim, varlen,
+                                                 "cuda_sm90 forward");
+  if (s.is_ok() && T::kPackGqa && q_rows > 0) {  // q as (head_dim, group, tokens, heads_kv, batch)
+    s = encode_tensor_map_nd(packed_group_view(p.q, element, q_rows, p.heads_kv, group, p.batch, p.head_dim, varlen,
+                                               T::kBlockM),
+                             &args.map_q);
+    if (!s.is_ok()) s = Status{s.code, "q: cuda_sm90 forward (packed GQA): " + s.message};
+  }
   if (s.is_ok() && paged) {
     s = encode_attention_maps(jobs + 1, 2, element, p.pages.num_pages, p.head_dim, /*varlen=*/false,
                               "cuda_sm90 forward (pages)");
@@ -1325,9 +1414,17 @@ Status launch_forward(const forward_params_t& p) {
   // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise the
   // epilogue stores from registers.
   if (T::kStageO && tma_addressable(p.out, varlen, p.batch)) {
-    const AttentionMapJob out_job{"out", &p.out, q_rows, p.heads_q, T::kRowsPerConsumer, &args.map_o};
-    args.store_o_with_tma =
-        encode_attention_maps(&out_job, 1, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward").is_ok();
+    if constexpr (T::kPackGqa) {
+      args.store_o_with_tma = q_rows > 0 && encode_tensor_map_nd(packed_group_view(p.out, element, q_rows, p.heads_kv,
+                                                                                   group, p.batch, p.head_dim, varlen,
+                                                                                   T::kRowsPerConsumer),
+                                                                 &args.map_o)
+                                                .is_ok();
+    } else {
+      const AttentionMapJob out_job{"out", &p.out, q_rows, p.heads_q, T::kRowsPerConsumer, &args.map_o};
+      args.store_o_with_tma =
+          encode_attention_maps(&out_job, 1, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward").is_ok();
+    }
   }
 
   ScopedDevice device(p.device_id);
@@ -1354,7 +1451,8 @@ Status launch_forward(const forward_params_t& p) {
 /** The same tile configuration with the score transforms compiled in (softcap, linear scale). */
 template <class T>
 using WithScoreTransforms = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages,
-                                          T::kConsumers, T::kPingPong, /*kScoreTransforms=*/true>;
+                                          T::kConsumers, T::kPingPong, /*kScoreTransforms=*/true,
+                                          /*kPageBoxes=*/false, T::kPackGqa>;
 
 template <class T>
 Status launch_for_transform(const forward_params_t& p) {

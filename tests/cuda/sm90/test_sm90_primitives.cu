@@ -33,6 +33,7 @@
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/sm80/tile_common.cuh"  // log2_positive
+#include "cuda/sm90/attention_views.hpp"  // packed_group_view
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace {
@@ -447,6 +448,97 @@ TEST(Sm90Tma, ReduceAdd2dFp32Swizzle128B) {
     }
   EXPECT_EQ(bad, 0u);
   EXPECT_EQ(bad_guard, 0u);
+}
+
+// 5-D boxes of packed GQA rows (ptx::tma_load_5d / tma_store_5d over sm90::packed_group_view, what
+// the forward's pack-GQA kernels read Q and write O through): a (batch, tokens, heads_kv x group,
+// d) tensor with padded rows; one CTA per (KV head, batch, block of tokens) loads a box of 64
+// packed rows, whose row r must hold query head kv_head * group + r % group of token r / group
+// (zeros past the tokens), and stores it into a second tensor, which must then equal the source
+// and keep its padding.
+struct PackedBoxTraits {
+  static constexpr uint32_t kCols = 64, kGroup = 4, kHeadsKv = 3, kTokens = 21, kBatch = 2;
+  static constexpr uint32_t kRowStride = kHeadsKv * kGroup * kCols + 8;  // padded rows
+  static constexpr uint32_t kBatchStride = kTokens * kRowStride;
+  static constexpr uint32_t kElems = kBatch * kBatchStride;
+  static constexpr uint32_t kBoxRows = 64, kBoxTokens = kBoxRows / kGroup;
+};
+
+__global__ void __launch_bounds__(TestTraits::kWarpgroup)
+    packed_box_kernel(const __grid_constant__ CUtensorMap in_map, const __grid_constant__ CUtensorMap out_map,
+                      const uint16_t* src, uint32_t* errors) {
+  using T = PackedBoxTraits;
+  __shared__ alignas(TestTraits::kSmemAlign) uint16_t tile[T::kBoxRows * T::kCols];
+  __shared__ uint64_t full;
+  const int32_t kv_head = blockIdx.x, batch = blockIdx.y, token0 = blockIdx.z * T::kBoxTokens;
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&full, 1);
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_arrive_expect_tx(&full, sizeof(tile));
+    ptx::tma_load_5d(tile, &in_map, &full, 0, 0, token0, kv_head, batch);
+  }
+  if (!wait_bounded(&full, 0)) atomicAdd(errors, 1);
+  for (uint32_t idx = threadIdx.x; idx < T::kBoxRows * T::kCols; idx += blockDim.x) {
+    const uint32_t r = idx / T::kCols, c = idx % T::kCols;
+    const uint32_t byte = ptx::swizzled_box_offset(T::kBoxRows, 0, r, c / 8, 2 * (c % 8));
+    const uint16_t got = tile[byte / 2];
+    const uint32_t token = token0 + r / T::kGroup, head = kv_head * T::kGroup + r % T::kGroup;
+    const uint16_t want = token < T::kTokens ? src[batch * T::kBatchStride + token * T::kRowStride + head * T::kCols + c] : 0;
+    if (got != want) atomicAdd(errors, 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::tma_store_5d(&out_map, tile, 0, 0, token0, kv_head, batch);
+    ptx::tma_store_commit_group();
+    ptx::tma_store_wait_group<0>();
+  }
+}
+
+TEST(Sm90Tma, PackedGqaBoxes5d) {
+  SKIP_UNLESS_SM90();
+  using T = PackedBoxTraits;
+  const std::vector<float> values = exact_values(T::kElems, 11);
+  std::vector<uint16_t> src(T::kElems);
+  for (uint32_t i = 0; i < T::kElems; ++i) src[i] = to_bits<__nv_bfloat16>(values[i]);
+  const std::vector<uint16_t> untouched(T::kElems, TestTraits::kSentinel);
+  DeviceBuffer<uint16_t> d_src(T::kElems), d_out(T::kElems);
+  DeviceBuffer<uint32_t> d_errors(1);
+  ASSERT_TRUE(d_src.get() && d_out.get() && d_errors.get());
+  CUDA_ASSERT(cudaMemcpy(d_src.get(), src.data(), d_src.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemcpy(d_out.get(), untouched.data(), d_out.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemset(d_errors.get(), 0, d_errors.bytes()));
+  flashcore::TensorRef in{d_src.get(), T::kBatchStride, T::kRowStride, T::kCols};
+  flashcore::TensorRef out{d_out.get(), T::kBatchStride, T::kRowStride, T::kCols};
+  CUtensorMap in_map{}, out_map{};
+  STATUS_ASSERT(sm90::encode_tensor_map_nd(sm90::packed_group_view(in, sm90::TmaElement::kBf16, T::kTokens, T::kHeadsKv,
+                                                                   T::kGroup, T::kBatch, T::kCols, false, T::kBoxRows),
+                                           &in_map));
+  STATUS_ASSERT(sm90::encode_tensor_map_nd(sm90::packed_group_view(out, sm90::TmaElement::kBf16, T::kTokens,
+                                                                   T::kHeadsKv, T::kGroup, T::kBatch, T::kCols, false,
+                                                                   T::kBoxRows),
+                                           &out_map));
+  const dim3 grid(T::kHeadsKv, T::kBatch, (T::kTokens + T::kBoxTokens - 1) / T::kBoxTokens);
+  packed_box_kernel<<<grid, TestTraits::kWarpgroup>>>(in_map, out_map, d_src.get(), d_errors.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+  std::vector<uint16_t> got(T::kElems);
+  uint32_t errors = 0;
+  CUDA_ASSERT(cudaMemcpy(got.data(), d_out.get(), d_out.bytes(), cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(cudaMemcpy(&errors, d_errors.get(), sizeof(errors), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(errors, 0u) << "shared-memory rows not in packed order, a barrier timeout or non-zero fill";
+  size_t bad = 0, bad_padding = 0;
+  for (uint32_t i = 0; i < T::kElems; ++i) {
+    if (i % T::kRowStride >= T::kHeadsKv * T::kGroup * T::kCols) {
+      bad_padding += got[i] != TestTraits::kSentinel;
+    } else if (got[i] != src[i] && bad++ < 4) {
+      ADD_FAILURE() << "5-D store mismatch at element " << i;
+    }
+  }
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(bad_padding, 0u);
 }
 
 // L2 prefetches (ptx::tma_prefetch_l2_4d, ptx::prefetch_l2) and the early index read
