@@ -317,6 +317,26 @@ TEST(CudaKvCache, PrefillRoute) {
   KvProblem decode(c, mem, 5);
   ASSERT_EQ(fc_attention_kvcache_workspace(&decode.args, &decode.opt, &bytes), FC_OK) << fc_last_error();
   EXPECT_EQ(bytes, 0u);
+
+  // Short chunks over many sequences: 8 query tokens x GQA 4 = 32 rows per KV head in 160 tiles.
+  // The Hopper forward packs the group (sm90/pack_gqa.hpp) and the route takes them there; other
+  // GPUs keep the decode kernel.
+  KvCase s;
+  s.batch = 40;
+  for (int b = 0; b < 40; ++b) s.cache_lens.push_back((b * 37) % 500);
+  s.heads_q = 16;
+  s.heads_kv = 4;
+  s.head_dim = 128;
+  s.dtype = FC_DTYPE_BF16;
+  s.seqlen_q = s.seqlen_new = 8;
+  s.causal = true;
+  expect_cases({s}, {0}, 950);
+  if (fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) {
+    s.num_splits = 1;
+    KvProblem chunks(s, mem, 5);
+    ASSERT_EQ(fc_attention_kvcache_workspace(&chunks.args, &chunks.opt, &bytes), FC_OK) << fc_last_error();
+    EXPECT_GT(bytes, 0u) << "short GQA chunks over many sequences did not take the packed forward route";
+  }
 }
 
 /** ALiBi slopes on the decode kernel, with and without splits; a call with many query rows, which

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -13,6 +14,7 @@
 #include "api/kvcache_forward_view.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/scoped_device.hpp"
+#include "cuda/sm90/pack_gqa.hpp"
 
 namespace flashcore::cuda::decode {
 namespace {
@@ -24,6 +26,16 @@ struct RouteTraits {
   // sequences it won from 64 query tokens (256 rows per KV head: 128 against 78 TFLOP/s) and lost
   // at 32 (66 against 77); with one sequence (32 blocks) it lost even at 128 tokens (42 against 83).
   static constexpr int64_t kMinRows = 256;
+  // Where the Hopper forward packs the GQA group (sm90/pack_gqa.hpp), its tiles fill with the
+  // group's rows and each K / V block is read once per group: the route then pays from 32 rows
+  // per KV head, as long as the packed tiles fill most of the GPU (docs/PERF.md, session 34, GQA
+  // 32 / 8, d128, H200; decode kernel ~70-79 TFLOP/s at every row count): 64 x 8 tokens 104-110
+  // against 69, 16 x 8 105 against 74, 16 x 32 376-386 against 75; 4 sequences (32 tiles) lost at
+  // 8 tokens (33-36 against 60-62), tied at 16 and won from 32 (136-145 against 79); 2 and 4
+  // tokens lost everywhere. Taken when (rows' share of their tiles) x (tiles / SMs, at most 1) is
+  // at least kMinPackedShare and there are kMinPackedRows rows.
+  static constexpr int64_t kMinPackedRows = 32;
+  static constexpr double kMinPackedShare = 0.2;
   static constexpr int kThreads = 256;
   static constexpr size_t kAlign = 256;
   static constexpr int64_t kLargestCtaRows = 128;  // the forward's kBlockM: the grid-size bound
@@ -141,9 +153,20 @@ size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_by
 
 }  // namespace
 
+/** Whether the route pays for a call whose Hopper forward packs the GQA group: `rows` packed rows
+ *  per KV head, `heads` = batch x heads_kv of them (RouteTraits::kMinPackedShare). */
+bool packed_route_pays(int64_t rows, int64_t heads, int sms) {
+  using R = RouteTraits;
+  if (rows < R::kMinPackedRows) return false;
+  const double tiles = double(heads) * double((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
+  const double occupancy = std::min(1.0, tiles / double(sms));
+  return sm90::tile_fill(rows, R::kLargestCtaRows) * occupancy >= R::kMinPackedShare;
+}
+
 bool prefill_route_applies(const KvCacheParams& p) {
   using R = RouteTraits;
-  if (p.group_size() * p.seqlen_q < R::kMinRows || p.seqlen_q > INT_MAX) return false;
+  const int64_t rows = p.group_size() * p.seqlen_q;  // per KV head
+  if (rows < std::min(R::kMinRows, R::kMinPackedRows) || p.seqlen_q > INT_MAX) return false;
   // The forward kernels decline ALiBi with paged K/V, which is how the route hands them the cache:
   // ALiBi calls stay on the decode kernel, correct at any seqlen_q and slower from a few hundred
   // query rows per KV head on.
@@ -153,11 +176,15 @@ bool prefill_route_applies(const KvCacheParams& p) {
   const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;
   if (p.batch * p.heads_q > INT_MAX / blocks) return false;
   constexpr int kDefaultSms = 132;
-  if (2 * p.batch * p.heads_q * blocks < multiprocessor_count(p.device_id, kDefaultSms)) return false;  // half a block per SM
+  const int sms = multiprocessor_count(p.device_id, kDefaultSms);
   // The forward kernels' own rules (sm80: pages of 256k keys; sm90: any, gathered where they are
   // smaller than a key block), before anything is launched.
   const AttentionParams f = shape_params(p);
-  return hopper_takes(f) || sm80_supports(f, nullptr);
+  const bool hopper = hopper_takes(f);
+  if (hopper && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows))
+    return packed_route_pays(rows, p.batch * p.heads_kv, sms);
+  if (rows < R::kMinRows || 2 * p.batch * p.heads_q * blocks < sms) return false;  // half a block per SM
+  return hopper || sm80_supports(f, nullptr);
 }
 
 bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(shape_params(p)); }
