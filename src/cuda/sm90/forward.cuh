@@ -96,6 +96,15 @@
 // inputs), and the end of the packed tensor reads as zeros.
 // Head dims below the bucket: the map's head_dim extent is the real one, TMA zero-fills the
 // padding columns, and the epilogue never stores them.
+//
+// ---- Packed GQA (ForwardTraits::kPackGqa, sm90/pack_gqa.hpp says when) ----------------------------
+// A tile is kBlockM rows of one KV head's packed rows: row r is query head kv_head * group +
+// r % group of token r / group, so a call with a few tokens per head fills its tiles with the
+// group's rows and reads each K / V block once per group. The tiles walk (packed block, KV head,
+// batch); Q and O go through 5-D maps (head_dim, group, tokens, heads_kv, batch) whose boxes hold
+// whole tokens (the group divides 64), landing in shared memory in exactly the packed order; the
+// masks take each row's token (token_of / token_end), the direct stores and the lse each row's
+// head (head_of_row). BlockWork::rows counts packed rows. No ALiBi (a slope per query head).
 #pragma once
 
 #include <cuda.h>
@@ -197,10 +206,8 @@ struct ForwardTraits {
   static constexpr bool kPageBoxes = kPageBoxes_;
   static_assert(!kPageBoxes || (kBlockN == 128 && !kScoreTransforms), "page boxes: 128-key tiles, folded scale");
   static constexpr int kMaxPageBoxes = kPageBoxes ? kBlockN / 16 : 0;
-  // Pack-GQA kernels (WithPackedGqa): a tile is kBlockM rows of one KV head's packed query rows,
-  // row r being query head kv_head * group + r % group of token r / group (see "Packed GQA"
-  // above). Kernels of their own, so the others keep their code; no page boxes, no ALiBi (a
-  // slope per row).
+  // Pack-GQA kernels (WithPackedGqa, "Packed GQA" above). Kernels of their own, so the others
+  // keep their code; no page boxes, no ALiBi (a slope per row).
   static constexpr bool kPackGqa = kPackGqa_;
   static_assert(!kPackGqa || !kPageBoxes, "pack-GQA kernels read K / V in rows or whole-block pages");
   static constexpr uint32_t kPageIdBytes = 4 * kMaxPageBoxes;
