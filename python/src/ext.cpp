@@ -634,7 +634,7 @@ NB_MODULE(_C, m) {
       [](int32_t device_id) {
         char line[256];
         raise_on_error(fc_cuda_device_describe(device_id, line, sizeof(line)));
-        return std::string(line);
+        return nb::str(line);  // (a std::string would need nanobind's STL caster)
       },
       "device_id"_a = 0);
   m.def(
