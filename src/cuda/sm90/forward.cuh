@@ -1122,7 +1122,6 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
 template <class T>
 __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm, const BlockWork& w,
                            TileWalker<T>& tiles, BlockWork& next, PipelineCounters& pc) {
-  const int32_t bc = static_cast<int32_t>(w.batch_coord);
   const int32_t hk = static_cast<int32_t>(w.kv_head);
   bool has_next = false;
   auto walk_on = [&] {
