@@ -151,8 +151,6 @@ AttentionParams shape_params(const KvCacheParams& p) {
 /** The route's own arrays (arrays_in), before the forward's workspace. */
 size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_bytes(batch); }
 
-}  // namespace
-
 /** Whether the route pays for a call whose Hopper forward packs the GQA group: `rows` packed rows
  *  per KV head, `heads` = batch x heads_kv of them (RouteTraits::kMinPackedShare). */
 bool packed_route_pays(int64_t rows, int64_t heads, int sms) {
@@ -162,6 +160,8 @@ bool packed_route_pays(int64_t rows, int64_t heads, int sms) {
   const double occupancy = std::min(1.0, tiles / double(sms));
   return sm90::tile_fill(rows, R::kLargestCtaRows) * occupancy >= R::kMinPackedShare;
 }
+
+}  // namespace
 
 bool prefill_route_applies(const KvCacheParams& p) {
   using R = RouteTraits;
