@@ -7,6 +7,9 @@ Measures, in this order and within a time budget:
      backends, forward and forward+backward, TFLOP/s and ratios;
   3. the seed shape (B=1 H=8 S=512 D=64 fp16): device time per call under CUDA-graph replay;
   4. extra device memory of a forward at seqlen 16k vs naive attention;
+  4b. GQA with few query tokens (32 / 8 heads, d128, bf16, 4 / 16 / 64 tokens against 4096 keys,
+     causal): flashcore (the Hopper forward packs the group into its tiles) vs SDPA cuDNN with
+     enable_gqa, device time under CUDA-graph replay;
   5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts, forward,
      (unless --no-backward) forward+backward, and decode against a KV cache.
 Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
@@ -14,7 +17,7 @@ Timing follows TARGETS.md: calls back to back between CUDA events, median of rep
 training grid every implementation of a cell is timed in --rounds interleaved rounds and keeps
 its best one (TARGETS.md's peer table is the best of several runs per cell and peer).
 
-usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--no-forward] [--skip seed,memory,cpu]
+usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--no-forward] [--skip seed,memory,gqa,cpu]
                               [--budget SECONDS] [--rounds R]
        python3 bench/peers.py OUTDIR --cpu-only [--threads 2,16]   (section 5 alone, no GPU needed)
 """
@@ -41,7 +44,7 @@ ap.add_argument("out")
 ap.add_argument("--quick", action="store_true", help="a few cells only")
 ap.add_argument("--no-backward", action="store_true")
 ap.add_argument("--no-forward", action="store_true", help="training grid: fwd+bwd cells only")
-ap.add_argument("--skip", default="", help="sections to leave out, comma-separated (seed,memory,cpu)")
+ap.add_argument("--skip", default="", help="sections to leave out, comma-separated (seed,memory,gqa,cpu)")
 ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole script")
 ap.add_argument("--dtype", default="bf16", help="grid dtypes, comma-separated (bf16,fp16)")
 ap.add_argument("--cpu-only", action="store_true", help="only the CPU comparison (no GPU needed)")
@@ -239,6 +242,35 @@ def memory():
     extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
     naive = b * h * s * s * 2 * 2  # bf16 scores + probabilities
     emit(kind="memory", seqlen=s, flashcore_extra_bytes=int(extra), naive_bytes=naive)
+
+
+def gqa_short():
+    """Few query tokens per head under GQA (chunked prefill, speculative decoding): flashcore against
+    SDPA cuDNN over the same keys. SDPA's causal mask is top-left aligned, so with fewer queries than
+    keys it is another mask: cuDNN runs unmasked, which costs it no more than the causal call."""
+    b, hq, hk, d, keys = 8, 32, 8, 128, 4096
+    k, v = (torch.randn(b, keys, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kt, vt = (x.transpose(1, 2) for x in (k, v))
+    for tokens in (4, 16, 64):
+        if left() <= 0:
+            emit(kind="skipped", what="gqa_short %d tokens (budget)" % tokens)
+            continue
+        q = torch.randn(b, tokens, hq, d, device="cuda", dtype=torch.bfloat16)
+        qt = q.transpose(1, 2)
+        flop = 4.0 * b * hq * tokens * (keys - (tokens - 1) / 2) * d
+        impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=True),
+                 "sdpa_cudnn": lambda: _sdpa_gqa(qt, kt, vt)}
+        for name, fn in impls.items():
+            try:
+                emit(kind="gqa_short", impl=name, tokens=tokens, keys=keys, heads_q=hq, heads_kv=hk, hdim=d,
+                     tflops=flop / (graph_replay_us(fn, 50) * 1e-6) / 1e12)
+            except Exception as e:
+                emit(kind="gqa_short", impl=name, tokens=tokens, error=str(e).splitlines()[0][:160])
+
+
+def _sdpa_gqa(qt, kt, vt):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
 
 def cpu_path():
@@ -450,6 +482,13 @@ def summary():
             print("cpu decode %2d threads %dx%d (GQA %d/%d, d=%d, fp32): flashcore %.1f GB/s, torch SDPA %.1f GB/s "
                   "(%.2fx)" % (r["threads"], r["batch"], r["kv_len"], r["heads_q"], r["heads_kv"], r["hdim"],
                                r["flashcore_gbps"], r["torch_sdpa_gbps"], r["flashcore_gbps"] / r["torch_sdpa_gbps"]))
+        if r["kind"] == "gqa_short" and r["impl"] == "flashcore":
+            peer = next((p for p in ROWS if p["kind"] == "gqa_short" and p["impl"] == "sdpa_cudnn"
+                         and p.get("tokens") == r["tokens"] and "tflops" in p), None)
+            if "tflops" in r:
+                print("gqa %d/%d d%d bf16, 8 x %d tokens x %d keys, causal: flashcore %.1f TFLOP/s%s" % (
+                    r["heads_q"], r["heads_kv"], r["hdim"], r["tokens"], r["keys"], r["tflops"],
+                    ", SDPA cuDNN %.1f (%.2fx)" % (peer["tflops"], r["tflops"] / peer["tflops"]) if peer else ""))
         if r["kind"] == "skipped":
             print("skipped:", r["what"])
     for line in target_report(ROWS):
@@ -459,7 +498,7 @@ def summary():
 skipped = set(filter(None, args.skip.split(",")))
 sections = (cpu_path,) if args.cpu_only else tuple(
     fn for name, fn in (("ceilings", ceilings), ("seed", seed_shape), ("grid", training_grid), ("memory", memory),
-                        ("cpu", cpu_path)) if name not in skipped)
+                        ("gqa", gqa_short), ("cpu", cpu_path)) if name not in skipped)
 for section in sections:
     try:
         section()
