@@ -208,9 +208,9 @@ def _time_impl(mode, name, fn, q, k, v, dout):
             x.requires_grad_(False)
 
 
-def _sdpa(be, q, k, v, causal):
+def _sdpa(be, q, k, v, causal, enable_gqa=False):
     with sdpa_kernel([be]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
 
 
 def seed_shape():
@@ -259,18 +259,13 @@ def gqa_short():
         qt = q.transpose(1, 2)
         flop = 4.0 * b * hq * tokens * (keys - (tokens - 1) / 2) * d
         impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=True),
-                 "sdpa_cudnn": lambda: _sdpa_gqa(qt, kt, vt)}
+                 "sdpa_cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, False, enable_gqa=True)}
         for name, fn in impls.items():
             try:
                 emit(kind="gqa_short", impl=name, tokens=tokens, keys=keys, heads_q=hq, heads_kv=hk, hdim=d,
                      tflops=flop / (graph_replay_us(fn, 50) * 1e-6) / 1e12)
             except Exception as e:
                 emit(kind="gqa_short", impl=name, tokens=tokens, error=str(e).splitlines()[0][:160])
-
-
-def _sdpa_gqa(qt, kt, vt):
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
 
 def cpu_path():

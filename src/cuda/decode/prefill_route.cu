@@ -35,6 +35,7 @@ struct RouteTraits {
   // tokens lost everywhere. Taken when (rows' share of their tiles) x (tiles / SMs, at most 1) is
   // at least kMinPackedShare and there are kMinPackedRows rows.
   static constexpr int64_t kMinPackedRows = 32;
+  static_assert(kMinPackedRows <= kMinRows, "prefill_route_applies returns early below the packed rule");
   static constexpr double kMinPackedShare = 0.2;
   static constexpr int kThreads = 256;
   static constexpr size_t kAlign = 256;
@@ -166,7 +167,7 @@ bool packed_route_pays(int64_t rows, int64_t heads, int sms) {
 bool prefill_route_applies(const KvCacheParams& p) {
   using R = RouteTraits;
   const int64_t rows = p.group_size() * p.seqlen_q;  // per KV head
-  if (rows < std::min(R::kMinRows, R::kMinPackedRows) || p.seqlen_q > INT_MAX) return false;
+  if (rows < R::kMinPackedRows || p.seqlen_q > INT_MAX) return false;  // below both rules
   // The forward kernels decline ALiBi with paged K/V, which is how the route hands them the cache:
   // ALiBi calls stay on the decode kernel, correct at any seqlen_q and slower from a few hundred
   // query rows per KV head on.

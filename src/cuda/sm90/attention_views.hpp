@@ -88,24 +88,29 @@ inline TiledViewNd packed_group_view(const TensorRef& t, TmaElement element, int
 }
 
 /** One tensor map a launcher needs: which tensor, how many rows and heads its view has, and the
- *  rows of one box. */
+ *  rows of one box. group > 1: q / out with each KV head's query heads packed (packed_group_view;
+ *  `heads` then counts KV heads). */
 struct AttentionMapJob {
   const char* name;  // the argument name errors report
   const TensorRef* tensor;
   int64_t rows, heads;
   uint32_t box_rows;
   CUtensorMap* map;
+  int64_t group = 1;
 };
 
-/** Encodes every job's map over attention_view; a tensor with no rows gets none (it is never
- *  read). A failure names the tensor and `what` (the kernel). */
+/** Encodes every job's map over attention_view (packed_group_view for a group > 1); a tensor with
+ *  no rows gets none (it is never read). A failure names the tensor and `what` (the kernel). */
 inline Status encode_attention_maps(const AttentionMapJob* jobs, int count, TmaElement element, int64_t batch,
                                     int64_t head_dim, bool varlen, const char* what) {
   for (int i = 0; i < count; ++i) {
     const AttentionMapJob& job = jobs[i];
     if (job.rows == 0) continue;
-    const Status s = encode_tensor_map_nd(
-        attention_view(*job.tensor, element, job.rows, job.heads, batch, head_dim, varlen, job.box_rows), job.map);
+    const TiledViewNd view =
+        job.group > 1 ? packed_group_view(*job.tensor, element, job.rows, job.heads, job.group, batch, head_dim, varlen,
+                                          job.box_rows)
+                      : attention_view(*job.tensor, element, job.rows, job.heads, batch, head_dim, varlen, job.box_rows);
+    const Status s = encode_tensor_map_nd(view, job.map);
     if (!s.is_ok()) return Status{s.code, std::string(job.name) + ": " + what + ": " + s.message};
   }
   return Status::ok();

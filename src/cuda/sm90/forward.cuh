@@ -1399,19 +1399,12 @@ Status launch_forward(const forward_params_t& p) {
   args.kv_boxes = page_boxes ? static_cast<int>(T::kBlockN / p.pages.page_size) : 1;
   args.kv_box_rows = page_boxes ? static_cast<int>(p.pages.page_size) : T::kBlockN;
   const auto kv_box = static_cast<uint32_t>(args.kv_box_rows);
-  const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, p.heads_q, T::kBlockM, &args.map_q},
+  // Pack-GQA kernels read q and write out as (head_dim, group, tokens, heads_kv, batch).
+  const int64_t q_group = T::kPackGqa ? group : 1;
+  const AttentionMapJob jobs[] = {{"q", &p.q, q_rows, walk_heads, T::kBlockM, &args.map_q, q_group},
                                   {"k", &p.k, paged ? p.pages.page_size : k_rows, p.heads_kv, kv_box, &args.map_k},
                                   {"v", &p.v, paged ? p.pages.page_size : k_rows, p.heads_kv, kv_box, &args.map_v}};
-  Status s = T::kPackGqa ? encode_attention_maps(jobs + 1, paged ? 0 : 2, element, p.batch, p.head_dim, varlen,
-                                                 "cuda_sm90 forward")
-                         : encode_attention_maps(jobs, paged ? 1 : 3, element, p.batch, p.head_dim, varlen,
-                                                 "cuda_sm90 forward");
-  if (s.is_ok() && T::kPackGqa && q_rows > 0) {  // q as (head_dim, group, tokens, heads_kv, batch)
-    s = encode_tensor_map_nd(packed_group_view(p.q, element, q_rows, p.heads_kv, group, p.batch, p.head_dim, varlen,
-                                               T::kBlockM),
-                             &args.map_q);
-    if (!s.is_ok()) s = Status{s.code, "q: cuda_sm90 forward (packed GQA): " + s.message};
-  }
+  Status s = encode_attention_maps(jobs, paged ? 1 : 3, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward");
   if (s.is_ok() && paged) {
     s = encode_attention_maps(jobs + 1, 2, element, p.pages.num_pages, p.head_dim, /*varlen=*/false,
                               "cuda_sm90 forward (pages)");
@@ -1420,17 +1413,9 @@ Status launch_forward(const forward_params_t& p) {
   // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise the
   // epilogue stores from registers.
   if (T::kStageO && tma_addressable(p.out, varlen, p.batch)) {
-    if constexpr (T::kPackGqa) {
-      args.store_o_with_tma = q_rows > 0 && encode_tensor_map_nd(packed_group_view(p.out, element, q_rows, p.heads_kv,
-                                                                                   group, p.batch, p.head_dim, varlen,
-                                                                                   T::kRowsPerConsumer),
-                                                                 &args.map_o)
-                                                .is_ok();
-    } else {
-      const AttentionMapJob out_job{"out", &p.out, q_rows, p.heads_q, T::kRowsPerConsumer, &args.map_o};
-      args.store_o_with_tma =
-          encode_attention_maps(&out_job, 1, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward").is_ok();
-    }
+    const AttentionMapJob out_job{"out", &p.out, q_rows, walk_heads, T::kRowsPerConsumer, &args.map_o, q_group};
+    args.store_o_with_tma =
+        encode_attention_maps(&out_job, 1, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward").is_ok();
   }
 
   ScopedDevice device(p.device_id);
