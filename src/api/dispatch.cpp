@@ -6,6 +6,8 @@
 #include <type_traits>
 
 #include "api/backends.hpp"
+#include "api/kvcache_backends.hpp"
+#include "api/kvcache_forward_view.hpp"
 #if defined(FLASHCORE_HAS_SM90)
 #include "cuda/build_config.hpp"
 #endif
@@ -173,12 +175,27 @@ static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t w
   return s.is_ok() ? kernel(p, workspace, workspace_bytes) : s;
 }
 
+/** AUTO's decode route: a dense forward with a few query rows per KV head (decoding through
+ *  flash_attn_func, as model code without a KV-cache API does it) runs on the decode kernel, as
+ *  the KV-cache call of the same tensors would (api/kvcache_forward_view.hpp). The forward kernels'
+ *  tiles hold 64-192 query rows: with a handful they stream K / V at a fraction of the memory's
+ *  rate, one tile per (sequence, head) (cuda/decode/prefill_route.hpp has the rule and the
+ *  numbers). A backend the caller names runs the call itself. */
+static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, fc_backend chosen, KvCacheParams* kv) {
+  if (requested_backend(a.options) != FC_BACKEND_AUTO || !is_cuda_backend(chosen)) return false;
+  if (p.is_varlen() || p.is_paged() || p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
+  *kv = forward_as_kvcache(p);
+  return cuda::decode_route_suits(*kv);
+}
+
 Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
   AttentionParams p;
   fc_backend b;
   Status s = prepare(a, /*workspace_query=*/true, &p, &b);
   if (!s.is_ok()) return s;
-  *bytes = b == FC_BACKEND_CUDA_SM80   ? cuda::sm80_forward_workspace(p)
+  KvCacheParams kv;
+  *bytes = takes_decode_route(p, a, b, &kv)   ? cuda::kvcache_workspace(kv)
+           : b == FC_BACKEND_CUDA_SM80 ? cuda::sm80_forward_workspace(p)
            : b == FC_BACKEND_CUDA_SM90 ? cuda::sm90_forward_workspace(p)
                                        : 0;
   return Status::ok();
@@ -189,6 +206,11 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
   fc_backend b;
   Status s = prepare(a, false, &p, &b);
   if (!s.is_ok()) return s;
+  KvCacheParams kv;
+  if (takes_decode_route(p, a, b, &kv)) {
+    if (!(s = check_workspace(cuda::kvcache_workspace(kv), workspace, workspace_bytes)).is_ok()) return s;
+    return cuda::kvcache_forward(kv, workspace, workspace_bytes);
+  }
   switch (b) {
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);
     case FC_BACKEND_CPU_FLASH: return cpu::flash_forward(p);

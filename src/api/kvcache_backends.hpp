@@ -36,6 +36,10 @@ size_t kvcache_workspace(const KvCacheParams& p);
 bool kvcache_supports(const KvCacheParams& p, Status* why);
 Status kvcache_forward(const KvCacheParams& p, void* workspace, size_t workspace_bytes);
 Status merge_partials(const MergeParams& p);
+/** Whether a dense forward with few query rows, seen as the KV-cache call p
+ *  (api/kvcache_forward_view.hpp's forward_as_kvcache), runs faster on the decode kernel than on
+ *  the forward kernels, and that kernel serves it (AUTO's decode route, api/dispatch.cpp). */
+bool decode_route_suits(const KvCacheParams& p);
 }  // namespace cuda
 
 }  // namespace flashcore

@@ -4,7 +4,8 @@
 // b * seqlen_q + i form a packed view whose batch stride carries what q's (and out's, lse's) has
 // beyond the packed rows; the cache is the K/V pages: a paged cache's block table as it is, a
 // contiguous cache as pages of one cache row each (cache_batch_idx, or the identity, as the table;
-// cache_leftpad as each sequence's first slot). Host code only: no device or backend dependency.
+// cache_leftpad as each sequence's first slot). And back: a dense forward as a KV-cache call
+// (forward_as_kvcache). Host code only: no device or backend dependency.
 // Relies on: api/kvcache_params.hpp, api/params.hpp.
 #pragma once
 
@@ -75,6 +76,43 @@ inline AttentionParams kvcache_as_forward(const KvCacheParams& p, const KvForwar
     f.pages.first_slot_stride = p.cache_leftpad_stride;
   }
   return f;
+}
+
+/** The other way: a dense forward (no cu_seqlens, no block table) as a KV-cache call whose caches
+ *  are k and v, one cache row per sequence, every row full (no cache_seqlens), nothing appended.
+ *  AUTO hands forwards with a few query rows per KV head to the decode kernel this way
+ *  (api/dispatch.cpp); the masks, scale, softcap and ALiBi keep their meaning, since both calls
+ *  align a causal mask or window to the bottom right. */
+inline KvCacheParams forward_as_kvcache(const AttentionParams& f) {
+  KvCacheParams p;
+  p.dtype = f.dtype;
+  p.device_type = f.device_type;
+  p.device_id = f.device_id;
+  p.q = f.q;
+  p.k_cache = f.k;
+  p.v_cache = f.v;
+  p.out = f.out;
+  p.lse = f.lse;
+  p.batch = f.batch;
+  p.seqlen_q = f.seqlen_q;
+  p.heads_q = f.heads_q;
+  p.heads_kv = f.heads_kv;
+  p.head_dim = f.head_dim;
+  p.paged = false;
+  p.cache_rows = f.batch;
+  p.page_size = f.seqlen_k;  // a contiguous cache's row: seqlen_cache
+  p.pages_per_seq = 1;
+  p.cache_seqlens = nullptr;  // every row full (cache_end)
+  p.softmax_scale = f.softmax_scale;
+  p.softcap = f.softcap;
+  p.alibi_slopes = f.alibi_slopes;
+  p.alibi_batch_stride = f.alibi_batch_stride;
+  p.causal = f.causal;
+  p.window_left = f.window_left;
+  p.window_right = f.window_right;
+  p.num_threads = f.num_threads;
+  p.stream = f.stream;
+  return p;
 }
 
 }  // namespace flashcore

@@ -56,7 +56,7 @@ struct KvCacheParams {
   int64_t page_size = 0;   // contiguous: seqlen_cache (one "page" per cache row); paged: page_size
   int64_t pages_per_seq = 1;  // paged: block_table's second dimension; contiguous: 1
 
-  const int32_t* cache_seqlens = nullptr;  // (batch), stride cache_seqlens_stride
+  const int32_t* cache_seqlens = nullptr;  // (batch), stride cache_seqlens_stride; see cache_end
   int64_t cache_seqlens_stride = 1;
   const int32_t* block_table = nullptr;    // (batch, pages_per_seq) or nullptr
   int64_t block_table_batch_stride = 0;
@@ -94,9 +94,11 @@ struct KvCacheParams {
 };
 
 /** cache_seqlens[b] (device or host memory, matching the call): the slot after sequence b's last
- *  cached token, where the first appended token goes and the rotary position it takes. */
+ *  cached token, where the first appended token goes and the rotary position it takes. Without
+ *  cache_seqlens every sequence fills its cache row: the dense forward the decode route hands over
+ *  (api/kvcache_forward_view.hpp; fc_attention_kvcache itself requires the lengths). */
 FC_HOST_DEVICE int64_t cache_end(const KvCacheParams& p, int64_t b) {
-  return p.cache_seqlens[b * p.cache_seqlens_stride];
+  return p.cache_seqlens ? int64_t(p.cache_seqlens[b * p.cache_seqlens_stride]) : p.capacity();
 }
 
 /** Slot of sequence b's first token: cache_leftpad[b], 0 without it (and for paged caches). Key j of

@@ -15,5 +15,6 @@ bool kvcache_supports(const KvCacheParams&, Status* why) {
 }
 Status kvcache_forward(const KvCacheParams&, void*, size_t) { return decode_not_built(); }
 Status merge_partials(const MergeParams&) { return decode_not_built(); }
+bool decode_route_suits(const KvCacheParams&) { return false; }
 
 }  // namespace flashcore::cuda

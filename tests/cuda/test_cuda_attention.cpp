@@ -520,6 +520,85 @@ fc_tensor device_tensor(void* data, fc_dtype dtype, std::initializer_list<int64_
   return flashcore::make_tensor(data, dtype, shape, FC_DEVICE_CUDA);
 }
 
+// AUTO's decode route (api/dispatch.cpp): dense forwards with a few query rows per KV head run on
+// the decode kernel, with every semantic the forward kernels keep: masks aligned to the bottom
+// right (rows that see no key: out 0, lse -inf), windows, softcap, ALiBi, GQA / MQA, padded
+// strides, split-KV over long keys, and a backward from the lse it wrote.
+TEST(CudaDecodeRoute, FewQueryRows) {
+  REQUIRE_GPU();
+  std::vector<Case> cases;
+  for (int64_t d : {64, 96, 128, 256})
+    for (int64_t sq : {1, 3}) {
+      Case c;
+      c.batch = 3;
+      c.seqlen_q = sq;
+      c.seqlen_k = 777;
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.head_dim = d;
+      c.dtype = sq == 1 ? FC_DTYPE_BF16 : FC_DTYPE_F16;
+      c.causal = sq == 3;
+      c.softcap = d == 96 ? 15.0 : 0.0;
+      c.padded = d == 128;
+      cases.push_back(c);
+    }
+  Case c;
+  c.batch = 2;
+  c.heads_q = c.heads_kv = 4;
+  c.head_dim = 64;
+  c.dtype = FC_DTYPE_BF16;
+  c.seqlen_q = 16;  // MHA: 16 rows, one pass
+  c.seqlen_k = 300;
+  c.causal = true;
+  cases.push_back(c);
+  c.seqlen_q = 5;  // more queries than keys: the first rows see nothing
+  c.seqlen_k = 3;
+  cases.push_back(c);
+  c.seqlen_q = 4;  // a window on both sides
+  c.seqlen_k = 1000;
+  c.causal = false;
+  c.window_left = 100;
+  c.window_right = 1;
+  cases.push_back(c);
+  c.window_left = c.window_right = -1;
+  c.alibi = 2;  // per-sequence slopes
+  cases.push_back(c);
+  Case mqa;  // MQA with split-KV over long keys
+  mqa.seqlen_q = 2;
+  mqa.seqlen_k = 20000;
+  mqa.heads_q = 8;
+  mqa.heads_kv = 1;
+  mqa.head_dim = 128;
+  mqa.dtype = FC_DTYPE_BF16;
+  mqa.causal = true;
+  cases.push_back(mqa);
+  expect_forward(cases, FC_BACKEND_AUTO);
+  expect_backward({cases[0], cases[3], cases[9], mqa}, FC_BACKEND_AUTO);
+  CudaMemory mem;
+  std::string why;
+  EXPECT_TRUE(repeat_is_bit_identical(mqa, FC_BACKEND_AUTO, mem, 20, false, &why)) << why;
+  EXPECT_TRUE(chained_forward_calls_are_ordered(cases[1], FC_BACKEND_AUTO, mem, 8, &why)) << why;
+}
+
+// The route is taken where it pays (one sequence, GQA 32 / 8, one token: split-KV partials need a
+// workspace, which the forward kernels' dense call does not) and not where a backend is named.
+TEST(CudaDecodeRoute, TakenUnderAutoOnly) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  auto tensor = [&](std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    return device_tensor(mem.alloc(size_t(n) * 2), FC_DTYPE_BF16, shape);
+  };
+  const fc_tensor q = tensor({1, 1, 32, 128}), kv = tensor({1, 16384, 8, 128});
+  Options named;
+  named.backend = FC_BACKEND_CUDA_SM80;
+  EXPECT_GT(forward_workspace(q, kv, kv), forward_workspace(q, kv, kv, named));
+  // 64 query rows per KV head over 64 sequences: the forward kernels' tiles fill, no route.
+  const fc_tensor q64 = tensor({64, 64, 8, 128}), kv64 = tensor({64, 512, 1, 128});
+  EXPECT_EQ(forward_workspace(q64, kv64, kv64), forward_workspace(q64, kv64, kv64, named));
+}
+
 TEST(CudaDeviceInfo, DescribesEveryVisibleDevice) {
   // (The bad-argument cases run in the CPU tests: DeviceInfo.*.)
   const int n = fc_cuda_device_count();

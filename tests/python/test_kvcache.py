@@ -1039,3 +1039,33 @@ def test_torch_cuda_cache_leftpad_matches_reference(rng, cuda_torch):
     assert_low_precision_close(out.cpu().numpy(), ref_out, same_out.astype(np.float16), np.float16, "out")
     np.testing.assert_array_equal(t["k_cache"].cpu().numpy(), ref_k)
     np.testing.assert_array_equal(t["v_cache"].cpu().numpy(), ref_v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_cuda_few_query_rows_take_the_decode_kernel(cuda_torch, causal):
+    """flash_attn_func with a few query rows per KV head runs on the decode kernel (AUTO's decode
+    route): the same bits as flash_attn_with_kvcache over the same tensors as a full cache, under
+    autograd and in a CUDA graph too."""
+    torch = cuda_torch
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 2, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(2, 3000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(2, 3000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    cache_out, cache_lse = flashcore.flash_attn_with_kvcache(q, k, v, causal=causal, return_softmax_lse=True)
+    assert torch.equal(out, cache_out)
+    assert torch.equal(lse, cache_lse)
+    qg = q.clone().requires_grad_()
+    flashcore.flash_attn_func(qg, k, v, causal=causal).float().sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashcore.flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = flashcore.flash_attn_func(q, k, v, causal=causal)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)

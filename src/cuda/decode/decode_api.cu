@@ -377,6 +377,11 @@ Status kvcache_forward(const KvCacheParams& p, void* workspace, size_t) {
   }
 }
 
+bool decode_route_suits(const KvCacheParams& p) {
+  Status why;
+  return kvcache_supports(p, &why) && decode::decode_kernel_suits(p);
+}
+
 Status merge_partials(const MergeParams& p) {
   switch (p.out_dtype) {
     case DType::F32: return launch_merge<float>(p);

@@ -252,7 +252,8 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
   constexpr int kMaxTiles = 4;
   const int tiles = min(so.prefetch_tiles, kMaxTiles);
   if (tiles <= 0) return;
-  const int64_t end = ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride);
+  const int64_t end =
+      p.cache_seqlens ? ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride) : p.capacity();
   const int64_t start = p.cache_leftpad ? ptx::load_unordered_s32(p.cache_leftpad + b * p.cache_leftpad_stride) : 0;
   const int64_t seqlen_k = end - start + p.seqlen_new;
   if (start < 0 || end < start || end + p.seqlen_new > p.capacity()) return;

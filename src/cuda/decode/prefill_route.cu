@@ -13,6 +13,7 @@
 #include "api/backends.hpp"
 #include "api/kvcache_forward_view.hpp"
 #include "cuda/build_config.hpp"
+#include "cuda/decode/decode_kernels.cuh"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm90/pack_gqa.hpp"
 
@@ -33,10 +34,11 @@ struct RouteTraits {
   // against 69, 16 x 8 105 against 74, 16 x 32 376-386 against 75; 4 sequences (32 tiles) lost at
   // 8 tokens (33-36 against 60-62), tied at 16 and won from 32 (136-145 against 79); 2 and 4
   // tokens lost everywhere. Taken when (rows' share of their tiles) x (tiles / SMs, at most 1) is
-  // at least kMinPackedShare and there are kMinPackedRows rows.
+  // at least kMinPackedShare and there are kMinPackedRows rows. Share 0.12 (8 x 8 tokens, 4096
+  // keys, session 35: the forward 2.62 TB/s against 2.26; 4 x 16 tokens above: a tie) takes it.
   static constexpr int64_t kMinPackedRows = 32;
   static_assert(kMinPackedRows <= kMinRows, "prefill_route_applies returns early below the packed rule");
-  static constexpr double kMinPackedShare = 0.2;
+  static constexpr double kMinPackedShare = 0.1;
   static constexpr int kThreads = 256;
   static constexpr size_t kAlign = 256;
   static constexpr int64_t kLargestCtaRows = 128;  // the forward's kBlockM: the grid-size bound
@@ -143,9 +145,11 @@ bool hopper_takes(const AttentionParams& f) {
          sm90_forward_workspace(f) <= kMaxRouteGatherBytes;
 }
 
-/** f with placeholder arrays: for the rules and the workspace size, which read only their presence. */
+/** f with placeholder arrays: for the rules and the workspace size, which read only their presence
+ *  (a call without cache_seqlens, the forward's decode route, has no device array to point at). */
 AttentionParams shape_params(const KvCacheParams& p) {
-  int32_t* placeholder = const_cast<int32_t*>(p.cache_seqlens);
+  static int32_t never_read;
+  int32_t* placeholder = &never_read;
   return forward_params(p, {placeholder, placeholder, placeholder, placeholder});
 }
 
@@ -186,6 +190,23 @@ bool prefill_route_applies(const KvCacheParams& p) {
     return packed_route_pays(rows, p.batch * p.heads_kv, sms);
   if (rows < R::kMinRows || 2 * p.batch * p.heads_q * blocks < sms) return false;  // half a block per SM
   return hopper || sm80_supports(f, nullptr);
+}
+
+bool decode_kernel_suits(const KvCacheParams& p) {
+  using R = RouteTraits;
+  const int64_t rows = p.group_size() * p.seqlen_q;  // per KV head
+  if (rows >= R::kMinRows) return false;
+  const AttentionParams f = shape_params(p);
+  const bool hopper_packs = hopper_takes(f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
+  if (rows > DecodeTraits::kRows) return hopper_packs && !prefill_route_applies(p);
+  // One pass over the keys. At head dim 64 the decode kernel reads ~2.5 TB/s where the forward's
+  // narrow tile reads ~3.0 (H200, session 35, MHA 32 x 16 heads x 2048 keys): there it takes only
+  // calls whose forward tiles leave SMs idle.
+  if (compiled_head_dim_bucket(p.head_dim) > 64) return true;
+  constexpr int kDefaultSms = 132;
+  const int64_t tiles = hopper_packs ? p.batch * p.heads_kv * ((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows)
+                                     : p.batch * p.heads_q * ((p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
+  return tiles < multiprocessor_count(p.device_id, kDefaultSms);
 }
 
 bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(shape_params(p)); }

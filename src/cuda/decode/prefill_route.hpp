@@ -25,6 +25,17 @@ namespace flashcore::cuda::decode {
  *  sequence or pages of 256k keys). */
 bool prefill_route_applies(const KvCacheParams& p);
 
+/** The reverse question, for a dense forward with few query rows seen as a KV-cache call (AUTO's
+ *  decode route, api/dispatch.cpp): whether the decode kernel serves it better than the forward
+ *  kernels. Where its rows per KV head fit one of its 16-row passes over the keys (at head dim 64,
+ *  where the decode kernel streams slower, only when the forward's tiles would leave SMs idle), and
+ *  where the Hopper forward would pack more rows into tiles too few to fill the GPU (the calls
+ *  prefill_route_applies leaves on the decode kernel, so a forward and a KV-cache call of one
+ *  shape take one kernel). H200, docs/PERF.md session 35, K+V TB/s, 1-4 query tokens: GQA 32 / 8
+ *  d128, 1 x 65536 keys 0.38 -> 3.3-3.9, 8 x 4096 2.6 -> 3.4-3.5; MHA d128 +5% to +15%, d256 3.0
+ *  -> 4.0. */
+bool decode_kernel_suits(const KvCacheParams& p);
+
 /** Whether the route runs p on the Hopper forward (else cuda_sm80). Decided on the call as the
  *  caller made it (before q is rotated into the workspace), as the workspace size is. */
 bool prefill_route_on_hopper(const KvCacheParams& p);
