@@ -1,12 +1,13 @@
 // Times the CPU decode path (fc_attention_kvcache on the cpu_flash backend) through the C ABI,
 // against a contiguous cache of random data, and prints K+V bytes read per second next to the
 // GFLOP/s of the attention (4 x heads_q x length x head_dim per query token). The tool behind the
-// session 9 rewrite of src/cpu/decode.cpp; run it beside `bench/peers.py`'s torch numbers.
+// session 9 rewrite of src/cpu/decode.cpp; run it beside `bench/peers.py`'s torch numbers. Each cell
+// also times fc_attention_forward on the same tensors (decoding through flash_attn_func).
 //
 // Build (from the repository root, against a CPU build in BUILD):
 //   g++ -std=c++17 -O2 -I include dev/cpu_decode_bench.cpp -L BUILD -lflashcore -Wl,-rpath,BUILD
 //       -o /tmp/cpu_decode_bench
-// Run: /tmp/cpu_decode_bench [threads] [dtype f32|f16|bf16] [batch x length ...]
+// Run: [TOKENS=1] [HEADS=32/8] [DIM=128] /tmp/cpu_decode_bench [threads] [dtype f32|f16|bf16] [batch x length ...]
 //      default: 2 threads, f32, 1x512 1x2048 1x8192 1x32768 8x2048 (GQA 32 / 8 heads, d = 128)
 #include <algorithm>
 #include <chrono>
@@ -32,11 +33,16 @@ int main(int argc, char** argv) {
     if (std::sscanf(argv[i], "%lldx%lld", &b, &l) == 2) cells.push_back({b, l});
   }
   if (cells.empty()) cells = {{1, 512}, {1, 2048}, {1, 8192}, {1, 32768}, {8, 2048}};
-  const int64_t hq = 32, hk = 8, d = 128;
+  // TOKENS (query tokens per sequence, default 1), HEADS (q/kv, default 32/8) and DIM (128) from
+  // the environment.
+  const int64_t tokens = std::getenv("TOKENS") ? std::atoll(std::getenv("TOKENS")) : 1;
+  long long heads_q = 32, heads_kv = 8;
+  if (std::getenv("HEADS")) std::sscanf(std::getenv("HEADS"), "%lld/%lld", &heads_q, &heads_kv);
+  const int64_t hq = heads_q, hk = heads_kv, d = std::getenv("DIM") ? std::atoll(std::getenv("DIM")) : 128;
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> bits(0, 0xffff);
   for (auto [batch, len] : cells) {
-    std::vector<uint8_t> q(batch * hq * d * elem), k(batch * len * hk * d * elem), v(k.size()),
+    std::vector<uint8_t> q(batch * tokens * hq * d * elem), k(batch * len * hk * d * elem), v(k.size()),
         out(q.size());
     for (auto* buf : {&q, &k, &v}) {
       // Random values in [-1, 1): fp32 from 16-bit fractions, fp16 / bf16 by rounding those down.
@@ -59,10 +65,10 @@ int main(int argc, char** argv) {
       }
     }
     std::vector<int32_t> lens(batch, static_cast<int32_t>(len));
-    fc_tensor tq = flashcore::make_tensor(q.data(), dtype, {batch, 1, hq, d});
+    fc_tensor tq = flashcore::make_tensor(q.data(), dtype, {batch, tokens, hq, d});
     fc_tensor tk = flashcore::make_tensor(k.data(), dtype, {batch, len, hk, d});
     fc_tensor tv = flashcore::make_tensor(v.data(), dtype, {batch, len, hk, d});
-    fc_tensor to = flashcore::make_tensor(out.data(), dtype, {batch, 1, hq, d});
+    fc_tensor to = flashcore::make_tensor(out.data(), dtype, {batch, tokens, hq, d});
     fc_tensor tl = flashcore::make_tensor(lens.data(), FC_DTYPE_I32, {batch});
     fc_kvcache_args args{};
     args.q = &tq;
@@ -73,25 +79,37 @@ int main(int argc, char** argv) {
     fc_attention_options opt{};
     opt.backend = FC_BACKEND_CPU_FLASH;
     opt.num_threads = threads;
-    auto call = [&] {
+    auto decode_call = [&] {
       if (fc_attention_kvcache(&args, &opt, nullptr, 0) != FC_OK) {
         std::fprintf(stderr, "fc_attention_kvcache: %s\n", fc_last_error());
         std::exit(1);
       }
     };
-    call();
-    std::vector<double> ms;
-    for (int r = 0; r < 15; ++r) {
-      const auto t0 = std::chrono::steady_clock::now();
+    // The same tensors through fc_attention_forward (flash_attn_func's call).
+    auto forward_call = [&] {
+      if (fc_attention_forward(&tq, &tk, &tv, &to, nullptr, &opt, nullptr, 0) != FC_OK) {
+        std::fprintf(stderr, "fc_attention_forward: %s\n", fc_last_error());
+        std::exit(1);
+      }
+    };
+    auto median_ms = [](auto&& call) {  // alternating callers share the same warm-up state
       call();
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(ms.begin(), ms.end());
-    const double t = ms[ms.size() / 2];
+      std::vector<double> ms;
+      for (int r = 0; r < 15; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        call();
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::sort(ms.begin(), ms.end());
+      return ms[ms.size() / 2];
+    };
+    const double t = median_ms(decode_call), t_fwd = median_ms(forward_call);
     const double bytes = 2.0 * batch * len * hk * d * elem;
-    std::printf("%s %d threads, batch %lld x %lld keys: %.3f ms, %.1f GB/s of K+V, %.1f GFLOP/s\n", dt.c_str(),
-                threads, static_cast<long long>(batch), static_cast<long long>(len), t, bytes / t / 1e6,
-                4.0 * batch * hq * len * d / t / 1e6);
+    std::printf("%s %d threads, %lld / %lld heads, d%lld, %lld tokens, batch %lld x %lld keys: %.3f ms, %.1f GB/s of K+V, %.1f GFLOP/s; "
+                "fc_attention_forward on the same tensors %.3f ms (%.2fx)\n",
+                dt.c_str(), threads, heads_q, heads_kv, static_cast<long long>(d), static_cast<long long>(tokens),
+                static_cast<long long>(batch), static_cast<long long>(len), t, bytes / t / 1e6,
+                4.0 * batch * tokens * hq * len * d / t / 1e6, t_fwd, t_fwd / t);
   }
   return 0;
 }

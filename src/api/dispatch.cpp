@@ -176,16 +176,18 @@ static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t w
 }
 
 /** AUTO's decode route: a dense forward with a few query rows per KV head (decoding through
- *  flash_attn_func, as model code without a KV-cache API does it) runs on the decode kernel, as
- *  the KV-cache call of the same tensors would (api/kvcache_forward_view.hpp). The forward kernels'
+ *  flash_attn_func, as model code without a KV-cache API does it) runs on the decode path, as the
+ *  KV-cache call of the same tensors would (api/kvcache_forward_view.hpp). The GPU forward kernels'
  *  tiles hold 64-192 query rows: with a handful they stream K / V at a fraction of the memory's
  *  rate, one tile per (sequence, head) (cuda/decode/prefill_route.hpp has the rule and the
- *  numbers). A backend the caller names runs the call itself. */
+ *  numbers); cpu_flash's forward streams K / V once per query head (cpu/decode.cpp's rule). A
+ *  backend the caller names runs the call itself. */
 static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, fc_backend chosen, KvCacheParams* kv) {
-  if (requested_backend(a.options) != FC_BACKEND_AUTO || !is_cuda_backend(chosen)) return false;
+  if (requested_backend(a.options) != FC_BACKEND_AUTO) return false;
+  if (chosen != FC_BACKEND_CPU_FLASH && !is_cuda_backend(chosen)) return false;
   if (p.is_varlen() || p.is_paged() || p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
   *kv = forward_as_kvcache(p);
-  return cuda::decode_route_suits(*kv);
+  return is_cuda_backend(chosen) ? cuda::decode_route_suits(*kv) : cpu::decode_route_suits(*kv);
 }
 
 Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
@@ -194,8 +196,11 @@ Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
   Status s = prepare(a, /*workspace_query=*/true, &p, &b);
   if (!s.is_ok()) return s;
   KvCacheParams kv;
-  *bytes = takes_decode_route(p, a, b, &kv)   ? cuda::kvcache_workspace(kv)
-           : b == FC_BACKEND_CUDA_SM80 ? cuda::sm80_forward_workspace(p)
+  if (takes_decode_route(p, a, b, &kv)) {
+    *bytes = is_cuda_backend(b) ? cuda::kvcache_workspace(kv) : 0;
+    return Status::ok();
+  }
+  *bytes = b == FC_BACKEND_CUDA_SM80   ? cuda::sm80_forward_workspace(p)
            : b == FC_BACKEND_CUDA_SM90 ? cuda::sm90_forward_workspace(p)
                                        : 0;
   return Status::ok();
@@ -208,6 +213,7 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
   if (!s.is_ok()) return s;
   KvCacheParams kv;
   if (takes_decode_route(p, a, b, &kv)) {
+    if (!is_cuda_backend(b)) return cpu::kvcache_forward(kv);
     if (!(s = check_workspace(cuda::kvcache_workspace(kv), workspace, workspace_bytes)).is_ok()) return s;
     return cuda::kvcache_forward(kv, workspace, workspace_bytes);
   }

@@ -26,6 +26,9 @@ namespace cpu {
 // range and merges them (the same arithmetic as split-KV on the GPU). Threads over (batch, kv head).
 Status kvcache_forward(const KvCacheParams& p);
 Status merge_partials(const MergeParams& p);
+/** Whether a dense forward with few query rows, seen as the KV-cache call p, runs faster on the
+ *  decode pass than on cpu_flash's forward (AUTO's decode route, api/dispatch.cpp). */
+bool decode_route_suits(const KvCacheParams& p);
 }  // namespace cpu
 
 namespace cuda {

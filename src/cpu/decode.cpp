@@ -47,6 +47,13 @@ struct DecodeTraits {
   // 1.04-1.07x (GQA), 0.92-1.05x (MHA d64), 0.85-0.87x (MHA d128) (session 33, once the forward
   // read a paged view as fast as the same keys unpaged).
   static constexpr int64_t kForwardMinRows = 12;
+  // The other way (AUTO's decode route, api/dispatch.cpp): a dense forward with at most this many
+  // query rows per KV head runs this decode pass instead of cpu_flash's forward, which streams each
+  // query head's K / V for its few rows (development EPYC, 2 threads, `dev/cpu_decode_bench.cpp`,
+  // session 35: the forward took 1.11-1.43x the decode pass's time at d128 and 1.48-2.12x at d64,
+  // 1 and 4 rows, GQA 32 / 8 and MHA, fp32 and bf16; session 32 read 1.09-1.34x at 1-4 rows and
+  // 0.85-1.07x at 8).
+  static constexpr int64_t kRouteMaxRows = 4;
 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -417,6 +424,10 @@ Status forward_route(const KvCacheParams& p) {
 }
 
 }  // namespace
+
+bool decode_route_suits(const KvCacheParams& p) {
+  return p.group_size() * p.seqlen_q <= DecodeTraits::kRouteMaxRows;
+}
 
 Status kvcache_forward(const KvCacheParams& params) {
   KvCacheParams p = params;
