@@ -176,7 +176,11 @@ FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_ten
 
 /** out = softmax(scale * q k^T + mask) v ; lse (optional, may be NULL) = log-sum-exp per row
  *  in natural-log units of the scaled (and capped) scores. Fully masked rows give out = 0 and
- *  lse = -inf. workspace may be NULL when fc_attention_forward_workspace reports 0. */
+ *  lse = -inf. workspace may be NULL when fc_attention_forward_workspace reports 0. Under
+ *  FC_BACKEND_AUTO a dense call with a few query rows per KV head (decoding through the forward)
+ *  runs on the decode path; on a GPU its split-KV partials are the workspace reported, and with
+ *  less the call runs on the forward kernels instead (slower there, same results within the
+ *  tolerance of either). */
 FC_API fc_status fc_attention_forward(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
                                       fc_tensor* out, fc_tensor* lse,
                                       const fc_attention_options* options, void* workspace,

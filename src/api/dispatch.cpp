@@ -214,8 +214,11 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
   KvCacheParams kv;
   if (takes_decode_route(p, a, b, &kv)) {
     if (!is_cuda_backend(b)) return cpu::kvcache_forward(kv);
-    if (!(s = check_workspace(cuda::kvcache_workspace(kv), workspace, workspace_bytes)).is_ok()) return s;
-    return cuda::kvcache_forward(kv, workspace, workspace_bytes);
+    // The split-KV partials are the route's only workspace: a caller that gives less than the
+    // query reported (dense forwards needed none before the route) gets the forward kernels.
+    const size_t needed = cuda::kvcache_workspace(kv);
+    if (needed == 0 || (workspace != nullptr && workspace_bytes >= needed))
+      return cuda::kvcache_forward(kv, workspace, workspace_bytes);
   }
   switch (b) {
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);

@@ -581,7 +581,8 @@ TEST(CudaDecodeRoute, FewQueryRows) {
 }
 
 // The route is taken where it pays (one sequence, GQA 32 / 8, one token: split-KV partials need a
-// workspace, which the forward kernels' dense call does not) and not where a backend is named.
+// workspace, which the forward kernels' dense call does not), not where a backend is named, and a
+// call without that workspace runs on the forward kernels.
 TEST(CudaDecodeRoute, TakenUnderAutoOnly) {
   REQUIRE_GPU();
   CudaMemory mem;
@@ -594,6 +595,11 @@ TEST(CudaDecodeRoute, TakenUnderAutoOnly) {
   Options named;
   named.backend = FC_BACKEND_CUDA_SM80;
   EXPECT_GT(forward_workspace(q, kv, kv), forward_workspace(q, kv, kv, named));
+  // A caller that gives no workspace (dense forwards needed none before the route) still gets its
+  // result, from the forward kernels.
+  fc_tensor out = tensor({1, 1, 32, 128});
+  EXPECT_NO_THROW(forward(q, kv, kv, out));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // 64 query rows per KV head over 64 sequences: the forward kernels' tiles fill, no route.
   const fc_tensor q64 = tensor({64, 64, 8, 128}), kv64 = tensor({64, 512, 1, 128});
   EXPECT_EQ(forward_workspace(q64, kv64, kv64), forward_workspace(q64, kv64, kv64, named));
