@@ -182,6 +182,18 @@ struct SplitOutput {
  *  holds, per warp, kStages tiles of kKeys keys (K and V): (kStages - 1) tiles stay in flight while
  *  one is used. kWarpsPerCta: 4, or 8 (HD <= 128) where a block may take the doubled ring
  *  (kWideWarps). */
+// Head dim 64's ring depth: 6 stages keep a warp's bytes in flight at d128's (4 KB tiles). At
+// d64 the kernel read ~2.5 TB/s where d128 reads 4.1 on an H200 (MHA 32 x 16 heads x 2048 keys,
+// docs/PERF.md session 35): its softmax and ring waits come twice as often per byte, so more warps
+// per SM may hide them better. FLASHCORE_DECODE_D64_STAGES=3 builds 48 KB rings for an A/B
+// measurement (unmeasured; 162 registers a thread hold it to three 4-warp CTAs per SM, where the
+// host's plan, which counts shared memory only, assumes four).
+#ifndef FLASHCORE_DECODE_D64_STAGES
+#define FLASHCORE_DECODE_D64_STAGES 6
+#endif
+inline constexpr int kD64Stages = FLASHCORE_DECODE_D64_STAGES;
+static_assert(kD64Stages >= 2 && kD64Stages <= 8, "FLASHCORE_DECODE_D64_STAGES: 2..8");
+
 template <int HD, int kWarpsPerCta>
 struct AttnTile {
   static constexpr int kWarps = kWarpsPerCta;
@@ -195,7 +207,7 @@ struct AttnTile {
   // sm_86/89); HD 256 takes 2 stages (136 KB with Q: fits A100's 163 KB). 8 warps: 192 KB, one CTA
   // per SM. A ring twice as deep (one 4-warp CTA per SM, 5 tiles in flight per warp) was slower on
   // every decode target cell of the H100 (2026-11-23), 4 and 5 stages on the H200 (session 33).
-  static constexpr int kStages = HD <= 64 ? 6 : (HD <= 128 ? 3 : 2);
+  static constexpr int kStages = HD <= 64 ? kD64Stages : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kCombineBytes = kWarps * kRows * HD * int(sizeof(float));
   // HD 256: Q's mma fragments (64 registers) would spill next to the 128 accumulators; they are
