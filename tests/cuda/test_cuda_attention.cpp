@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -580,29 +582,177 @@ TEST(CudaDecodeRoute, FewQueryRows) {
   EXPECT_TRUE(chained_forward_calls_are_ordered(cases[1], FC_BACKEND_AUTO, mem, 8, &why)) << why;
 }
 
-// The route is taken where it pays (one sequence, GQA 32 / 8, one token: split-KV partials need a
-// workspace, which the forward kernels' dense call does not), not where a backend is named, and a
-// call without that workspace runs on the forward kernels.
-TEST(CudaDecodeRoute, TakenUnderAutoOnly) {
+/** One bf16 dense problem on the GPU (fresh normal inputs), run as the forward (AUTO or a backend
+ *  named, with or without the workspace the query reports) or as the KV-cache call over the same
+ *  tensors (k / v as caches whose rows are full). Returns out's and lse's bytes. */
+struct DenseProblem {
+  int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  bool causal;
+};
+struct RouteResult {
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+};
+enum class RouteCall { kForward, kForwardWithoutWorkspace, kKvCache };
+
+class RouteRunner {
+ public:
+  /** Tensors on the current device; calls made later may run with another one current. */
+  explicit RouteRunner(const DenseProblem& d) : d_(d) {
+    CUDA_OK(cudaGetDevice(&device_));
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal;
+    auto upload_random = [&](size_t n) {
+      std::vector<uint16_t> host(n);
+      for (uint16_t& h : host) {
+        const float x = normal(rng);
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        h = static_cast<uint16_t>((u + 0x8000u) >> 16);  // bf16, rounded
+      }
+      void* dev = mem_.alloc(n * 2);
+      mem_.upload(dev, host.data(), n * 2);
+      return dev;
+    };
+    q_ = upload_random(size_t(d.batch * d.seqlen_q * d.heads_q * d.head_dim));
+    k_ = upload_random(size_t(d.batch * d.seqlen_k * d.heads_kv * d.head_dim));
+    v_ = upload_random(size_t(d.batch * d.seqlen_k * d.heads_kv * d.head_dim));
+    const std::vector<int32_t> full(size_t(d.batch), static_cast<int32_t>(d.seqlen_k));
+    lens_ = mem_.alloc(full.size() * 4);
+    mem_.upload(lens_, full.data(), full.size() * 4);
+  }
+
+  RouteResult run(RouteCall call, fc_backend backend = FC_BACKEND_AUTO) {
+    const size_t out_elems = size_t(d_.batch * d_.seqlen_q * d_.heads_q * d_.head_dim);
+    const size_t lse_elems = size_t(d_.batch * d_.heads_q * d_.seqlen_q);
+    int current = 0;
+    CUDA_OK(cudaGetDevice(&current));
+    CUDA_OK(cudaSetDevice(device_));  // allocations on the tensors' device
+    void* out = mem_.alloc(out_elems * 2);
+    void* lse = mem_.alloc(lse_elems * 4);
+    const size_t ws_bytes = call == RouteCall::kForwardWithoutWorkspace ? 0 : workspace_bytes(call, backend, out);
+    void* ws = mem_.alloc(ws_bytes);
+    CUDA_OK(cudaSetDevice(current));
+    auto on_device = [&](void* data, fc_dtype dtype, std::initializer_list<int64_t> shape) {
+      fc_tensor t = device_tensor(data, dtype, shape);
+      t.device_id = device_;
+      return t;
+    };
+    const fc_tensor tq = on_device(q_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_q, d_.heads_q, d_.head_dim});
+    const fc_tensor tk = on_device(k_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_k, d_.heads_kv, d_.head_dim});
+    const fc_tensor tv = on_device(v_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_k, d_.heads_kv, d_.head_dim});
+    fc_tensor to = on_device(out, FC_DTYPE_BF16, {d_.batch, d_.seqlen_q, d_.heads_q, d_.head_dim});
+    fc_tensor tl = on_device(lse, FC_DTYPE_F32, {d_.batch, d_.heads_q, d_.seqlen_q});
+    const fc_tensor tlens = on_device(lens_, FC_DTYPE_I32, {d_.batch});
+    Options opt;
+    opt.causal = d_.causal;
+    opt.backend = backend;
+    opt.stream = mem_.stream();
+    KvCacheArgs args;
+    args.q = &tq;
+    args.k_cache = &tk;
+    args.v_cache = &tv;
+    args.cache_seqlens = &tlens;
+    args.out = &to;
+    args.lse = &tl;
+    if (call == RouteCall::kKvCache) {
+      kvcache(args, opt, ws, ws_bytes);
+    } else {
+      forward(tq, tk, tv, to, &tl, opt, ws, ws_bytes);
+    }
+    RouteResult r{std::vector<uint16_t>(out_elems), std::vector<float>(lse_elems)};
+    mem_.download(r.out.data(), out, out_elems * 2);
+    mem_.download(r.lse.data(), lse, lse_elems * 4);
+    for (void* p : {out, lse, ws})
+      if (p) mem_.release(p);
+    return r;
+  }
+
+ private:
+  /** What the call's workspace query reports (the tensors' shapes only; no data is read). */
+  size_t workspace_bytes(RouteCall call, fc_backend backend, void* out) const {
+    auto shaped = [&](void* data, fc_dtype dtype, std::initializer_list<int64_t> shape) {
+      fc_tensor t = device_tensor(data, dtype, shape);
+      t.device_id = device_;
+      return t;
+    };
+    const fc_tensor tq = shaped(q_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_q, d_.heads_q, d_.head_dim});
+    const fc_tensor tk = shaped(k_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_k, d_.heads_kv, d_.head_dim});
+    const fc_tensor tv = shaped(v_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_k, d_.heads_kv, d_.head_dim});
+    const fc_tensor tlens = shaped(lens_, FC_DTYPE_I32, {d_.batch});
+    Options opt;
+    opt.causal = d_.causal;
+    opt.backend = backend;
+    if (call != RouteCall::kKvCache) return forward_workspace(tq, tk, tv, opt);
+    fc_tensor to = shaped(out, FC_DTYPE_BF16, {d_.batch, d_.seqlen_q, d_.heads_q, d_.head_dim});
+    KvCacheArgs args;
+    args.q = &tq;
+    args.k_cache = &tk;
+    args.v_cache = &tv;
+    args.cache_seqlens = &tlens;
+    args.out = &to;
+    return kvcache_workspace(args, opt);
+  }
+
+  int device_ = 0;
+  DenseProblem d_;
+  CudaMemory mem_;
+  void *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *lens_ = nullptr;
+};
+
+bool same_bits(const RouteResult& a, const RouteResult& b) {
+  return a.out == b.out && std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
+}
+
+// The route is taken where it suits (the same bits as the KV-cache call: GQA 32 / 8 with one
+// token over one sequence, split-KV; MHA d256; d64 GQA over few tiles), not where 64 rows per KV
+// head over 64 sequences fill the forward's tiles (the same bits as the forward backend named),
+// and a call without the workspace the query reports runs on the forward kernels (the route's
+// split-KV partials are all its workspace).
+TEST(CudaDecodeRoute, TakenWhereItSuits) {
   REQUIRE_GPU();
-  CudaMemory mem;
-  auto tensor = [&](std::initializer_list<int64_t> shape) {
-    int64_t n = 1;
-    for (int64_t x : shape) n *= x;
-    return device_tensor(mem.alloc(size_t(n) * 2), FC_DTYPE_BF16, shape);
-  };
-  const fc_tensor q = tensor({1, 1, 32, 128}), kv = tensor({1, 16384, 8, 128});
-  Options named;
-  named.backend = FC_BACKEND_CUDA_SM80;
-  EXPECT_GT(forward_workspace(q, kv, kv), forward_workspace(q, kv, kv, named));
-  // A caller that gives no workspace (dense forwards needed none before the route) still gets its
-  // result, from the forward kernels.
-  fc_tensor out = tensor({1, 1, 32, 128});
-  EXPECT_NO_THROW(forward(q, kv, kv, out));
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  // 64 query rows per KV head over 64 sequences: the forward kernels' tiles fill, no route.
-  const fc_tensor q64 = tensor({64, 64, 8, 128}), kv64 = tensor({64, 512, 1, 128});
-  EXPECT_EQ(forward_workspace(q64, kv64, kv64), forward_workspace(q64, kv64, kv64, named));
+  for (const DenseProblem& d : {DenseProblem{1, 1, 16384, 32, 8, 128, false}, DenseProblem{2, 3, 2000, 4, 4, 256, true},
+                                DenseProblem{3, 2, 999, 8, 2, 64, true}}) {
+    RouteRunner runner(d);
+    const RouteResult routed = runner.run(RouteCall::kForward);
+    EXPECT_TRUE(same_bits(routed, runner.run(RouteCall::kKvCache)))
+        << "heads " << d.heads_q << " / " << d.heads_kv << ", d" << d.head_dim << ": not the decode kernel's bits";
+  }
+  const fc_backend forward_kernels = fc_backend_available(FC_BACKEND_CUDA_SM90, 0) ? FC_BACKEND_CUDA_SM90
+                                                                                 : FC_BACKEND_CUDA_SM80;
+  RouteRunner tiles({64, 64, 512, 8, 1, 128, true});
+  EXPECT_TRUE(same_bits(tiles.run(RouteCall::kForward), tiles.run(RouteCall::kForward, forward_kernels)))
+      << "64 rows per KV head over 64 sequences did not stay on " << fc_backend_name(forward_kernels);
+
+  RouteRunner split({1, 1, 16384, 32, 8, 128, false});
+  const RouteResult routed = split.run(RouteCall::kForward);
+  const RouteResult fallback = split.run(RouteCall::kForwardWithoutWorkspace);
+  EXPECT_FALSE(same_bits(routed, fallback)) << "without the workspace the call still took the split route";
+  float worst = 0.f, largest = 0.f;  // two bf16 roundings of fp32 sums apart: ~1% of the largest
+  for (size_t i = 0; i < routed.out.size(); ++i) {
+    const uint32_t a = uint32_t(routed.out[i]) << 16, b = uint32_t(fallback.out[i]) << 16;
+    float fa, fb;
+    std::memcpy(&fa, &a, 4);
+    std::memcpy(&fb, &b, 4);
+    largest = std::max(largest, std::fabs(fa));
+    worst = std::isfinite(fb) ? std::max(worst, std::fabs(fa - fb)) : INFINITY;
+  }
+  EXPECT_GT(largest, 0.f);
+  EXPECT_LE(worst, 0.02f * largest) << "the forward kernels' result differs from the route's";
+}
+
+// The route on the tensors' GPU when another one is current (the decode path switches devices as
+// the forward kernels do).
+TEST(CudaDecodeRoute, RunsOnTheTensorsDevice) {
+  REQUIRE_GPU();
+  if (fc_cuda_device_count() < 2) GTEST_SKIP() << "one GPU: the device switch is not exercised";
+  CUDA_OK(cudaSetDevice(1));
+  RouteRunner on_one({1, 1, 16384, 32, 8, 128, false});
+  const RouteResult expected = on_one.run(RouteCall::kKvCache);
+  CUDA_OK(cudaSetDevice(0));
+  const RouteResult got = on_one.run(RouteCall::kForward);
+  EXPECT_TRUE(same_bits(got, expected));
+  CUDA_OK(cudaSetDevice(0));
 }
 
 TEST(CudaDeviceInfo, DescribesEveryVisibleDevice) {

@@ -17,6 +17,7 @@
 #include "cuda/decode/prefill_route.hpp"
 #include "cuda/decode/split_heuristic.hpp"
 #include "cuda/programmatic_launch.hpp"
+#include "cuda/scoped_device.hpp"
 
 
 namespace flashcore::cuda {
@@ -366,6 +367,7 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
 }
 
 Status kvcache_forward(const KvCacheParams& p, void* workspace, size_t) {
+  const ScopedDevice on_device(p.device_id);  // the tensors' GPU, whichever is current
   switch (p.dtype) {
 #if defined(FLASHCORE_DTYPE_FP16)
     case DType::F16: return run_dtype<__half>(p, workspace);
@@ -378,11 +380,12 @@ Status kvcache_forward(const KvCacheParams& p, void* workspace, size_t) {
 }
 
 bool decode_route_suits(const KvCacheParams& p) {
-  Status why;
-  return kvcache_supports(p, &why) && decode::decode_kernel_suits(p);
+  Status why;  // the rule first: it turns training-size calls away without a device query
+  return decode::decode_kernel_suits(p) && kvcache_supports(p, &why);
 }
 
 Status merge_partials(const MergeParams& p) {
+  const ScopedDevice on_device(p.device_id);
   switch (p.out_dtype) {
     case DType::F32: return launch_merge<float>(p);
     case DType::F16: return launch_merge<__half>(p);

@@ -305,11 +305,13 @@ struct ForwardConfigs<Element, 64> {
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
-    const int64_t block_m = masked_attention(p) && p.seqlen_k < kLongSeqlen ? Narrow::kBlockM : Wide::kBlockM;
-    if (pack_gqa_chosen(p, block_m, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
     // One query tile per head whatever the tile: the narrow one computes fewer padded rows (H200,
     // session 35: MHA 32 x 16 heads x 2048 keys, 1-16 queries, 3.0 TB/s of K+V against 2.5 wide).
-    if (p.seqlen_q <= Narrow::kBlockM) return launch(TileChoice<Narrow>{});
+    const bool one_narrow_tile = p.seqlen_q <= Narrow::kBlockM;
+    const int64_t block_m =
+        one_narrow_tile || (masked_attention(p) && p.seqlen_k < kLongSeqlen) ? Narrow::kBlockM : Wide::kBlockM;
+    if (pack_gqa_chosen(p, block_m, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
+    if (one_narrow_tile) return launch(TileChoice<Narrow>{});
     if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
     if (masked_attention(p)) return launch(TileChoice<Narrow>{});
     return launch(TileChoice<WideTurns>{});
