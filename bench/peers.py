@@ -9,7 +9,8 @@ Measures, in this order and within a time budget:
   4. extra device memory of a forward at seqlen 16k vs naive attention;
   4b. GQA with few query tokens (32 / 8 heads, d128, bf16, 4 / 16 / 64 tokens against 4096 keys,
      causal): flashcore (the Hopper forward packs the group into its tiles) vs SDPA cuDNN with
-     enable_gqa, device time under CUDA-graph replay;
+     enable_gqa, device time under CUDA-graph replay; then one token against 65536 keys through
+     flash_attn_func (AUTO's decode route), K+V TB/s;
   5. the CPU path: flashcore cpu_flash vs torch CPU SDPA (fp32) at equal thread counts, forward,
      (unless --no-backward) forward+backward, and decode against a KV cache.
 Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
@@ -266,6 +267,23 @@ def gqa_short():
                      tflops=flop / (graph_replay_us(fn, 50) * 1e-6) / 1e12)
             except Exception as e:
                 emit(kind="gqa_short", impl=name, tokens=tokens, error=str(e).splitlines()[0][:160])
+    # Decoding through flash_attn_func (one token against one long sequence): AUTO's decode route.
+    if left() <= 0:
+        emit(kind="skipped", what="decode through flash_attn_func (budget)")
+        return
+    keys = 65536
+    k, v = (torch.randn(1, keys, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kv_bytes = 2 * k.numel() * k.element_size()
+    impls = {"flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=True),
+             "sdpa_cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, False, enable_gqa=True)}
+    for name, fn in impls.items():
+        try:
+            emit(kind="decode_via_forward", impl=name, keys=keys, heads_q=hq, heads_kv=hk, hdim=d,
+                 tbps=kv_bytes / (graph_replay_us(fn, 50) * 1e-6) / 1e12)
+        except Exception as e:
+            emit(kind="decode_via_forward", impl=name, error=str(e).splitlines()[0][:160])
 
 
 def cpu_path():
@@ -484,6 +502,12 @@ def summary():
                 print("gqa %d/%d d%d bf16, 8 x %d tokens x %d keys, causal: flashcore %.1f TFLOP/s%s" % (
                     r["heads_q"], r["heads_kv"], r["hdim"], r["tokens"], r["keys"], r["tflops"],
                     ", SDPA cuDNN %.1f (%.2fx)" % (peer["tflops"], r["tflops"] / peer["tflops"]) if peer else ""))
+        if r["kind"] == "decode_via_forward" and r["impl"] == "flashcore" and "tbps" in r:
+            peer = next((p for p in ROWS if p["kind"] == "decode_via_forward" and p["impl"] == "sdpa_cudnn"
+                         and "tbps" in p), None)
+            print("flash_attn_func decoding, GQA %d/%d d%d bf16, 1 token x %d keys: flashcore %.2f TB/s of K+V%s" % (
+                r["heads_q"], r["heads_kv"], r["hdim"], r["keys"], r["tbps"],
+                ", SDPA cuDNN %.2f (%.2fx)" % (peer["tbps"], r["tbps"] / peer["tbps"]) if peer else ""))
         if r["kind"] == "skipped":
             print("skipped:", r["what"])
     for line in target_report(ROWS):
