@@ -7,7 +7,7 @@
 // Build (from the repository root, against a CPU build in BUILD):
 //   g++ -std=c++17 -O2 -I include dev/cpu_decode_bench.cpp -L BUILD -lflashcore -Wl,-rpath,BUILD
 //       -o /tmp/cpu_decode_bench
-// Run: [TOKENS=1] [HEADS=32/8] [DIM=128] /tmp/cpu_decode_bench [threads] [dtype f32|f16|bf16] [batch x length ...]
+// Run: [TOKENS=1] [HEADS=32/8] [DIM=128] [CAUSAL=1] /tmp/cpu_decode_bench [threads] [dtype f32|f16|bf16] [batch x length ...]
 //      default: 2 threads, f32, 1x512 1x2048 1x8192 1x32768 8x2048 (GQA 32 / 8 heads, d = 128)
 #include <algorithm>
 #include <chrono>
@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
     args.out = &to;
     fc_attention_options opt{};
     opt.backend = FC_BACKEND_CPU_FLASH;
+    opt.causal = std::getenv("CAUSAL") != nullptr;  // bottom-right: a token sees the keys before it
     opt.num_threads = threads;
     auto decode_call = [&] {
       if (fc_attention_kvcache(&args, &opt, nullptr, 0) != FC_OK) {

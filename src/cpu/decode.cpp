@@ -51,8 +51,8 @@ struct DecodeTraits {
   // query rows per KV head runs this decode pass instead of cpu_flash's forward, which streams each
   // query head's K / V for its few rows (development EPYC, 2 threads, `dev/cpu_decode_bench.cpp`,
   // session 35: the forward took 1.11-1.43x the decode pass's time at d128 and 1.48-2.12x at d64,
-  // 1 and 4 rows, GQA 32 / 8 and MHA, fp32 and bf16; session 32 read 1.09-1.34x at 1-4 rows and
-  // 0.85-1.07x at 8).
+  // 1 and 4 rows, GQA 32 / 8 and MHA, fp32 and bf16; at 8 rows, causal, 0.95-0.98x at d128 MHA,
+  // 1.01-1.47x elsewhere; session 32 read 1.09-1.34x at 1-4 rows and 0.85-1.07x at 8).
   static constexpr int64_t kRouteMaxRows = 4;
 };
 
