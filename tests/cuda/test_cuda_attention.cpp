@@ -625,14 +625,8 @@ class RouteRunner {
   RouteResult run(RouteCall call, fc_backend backend = FC_BACKEND_AUTO) {
     const size_t out_elems = size_t(d_.batch * d_.seqlen_q * d_.heads_q * d_.head_dim);
     const size_t lse_elems = size_t(d_.batch * d_.heads_q * d_.seqlen_q);
-    int current = 0;
-    CUDA_OK(cudaGetDevice(&current));
-    CUDA_OK(cudaSetDevice(device_));  // allocations on the tensors' device
-    void* out = mem_.alloc(out_elems * 2);
-    void* lse = mem_.alloc(lse_elems * 4);
-    const size_t ws_bytes = call == RouteCall::kForwardWithoutWorkspace ? 0 : workspace_bytes(call, backend, out);
-    void* ws = mem_.alloc(ws_bytes);
-    CUDA_OK(cudaSetDevice(current));
+    void* out = alloc_on_tensors_device(out_elems * 2);
+    void* lse = alloc_on_tensors_device(lse_elems * 4);
     auto on_device = [&](void* data, fc_dtype dtype, std::initializer_list<int64_t> shape) {
       fc_tensor t = device_tensor(data, dtype, shape);
       t.device_id = device_;
@@ -655,6 +649,10 @@ class RouteRunner {
     args.cache_seqlens = &tlens;
     args.out = &to;
     args.lse = &tl;
+    const size_t ws_bytes = call == RouteCall::kForwardWithoutWorkspace ? 0
+                            : call == RouteCall::kKvCache               ? kvcache_workspace(args, opt)
+                                                                        : forward_workspace(tq, tk, tv, opt);
+    void* ws = alloc_on_tensors_device(ws_bytes);
     if (call == RouteCall::kKvCache) {
       kvcache(args, opt, ws, ws_bytes);
     } else {
@@ -669,29 +667,14 @@ class RouteRunner {
   }
 
  private:
-  /** What the call's workspace query reports (the tensors' shapes only; no data is read). */
-  size_t workspace_bytes(RouteCall call, fc_backend backend, void* out) const {
-    auto shaped = [&](void* data, fc_dtype dtype, std::initializer_list<int64_t> shape) {
-      fc_tensor t = device_tensor(data, dtype, shape);
-      t.device_id = device_;
-      return t;
-    };
-    const fc_tensor tq = shaped(q_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_q, d_.heads_q, d_.head_dim});
-    const fc_tensor tk = shaped(k_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_k, d_.heads_kv, d_.head_dim});
-    const fc_tensor tv = shaped(v_, FC_DTYPE_BF16, {d_.batch, d_.seqlen_k, d_.heads_kv, d_.head_dim});
-    const fc_tensor tlens = shaped(lens_, FC_DTYPE_I32, {d_.batch});
-    Options opt;
-    opt.causal = d_.causal;
-    opt.backend = backend;
-    if (call != RouteCall::kKvCache) return forward_workspace(tq, tk, tv, opt);
-    fc_tensor to = shaped(out, FC_DTYPE_BF16, {d_.batch, d_.seqlen_q, d_.heads_q, d_.head_dim});
-    KvCacheArgs args;
-    args.q = &tq;
-    args.k_cache = &tk;
-    args.v_cache = &tv;
-    args.cache_seqlens = &tlens;
-    args.out = &to;
-    return kvcache_workspace(args, opt);
+  /** cudaMalloc on the tensors' device, whichever device is current. */
+  void* alloc_on_tensors_device(size_t bytes) {
+    int current = 0;
+    CUDA_OK(cudaGetDevice(&current));
+    CUDA_OK(cudaSetDevice(device_));
+    void* p = mem_.alloc(bytes);
+    CUDA_OK(cudaSetDevice(current));
+    return p;
   }
 
   int device_ = 0;

@@ -196,13 +196,14 @@ bool decode_kernel_suits(const KvCacheParams& p) {
   using R = RouteTraits;
   const int64_t rows = p.group_size() * p.seqlen_q;  // per KV head
   if (rows >= R::kMinRows) return false;
+  // Up to kRows: one pass over the keys. At head dim 64 the decode kernel reads ~2.5 TB/s where the
+  // forward's narrow tile reads ~3.0 (H200, session 35, MHA 32 x 16 heads x 2048 keys): there it
+  // takes only calls whose forward tiles leave SMs idle.
+  const bool one_pass = rows <= DecodeTraits::kRows;
+  if (one_pass && compiled_head_dim_bucket(p.head_dim) > 64) return true;
   const AttentionParams f = shape_params(p);
   const bool hopper_packs = hopper_takes(f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
-  if (rows > DecodeTraits::kRows) return hopper_packs && !prefill_route_applies(p);
-  // One pass over the keys. At head dim 64 the decode kernel reads ~2.5 TB/s where the forward's
-  // narrow tile reads ~3.0 (H200, session 35, MHA 32 x 16 heads x 2048 keys): there it takes only
-  // calls whose forward tiles leave SMs idle.
-  if (compiled_head_dim_bucket(p.head_dim) > 64) return true;
+  if (!one_pass) return hopper_packs && !prefill_route_applies(p);
   constexpr int kDefaultSms = 132;
   const int64_t tiles = hopper_packs ? p.batch * p.heads_kv * ((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows)
                                      : p.batch * p.heads_q * ((p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
