@@ -79,11 +79,18 @@ struct KvCacheParams {
   int64_t window_right = -1;
 
   int num_splits = 0;             // 0 = backend heuristic
+  // Set only in the CUDA decode kernel's view of a call (cuda/decode/head_pairs.hpp): heads_kv,
+  // head_dim and the caches' head strides then describe pairs of adjacent KV heads read as one
+  // row of twice the width, while q, out, lse and split partials keep their per-head shapes of
+  // qo_head_dim() = head_dim / 2.
+  bool heads_paired = false;
   int32_t* error_flag = nullptr;  // optional; set to 1 on bad cache indices (device side on CUDA)
   int num_threads = 0;
   void* stream = nullptr;
 
-  int64_t group_size() const { return heads_q / heads_kv; }
+  FC_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
+  /** Head dim of q, out and split partials (head_dim, or half of it in a head-pair view). */
+  FC_HOST_DEVICE int64_t qo_head_dim() const { return heads_paired ? head_dim / 2 : head_dim; }
   FC_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
   FC_HOST_DEVICE float alibi_slope(int64_t b, int64_t h) const {
     return alibi_slopes != nullptr ? alibi_slopes[b * alibi_batch_stride + h] : 0.f;

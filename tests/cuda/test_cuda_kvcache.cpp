@@ -104,6 +104,47 @@ TEST(CudaKvCache, BothWarpCounts) {
   expect_cases(cases, {0, 1, 5, 6}, 300);
 }
 
+/** Head dim 64 read in head pairs (cuda/decode/head_pairs.hpp: two adjacent KV heads as one
+ *  128-wide row, the 128-wide kernel, each query row's output from its own half): pairs whose
+ *  query rows fill a CTA exactly (GQA 8, GQA 4 x 2 causal tokens), three pairs, MHA with a window
+ *  and softcap, appends with rotary tables, permuted cache rows and pages of 16 / 256, beside
+ *  d64 calls that stay on single heads (24 rows a pair, odd KV heads). */
+TEST(CudaKvCache, HeadPairs) {
+  REQUIRE_GPU();
+  std::vector<KvCase> cases;
+  auto base = [](int64_t heads_q, int64_t heads_kv, int64_t seqlen_q, int64_t page) {
+    KvCase c;
+    c.head_dim = 64;
+    c.heads_q = heads_q;
+    c.heads_kv = heads_kv;
+    c.seqlen_q = seqlen_q;
+    c.batch = 3;
+    c.cache_lens = {700, 1, 2100};
+    c.page_size = page;
+    c.seqlen_new = 1;
+    return c;
+  };
+  for (int64_t page : {0, 16, 256}) {
+    cases.push_back(base(64, 8, 1, page));  // 16 rows a pair
+    KvCase two = base(32, 8, 2, page);       // 16 rows a pair, causal
+    two.seqlen_new = 2;
+    two.causal = true;
+    two.dtype = FC_DTYPE_F16;
+    cases.push_back(two);
+    KvCase mha = base(6, 6, 1, page);  // three pairs
+    mha.window_left = 300;
+    mha.softcap = 20;
+    cases.push_back(mha);
+  }
+  KvCase rot = base(8, 4, 1, 0);
+  rot.rotary_half = 16;
+  rot.batch_idx = true;
+  cases.push_back(rot);
+  cases.push_back(base(32, 8, 3, 0));  // 24 rows a pair: single heads
+  cases.push_back(base(12, 3, 1, 16));  // odd KV heads: single heads
+  expect_cases(cases, {1, 3, 0}, 7000);
+}
+
 TEST(CudaKvCache, LongPagedTables) {
   REQUIRE_GPU();
   // Pages of 16+ keys (powers of two) read the block table in batches of 32 tiles per warp, the

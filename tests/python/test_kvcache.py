@@ -1069,3 +1069,40 @@ def test_torch_cuda_few_query_rows_take_the_decode_kernel(cuda_torch, causal):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("layout", ["heads_inner", "heads_outer"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_torch_cuda_head_dim_64_layouts_match_reference(rng, cuda_torch, layout, num_splits):
+    """Head dim 64 caches whose KV heads sit side by side are read two heads at a time on the GPU
+    (cuda/decode/head_pairs.hpp); stored heads-outer (a strided view) one head at a time. Both
+    match the fp64 reference, through flash_attn_with_kvcache and through flash_attn_func's
+    decode route."""
+    torch = cuda_torch
+    batch, capacity, heads_q, heads_kv, dim = 3, 700, 16, 4, 64
+    make = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(np.float16)
+    q = make(batch, 1, heads_q, dim)
+    k_cache, v_cache = make(batch, capacity, heads_kv, dim), make(batch, capacity, heads_kv, dim)
+    lengths = np.asarray([capacity, 1, 333], dtype=np.int32)
+    ref_out, ref_lse, _, _ = reference_kvcache(q, k_cache, v_cache, lengths)
+    same_out, same_lse, _, _ = reference_kvcache(q, k_cache, v_cache, lengths, same_precision=True)
+
+    def on_gpu(x):
+        t = torch.from_numpy(x).cuda()
+        if layout == "heads_outer":
+            t = t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        return t
+
+    tq, tk, tv = torch.from_numpy(q).cuda(), on_gpu(k_cache), on_gpu(v_cache)
+    out, lse = flashcore.flash_attn_with_kvcache(
+        tq, tk, tv, cache_seqlens=torch.from_numpy(lengths).cuda(), num_splits=num_splits,
+        return_softmax_lse=True)
+    assert_low_precision_close(out.cpu().numpy(), ref_out, same_out.astype(np.float16),
+                               np.float16, "out")
+    assert_low_precision_close(lse.cpu().numpy(), ref_lse, same_lse, np.float32, "lse")
+    # The first sequence fills its cache: flash_attn_func over it is the same attention.
+    full_out, full_lse, _ = flashcore.flash_attn_func(tq[:1], tk[:1], tv[:1], return_attn_probs=True)
+    assert_low_precision_close(full_out.cpu().numpy(), ref_out[:1], same_out[:1].astype(np.float16),
+                               np.float16, "flash_attn_func out")
+    assert_low_precision_close(full_lse.cpu().numpy(), ref_lse[:1], same_lse[:1], np.float32,
+                               "flash_attn_func lse")

@@ -14,6 +14,7 @@
 #include "api/kvcache_backends.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
+#include "cuda/decode/head_pairs.hpp"
 #include "cuda/decode/prefill_route.hpp"
 #include "cuda/decode/split_heuristic.hpp"
 #include "cuda/programmatic_launch.hpp"
@@ -45,6 +46,19 @@ struct HeuristicTraits {
 int64_t row_chunks(const KvCacheParams& p) {
   const int64_t rows = p.group_size() * p.seqlen_q;
   return (rows + DecodeTraits::kRows - 1) / DecodeTraits::kRows;
+}
+
+#if defined(FLASHCORE_HDIM_128)
+constexpr bool kWideKernelCompiled = true;  // the 128-wide kernel that head pairs run on
+#else
+constexpr bool kWideKernelCompiled = false;
+#endif
+
+/** p as the attention kernel sees it: in head pairs where decode/head_pairs.hpp takes them, else
+ *  p itself. The plan, the grid and the kernel's parameters come from this view; the append
+ *  kernel, the workspace's partials and the merge keep the call's per-head shapes. */
+KvCacheParams attention_view(const KvCacheParams& p) {
+  return decode::head_pairs_chosen(p, DecodeTraits::kRows) ? decode::head_pair_view(p) : p;
 }
 
 /** What the host needs of an attention kernel's tile shape (decode::AttnTile). */
@@ -143,7 +157,7 @@ size_t align_up(size_t x) {
 }
 
 size_t part_o_bytes(const KvCacheParams& p, int splits) {
-  return align_up(sizeof(float) * size_t(splits) * p.batch * p.seqlen_q * p.heads_q * p.head_dim);
+  return align_up(sizeof(float) * size_t(splits) * p.batch * p.seqlen_q * p.heads_q * p.qo_head_dim());
 }
 size_t part_lse_bytes(const KvCacheParams& p, int splits) {
   return align_up(sizeof(float) * size_t(splits) * p.batch * p.heads_q * p.seqlen_q);
@@ -247,8 +261,8 @@ MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) 
   m.device_type = p.device_type;
   m.device_id = p.device_id;
   m.out_partials = so.part_o;
-  m.op_head_stride = p.head_dim;
-  m.op_row_stride = p.heads_q * p.head_dim;
+  m.op_head_stride = p.qo_head_dim();
+  m.op_row_stride = p.heads_q * p.qo_head_dim();
   m.op_batch_stride = p.seqlen_q * m.op_row_stride;
   m.op_part_stride = p.batch * m.op_batch_stride;
   m.lse_partials = so.part_lse;
@@ -262,7 +276,7 @@ MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) 
   m.batch = p.batch;
   m.seqlen_q = p.seqlen_q;
   m.heads = p.heads_q;
-  m.head_dim = p.head_dim;
+  m.head_dim = p.qo_head_dim();
   m.stream = p.stream;
   return m;
 }
@@ -273,7 +287,7 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   const bool programmatic = supports_programmatic_launch(call.device_id);
   // Many query rows: the forward kernels attend (decode/prefill_route.hpp), without splits.
   const bool prefill = decode::prefill_route_applies(call);
-  const AttentionPlan plan = prefill ? AttentionPlan{} : plan_attention(call);
+  const AttentionPlan plan = prefill ? AttentionPlan{} : plan_attention(attention_view(call));
   const int splits = prefill ? 1 : plan.splits;
   // With rotary tables the append kernel writes q rotated into the workspace, and the attention
   // reads that copy.
@@ -297,8 +311,15 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
     return decode::run_prefill_route(p, decode::prefill_route_on_hopper(call),
                                      static_cast<char*>(workspace) + rotated_q_bytes(call));
   }
-  const decode::SplitOutput so = split_output(p, plan, workspace, programmatic);
-  const Status s = launch_planned_attention<T, HD>(p, plan, so, stream, programmatic);
+  const KvCacheParams a = attention_view(p);
+  const decode::SplitOutput so = split_output(a, plan, workspace, programmatic);
+  Status s;
+  if constexpr (HD == decode::HeadPairTraits::kHeadDim && kWideKernelCompiled) {
+    s = a.heads_paired ? launch_planned_attention<T, 2 * HD>(a, plan, so, stream, programmatic)
+                       : launch_planned_attention<T, HD>(a, plan, so, stream, programmatic);
+  } else {
+    s = launch_planned_attention<T, HD>(a, plan, so, stream, programmatic);
+  }
   if (!s.is_ok() || so.num_splits == 1) return s;
   return launch_merge<T>(merge_params(p, so), programmatic);
 }
@@ -321,7 +342,7 @@ Status run_dtype(const KvCacheParams& p, void* workspace) {
 
 }  // namespace
 
-int kvcache_num_splits(const KvCacheParams& p) { return plan_attention(p).splits; }
+int kvcache_num_splits(const KvCacheParams& p) { return plan_attention(attention_view(p)).splits; }
 
 size_t kvcache_workspace(const KvCacheParams& p) {
   if (decode::prefill_route_applies(p)) return rotated_q_bytes(p) + decode::prefill_route_workspace(p);

@@ -404,6 +404,15 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   // Query row r of the CTA is (query token i, head h) = (rr % seqlen_q, hk * group + rr / seqlen_q).
   auto token_of = [&](int r) { return (row0 + r) % seqlen_q; };
   auto head_of = [&](int r) { return hk * group_size + (row0 + r) / seqlen_q; };
+  // Head pairs (head_pairs.hpp): K / V rows hold KV heads 2 hk and 2 hk + 1 side by side; the rows
+  // of the second head's query heads (from rr = group / 2 x seqlen_q on) sit on side 1, reading
+  // q into dims [qo_hd, 2 qo_hd) and writing their output from there. Without pairs every row is
+  // on side 0 and qo_hd = head_dim. Only the 128-wide kernel reads pairs (of d64 heads).
+  constexpr bool kMayPair = HD == 128;
+  const bool paired = kMayPair && p.heads_paired;
+  const int qo_hd = static_cast<int>(paired ? p.head_dim / 2 : p.head_dim);
+  const int side1_from = paired ? group_size / 2 * seqlen_q : rows_total;
+  auto side_offset = [&](int r) { return row0 + r >= side1_from ? qo_hd : 0; };
   // This thread's two query rows (g and g + 8) in Q; nullptr past the CTA's rows.
   const T* q_row[2];
 #pragma unroll
@@ -420,7 +429,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
       out_offset = offset_of(p.out, b, i, h);
       s_lse_offset[tid] = b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride;
     } else {
-      out_offset = ((((int64_t)split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * p.head_dim;
+      out_offset = ((((int64_t)split * p.batch + b) * p.seqlen_q + i) * p.heads_q + h) * qo_hd;
       s_lse_offset[tid] = (((int64_t)split * p.batch + b) * p.heads_q + h) * p.seqlen_q + i;
     }
     s_out_offset[tid] = out_offset;
@@ -567,15 +576,18 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   uint32_t qa[kQRegSteps][4];
   if constexpr (!Tl::kQInSmem) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
+    for (int half = 0; half < 2; ++half) {
+      const int d0 = side_offset(g + 8 * half);
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int d = 16 * s + 2 * c + 8 * e;
-          qa[s][half + 2 * e] =
-              (q_row[half] != nullptr && d < p.head_dim) ? *reinterpret_cast<const uint32_t*>(q_row[half] + d) : 0u;
+          const int d = 16 * s + 2 * c + 8 * e - d0;
+          qa[s][half + 2 * e] = (q_row[half] != nullptr && d >= 0 && d < qo_hd)
+                                    ? *reinterpret_cast<const uint32_t*>(q_row[half] + d)
+                                    : 0u;
         }
+    }
   }
   // The visible keys of this thread's two rows, relative to k0; with ALiBi, the rows' slopes in
   // log2 units (negated) and their diagonals relative to k0 (key k0 + rel is at distance
@@ -735,14 +747,15 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   constexpr int kOutVecs = HD / DecodeTraits::kVec;
   for (int idx = tid; idx < nrows * kOutVecs; idx += Tl::kThreads) {
     const int r = idx / kOutVecs, d = (idx % kOutVecs) * DecodeTraits::kVec;
-    if (d >= p.head_dim) continue;
+    if (d >= qo_hd) continue;
+    const int d_acc = d + side_offset(r);
     float o[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float wt = s_w[w][r];
-      const float4* from = reinterpret_cast<const float4*>(s_o + (w * kRows + r) * HD + d);
+      const float4* from = reinterpret_cast<const float4*>(s_o + (w * kRows + r) * HD + d_acc);
       const float4 lo = from[0], hi = from[1];
       o[0] = fmaf(wt, lo.x, o[0]);
       o[1] = fmaf(wt, lo.y, o[1]);

@@ -14,6 +14,7 @@
 #include "api/kvcache_forward_view.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
+#include "cuda/decode/head_pairs.hpp"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm90/pack_gqa.hpp"
 
@@ -198,9 +199,10 @@ bool decode_kernel_suits(const KvCacheParams& p) {
   if (rows >= R::kMinRows) return false;
   // Up to kRows: one pass over the keys. At head dim 64 the decode kernel reads ~2.5 TB/s where the
   // forward's narrow tile reads ~3.0 (H200, session 35, MHA 32 x 16 heads x 2048 keys): there it
-  // takes only calls whose forward tiles leave SMs idle.
+  // takes only calls it reads in head pairs (as fast as d128, head_pairs.hpp) or whose forward
+  // tiles leave SMs idle.
   const bool one_pass = rows <= DecodeTraits::kRows;
-  if (one_pass && compiled_head_dim_bucket(p.head_dim) > 64) return true;
+  if (one_pass && (compiled_head_dim_bucket(p.head_dim) > 64 || head_pairs_chosen(p, DecodeTraits::kRows))) return true;
   const AttentionParams f = shape_params(p);
   const bool hopper_packs = hopper_takes(f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
   if (!one_pass) return hopper_packs && !prefill_route_applies(p);
