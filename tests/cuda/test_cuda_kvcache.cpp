@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -480,6 +481,60 @@ TEST(CudaKvCache, GraphCapture) {
   for (int i = 0; i < 2; ++i) {
     cudaGraphExecDestroy(execs[i]);
     cudaGraphDestroy(graphs[i]);
+  }
+  mem.release(w);
+}
+
+/** Split calls take their partials from the caller's workspace, whatever it held before (all ones,
+ *  random bytes, zeros, what another shape's split call left there): every call writes every
+ *  output, call after call, d128 and d64 (head pairs) sharing one workspace. */
+TEST(CudaKvCache, SplitCallsOnAnyWorkspace) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  std::vector<KvCase> cases(2);
+  cases[0].batch = 3;
+  cases[0].cache_lens = {4000, 1, 2500};
+  cases[0].heads_q = 8;
+  cases[0].heads_kv = 2;
+  cases[0].head_dim = 128;
+  cases[0].num_splits = 7;
+  cases[1] = cases[0];
+  cases[1].head_dim = 64;  // head pairs: other groups, another word count
+  cases[1].heads_q = 16;
+  cases[1].heads_kv = 4;
+  cases[1].num_splits = 0;
+  std::vector<std::unique_ptr<KvProblem>> problems;  // (a problem's arguments point into itself)
+  size_t ws = 0;
+  for (size_t n = 0; n < cases.size(); ++n) {
+    problems.push_back(std::make_unique<KvProblem>(cases[n], mem, 40 + n));
+    size_t bytes = 0;
+    ASSERT_EQ(fc_attention_kvcache_workspace(&problems[n]->args, &problems[n]->opt, &bytes), FC_OK) << fc_last_error();
+    ASSERT_GT(bytes, 0u) << cases[n].name() << ": the call should split";
+    ws = std::max(ws, bytes);
+  }
+  void* w = mem.alloc(ws);
+  std::vector<uint8_t> fill(ws);
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  for (int round = 0; round < 4; ++round) {
+    if (round < 3) {  // round 3 keeps what the calls before left
+      for (size_t i = 0; i < ws; ++i) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        fill[i] = round == 0 ? uint8_t{0xFF} : round == 1 ? uint8_t(state >> 56) : uint8_t{0};
+      }
+      ASSERT_EQ(cudaMemcpy(w, fill.data(), ws, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    for (int call = 0; call < 3; ++call)
+      for (auto& problem : problems) {
+        KvProblem& pr = *problem;
+        for (KvBuffer* t : {&pr.out, &pr.lse}) {
+          std::fill(t->host.begin(), t->host.end(), uint8_t{0xFF});
+          t->upload();
+        }
+        ASSERT_EQ(fc_attention_kvcache(&pr.args, &pr.opt, w, ws), FC_OK) << fc_last_error();
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        pr.fetch();
+        EXPECT_EQ(check_kvcache_result(pr), "") << pr.c.name() << ", round " << round << ", call " << call;
+      }
   }
   mem.release(w);
 }
