@@ -76,3 +76,18 @@ def graph_replay_us(fn, reps=200):
             for _ in range(reps):
                 fn()
     return bench_ms(g.replay, 2, 10) * 1e3 / reps
+
+
+def sdpa_graph_replay_us(backend, q, k, v, reps=50):
+    """graph_replay_us of torch's SDPA forced onto `backend` (an SDPBackend) for flash_attn-layout
+    tensors (batch, seqlen, heads, head_dim), unmasked, GQA where the heads differ; NaN where the
+    backend declines the inputs."""
+    import torch.nn.functional as F  # here: the module's other users never call SDPA
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    try:
+        with torch.nn.attention.sdpa_kernel(backend):
+            return graph_replay_us(
+                lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=q.shape[2] != k.shape[2]), reps)
+    except RuntimeError:
+        return float("nan")

@@ -16,11 +16,10 @@ bf16, one query token, device time per call under CUDA-graph replay, K+V bytes /
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import flashcore
 
-from timing import graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
+from timing import graph_replay_us, sdpa_graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
 
 warnings.filterwarnings("ignore")
 
@@ -81,13 +80,7 @@ def main():
         v2 = torch.randn_like(k2)
         q2 = torch.randn(batch, 1, hq // 2 if hq == hkv else hq, 2 * d, device="cuda", dtype=torch.bfloat16)
         row.append(rate(graph_replay_us(lambda: flashcore.flash_attn_with_kvcache(q2, k2, v2), 50)))
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        try:
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-                row.append(rate(graph_replay_us(
-                    lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hq != hkv), 50)))
-        except RuntimeError:
-            row.append(float("nan"))
+        row.append(rate(sdpa_graph_replay_us(torch.nn.attention.SDPBackend.CUDNN_ATTENTION, q, k, v)))
         print(f"{batch} x {keys}, {hq} / {hkv} | " + " | ".join(f"{x:.2f}" for x in row) + f"   (pair max err {err:.2e})",
               flush=True)
 

@@ -9,11 +9,10 @@ import argparse
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import flashcore
 
-from timing import graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
+from timing import graph_replay_us, sdpa_graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
 
 warnings.filterwarnings("ignore")
 
@@ -44,13 +43,7 @@ def main():
         rate = lambda us: kv_bytes / (us * 1e-6) / 1e12
         row = [rate(graph_replay_us(lambda: flashcore.flash_attn_with_kvcache(q, k, v, num_splits=s), 50))
                for s in splits]
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        try:
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-                row.append(rate(graph_replay_us(
-                    lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hq != hkv), 50)))
-        except RuntimeError:
-            row.append(float("nan"))
+        row.append(rate(sdpa_graph_replay_us(torch.nn.attention.SDPBackend.CUDNN_ATTENTION, q, k, v)))
         print(f"{batch} x {keys}, {hq} / {hkv}, d{d} | " + " | ".join(f"{x:.2f}" for x in row), flush=True)
 
 

@@ -11,11 +11,10 @@ import argparse
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 import flashcore
 
-from timing import graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
+from timing import graph_replay_us, sdpa_graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
 
 warnings.filterwarnings("ignore")  # SDPA's notes on GQA inputs its fused kernels decline
 
@@ -51,15 +50,9 @@ def main():
                 row.append(rate(graph_replay_us(lambda: flashcore.flash_attn_func(q, k, v, causal=a.causal), 50)))
             flashcore.set_default_backend("auto")
             row.append(rate(graph_replay_us(lambda: flashcore.flash_attn_with_kvcache(q, k, v, causal=a.causal), 50)))
-            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             # SDPA's causal mask is top-left aligned: the peers run unmasked (keys >> tokens).
             for backend in (torch.nn.attention.SDPBackend.CUDNN_ATTENTION, torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                try:
-                    with torch.nn.attention.sdpa_kernel(backend):
-                        row.append(rate(graph_replay_us(
-                            lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hq != hkv), 50)))
-                except RuntimeError:
-                    row.append(float("nan"))
+                row.append(rate(sdpa_graph_replay_us(backend, q, k, v)))
             print(f"{batch} x {tokens} x {keys}, {hq}/{hkv}, d{d} | " + " | ".join(f"{x:.2f}" for x in row), flush=True)
 
 
