@@ -182,12 +182,13 @@ struct SplitOutput {
  *  holds, per warp, kStages tiles of kKeys keys (K and V): (kStages - 1) tiles stay in flight while
  *  one is used. kWarpsPerCta: 4, or 8 (HD <= 128) where a block may take the doubled ring
  *  (kWideWarps). */
-// Head dim 64's ring depth: 6 stages keep a warp's bytes in flight at d128's (4 KB tiles). At
-// d64 the kernel read ~2.5 TB/s where d128 reads 4.1 on an H200 (MHA 32 x 16 heads x 2048 keys,
-// docs/PERF.md session 35): its softmax and ring waits come twice as often per byte, so more warps
-// per SM may hide them better. FLASHCORE_DECODE_D64_STAGES=3 builds 48 KB rings for an A/B
-// measurement (unmeasured; 162 registers a thread hold it to three 4-warp CTAs per SM, where the
-// host's plan, which counts shared memory only, assumes four).
+// Head dim 64's ring depth: 6 stages keep a warp's bytes in flight at d128's (4 KB tiles). A
+// warp's rate is set by its tiles, not their bytes: this kernel read 2.1-2.9 TB/s on an H200 where
+// the same bytes as d128 rows read 3.0-4.1 (docs/PERF.md session 36), so d64 caches whose KV heads
+// pair (head_pairs.hpp) run on the 128-wide kernel instead; this one serves the rest.
+// FLASHCORE_DECODE_D64_STAGES=3 builds 48 KB rings for an A/B measurement (unmeasured; 162
+// registers a thread hold it to three 4-warp CTAs per SM, where the host's plan, which counts
+// shared memory only, assumes four).
 #ifndef FLASHCORE_DECODE_D64_STAGES
 #define FLASHCORE_DECODE_D64_STAGES 6
 #endif

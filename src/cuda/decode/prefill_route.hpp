@@ -27,8 +27,9 @@ bool prefill_route_applies(const KvCacheParams& p);
 
 /** The reverse question, for a dense forward with few query rows seen as a KV-cache call (AUTO's
  *  decode route, api/dispatch.cpp): whether the decode kernel serves it better than the forward
- *  kernels. Where its rows per KV head fit one of its 16-row passes over the keys (at head dim 64,
- *  where the decode kernel streams slower, only when the forward's tiles would leave SMs idle), and
+ *  kernels. Where its rows per KV head fit one of its 16-row passes over the keys (at head dim 64
+ *  where it reads the KV heads in pairs, decode/head_pairs.hpp; else, since the unpaired d64 kernel
+ *  streams slower, only when the forward's tiles would leave SMs idle), and
  *  where the Hopper forward would pack more rows into tiles too few to fill the GPU (the calls
  *  prefill_route_applies leaves on the decode kernel, so a forward and a KV-cache call of one
  *  shape take one kernel). H200, docs/PERF.md session 35, K+V TB/s, 1-4 query tokens: GQA 32 / 8
