@@ -87,19 +87,26 @@ TEST(CudaKvCache, BothWarpCounts) {
   // (batch 3's 24 CTAs with the heuristic's splits, 24 x 6 CTAs): the batch-3 shapes run both
   // kernels, the batch-2 ones 8 warps with and without splits (decode/split_heuristic.hpp:
   // eight_warp_ctas_suit). Other GPUs run 4 warps throughout.
+  // d64 runs twice: one token (read in head pairs, cuda/decode/head_pairs.hpp: the 128-wide
+  // kernels over half the CTAs) and three (24 rows a pair: the d64 kernels themselves).
   std::vector<KvCase> cases;
   for (int64_t hd : {64, 128}) {
     for (int64_t batch : {2, 3}) {
-      KvCase c;
-      c.dtype = hd == 64 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
-      c.head_dim = hd;
-      c.heads_q = 32;
-      c.heads_kv = 8;
-      c.batch = batch;
-      c.cache_lens = batch == 2 ? std::vector<int32_t>{3000, 17} : std::vector<int32_t>{2500, 0, 1777};
-      c.page_size = batch == 2 ? 16 : 0;
-      c.seqlen_new = 1;
-      cases.push_back(c);
+      for (int64_t seqlen_q : {1, 3}) {
+        if (hd == 128 && seqlen_q == 3) continue;
+        KvCase c;
+        c.dtype = hd == 64 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+        c.head_dim = hd;
+        c.heads_q = 32;
+        c.heads_kv = 8;
+        c.batch = batch;
+        c.seqlen_q = seqlen_q;
+        c.causal = seqlen_q > 1;
+        c.cache_lens = batch == 2 ? std::vector<int32_t>{3000, 17} : std::vector<int32_t>{2500, 0, 1777};
+        c.page_size = batch == 2 ? 16 : 0;
+        c.seqlen_new = seqlen_q;
+        cases.push_back(c);
+      }
     }
   }
   expect_cases(cases, {0, 1, 5, 6}, 300);

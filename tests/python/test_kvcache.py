@@ -1106,3 +1106,30 @@ def test_torch_cuda_head_dim_64_layouts_match_reference(rng, cuda_torch, layout,
                                np.float16, "flash_attn_func out")
     assert_low_precision_close(full_lse.cpu().numpy(), ref_lse[:1], same_lse[:1], np.float32,
                                "flash_attn_func lse")
+
+
+def test_torch_cuda_head_pairs_keep_a_heads_non_finite_keys_to_itself(rng, cuda_torch):
+    """A d64 cache read in head pairs (cuda/decode/head_pairs.hpp) scores each query row against
+    its own KV head's half of the pair's 128-wide rows only: an inf in one head's keys and a NaN in
+    another's values leave their partners' outputs exactly as the reference gives them."""
+    torch = cuda_torch
+    batch, capacity, heads_q, heads_kv, dim = 2, 300, 8, 4, 64
+    make = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(np.float16)
+    q = make(batch, 1, heads_q, dim)
+    k_cache, v_cache = make(batch, capacity, heads_kv, dim), make(batch, capacity, heads_kv, dim)
+    k_cache[:, 7, 1, 5] = np.inf  # KV head 1 (paired with 0)
+    v_cache[:, 11, 2, :] = np.nan  # KV head 2 (paired with 3)
+    lengths = np.asarray([capacity, 200], dtype=np.int32)
+    ref_out, ref_lse, _, _ = reference_kvcache(q, k_cache, v_cache, lengths)
+    same_out, same_lse, _, _ = reference_kvcache(q, k_cache, v_cache, lengths, same_precision=True)
+    out, lse = flashcore.flash_attn_with_kvcache(
+        torch.from_numpy(q).cuda(), torch.from_numpy(k_cache).cuda(), torch.from_numpy(v_cache).cuda(),
+        cache_seqlens=torch.from_numpy(lengths).cuda(), return_softmax_lse=True)
+    group = heads_q // heads_kv
+    for kv_head in (0, 3):  # the partners of the heads holding inf / NaN
+        heads = slice(kv_head * group, (kv_head + 1) * group)
+        assert_low_precision_close(out.cpu().numpy()[:, :, heads], ref_out[:, :, heads],
+                                   same_out[:, :, heads].astype(np.float16), np.float16,
+                                   f"out of KV head {kv_head}")
+        assert_low_precision_close(lse.cpu().numpy()[:, heads], ref_lse[:, heads], same_lse[:, heads],
+                                   np.float32, f"lse of KV head {kv_head}")

@@ -199,13 +199,13 @@ Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
                 DecodeTraits::kMergeThreads, 0, static_cast<cudaStream_t>(m.stream), programmatic_dependent, m);
 }
 
-/** The attention kernel of p with kWarps warps per CTA. */
-template <typename T, int HD, int kWarps>
+/** The attention kernel of p with kWarps warps per CTA (kPaired: p is a head-pair view). */
+template <typename T, int HD, int kWarps, bool kPaired>
 Status launch_attention(const KvCacheParams& p, const decode::SplitOutput& so, dim3 grid, cudaStream_t stream,
                         bool programmatic) {
   using Tl = decode::AttnTile<HD, kWarps>;
-  auto* const kernel =
-      p.has_alibi() ? decode::attention_kernel<T, HD, kWarps, true> : decode::attention_kernel<T, HD, kWarps, false>;
+  auto* const kernel = p.has_alibi() ? decode::attention_kernel<T, HD, kWarps, true, kPaired>
+                                     : decode::attention_kernel<T, HD, kWarps, false, kPaired>;
   // Per call (cheap, allowed during stream capture, and right for whichever device is current).
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tl::kSmemBytes) != cudaSuccess)
     return launch_error("kvcache attention (shared memory size)");
@@ -242,16 +242,16 @@ decode::SplitOutput split_output(const KvCacheParams& p, const AttentionPlan& pl
 }
 
 /** The attention kernel of p for `plan`'s tile (kWideWarps or 4 warps), writing `so`. */
-template <typename T, int HD>
+template <typename T, int HD, bool kPaired = false>
 Status launch_planned_attention(const KvCacheParams& p, const AttentionPlan& plan, const decode::SplitOutput& so,
                                 cudaStream_t stream, bool programmatic) {
   const dim3 grid(static_cast<unsigned>(so.num_splits), static_cast<unsigned>(p.heads_kv * so.row_chunks),
                   static_cast<unsigned>(p.batch));
   if constexpr (HD <= 128 && decode::kWideWarps != 4) {
     if (plan.tile.warps == decode::kWideWarps)
-      return launch_attention<T, HD, decode::kWideWarps>(p, so, grid, stream, programmatic);
+      return launch_attention<T, HD, decode::kWideWarps, kPaired>(p, so, grid, stream, programmatic);
   }
-  return launch_attention<T, HD, 4>(p, so, grid, stream, programmatic);
+  return launch_attention<T, HD, 4, kPaired>(p, so, grid, stream, programmatic);
 }
 
 /** The merge of a split attention's partials (`so`) into p's out and lse. */
@@ -315,7 +315,7 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   const decode::SplitOutput so = split_output(a, plan, workspace, programmatic);
   Status s;
   if constexpr (HD == decode::HeadPairTraits::kHeadDim && kWideKernelCompiled) {
-    s = a.heads_paired ? launch_planned_attention<T, 2 * HD>(a, plan, so, stream, programmatic)
+    s = a.heads_paired ? launch_planned_attention<T, 2 * HD, true>(a, plan, so, stream, programmatic)
                        : launch_planned_attention<T, HD>(a, plan, so, stream, programmatic);
   } else {
     s = launch_planned_attention<T, HD>(a, plan, so, stream, programmatic);

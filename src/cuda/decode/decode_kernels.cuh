@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(DecodeTraits::kThreads) append_kernel(KvCacheP
 // Split-KV attention.
 // ---------------------------------------------------------------------------------------------
 struct SplitOutput {
-  float* part_o = nullptr;    // (splits, batch, seqlen_q, heads_q, head_dim); unused when splits == 1
+  float* part_o = nullptr;    // (splits, batch, seqlen_q, heads_q, qo_head_dim); unused when splits == 1
   float* part_lse = nullptr;  // (splits, batch, heads_q, seqlen_q)
   int num_splits = 1;
   int row_chunks = 1;
@@ -370,8 +370,11 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
 // of bank conflicts. The warps' states are combined through shared memory at the end.
 // kAlibi: the call has ALiBi slopes (one FMA per score after the softcap, from a slope and a
 // diagonal per row); a template argument so that calls without them run the bias-free code.
-template <typename T, int HD, int kWarpsPerCta, bool kAlibi>
+// kPaired: the call is a head-pair view (head_pairs.hpp, KvCacheParams::heads_paired; HD 128 over
+// two d64 heads); its own kernels, so that unpaired calls run code without the pairs' selects.
+template <typename T, int HD, int kWarpsPerCta, bool kAlibi, bool kPaired = false>
 __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_kernel(KvCacheParams p, SplitOutput so) {
+  static_assert(!kPaired || HD == 128, "head pairs run on the 128-wide kernel");
   using Tl = AttnTile<HD, kWarpsPerCta>;
   constexpr int kWarps = Tl::kWarps, kKeys = Tl::kKeys, kRows = Tl::kRows, kStages = Tl::kStages;
   constexpr int kSteps = HD / 16;  // k-steps of Q K^T, n-tiles of P V: HD / 8
@@ -408,9 +411,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   // Head pairs (head_pairs.hpp): K / V rows hold KV heads 2 hk and 2 hk + 1 side by side; the rows
   // of the second head's query heads (from rr = group / 2 x seqlen_q on) sit on side 1, reading
   // q into dims [qo_hd, 2 qo_hd) and writing their output from there. Without pairs every row is
-  // on side 0 and qo_hd = head_dim. Only the 128-wide kernel reads pairs (of d64 heads).
-  constexpr bool kMayPair = HD == 128;
-  const bool paired = kMayPair && p.heads_paired;
+  // on side 0 and qo_hd = head_dim.
+  constexpr bool paired = kPaired;
   const int qo_hd = static_cast<int>(paired ? p.head_dim / 2 : p.head_dim);
   const int side1_from = paired ? group_size / 2 * seqlen_q : rows_total;
   auto side_offset = [&](int r) { return row0 + r >= side1_from ? qo_hd : 0; };
@@ -622,6 +624,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
     __syncthreads();
   }
   DECODE_TRACE(kDecodeQReady);
+  const bool row_hi[2] = {side_offset(g) != 0, side_offset(g + 8) != 0};  // head pairs: rows g, g + 8 on side 1
   for (int t = 0; t < my_tiles; ++t) {
     cp_async_wait<kStages - 2>();
     __syncwarp();  // every lane's copies of tile t landed; every lane is done with tile t - 1
@@ -632,13 +635,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
     const uint32_t ks = ring + (t % kStages) * Tl::kStageBytes, vs = ks + kKeys * Tl::kRowBytes;
 
     // S = Q K^T: n-tile j holds keys 8j..8j+7 (c0, c1: row g, keys 8j + 2c, +1; c2, c3: row g + 8).
-    float sacc[2][4];
+    // Head pairs sum dims [64, 128) apart (s_hi), and each row takes its own head's half alone: the
+    // other head's keys never reach its scores, not even as the 0 x inf = NaN of a non-finite key.
+    float sacc[2][4], s_hi[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sacc[j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) sacc[j][e] = s_hi[j][e] = 0.f;
 #pragma unroll
       for (int sp = 0; sp < kSteps / 2; ++sp) {
+        float(&to)[4] = paired && sp >= kSteps / 4 ? s_hi[j] : sacc[j];
         uint32_t kb[4];
         const int key = 8 * j + (lane & 7), ch = 4 * sp + (lane >> 3);
         ldmatrix_x4(kb, ks + key * Tl::kRowBytes + ((ch ^ (lane & 7)) << 4));
@@ -649,13 +655,19 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
           for (int u = 0; u < 2; ++u) {
             const int qch = 2 * (2 * sp + u) + (lane >> 4);
             ldmatrix_x4(qa[0], q_smem + qr * Tl::kRowBytes + ((qch ^ (lane & 7)) << 4));
-            mma16816(sacc[j], qa[0], kb[2 * u], kb[2 * u + 1], T());
+            mma16816(to, qa[0], kb[2 * u], kb[2 * u + 1], T());
           }
         } else {
-          mma16816(sacc[j], qa[2 * sp], kb[0], kb[1], T());
-          mma16816(sacc[j], qa[2 * sp + 1], kb[2], kb[3], T());
+          mma16816(to, qa[2 * sp], kb[0], kb[1], T());
+          mma16816(to, qa[2 * sp + 1], kb[2], kb[3], T());
         }
       }
+    }
+    if constexpr (paired) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[j][e] = (e < 2 ? row_hi[0] : row_hi[1]) ? s_hi[j][e] : sacc[j][e];
     }
     // Online softmax (log2 domain) of rows g and g + 8; the 4 lanes of a row hold 4 keys each.
     const int rel0 = (warp + kWarps * t) * kKeys;
