@@ -6,8 +6,9 @@
 // dev/decode_d64_probe.py). In the usual layout (..., heads_kv, 64) the two KV heads of a pair are
 // one 128-wide row, so the d128 kernel can read them as one head:
 // - the query rows of the pair's first head take q in dims [0, 64) and zeros in [64, 128), those
-//   of its second head zeros then q; a row's scores over the 128-wide key rows are then exactly its
-//   own head's (the other half adds products with zero);
+//   of its second head zeros then q; the kernel (kPaired) sums the two halves of Q K^T apart and
+//   each row keeps its own head's half, so its scores are exactly its head's (the other half, q's
+//   zeros times the other head's keys, is dropped: an inf there would make 0 x inf = NaN);
 // - a row's output is its own half of the 128-wide O (the other half, P times the other head's V,
 //   is dropped).
 // The CTA then holds the query rows of both heads (2 x group x seqlen_q); pairs are taken only
