@@ -210,7 +210,9 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
  *   k_cache/v_cache  contiguous (batch_cache, seqlen_cache, heads_kv, head_dim), or paged
  *                (num_pages, page_size, heads_kv, head_dim) when block_table is given
  *   block_table  int32 (batch, max_pages_per_seq): page ids of each sequence, in order; NULL = contiguous
- *   cache_seqlens int32 (batch): tokens already in each sequence's cache
+ *   cache_seqlens int32 (batch): tokens already in each sequence's cache; NULL (only without
+ *                k_new / v_new): every sequence fills its cache (seqlen_cache tokens, or
+ *                max_pages_per_seq x page_size), as flash_attn_with_kvcache without cache_seqlens
  *   cache_batch_idx int32 (batch) or NULL: which cache row sequence b uses (contiguous caches only)
  *   k_new/v_new  (batch, seqlen_new, heads_kv, head_dim) or NULL: appended into the cache in place at
  *                positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attending

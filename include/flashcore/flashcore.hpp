@@ -121,7 +121,8 @@ inline void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const
 }
 
 /** Arguments of attention against a KV cache; see fc_kvcache_args (flashcore.h) for every field.
- *  q, k_cache, v_cache, cache_seqlens and out are required; null pointers leave a feature off. */
+ *  q, k_cache, v_cache and out are required; cache_seqlens too when k_new / v_new are appended
+ *  (without it every sequence fills its cache); null pointers leave a feature off. */
 struct KvCacheArgs {
   const Tensor* q = nullptr;
   const Tensor* k_cache = nullptr;  // written in place when k_new is given

@@ -419,7 +419,8 @@ def attention_kvcache(
 
     q (batch, seqlen_q, heads_q, head_dim); k_cache/v_cache (batch_cache, seqlen_cache, heads_kv,
     head_dim), or paged (num_pages, page_size, heads_kv, head_dim) with block_table int32 (batch,
-    pages_per_seq). cache_seqlens: int32 (batch,) tokens already cached, or one int for all.
+    pages_per_seq). cache_seqlens: int32 (batch,) tokens already cached, one int for all, or None
+    (nothing appended): every sequence fills its cache.
     k/v (batch, seqlen_new, heads_kv, head_dim), when given, are written into the caches in place
     at positions cache_seqlens[b] ... before attending (cache_seqlens itself is not advanced).
     cache_batch_idx int32 (batch,) picks each sequence's cache row (contiguous caches only).

@@ -446,7 +446,7 @@ def _kvcache_op(
     v_cache: Tensor,
     k: Optional[Tensor],
     v: Optional[Tensor],
-    cache_seqlens: Tensor,
+    cache_seqlens: Optional[Tensor],
     cache_batch_idx: Optional[Tensor],
     block_table: Optional[Tensor],
     softmax_scale: float,
@@ -478,7 +478,10 @@ def _kvcache_op_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
 
 
 def cache_seqlens_tensor(cache_seqlens, q):
-    """cache_seqlens (an int or an integer tensor) as the int32 (batch,) tensor the call reads."""
+    """cache_seqlens (an int or an integer tensor) as the int32 (batch,) tensor the call reads;
+    None stays None (every sequence fills its cache)."""
+    if cache_seqlens is None:
+        return None
     if isinstance(cache_seqlens, torch.Tensor):
         return _index_tensor(cache_seqlens, "cache_seqlens")
     return torch.full((q.shape[0],), cache_seqlens_from_int(cache_seqlens), dtype=CU_SEQLENS_DTYPE,

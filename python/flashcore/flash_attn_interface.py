@@ -186,12 +186,6 @@ def _check_unsupported_kvcache(cache_leftpad, block_table):
         raise NotImplementedError("cache_leftpad: not supported with a paged cache (block_table), as in flash_attn")
 
 
-def _whole_cache_seqlens(k_cache, block_table):
-    # flash_attn without cache_seqlens attends over every slot of each sequence's cache.
-    pages_per_seq = 1 if block_table is None else block_table.shape[1]
-    return k_cache.shape[1] * pages_per_seq
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -220,10 +214,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_unsupported_kvcache(cache_leftpad, block_table)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (to append into the caches) or neither")
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError("cache_seqlens: is required when k and v are appended")
-        cache_seqlens = _whole_cache_seqlens(k_cache, block_table)
+    if cache_seqlens is None and k is not None:
+        raise ValueError("cache_seqlens: is required when k and v are appended")
+    # cache_seqlens None travels as a null tensor: every sequence fills its cache, with no
+    # lengths array to build (a fill kernel per call on a GPU).
     extras = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                   rotary_interleaved=bool(rotary_interleaved), cache_leftpad=cache_leftpad,
                   alibi_slopes=alibi_slopes)

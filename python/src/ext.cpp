@@ -434,7 +434,7 @@ struct CacheArg {
 struct KvCacheCall {
   Input q;
   CacheArg k_cache, v_cache;
-  Input cache_seqlens;
+  OptionalInput cache_seqlens;  // None: every sequence fills its cache (the library rejects it with k_new)
   OptionalInput block_table, cache_batch_idx, k_new, v_new, rotary_cos, rotary_sin, cache_leftpad, alibi_slopes;
   Output out;
   OptionalOutput lse, error_flag;

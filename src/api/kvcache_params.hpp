@@ -102,8 +102,8 @@ struct KvCacheParams {
 
 /** cache_seqlens[b] (device or host memory, matching the call): the slot after sequence b's last
  *  cached token, where the first appended token goes and the rotary position it takes. Without
- *  cache_seqlens every sequence fills its cache row: the dense forward the decode route hands over
- *  (api/kvcache_forward_view.hpp; fc_attention_kvcache itself requires the lengths). */
+ *  cache_seqlens (fc_attention_kvcache without an append, and the dense forwards the decode route
+ *  hands over, api/kvcache_forward_view.hpp) every sequence fills its cache row. */
 FC_HOST_DEVICE int64_t cache_end(const KvCacheParams& p, int64_t b) {
   return p.cache_seqlens ? int64_t(p.cache_seqlens[b * p.cache_seqlens_stride]) : p.capacity();
 }

@@ -187,10 +187,16 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
   p->cache_rows = a.k_cache->shape[0];
   p->page_size = a.k_cache->shape[1];
 
-  if (a.cache_seqlens == nullptr) return Status::invalid("cache_seqlens: is null (int32 (batch) lengths are required)");
-  if (!(s = check_int_vector(a.cache_seqlens, "cache_seqlens", batch, q, "cache_seqlens is (batch,)")).is_ok()) return s;
-  p->cache_seqlens = static_cast<const int32_t*>(a.cache_seqlens->data);
-  p->cache_seqlens_stride = a.cache_seqlens->strides[0];
+  if (a.cache_seqlens == nullptr) {
+    // Every sequence fills its cache (cache_end): no lengths to read, and none to append after.
+    if (a.k_new != nullptr || a.v_new != nullptr)
+      return Status::invalid("cache_seqlens: is null, but k_new / v_new are given (the lengths say where they go)");
+  } else {
+    if (!(s = check_int_vector(a.cache_seqlens, "cache_seqlens", batch, q, "cache_seqlens is (batch,)")).is_ok())
+      return s;
+    p->cache_seqlens = static_cast<const int32_t*>(a.cache_seqlens->data);
+    p->cache_seqlens_stride = a.cache_seqlens->strides[0];
+  }
 
   if (a.block_table) {
     Extent e;

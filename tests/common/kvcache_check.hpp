@@ -18,6 +18,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype_host.hpp"
@@ -485,6 +486,77 @@ inline std::string run_kvcache_case(const KvCase& c, Memory& mem, uint64_t seed)
   return check_kvcache_result(pr);
 }
 
+/** A call without cache_seqlens (fc_kvcache_args.cache_seqlens = NULL: every sequence fills its
+ *  cache) against the same call with the lengths given: the case's lengths must fill every cache
+ *  (slack 0, start + cache_lens = the capacity) and nothing may be appended. The call with lengths
+ *  is checked against the fp64 oracle; the one without must give the same bits, output poisoned
+ *  again between them. "" on success, else what failed. */
+inline std::string run_full_cache_without_lengths(const KvCase& c, Memory& mem, uint64_t seed) {
+  KvProblem pr(c, mem, seed);
+  for (int64_t b = 0; b < c.batch; ++b)
+    if (pr.start(b) + c.cache_lens[b] != pr.capacity) return "the case does not fill every cache";
+  if (pr.run(mem) != FC_OK) return std::string("call with lengths failed: ") + fc_last_error();
+  pr.fetch();
+  const std::string err = check_kvcache_result(pr);
+  if (!err.empty()) return "with lengths: " + err;
+  const std::vector<uint8_t> out = pr.out.host, lse = pr.lse.host;
+  for (KvBuffer* t : {&pr.out, &pr.lse}) {
+    std::fill(t->host.begin(), t->host.end(), uint8_t{0xFF});
+    t->upload();
+  }
+  pr.args.cache_seqlens = nullptr;
+  if (pr.run(mem) != FC_OK) return std::string("call without lengths failed: ") + fc_last_error();
+  pr.fetch();
+  if (pr.out.host != out) return "out differs without lengths";
+  if (pr.lse.host != lse) return "lse differs without lengths";
+  return "";
+}
+
+/** A one-token case of three sequences (the base the case lists below vary). */
+inline KvCase three_sequences(int32_t dtype, int64_t head_dim, std::vector<int32_t> lens, int64_t heads_q,
+                              int64_t heads_kv) {
+  KvCase c;
+  c.dtype = dtype;
+  c.head_dim = head_dim;
+  c.batch = 3;
+  c.cache_lens = std::move(lens);
+  c.heads_q = heads_q;
+  c.heads_kv = heads_kv;
+  return c;
+}
+
+/** Cases for run_full_cache_without_lengths: contiguous caches (permuted rows, left padding, a
+ *  window), paged ones (16 / 64 / 256 keys a page), GQA / MHA / MQA. (Rotary tables come with an
+ *  append, which needs the lengths.) */
+inline std::vector<KvCase> full_cache_cases(int32_t dtype, int64_t head_dim) {
+  std::vector<KvCase> cases;
+  KvCase base = three_sequences(dtype, head_dim, {512, 512, 512}, 8, 2);
+  base.slack = 0;
+  cases.push_back(base);
+  KvCase rows = base;
+  rows.batch_idx = true;
+  rows.causal = true;
+  rows.seqlen_q = 2;
+  cases.push_back(rows);
+  KvCase pad = base;
+  pad.leftpad = {0, 7, 500};
+  pad.cache_lens = {512, 505, 12};
+  cases.push_back(pad);
+  KvCase window = base;
+  window.heads_kv = 8;  // MHA
+  window.window_left = 100;
+  window.window_right = 0;
+  window.softcap = 20;
+  cases.push_back(window);
+  for (int64_t page : {16, 64, 256}) {
+    KvCase paged = base;
+    paged.page_size = page;
+    paged.heads_kv = page == 64 ? 1 : 2;  // MQA
+    cases.push_back(paged);
+  }
+  return cases;
+}
+
 /** The shared grid: layouts x masks x GQA/MQA x append, for the given dtypes and head dims. */
 inline std::vector<KvCase> kvcache_grid(const std::vector<int32_t>& dtypes, const std::vector<int64_t>& head_dims) {
   std::vector<KvCase> cases;
@@ -527,13 +599,7 @@ inline std::vector<KvCase> kvcache_grid(const std::vector<int32_t>& dtypes, cons
 /** Left-padded caches and rotary tables, alone and together, over layouts and masks. */
 inline std::vector<KvCase> leftpad_rotary_cases(int32_t dtype, int64_t head_dim) {
   std::vector<KvCase> cases;
-  KvCase base;
-  base.dtype = dtype;
-  base.head_dim = head_dim;
-  base.batch = 3;
-  base.cache_lens = {0, 37, 130};
-  base.heads_q = 4;
-  base.heads_kv = 2;
+  const KvCase base = three_sequences(dtype, head_dim, {0, 37, 130}, 4, 2);
   KvCase pad = base;  // decode from left-padded rows; the first sequence is all padding
   pad.leftpad = {6, 0, 21};
   cases.push_back(pad);
@@ -596,13 +662,7 @@ inline std::vector<KvCase> leftpad_rotary_cases(int32_t dtype, int64_t head_dim)
  *  from each sequence's first (after the padding) and includes the appended ones. */
 inline std::vector<KvCase> alibi_cases(int32_t dtype, int64_t head_dim) {
   std::vector<KvCase> cases;
-  KvCase base;
-  base.dtype = dtype;
-  base.head_dim = head_dim;
-  base.batch = 3;
-  base.cache_lens = {0, 37, 300};
-  base.heads_q = 8;
-  base.heads_kv = 2;
+  KvCase base = three_sequences(dtype, head_dim, {0, 37, 300}, 8, 2);
   base.alibi = 1;
   cases.push_back(base);  // decode, GQA, (heads_q) slopes
   KvCase paged = base;    // (batch, heads_q) slopes, paged, appending, causal, splits

@@ -310,6 +310,18 @@ void expect_rejected(const KvCase& c, const std::function<void(KvProblem&)>& bre
   EXPECT_EQ(flag, value_error ? 1 : 0) << prefix;
 }
 
+/** cache_seqlens = NULL: every sequence fills its cache (flash_attn_with_kvcache without
+ *  cache_seqlens), the same bits as the lengths given. */
+TEST(KvCacheCpu, FullCachesWithoutLengths) {
+  auto mem = host_memory();
+  uint64_t seed = 900;
+  for (int32_t dt : all_dtypes())
+    for (const KvCase& c : full_cache_cases(dt, 64)) {
+      const std::string err = run_full_cache_without_lengths(c, *mem, seed++);
+      EXPECT_TRUE(err.empty()) << c.name() << ": " << err;
+    }
+}
+
 TEST(KvCacheCpuBadInput, Tensors) {
   const KvCase c = small_case(0);
   expect_rejected(c, [](KvProblem& p) { p.args.q = nullptr; }, "q:");
@@ -322,7 +334,7 @@ TEST(KvCacheCpuBadInput, Tensors) {
   expect_rejected(c, [](KvProblem& p) { p.tkc.data = nullptr; }, "k_cache:");
   expect_rejected(c, [](KvProblem& p) { p.tvc.shape[1] -= 1; }, "v_cache:");
   expect_rejected(c, [](KvProblem& p) { p.tkc.shape[0] = 1; p.tvc.shape[0] = 1; }, "k_cache:");
-  expect_rejected(c, [](KvProblem& p) { p.args.cache_seqlens = nullptr; }, "cache_seqlens:");
+  expect_rejected(c, [](KvProblem& p) { p.args.cache_seqlens = nullptr; }, "cache_seqlens:");  // with k_new
   expect_rejected(c, [](KvProblem& p) { p.tlens.dtype = FC_DTYPE_F32; }, "cache_seqlens:");
   expect_rejected(c, [](KvProblem& p) { p.tlens.shape[0] = 3; }, "cache_seqlens:");
   expect_rejected(c, [](KvProblem& p) { p.args.v_new = nullptr; }, "v_new:");

@@ -153,6 +153,20 @@ TEST(CudaKvCache, HeadPairs) {
   expect_cases(cases, {1, 3, 0}, 7000);
 }
 
+/** cache_seqlens = NULL on the GPU: every sequence fills its cache, the same bits as the lengths
+ *  given (the decode kernel's cache_end; d64 pairs and d128, both dtypes). */
+TEST(CudaKvCache, FullCachesWithoutLengths) {
+  REQUIRE_GPU();
+  CudaMemory mem;
+  uint64_t seed = 950;
+  for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
+    for (int64_t hd : {int64_t(64), int64_t(128)})
+      for (const KvCase& c : full_cache_cases(dt, hd)) {
+        const std::string err = run_full_cache_without_lengths(c, mem, seed++);
+        EXPECT_TRUE(err.empty()) << c.name() << ": " << err;
+      }
+}
+
 TEST(CudaKvCache, LongPagedTables) {
   REQUIRE_GPU();
   // Pages of 16+ keys (powers of two) read the block table in batches of 32 tiles per warp, the

@@ -319,6 +319,25 @@ def test_no_cache_seqlens_means_the_whole_cache(rng):
     assert_fp32_close(out, ref_out, "out")
 
 
+def test_torch_no_cache_seqlens_equals_the_full_lengths(rng, torch):
+    """cache_seqlens=None travels as a null tensor (no lengths array is built): the same result as
+    every length given as the capacity, contiguous and paged; with an append it is an error."""
+    for page_size in (None, 16):
+        case = make_case(rng, capacity=48, page_size=page_size)
+        tcase = torch_case(torch, case)
+        q, k_cache, v_cache = tcase["q"], tcase["k_cache"], tcase["v_cache"]
+        table = tcase.get("block_table")
+        out, lse = flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table,
+                                                     return_softmax_lse=True)
+        full = torch.full((q.shape[0],), 48, dtype=torch.int32)
+        out_full, lse_full = flashcore.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=full, block_table=table, return_softmax_lse=True)
+        assert torch.equal(out, out_full) and torch.equal(lse, lse_full)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, k=q[:, :, :2], v=q[:, :, :2],
+                                          block_table=table)
+
+
 def test_int64_indices_are_converted(rng):
     case = make_case(rng, seqlen_new=1, capacity=32, page_size=16)
     for key in ("cache_seqlens", "block_table"):
