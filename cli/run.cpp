@@ -6,6 +6,7 @@
 #include <random>
 
 #include "api/backends.hpp"
+#include "api/dispatch.hpp"
 #include "api/validate.hpp"
 #include "common.hpp"
 
@@ -108,7 +109,10 @@ int command_run(int argc, char** argv) {
                                                      : auto_backend_name(p.on_gpu, false);
   std::printf("flashcore %s  run\n", fc_version());
   std::printf("  problem : %s\n", p.describe().c_str());
-  std::printf("  backend : %s\n", backend);
+  const ForwardArgs args{&buf.q, &buf.k, &buf.v, &buf.out, &buf.lse, &buf.options};
+  const bool decode_route = p.backend == FC_BACKEND_AUTO && forward_takes_decode_route(args);
+  std::printf("  backend : %s%s\n", backend,
+              decode_route ? ", decode path (few query rows per KV head: AUTO's decode route)" : "");
   char device[256];
   if (p.on_gpu && fc_cuda_device_describe(0, device, sizeof(device)) == FC_OK) std::printf("  device  : %s\n", device);
   if (buf.forward() != FC_OK) {

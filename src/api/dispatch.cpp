@@ -190,6 +190,13 @@ static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, f
   return is_cuda_backend(chosen) ? cuda::decode_route_suits(*kv) : cpu::decode_route_suits(*kv);
 }
 
+bool forward_takes_decode_route(const ForwardArgs& a) {
+  AttentionParams p;
+  fc_backend b;
+  KvCacheParams kv;
+  return prepare(a, /*workspace_query=*/true, &p, &b).is_ok() && takes_decode_route(p, a, b, &kv);
+}
+
 Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
   AttentionParams p;
   fc_backend b;

@@ -16,6 +16,11 @@ bool backend_available(fc_backend backend, int device_id);
 Status choose_backend(const AttentionParams& p, fc_backend requested, fc_backend* chosen);
 Status choose_backend(const BackwardParams& p, fc_backend requested, fc_backend* chosen);
 
+/** Whether run_forward hands these arguments to the decode kernel (AUTO's decode route: a dense
+ *  forward with few query rows per KV head); false for invalid arguments. For reports such as
+ *  `flashcore run`'s backend line. */
+bool forward_takes_decode_route(const ForwardArgs& args);
+
 Status forward_workspace(const ForwardArgs& args, size_t* bytes);
 Status run_forward(const ForwardArgs& args, void* workspace, size_t workspace_bytes);
 Status backward_workspace(const BackwardArgs& args, size_t* bytes);
