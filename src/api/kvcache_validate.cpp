@@ -112,8 +112,9 @@ Status check_kvcache_host_values(const KvCacheParams& p) {
     const int64_t end = cache_end(p, b), start = cache_start(p, b);
     if (end < 0) return Status::invalid("cache_seqlens: entry " + str(b) + " is negative (" + str(end) + ")");
     if (start < 0 || start > end)
-      return Status::invalid("cache_leftpad: entry " + str(b) + " is " + str(start) + ", outside 0..cache_seqlens[" +
-                             str(b) + "] = " + str(end));
+      return Status::invalid("cache_leftpad: entry " + str(b) + " is " + str(start) + ", outside 0.." +
+                             (p.cache_seqlens ? "cache_seqlens[" + str(b) + "]" : std::string("the cache capacity")) +
+                             " = " + str(end));
     if (end + p.seqlen_new > p.capacity()) {
       const std::string what = p.seqlen_new > 0 ? " + seqlen_new " + str(p.seqlen_new) : "";
       return Status::invalid("cache_seqlens: entry " + str(b) + " (" + str(end) + ")" + what +
@@ -189,6 +190,7 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
 
   if (a.cache_seqlens == nullptr) {
     // Every sequence fills its cache (cache_end): no lengths to read, and none to append after.
+    // Given lengths are int32, and so are the kernels' key counts: a full cache must fit them.
     if (a.k_new != nullptr || a.v_new != nullptr)
       return Status::invalid("cache_seqlens: is null, but k_new / v_new are given (the lengths say where they go)");
   } else {
@@ -225,6 +227,10 @@ Status validate_kvcache(const fc_kvcache_args* args, const fc_attention_options*
                            " cache rows but q has batch " + str(batch) +
                            " (without cache_batch_idx or block_table, sequence b uses cache row b)");
   }
+
+  if (!p->cache_seqlens && p->capacity() > INT32_MAX)  // (capacity known now: paged or not)
+    return Status::invalid("cache_seqlens: is null, so every sequence holds its whole cache of " + str(p->capacity()) +
+                           " tokens, more than int32 lengths allow");
 
   if ((a.k_new == nullptr) != (a.v_new == nullptr))
     return Status::invalid(a.k_new ? "v_new: is null but k_new is given (append needs both)"

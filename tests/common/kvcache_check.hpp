@@ -526,8 +526,9 @@ inline KvCase three_sequences(int32_t dtype, int64_t head_dim, std::vector<int32
 }
 
 /** Cases for run_full_cache_without_lengths: contiguous caches (permuted rows, left padding, a
- *  window), paged ones (16 / 64 / 256 keys a page), GQA / MHA / MQA. (Rotary tables come with an
- *  append, which needs the lengths.) */
+ *  window), paged ones (16 / 64 / 256 keys a page), GQA / MHA / MQA, ALiBi with splits, and 16 /
+ *  256 query rows per KV head (the CPU's and the GPU's forward-kernel routes). (Rotary tables
+ *  come with an append, which needs the lengths.) */
 inline std::vector<KvCase> full_cache_cases(int32_t dtype, int64_t head_dim) {
   std::vector<KvCase> cases;
   KvCase base = three_sequences(dtype, head_dim, {512, 512, 512}, 8, 2);
@@ -553,6 +554,17 @@ inline std::vector<KvCase> full_cache_cases(int32_t dtype, int64_t head_dim) {
     paged.page_size = page;
     paged.heads_kv = page == 64 ? 1 : 2;  // MQA
     cases.push_back(paged);
+  }
+  KvCase alibi = base;  // splits and slopes
+  alibi.alibi = 2;
+  alibi.num_splits = 3;
+  cases.push_back(alibi);
+  for (int64_t seqlen_q : {4, 64}) {  // 16 and 256 rows per KV head: the forward-kernel routes
+    KvCase chunk = base;
+    chunk.seqlen_q = seqlen_q;
+    chunk.causal = true;
+    chunk.page_size = seqlen_q == 64 ? 16 : 0;
+    cases.push_back(chunk);
   }
   return cases;
 }

@@ -406,6 +406,16 @@ TEST(KvCacheCpuBadInput, IndexValues) {
   expect_rejected(bidx, [](KvProblem& p) { p.batch_idx.ints()[0] = static_cast<int32_t>(p.cache_rows); },
                   "cache_batch_idx:", true);
   expect_rejected(bidx, [](KvProblem& p) { p.batch_idx.ints()[1] = -1; }, "cache_batch_idx:", true);
+  // Without cache_seqlens every sequence holds its whole cache: a cache row of 2^31 slots (its
+  // rows overlapping through a zero stride: nothing is read) is more than int32 lengths count.
+  expect_rejected(contiguous, [](KvProblem& p) {
+    p.args.cache_seqlens = nullptr;
+    p.args.k_new = p.args.v_new = nullptr;
+    for (fc_tensor* t : {&p.tkc, &p.tvc}) {
+      t->shape[1] = int64_t(1) << 31;
+      t->strides[1] = 0;
+    }
+  }, "cache_seqlens:");
 }
 
 TEST(KvCacheCpu, UnusedBlockTableEntriesAreIgnored) {
