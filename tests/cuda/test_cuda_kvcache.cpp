@@ -115,8 +115,9 @@ TEST(CudaKvCache, BothWarpCounts) {
 /** Head dim 64 read in head pairs (cuda/decode/head_pairs.hpp: two adjacent KV heads as one
  *  128-wide row, the 128-wide kernel, each query row's output from its own half): pairs whose
  *  query rows fill a CTA exactly (GQA 8, GQA 4 x 2 causal tokens), three pairs, MHA with a window
- *  and softcap, appends with rotary tables, permuted cache rows and pages of 16 / 256, beside
- *  d64 calls that stay on single heads (24 rows a pair, odd KV heads). */
+ *  and softcap, appends with rotary tables, permuted cache rows and pages of 16 / 256, 40
+ *  sequences (the 4-warp kernels on Hopper, whose small grids take 8 warps), beside d64 calls that
+ *  stay on single heads (24 rows a pair, odd KV heads). */
 TEST(CudaKvCache, HeadPairs) {
   REQUIRE_GPU();
   std::vector<KvCase> cases;
@@ -148,6 +149,14 @@ TEST(CudaKvCache, HeadPairs) {
   rot.rotary_half = 16;
   rot.batch_idx = true;
   cases.push_back(rot);
+  for (int64_t page : {0, 16}) {  // 40 sequences x 4 pairs: more CTAs than SMs, the 4-warp kernels
+    KvCase many = base(32, 8, 1, page);
+    many.batch = 40;
+    many.cache_lens.clear();
+    for (int32_t b = 0; b < 40; ++b) many.cache_lens.push_back(37 * b % 700);
+    many.dtype = page == 0 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+    cases.push_back(many);
+  }
   cases.push_back(base(32, 8, 3, 0));  // 24 rows a pair: single heads
   cases.push_back(base(12, 3, 1, 16));  // odd KV heads: single heads
   expect_cases(cases, {1, 3, 0}, 7000);
