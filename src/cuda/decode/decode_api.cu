@@ -48,12 +48,6 @@ int64_t row_chunks(const KvCacheParams& p) {
   return (rows + DecodeTraits::kRows - 1) / DecodeTraits::kRows;
 }
 
-#if defined(FLASHCORE_HDIM_128)
-constexpr bool kWideKernelCompiled = true;  // the 128-wide kernel that head pairs run on
-#else
-constexpr bool kWideKernelCompiled = false;
-#endif
-
 /** p as the attention kernel sees it: in head pairs where decode/head_pairs.hpp takes them, else
  *  p itself. The plan, the grid and the kernel's parameters come from this view; the append
  *  kernel, the workspace's partials and the merge keep the call's per-head shapes. */
@@ -314,7 +308,7 @@ Status run_typed(const KvCacheParams& call, void* workspace) {
   const KvCacheParams a = attention_view(p);
   const decode::SplitOutput so = split_output(a, plan, workspace, programmatic);
   Status s;
-  if constexpr (HD == decode::HeadPairTraits::kHeadDim && kWideKernelCompiled) {
+  if constexpr (HD == decode::HeadPairTraits::kHeadDim && decode::kPairKernelCompiled) {
     s = a.heads_paired ? launch_planned_attention<T, 2 * HD, true>(a, plan, so, stream, programmatic)
                        : launch_planned_attention<T, HD>(a, plan, so, stream, programmatic);
   } else {

@@ -412,9 +412,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   // of the second head's query heads (from rr = group / 2 x seqlen_q on) sit on side 1, reading
   // q into dims [qo_hd, 2 qo_hd) and writing their output from there. Without pairs every row is
   // on side 0 and qo_hd = head_dim.
-  constexpr bool paired = kPaired;
-  const int qo_hd = static_cast<int>(paired ? p.head_dim / 2 : p.head_dim);
-  const int side1_from = paired ? group_size / 2 * seqlen_q : rows_total;
+  const int qo_hd = static_cast<int>(kPaired ? p.head_dim / 2 : p.head_dim);
+  const int side1_from = kPaired ? group_size / 2 * seqlen_q : rows_total;
   auto side_offset = [&](int r) { return row0 + r >= side1_from ? qo_hd : 0; };
   // This thread's two query rows (g and g + 8) in Q; nullptr past the CTA's rows.
   const T* q_row[2];
@@ -644,7 +643,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
       for (int e = 0; e < 4; ++e) sacc[j][e] = s_hi[j][e] = 0.f;
 #pragma unroll
       for (int sp = 0; sp < kSteps / 2; ++sp) {
-        float(&to)[4] = paired && sp >= kSteps / 4 ? s_hi[j] : sacc[j];
+        float(&to)[4] = kPaired && sp >= kSteps / 4 ? s_hi[j] : sacc[j];
         uint32_t kb[4];
         const int key = 8 * j + (lane & 7), ch = 4 * sp + (lane >> 3);
         ldmatrix_x4(kb, ks + key * Tl::kRowBytes + ((ch ^ (lane & 7)) << 4));
@@ -663,7 +662,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
         }
       }
     }
-    if constexpr (paired) {
+    if constexpr (kPaired) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll

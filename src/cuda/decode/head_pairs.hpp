@@ -58,14 +58,17 @@ inline bool head_pairs_enabled() {
   return enabled;
 }
 
+/** Whether this build has the 128-wide decode kernel head pairs run on (FLASHCORE_HDIM_128). */
+#if defined(FLASHCORE_HDIM_128)
+inline constexpr bool kPairKernelCompiled = true;
+#else
+inline constexpr bool kPairKernelCompiled = false;
+#endif
+
 /** head_pairs_apply with this build's kernels (head dim 64 in its own bucket, and the 128 bucket)
  *  and the environment's switch. */
 inline bool head_pairs_chosen(const KvCacheParams& p, int64_t cta_rows) {
-#if defined(FLASHCORE_HDIM_128)
-  const bool wide = compiled_head_dim_bucket(p.head_dim) == HeadPairTraits::kHeadDim;
-#else
-  const bool wide = false;
-#endif
+  const bool wide = kPairKernelCompiled && compiled_head_dim_bucket(p.head_dim) == HeadPairTraits::kHeadDim;
   return head_pairs_enabled() && head_pairs_apply(p, wide, cta_rows);
 }
 
