@@ -176,17 +176,25 @@ static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t w
 }
 
 /** AUTO's decode route: a dense forward with a few query rows per KV head (decoding through
- *  flash_attn_func, as model code without a KV-cache API does it) runs on the decode path, as the
- *  KV-cache call of the same tensors would (api/kvcache_forward_view.hpp). The GPU forward kernels'
- *  tiles hold 64-192 query rows: with a handful they stream K / V at a fraction of the memory's
- *  rate, one tile per (sequence, head) (cuda/decode/prefill_route.hpp has the rule and the
- *  numbers); cpu_flash's forward streams K / V once per query head (cpu/decode.cpp's rule). A
- *  backend the caller names runs the call itself. */
+ *  flash_attn_func, as model code without a KV-cache API does it), or a varlen one with at most one
+ *  query token per sequence (flash_attn_varlen_func's decoding, packed or paged K/V) runs on the
+ *  decode path, as the KV-cache call of the same tensors would (api/kvcache_forward_view.hpp).
+ *  The GPU forward kernels' tiles hold 64-192 query rows: with a handful they stream K / V at a
+ *  fraction of the memory's rate, one tile per (sequence, head) (cuda/decode/prefill_route.hpp
+ *  has the rule and the numbers); cpu_flash's forward streams K / V once per query head
+ *  (cpu/decode.cpp's rule). A backend the caller names runs the call itself. */
 static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, fc_backend chosen, KvCacheParams* kv) {
   if (requested_backend(a.options) != FC_BACKEND_AUTO) return false;
   if (chosen != FC_BACKEND_CPU_FLASH && !is_cuda_backend(chosen)) return false;
-  if (p.is_varlen() || p.is_paged() || p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
-  *kv = forward_as_kvcache(p);
+  if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
+  if (p.is_varlen()) {
+    // flash_attn_varlen_func decoding: at most one query token per sequence (max_seqlen_q = 1).
+    if (p.seqlen_q != 1 || p.pages.first_slot != nullptr) return false;
+    *kv = varlen_forward_as_kvcache(p);
+  } else {
+    if (p.is_paged()) return false;
+    *kv = forward_as_kvcache(p);
+  }
   return is_cuda_backend(chosen) ? cuda::decode_route_suits(*kv) : cpu::decode_route_suits(*kv);
 }
 
@@ -224,8 +232,10 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     // The split-KV partials are the route's only workspace: a caller that gives less than the
     // query reported (dense forwards needed none before the route) gets the forward kernels.
     const size_t needed = cuda::kvcache_workspace(kv);
-    if (needed == 0 || (workspace != nullptr && workspace_bytes >= needed))
+    if (needed == 0 || (workspace != nullptr && workspace_bytes >= needed)) {
+      if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;  // varlen calls with an error flag
       return cuda::kvcache_forward(kv, workspace, workspace_bytes);
+    }
   }
   switch (b) {
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);

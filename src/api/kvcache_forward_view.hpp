@@ -115,4 +115,48 @@ inline KvCacheParams forward_as_kvcache(const AttentionParams& f) {
   return p;
 }
 
+/** A varlen forward with at most one query token per sequence (max_seqlen_q = 1: decoding through
+ *  flash_attn_varlen_func, as engines batch their sequences) as a KV-cache call, nothing appended.
+ *  Sequence b's query is packed row cu_seqlens_q[b] of q / out / lse, if it has one
+ *  (KvCacheParams::q_cu_seqlens). Its keys: packed k / v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+ *  are one cache row shared by every sequence (batch stride 0) with cu_seqlens_k as the left padding
+ *  and cu_seqlens_k + 1 as the ends, so key j is packed row cu_seqlens_k[b] + j; paged K/V keep
+ *  their block table, cu_seqlens_k giving the lengths as prefix sums. One query token sees every
+ *  key of its sequence under a causal mask (both align it to the last key), and windows, softcap
+ *  and ALiBi keep their meaning. Keys past max_seqlen_k are not clamped away as the forward
+ *  kernels clamp them (such cu_seqlens break the call's contract), and sequences whose cu_seqlens_k
+ *  leave the tensor get NaN rows and the error flag, as bad KV-cache lengths do. Not for K/V pages
+ *  with first slots (those come from kvcache_as_forward only). */
+inline KvCacheParams varlen_forward_as_kvcache(const AttentionParams& f) {
+  KvCacheParams p = forward_as_kvcache(f);
+  auto rows_as_batches = [](const TensorRef& t) { return TensorRef{t.data, t.row_stride, t.row_stride, t.head_stride}; };
+  p.q = rows_as_batches(f.q);
+  p.out = rows_as_batches(f.out);
+  p.lse = f.lse;
+  p.lse.batch_stride = f.lse.row_stride;
+  p.q_cu_seqlens = f.cu_seqlens_q;
+  p.q_rows = f.total_q;
+  p.longest_sequence = f.seqlen_k;
+  p.error_flag = f.error_flag;
+  if (f.is_paged()) {
+    p.paged = true;
+    p.cache_rows = f.pages.num_pages;
+    p.page_size = f.pages.page_size;
+    p.pages_per_seq = f.pages.per_seq;
+    p.block_table = f.pages.table;
+    p.block_table_batch_stride = f.pages.batch_stride;
+    p.block_table_page_stride = f.pages.page_stride;
+    p.cache_seqlens = f.cu_seqlens_k;
+    p.cache_seqlens_cumulative = true;
+  } else {
+    p.k_cache.batch_stride = 0;
+    p.v_cache.batch_stride = 0;
+    p.cache_rows = f.batch;  // row b (batch stride 0: the packed rows) for every sequence b
+    p.page_size = f.total_k;
+    p.cache_leftpad = f.cu_seqlens_k;
+    p.cache_seqlens = f.cu_seqlens_k + 1;
+  }
+  return p;
+}
+
 }  // namespace flashcore

@@ -84,6 +84,18 @@ struct KvCacheParams {
   // row of twice the width, while q, out, lse and split partials keep their per-head shapes of
   // qo_head_dim() = head_dim / 2.
   bool heads_paired = false;
+  // Set only in the decode route's view of a varlen forward (api/kvcache_forward_view.hpp's
+  // varlen_forward_as_kvcache). q_cu_seqlens: sequence b's query tokens are the packed rows
+  // [q_cu_seqlens[b], q_cu_seqlens[b + 1]) of q, out and lse (q_rows of them in all), at most
+  // seqlen_q of them (query_rows below); q, out and lse carry the packed row's stride as their
+  // batch stride. cache_seqlens_cumulative: cache_seqlens holds prefix sums (batch + 1 entries),
+  // sequence b's keys are the first cache_seqlens[b + 1] - cache_seqlens[b] of its pages.
+  // longest_sequence: the most keys a sequence has (max_seqlen_k; 0: capacity()), which sizes the
+  // split-KV count on the host where the lengths live on the device.
+  const int32_t* q_cu_seqlens = nullptr;
+  int64_t q_rows = 0;
+  bool cache_seqlens_cumulative = false;
+  int64_t longest_sequence = 0;
   int32_t* error_flag = nullptr;  // optional; set to 1 on bad cache indices (device side on CUDA)
   int num_threads = 0;
   void* stream = nullptr;
@@ -105,7 +117,23 @@ struct KvCacheParams {
  *  cache_seqlens (fc_attention_kvcache without an append, and the dense forwards the decode route
  *  hands over, api/kvcache_forward_view.hpp) every sequence fills its cache row. */
 FC_HOST_DEVICE int64_t cache_end(const KvCacheParams& p, int64_t b) {
-  return p.cache_seqlens ? int64_t(p.cache_seqlens[b * p.cache_seqlens_stride]) : p.capacity();
+  if (!p.cache_seqlens) return p.capacity();
+  const int64_t at = int64_t(p.cache_seqlens[b * p.cache_seqlens_stride]);
+  return p.cache_seqlens_cumulative ? int64_t(p.cache_seqlens[(b + 1) * p.cache_seqlens_stride]) - at : at;
+}
+
+/** Where sequence b's query tokens sit in q, out and lse: the batch index offset_of takes (the
+ *  packed first row in a varlen view, see q_cu_seqlens; b otherwise) and how many tokens it has
+ *  (seqlen_q, or fewer in a varlen view; rows past them are neither read nor written). */
+struct QueryRows {
+  int64_t batch_index;
+  int64_t tokens;
+};
+FC_HOST_DEVICE QueryRows query_rows(const KvCacheParams& p, int64_t b) {
+  if (!p.q_cu_seqlens) return {b, p.seqlen_q};
+  QueryRows r;
+  packed_rows(p.q_cu_seqlens, b, p.q_rows, p.seqlen_q, r.batch_index, r.tokens);
+  return r;
 }
 
 /** Slot of sequence b's first token: cache_leftpad[b], 0 without it (and for paged caches). Key j of
@@ -178,6 +206,11 @@ struct MergeParams {
   TensorRef out;  // (batch, seqlen_q, heads, head_dim)
   LseRef lse;     // (batch, heads, seqlen_q); optional
   int64_t parts = 0, batch = 0, seqlen_q = 0, heads = 0, head_dim = 0;
+  // The split-KV combine of a varlen view (KvCacheParams::q_cu_seqlens): sequence b's out and lse
+  // rows are found through these prefix sums (out_rows packed rows), and rows past its tokens are
+  // left alone. nullptr for every other merge (fc_merge_partials never sets it).
+  const int32_t* out_cu_seqlens = nullptr;
+  int64_t out_rows = 0;
   int num_threads = 0;
   void* stream = nullptr;
 };

@@ -216,11 +216,16 @@ class DecodeAttention {
   /** The query rows of sequence b, scaled by softmax_scale, per KV head: [heads_kv][R][D]. */
   void load_queries(int64_t b) {
     const int64_t hd = p_.head_dim, group = p_.group_size();
+    const QueryRows qr = query_rows(p_, b);
     for (int64_t hk = 0; hk < p_.heads_kv; ++hk) {
       for (int64_t r = 0; r < rows_; ++r) {
         const int64_t h = hk * group + r / p_.seqlen_q, i = r % p_.seqlen_q;
         float* q = q_rows_.data() + (hk * rows_ + r) * hd;
-        flash_detail::load_row(p_.dtype, flash_detail::element_ptr(p_.q, p_.dtype, b, i, h), hd, q);
+        if (i >= qr.tokens) {  // a varlen view's sequence with fewer tokens: a row never stored
+          std::fill(q, q + hd, 0.f);
+          continue;
+        }
+        flash_detail::load_row(p_.dtype, flash_detail::element_ptr(p_.q, p_.dtype, qr.batch_index, i, h), hd, q);
         for (int64_t d = 0; d < hd; ++d) q[d] *= p_.softmax_scale;
       }
     }
@@ -386,22 +391,25 @@ KeyRange split_keys(const KeyRange& keys, int splits, int sp) {
 void store_head(const KvCacheParams& p, int64_t b, int64_t hk, int splits, const float* part_o, const float* part_lse) {
   const int64_t hd = p.head_dim, group = p.group_size(), rows = group * p.seqlen_q;
   const int64_t per_part = p.heads_kv * rows;
+  const QueryRows qr = query_rows(p, b);
   std::vector<float> weight;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t h = hk * group + r / p.seqlen_q, i = r % p.seqlen_q;
-    const int64_t o_off = offset_of(p.out, b, i, h), row = hk * rows + r;
+    if (i >= qr.tokens) continue;  // past a varlen view's tokens: no such row
+    const int64_t o_off = offset_of(p.out, qr.batch_index, i, h), row = hk * rows + r;
     float lse = 0.f;
     merge_row(
         splits, hd, [&](int64_t s, int64_t d) { return part_o[(s * per_part + row) * hd + d]; },
         [&](int64_t s) { return part_lse[s * per_part + row]; },
         [&](int64_t d, float x) { store_from_float(p.out.data, o_off + d, p.dtype, x); }, &lse, weight);
-    if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
+    if (p.lse.data) p.lse.data[qr.batch_index * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
   }
 }
 
 /** Whether the forward takes p (after its append): enough query rows per KV head, and every
  *  sequence's keys within the int32 prefix sums of a varlen call. */
 bool forward_takes(const KvCacheParams& p) {
+  if (p.q_cu_seqlens != nullptr) return false;  // a varlen forward's view: kvcache_as_forward has no such q
   if (p.group_size() * p.seqlen_q < DecodeTraits::kForwardMinRows) return false;
   int64_t keys = 0;
   for (int64_t b = 0; b < p.batch; ++b) keys += total_len(p, b);

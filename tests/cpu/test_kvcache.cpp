@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "api/dispatch.hpp"
 #include "common/kvcache_check.hpp"
 #include "flashcore/flashcore.hpp"
 
@@ -238,6 +239,118 @@ TEST(CpuDecodeRoute, FewQueryRows) {
   kvcache(args, opt);
   EXPECT_EQ(std::memcmp(out_fwd.data(), out_cache.data(), out_fwd.size() * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(lse_fwd.data(), lse_cache.data(), lse_fwd.size() * sizeof(float)), 0);
+}
+
+// AUTO's decode route for varlen forwards with at most one query token per sequence
+// (flash_attn_varlen_func's decoding): checked as a forward against the fp64 reference (sequences
+// without a query or without keys, packed and paged K/V with pages of 16 and 5 keys, causal,
+// windows, softcap, ALiBi, GQA / MQA, every dtype, NaN rows past the packed sequences, a backward
+// from its lse), and as the route: taken, and the same bits as the KV-cache call over the same
+// tensors (the packed keys as one cache row, each sequence's first key as its left padding).
+TEST(CpuDecodeRoute, VarlenOneTokenPerSequence) {
+  auto mem = host_memory();
+  std::vector<Case> cases;
+  for (int32_t dt : all_dtypes())
+    for (int64_t page : {0, 16, 5}) {
+      Case c;
+      c.varlen_q = {1, 0, 1, 1};
+      c.varlen_k = {300, 40, 0, 517};
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.head_dim = dt == FC_DTYPE_F32 ? 72 : 128;
+      c.dtype = dt;
+      c.causal = page != 5;
+      c.page_size = page;
+      c.softcap = page == 16 ? 12.0 : 0.0;
+      if (page == 5) {
+        c.window_left = 100;
+        c.window_right = 0;
+        c.alibi = 2;
+      }
+      c.padded = dt == FC_DTYPE_BF16;
+      cases.push_back(c);
+    }
+  Case mqa;  // MQA: 4 query heads on one KV head
+  mqa.varlen_q = {1, 1, 1};
+  mqa.varlen_k = {1, 1000, 64};
+  mqa.heads_q = 4;
+  mqa.heads_kv = 1;
+  mqa.head_dim = 64;
+  mqa.dtype = FC_DTYPE_F16;
+  mqa.alibi = 1;
+  cases.push_back(mqa);
+  uint64_t seed = 9100;
+  for (const Case& x : cases) {
+    const CheckResult r = check_forward(x, FC_BACKEND_AUTO, *mem, seed++);
+    EXPECT_TRUE(r.ok) << x.name() << "\n" << r.summary();
+  }
+  for (const Case& x : {cases[0], cases[4]}) {
+    const CheckResult r = check_backward(x, FC_BACKEND_AUTO, *mem, seed++);
+    EXPECT_TRUE(r.ok) << x.name() << "\n" << r.summary();
+  }
+
+  // The route itself: GQA 8 / 2, three sequences of one token each, fp32.
+  constexpr int64_t kBatch = 3, kHq = 8, kHk = 2, kD = 64;
+  std::vector<int32_t> cu_q = {0, 1, 2, 3}, cu_k = {0, 700, 701, 1500};
+  const int64_t total_k = cu_k.back();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(kBatch * kHq * kD), k(total_k * kHk * kD), v(k.size());
+  for (auto* t : {&q, &k, &v})
+    for (float& x : *t) x = normal(rng);
+  std::vector<float> out_fwd(q.size(), NAN), out_cache(q.size(), NAN), lse_fwd(kBatch * kHq, NAN),
+      lse_cache(lse_fwd.size(), NAN);
+  Tensor tq = make_tensor(q.data(), FC_DTYPE_F32, {kBatch, kHq, kD});
+  Tensor tk = make_tensor(k.data(), FC_DTYPE_F32, {total_k, kHk, kD});
+  Tensor tv = make_tensor(v.data(), FC_DTYPE_F32, {total_k, kHk, kD});
+  Tensor to_fwd = make_tensor(out_fwd.data(), FC_DTYPE_F32, {kBatch, kHq, kD});
+  Tensor tl_fwd = make_tensor(lse_fwd.data(), FC_DTYPE_F32, {kHq, kBatch});
+  Tensor tcu_q = make_tensor(cu_q.data(), FC_DTYPE_I32, {kBatch + 1});
+  Tensor tcu_k = make_tensor(cu_k.data(), FC_DTYPE_I32, {kBatch + 1});
+  Options opt;
+  opt.causal = true;
+  opt.cu_seqlens_q = &tcu_q;
+  opt.cu_seqlens_k = &tcu_k;
+  opt.max_seqlen_q = 1;
+  opt.max_seqlen_k = 800;
+  const fc_attention_options c_opt = opt.to_c();
+  EXPECT_TRUE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tv, &to_fwd, &tl_fwd, &c_opt}));
+  forward(tq, tk, tv, to_fwd, &tl_fwd, opt);
+
+  // The same keys as a KV cache: one row of total_k slots, sequence b from slot cu_k[b] to cu_k[b + 1].
+  std::vector<int32_t> rows(kBatch, 0), starts(cu_k.begin(), cu_k.end() - 1), ends(cu_k.begin() + 1, cu_k.end());
+  std::vector<float> lse_heads_first(lse_cache.size(), NAN);
+  Tensor cq = make_tensor(q.data(), FC_DTYPE_F32, {kBatch, 1, kHq, kD});
+  Tensor ck = make_tensor(k.data(), FC_DTYPE_F32, {1, total_k, kHk, kD});
+  Tensor cv = make_tensor(v.data(), FC_DTYPE_F32, {1, total_k, kHk, kD});
+  Tensor co = make_tensor(out_cache.data(), FC_DTYPE_F32, {kBatch, 1, kHq, kD});
+  Tensor cl = make_tensor(lse_cache.data(), FC_DTYPE_F32, {kBatch, kHq, 1});
+  Tensor crows = make_tensor(rows.data(), FC_DTYPE_I32, {kBatch});
+  Tensor cstarts = make_tensor(starts.data(), FC_DTYPE_I32, {kBatch});
+  Tensor cends = make_tensor(ends.data(), FC_DTYPE_I32, {kBatch});
+  KvCacheArgs args;
+  args.q = &cq;
+  args.k_cache = &ck;
+  args.v_cache = &cv;
+  args.cache_seqlens = &cends;
+  args.cache_batch_idx = &crows;
+  args.cache_leftpad = &cstarts;
+  args.out = &co;
+  args.lse = &cl;
+  Options cache_opt;
+  cache_opt.causal = true;
+  kvcache(args, cache_opt);
+  EXPECT_EQ(std::memcmp(out_fwd.data(), out_cache.data(), out_fwd.size() * sizeof(float)), 0);
+  for (int64_t b = 0; b < kBatch; ++b)  // varlen lse is (heads, total_q); the cache call's (batch, heads, 1)
+    for (int64_t h = 0; h < kHq; ++h) EXPECT_EQ(lse_fwd[h * kBatch + b], lse_cache[b * kHq + h]) << b << " " << h;
+
+  // Two query tokens in one sequence (max_seqlen_q = 2) stay on the forward.
+  std::vector<int32_t> cu_q2 = {0, 2, 2, 3};
+  Tensor tcu_q2 = make_tensor(cu_q2.data(), FC_DTYPE_I32, {kBatch + 1});
+  opt.cu_seqlens_q = &tcu_q2;
+  opt.max_seqlen_q = 2;
+  const fc_attention_options c_opt2 = opt.to_c();
+  EXPECT_FALSE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tv, &to_fwd, &tl_fwd, &c_opt2}));
 }
 
 // Results do not depend on the thread count (the split heuristic looks at shapes and lengths), on

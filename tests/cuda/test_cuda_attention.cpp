@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "api/dispatch.hpp"
 #include "common/grids.hpp"
 #include "flashcore/flashcore.hpp"
 #include "common/harness.hpp"
@@ -580,6 +581,84 @@ TEST(CudaDecodeRoute, FewQueryRows) {
   std::string why;
   EXPECT_TRUE(repeat_is_bit_identical(mqa, FC_BACKEND_AUTO, mem, 20, false, &why)) << why;
   EXPECT_TRUE(chained_forward_calls_are_ordered(cases[1], FC_BACKEND_AUTO, mem, 8, &why)) << why;
+}
+
+// AUTO's decode route for varlen forwards with at most one query token per sequence
+// (flash_attn_varlen_func's decoding, api/kvcache_forward_view.hpp's varlen_forward_as_kvcache):
+// sequences without a query or without keys, packed K/V and pages of 16, 256 and 5 keys, head
+// dims 64 (read in head pairs), 96 (padded), 128 and 256, GQA / MQA, causal, windows, softcap,
+// ALiBi (packed K/V: the forward kernels, which validation asks first, decline it with pages), NaN rows past the packed sequences, split-KV over long keys with the combine skipping
+// the sequences without a query, a backward from its lse, repeat runs bit-identical; and the rule:
+// taken for these calls, not for two query tokens in a sequence.
+TEST(CudaDecodeRoute, VarlenOneTokenPerSequence) {
+  REQUIRE_GPU();
+  std::vector<Case> cases;
+  for (int64_t d : {64, 96, 128, 256})
+    for (int64_t page : {0, 16, 256, 5}) {
+      Case c;
+      c.varlen_q = {1, 0, 1, 1};
+      c.varlen_k = {300, 40, 0, 777};
+      c.heads_q = 8;
+      c.heads_kv = 2;
+      c.head_dim = d;
+      c.dtype = page == 16 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+      c.page_size = page;
+      c.causal = page != 5;
+      c.softcap = page == 256 ? 15.0 : 0.0;
+      if (page == 5) {
+        c.window_left = 100;
+        c.window_right = 0;
+      }
+      c.alibi = page == 0 && d != 64 ? 2 : 0;  // (the forward kernels decline ALiBi with pages)
+      cases.push_back(c);
+    }
+  Case split;  // GQA 32 / 8 over long keys: split-KV, and a combine that skips sequence 1
+  split.varlen_q = {1, 0, 1};
+  split.varlen_k = {30000, 9000, 12345};
+  split.heads_q = 32;
+  split.heads_kv = 8;
+  split.head_dim = 128;
+  split.dtype = FC_DTYPE_BF16;
+  split.causal = true;
+  cases.push_back(split);
+  Case paged_split = split;
+  paged_split.page_size = 16;
+  paged_split.dtype = FC_DTYPE_F16;
+  cases.push_back(paged_split);
+  Case mqa;  // MQA, 16 rows: one pass
+  mqa.varlen_q = {1, 1};
+  mqa.varlen_k = {5000, 1};
+  mqa.heads_q = 16;
+  mqa.heads_kv = 1;
+  mqa.head_dim = 128;
+  mqa.dtype = FC_DTYPE_BF16;
+  mqa.alibi = 1;
+  cases.push_back(mqa);
+  expect_forward(cases, FC_BACKEND_AUTO);
+  expect_backward({cases[0], cases[8], split}, FC_BACKEND_AUTO);
+  CudaMemory mem;
+  std::string why;
+  EXPECT_TRUE(repeat_is_bit_identical(split, FC_BACKEND_AUTO, mem, 10, false, &why)) << why;
+
+  // The rule, on tensors of split's shape.
+  const int64_t total_k = 30000 + 9000 + 12345, hq = 32, hk = 8, d = 128;
+  void* q = mem.alloc(size_t(2) * 2 * hq * d);
+  void* k = mem.alloc(size_t(2) * total_k * hk * d);
+  void* o = mem.alloc(size_t(2) * 2 * hq * d);
+  void* cu = mem.alloc(sizeof(int32_t) * 8);
+  fc_tensor tq = device_tensor(q, FC_DTYPE_BF16, {2, hq, d}), tk = device_tensor(k, FC_DTYPE_BF16, {total_k, hk, d});
+  fc_tensor to = device_tensor(o, FC_DTYPE_BF16, {2, hq, d});
+  fc_tensor cu_q = device_tensor(cu, FC_DTYPE_I32, {4}), cu_k = device_tensor(static_cast<int32_t*>(cu) + 4, FC_DTYPE_I32, {4});
+  fc_attention_options opt{};
+  opt.causal = 1;
+  opt.cu_seqlens_q = &cu_q;
+  opt.cu_seqlens_k = &cu_k;
+  opt.max_seqlen_q = 1;
+  opt.max_seqlen_k = 30000;
+  EXPECT_TRUE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tk, &to, nullptr, &opt}));
+  opt.max_seqlen_q = 2;
+  EXPECT_FALSE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tk, &to, nullptr, &opt}));
+  for (void* x : {q, k, o, cu}) mem.release(x);
 }
 
 /** One bf16 dense problem on the GPU (fresh normal inputs), run as the forward (AUTO or a backend

@@ -260,6 +260,62 @@ def test_varlen_paged_kv_matches_packed(page_size):
                                           max(lengths_k), block_table=table)
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_varlen_decode_one_token_per_sequence(page_size):
+    """flash_attn_varlen_func decoding (at most one query token per sequence, as an engine batches
+    its sequences), which AUTO runs on the decode kernel: against the fp64 reference per sequence,
+    packed and in pages of 16 keys, a sequence without a query and one without keys, split-KV over
+    the long ones; and the same call captured in a CUDA graph and replayed on new queries."""
+    lengths_q, lengths_k = [1, 0, 1, 1], [5000, 40, 0, 20000]
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lengths_q), hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(sum(lengths_k), hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    table = None
+    k_in, v_in = k, v
+    if page_size:
+        per_seq = max((n + page_size - 1) // page_size for n in lengths_k)
+        pages = len(lengths_k) * per_seq + 3
+        table = torch.randperm(pages, device=DEVICE)[: len(lengths_k) * per_seq].view(len(lengths_k), per_seq)
+        k_in, v_in = (torch.randn(pages, page_size, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+        for b, n in enumerate(lengths_k):
+            start = int(cu_k[b])
+            for c in range((n + page_size - 1) // page_size):
+                rows = min(n, (c + 1) * page_size) - c * page_size
+                k_in[table[b, c], :rows] = k[start + c * page_size: start + c * page_size + rows]
+                v_in[table[b, c], :rows] = v[start + c * page_size: start + c * page_size + rows]
+        table = table.to(torch.int32)
+
+    def call(queries):
+        return flash_attn.flash_attn_varlen_func(queries, k_in, v_in, cu_q, cu_k, 1, max(lengths_k), causal=True,
+                                                 block_table=table, return_attn_probs=True)
+
+    out, lse, _ = call(q)
+    for b in range(len(lengths_q)):
+        if lengths_q[b] == 0:
+            continue
+        row = slice(int(cu_q[b]), int(cu_q[b]) + 1)
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if lengths_k[b] == 0:
+            assert (out[row] == 0).all() and torch.isneginf(lse[:, row]).all()
+            continue
+        args = (q[None, row], k[None, keys], v[None, keys])
+        ref = reference_attention(*args, causal=True)
+        same = reference_attention(*args, causal=True, dtype=dtype)
+        assert_within_rule(out[row], ref[0], same[0], dtype, FWD_FACTOR, f"sequence {b}")
+
+    graph_q = q.clone()
+    call(graph_q)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, _, _ = call(graph_q)
+    fresh = torch.randn_like(q)
+    graph_q.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(graph_out, call(fresh)[0], rtol=0, atol=0)
+
+
 def test_cuda_graph_capture_and_replay():
     shape = (2, 256, 4, 64)
     static = [torch.randn(shape, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]

@@ -120,7 +120,7 @@ AttentionPlan plan_attention(const KvCacheParams& p) {
     return plan;
   }
   // Device lengths are unknown on the host: size for the longest possible sequence.
-  int64_t max_keys = p.capacity();
+  int64_t max_keys = p.longest_sequence > 0 ? std::min(p.capacity(), p.longest_sequence) : p.capacity();
   if (p.window_left >= 0 && p.window_right >= 0)
     max_keys = std::min(max_keys, p.window_left + p.window_right + p.seqlen_q);
   const int64_t by_length = std::max<int64_t>(1, (max_keys + H::kMinKeysPerSplit - 1) / H::kMinKeysPerSplit);
@@ -271,6 +271,8 @@ MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) 
   m.seqlen_q = p.seqlen_q;
   m.heads = p.heads_q;
   m.head_dim = p.qo_head_dim();
+  m.out_cu_seqlens = p.q_cu_seqlens;
+  m.out_rows = p.q_rows;
   m.stream = p.stream;
   return m;
 }

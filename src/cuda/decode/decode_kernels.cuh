@@ -265,8 +265,11 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
   constexpr int kMaxTiles = 4;
   const int tiles = min(so.prefetch_tiles, kMaxTiles);
   if (tiles <= 0) return;
-  const int64_t end =
-      p.cache_seqlens ? ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride) : p.capacity();
+  int64_t end = p.capacity();
+  if (p.cache_seqlens) {
+    end = ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride);
+    if (p.cache_seqlens_cumulative) end = ptx::load_unordered_s32(p.cache_seqlens + (b + 1) * p.cache_seqlens_stride) - end;
+  }
   const int64_t start = p.cache_leftpad ? ptx::load_unordered_s32(p.cache_leftpad + b * p.cache_leftpad_stride) : 0;
   const int64_t seqlen_k = end - start + p.seqlen_new;
   if (start < 0 || end < start || end + p.seqlen_new > p.capacity()) return;
@@ -459,6 +462,29 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   allow_next_grid();
   DECODE_TRACE(kDecodeWaited);
 
+  // A varlen forward's view (KvCacheParams::q_cu_seqlens): where the sequence's query rows sit in
+  // q, out and lse, read now that the previous grid is done, and how many tokens it has; rows past
+  // them are neither read nor stored.
+  int64_t q_batch = b;
+  int q_tokens = seqlen_q;
+  if (p.q_cu_seqlens != nullptr) {
+    const QueryRows qr = query_rows(p, b);
+    q_batch = qr.batch_index;
+    q_tokens = static_cast<int>(qr.tokens);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = g + 8 * half;
+      q_row[half] = r < nrows && token_of(r) < q_tokens
+                        ? static_cast<const T*>(p.q.data) + offset_of(p.q, q_batch, token_of(r), head_of(r))
+                        : nullptr;
+    }
+    if (tid < nrows && so.num_splits == 1) {
+      const int64_t i = token_of(tid), h = head_of(tid);
+      s_out_offset[tid] = offset_of(p.out, q_batch, i, h);
+      s_lse_offset[tid] = q_batch * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride;
+    }
+  }
+
   bool bad = !sequence_in_bounds(p, b);
   const int64_t seqlen_k = bad ? 0 : total_len(p, b);
 #ifdef FLASHCORE_DECODE_TRACE
@@ -615,9 +641,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
     for (int idx = tid; idx < kRows * Tl::kChunks; idx += Tl::kThreads) {
       const int r = idx / Tl::kChunks, ch = idx % Tl::kChunks;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < nrows && ch < hd_chunks)
-        v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q.data) + offset_of(p.q, b, token_of(r), head_of(r)) +
-                                            ch * DecodeTraits::kVec);
+      if (r < nrows && ch < hd_chunks && token_of(r) < q_tokens)
+        v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q.data) +
+                                            offset_of(p.q, q_batch, token_of(r), head_of(r)) + ch * DecodeTraits::kVec);
       *reinterpret_cast<uint4*>(smem + (Tl::kSmemBytes - Tl::kQBytes) + r * Tl::kRowBytes + ((ch ^ (r & 7)) << 4)) = v;
     }
     __syncthreads();
@@ -759,7 +785,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   constexpr int kOutVecs = HD / DecodeTraits::kVec;
   for (int idx = tid; idx < nrows * kOutVecs; idx += Tl::kThreads) {
     const int r = idx / kOutVecs, d = (idx % kOutVecs) * DecodeTraits::kVec;
-    if (d >= qo_hd) continue;
+    if (d >= qo_hd || token_of(r) >= q_tokens) continue;
     const int d_acc = d + side_offset(r);
     float o[8];
 #pragma unroll
@@ -792,7 +818,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
       to[1] = make_float4(o[4], o[5], o[6], o[7]);
     }
   }
-  if (tid < nrows) {
+  if (tid < nrows && token_of(tid) < q_tokens) {
     const float lse = any_bad ? nan : (s_lse[tid] == kNegInf ? kNegInf : s_lse[tid] * kLn2);
     if (so.num_splits > 1) {
       so.part_lse[s_lse_offset[tid]] = lse;
@@ -825,9 +851,16 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   const int64_t h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / (p.heads * p.seqlen_q);
   const float* lp = p.lse_partials + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
   const float* op = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
-  const int64_t out_offset = offset_of(p.out, b, i, h);
-  OutT* out = static_cast<OutT*>(p.out.data) + out_offset;
+  int64_t out_offset = offset_of(p.out, b, i, h), lse_batch = b;
   if (out_offset != INT64_MIN) wait_previous_grid();
+  if (p.out_cu_seqlens != nullptr) {  // a varlen view's combine: its rows, read after the wait
+    int64_t start, tokens;
+    packed_rows(p.out_cu_seqlens, b, p.out_rows, p.seqlen_q, start, tokens);
+    if (i >= tokens) return;
+    out_offset = offset_of(p.out, start, i, h);
+    lse_batch = start;
+  }
+  OutT* out = static_cast<OutT*>(p.out.data) + out_offset;
   // The combine is latency-bound (a few KB per row, read from L2): the parts are taken kBatch at a
   // time with every load of a batch (its LSEs and the lane's kPerLane columns of each O) issued
   // before any is used, so a split-KV combine of up to kBatch parts costs one round trip to memory.
@@ -882,7 +915,7 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
       if (d < p.head_dim) out[d] = from_float<OutT>(has_nan ? kNan : acc[j] * inv);
     }
   }
-  if (lane == 0 && p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
+  if (lane == 0 && p.lse.data) p.lse.data[lse_batch * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
 }
 
 }  // namespace flashcore::cuda::decode

@@ -173,6 +173,7 @@ bool prefill_route_applies(const KvCacheParams& p) {
   using R = RouteTraits;
   const int64_t rows = p.group_size() * p.seqlen_q;  // per KV head
   if (rows < R::kMinPackedRows || p.seqlen_q > INT_MAX) return false;  // below both rules
+  if (p.q_cu_seqlens != nullptr) return false;  // a varlen forward's view: it came from the forward
   // The forward kernels decline ALiBi with paged K/V, which is how the route hands them the cache:
   // ALiBi calls stay on the decode kernel, correct at any seqlen_q and slower from a few hundred
   // query rows per KV head on.
@@ -203,6 +204,9 @@ bool decode_kernel_suits(const KvCacheParams& p) {
   // tiles leave SMs idle.
   const bool one_pass = rows <= DecodeTraits::kRows;
   if (one_pass && (compiled_head_dim_bucket(p.head_dim) > 64 || head_pairs_chosen(p, DecodeTraits::kRows))) return true;
+  // A varlen forward's view (one query token per sequence): the forward kernels would read each KV
+  // head's keys once per query head, in a tile per (sequence, head) holding one row.
+  if (p.q_cu_seqlens != nullptr) return one_pass;
   const AttentionParams f = shape_params(p);
   const bool hopper_packs = hopper_takes(f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
   if (!one_pass) return hopper_packs && !prefill_route_applies(p);
