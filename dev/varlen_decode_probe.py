@@ -1,13 +1,14 @@
 """Decoding through flash_attn_varlen_func (one query token per sequence, as an engine batches its
-sequences): AUTO (which hands these calls to the decode kernel, api/kvcache_forward_view.hpp's
+sequences, or a few for speculative decoding): AUTO (which hands these calls to the decode kernel, api/kvcache_forward_view.hpp's
 varlen_forward_as_kvcache), the forward kernels (the backend named), the same keys in pages of 16
 and 256 through block_table (AUTO), the decode kernel on a dense copy of the keys
-(flash_attn_with_kvcache) and SDPA cuDNN on that dense copy. Every sequence has the same length,
-so the dense peers read the same bytes.
-bf16, device time per call under CUDA-graph replay, K+V bytes / time in TB/s.
+(flash_attn_with_kvcache) and SDPA cuDNN on that dense copy (unmasked: its causal mask is
+top-left aligned). Every sequence has the same length, so the dense peers read the same bytes.
+bf16, causal, device time per call under CUDA-graph replay, K+V bytes / time in TB/s.
 
-    PYTHONPATH=<package>:bench python3 dev/varlen_decode_probe.py
+    PYTHONPATH=<package>:bench python3 dev/varlen_decode_probe.py [--tokens 1,4]
 """
+import argparse
 import warnings
 
 import torch
@@ -40,40 +41,46 @@ def paged(k, v, batch, keys, page):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,4", help="query tokens per sequence")
+    a = ap.parse_args()
     kernels = "cuda_sm90" if torch.cuda.get_device_capability() == (9, 0) else "cuda_sm80"
-    print("bf16, one query token per sequence, K+V TB/s (graph replay)")
-    print(f"batch x keys, heads q/kv, d | varlen AUTO | varlen {kernels} | varlen paged 16 | varlen paged 256 | "
-          "with_kvcache (dense) | SDPA cuDNN (dense)")
+    print("bf16, causal, K+V TB/s (graph replay)")
+    print(f"batch x tokens x keys, heads q/kv, d | varlen AUTO | varlen {kernels} | varlen paged 16 | "
+          "varlen paged 256 | with_kvcache (dense) | SDPA cuDNN (dense)")
     for batch, keys, hq, hkv, d in SHAPES:
         k = torch.randn(batch * keys, hkv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-        cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-        cu_k = cu_q * keys
         kv_bytes = 2 * k.numel() * k.element_size()
         rate = lambda us: kv_bytes / (us * 1e-6) / 1e12
-        varlen = lambda kk, vv, table=None: flashcore.flash_attn_varlen_func(
-            q, kk, vv, cu_q, cu_k, 1, keys, causal=True, block_table=table)
-        row = []
-        expected = varlen(k, v)
-        for backend in ("auto", kernels):
-            flashcore.set_default_backend(backend)
-            row.append(rate(graph_replay_us(lambda: varlen(k, v), 50)))
-        flashcore.set_default_backend("auto")
-        for page in (16, 256):
-            kp, vp, table = paged(k, v, batch, keys, page)
-            err = (varlen(kp, vp, table).float() - expected.float()).abs().max().item()
-            if err != 0:
-                print(f"  (paged {page}: max difference {err} from packed)")
-            row.append(rate(graph_replay_us(lambda: varlen(kp, vp, table), 50)))
-            del kp, vp
-        kd, vd, qd = k.view(batch, keys, hkv, d), v.view(batch, keys, hkv, d), q.view(batch, 1, hq, d)
-        dense = flashcore.flash_attn_with_kvcache(qd, kd, vd, causal=True)
-        if not (dense.view_as(expected) == expected).all():
-            print("  (the varlen route and the KV-cache call differ)")
-        row.append(rate(graph_replay_us(lambda: flashcore.flash_attn_with_kvcache(qd, kd, vd, causal=True), 50)))
-        row.append(rate(sdpa_graph_replay_us(torch.nn.attention.SDPBackend.CUDNN_ATTENTION, qd, kd, vd)))
-        print(f"{batch} x {keys}, {hq}/{hkv}, d{d} | " + " | ".join(f"{x:.2f}" for x in row), flush=True)
+        cu_k = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * keys
+        pages = {page: paged(k, v, batch, keys, page) for page in (16, 256)}
+        for tokens in (int(t) for t in a.tokens.split(",")):
+            q = torch.randn(batch * tokens, hq, d, device="cuda", dtype=torch.bfloat16)
+            cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * tokens
+            varlen = lambda kk, vv, table=None: flashcore.flash_attn_varlen_func(
+                q, kk, vv, cu_q, cu_k, tokens, keys, causal=True, block_table=table)
+            row = []
+            expected = varlen(k, v)
+            for backend in ("auto", kernels):
+                flashcore.set_default_backend(backend)
+                row.append(rate(graph_replay_us(lambda: varlen(k, v), 50)))
+            flashcore.set_default_backend("auto")
+            for page, (kp, vp, table) in pages.items():
+                err = (varlen(kp, vp, table).float() - expected.float()).abs().max().item()
+                if err != 0:
+                    print(f"  (paged {page}: max difference {err} from packed)")
+                row.append(rate(graph_replay_us(lambda: varlen(kp, vp, table), 50)))
+            kd, vd = k.view(batch, keys, hkv, d), v.view(batch, keys, hkv, d)
+            qd = q.view(batch, tokens, hq, d)
+            dense = flashcore.flash_attn_with_kvcache(qd, kd, vd, causal=True)
+            if not (dense.view_as(expected) == expected).all():
+                print("  (the varlen route and the KV-cache call differ)")
+            row.append(rate(graph_replay_us(lambda: flashcore.flash_attn_with_kvcache(qd, kd, vd, causal=True), 50)))
+            row.append(rate(sdpa_graph_replay_us(torch.nn.attention.SDPBackend.CUDNN_ATTENTION, qd, kd, vd)))
+            print(f"{batch} x {tokens} x {keys}, {hq}/{hkv}, d{d} | " + " | ".join(f"{x:.2f}" for x in row),
+                  flush=True)
+        del pages
 
 
 if __name__ == "__main__":

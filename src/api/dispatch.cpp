@@ -176,9 +176,10 @@ static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t w
 }
 
 /** AUTO's decode route: a dense forward with a few query rows per KV head (decoding through
- *  flash_attn_func, as model code without a KV-cache API does it), or a varlen one with at most one
- *  query token per sequence (flash_attn_varlen_func's decoding, packed or paged K/V) runs on the
- *  decode path, as the KV-cache call of the same tensors would (api/kvcache_forward_view.hpp).
+ *  flash_attn_func, as model code without a KV-cache API does it), or a varlen one whose
+ *  max_seqlen_q makes as few (flash_attn_varlen_func's decoding and speculative decoding, packed or
+ *  paged K/V), runs on the decode path, as the KV-cache call of the same tensors would
+ *  (api/kvcache_forward_view.hpp).
  *  The GPU forward kernels' tiles hold 64-192 query rows: with a handful they stream K / V at a
  *  fraction of the memory's rate, one tile per (sequence, head) (cuda/decode/prefill_route.hpp
  *  has the rule and the numbers); cpu_flash's forward streams K / V once per query head
@@ -188,8 +189,7 @@ static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, f
   if (chosen != FC_BACKEND_CPU_FLASH && !is_cuda_backend(chosen)) return false;
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
   if (p.is_varlen()) {
-    // flash_attn_varlen_func decoding: at most one query token per sequence (max_seqlen_q = 1).
-    if (p.seqlen_q != 1 || p.pages.first_slot != nullptr) return false;
+    if (p.pages.first_slot != nullptr) return false;
     *kv = varlen_forward_as_kvcache(p);
   } else {
     if (p.is_paged()) return false;

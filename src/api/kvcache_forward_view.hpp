@@ -115,15 +115,15 @@ inline KvCacheParams forward_as_kvcache(const AttentionParams& f) {
   return p;
 }
 
-/** A varlen forward with at most one query token per sequence (max_seqlen_q = 1: decoding through
- *  flash_attn_varlen_func, as engines batch their sequences) as a KV-cache call, nothing appended.
- *  Sequence b's query is packed row cu_seqlens_q[b] of q / out / lse, if it has one
- *  (KvCacheParams::q_cu_seqlens). Its keys: packed k / v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+/** A varlen forward (decoding through flash_attn_varlen_func, as engines batch their sequences:
+ *  max_seqlen_q of 1, or a few for speculative decoding) as a KV-cache call, nothing appended.
+ *  Sequence b's query tokens are packed rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out /
+ *  lse (KvCacheParams::q_cu_seqlens), its mask aligned to its last key with its own token count,
+ *  as the varlen forward aligns it. Its keys: packed k / v rows [cu_seqlens_k[b], cu_seqlens_k[b + 1])
  *  are one cache row shared by every sequence (batch stride 0) with cu_seqlens_k as the left padding
  *  and cu_seqlens_k + 1 as the ends, so key j is packed row cu_seqlens_k[b] + j; paged K/V keep
- *  their block table, cu_seqlens_k giving the lengths as prefix sums. One query token sees every
- *  key of its sequence under a causal mask (both align it to the last key), and windows, softcap
- *  and ALiBi keep their meaning. Keys past max_seqlen_k are not clamped away as the forward
+ *  their block table, cu_seqlens_k giving the lengths as prefix sums. Masks, softcap and ALiBi
+ *  keep their meaning. Keys past max_seqlen_k are not clamped away as the forward
  *  kernels clamp them (such cu_seqlens break the call's contract), and sequences whose cu_seqlens_k
  *  leave the tensor get NaN rows and the error flag, as bad KV-cache lengths do. Not for K/V pages
  *  with first slots (those come from kvcache_as_forward only). */

@@ -87,8 +87,8 @@ struct KvCacheParams {
   // Set only in the decode route's view of a varlen forward (api/kvcache_forward_view.hpp's
   // varlen_forward_as_kvcache). q_cu_seqlens: sequence b's query tokens are the packed rows
   // [q_cu_seqlens[b], q_cu_seqlens[b + 1]) of q, out and lse (q_rows of them in all), at most
-  // seqlen_q of them (query_rows below); q, out and lse carry the packed row's stride as their
-  // batch stride. cache_seqlens_cumulative: cache_seqlens holds prefix sums (batch + 1 entries),
+  // seqlen_q of them (query_rows below), and its mask aligns them to its last key (kv_mask with
+  // that count); q, out and lse carry the packed row's stride as their batch stride. cache_seqlens_cumulative: cache_seqlens holds prefix sums (batch + 1 entries),
   // sequence b's keys are the first cache_seqlens[b + 1] - cache_seqlens[b] of its pages.
   // longest_sequence: the most keys a sequence has (max_seqlen_k; 0: capacity()), which sizes the
   // split-KV count on the host where the lengths live on the device.
@@ -154,9 +154,12 @@ FC_HOST_DEVICE int64_t rotary_span(const KvCacheParams& p) {
 /** Keys the sequence attends over: what was cached plus what is appended. */
 FC_HOST_DEVICE int64_t total_len(const KvCacheParams& p, int64_t b) { return cached_len(p, b) + p.seqlen_new; }
 
-FC_HOST_DEVICE MaskInfo kv_mask(const KvCacheParams& p, int64_t seqlen_k) {
-  return {p.seqlen_q, seqlen_k, p.window_left, p.window_right};
+/** The mask of a sequence with seqlen_k keys and q_tokens query tokens (seqlen_q, or a varlen
+ *  view's own count: query_rows), aligned to its last key. */
+FC_HOST_DEVICE MaskInfo kv_mask(const KvCacheParams& p, int64_t seqlen_k, int64_t q_tokens) {
+  return {q_tokens, seqlen_k, p.window_left, p.window_right};
 }
+FC_HOST_DEVICE MaskInfo kv_mask(const KvCacheParams& p, int64_t seqlen_k) { return kv_mask(p, seqlen_k, p.seqlen_q); }
 
 /** Which cache row sequence b uses (contiguous caches). */
 FC_HOST_DEVICE int64_t cache_row_of(const KvCacheParams& p, int64_t b) {

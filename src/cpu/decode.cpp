@@ -454,8 +454,10 @@ Status kvcache_forward(const KvCacheParams& params) {
     DecodeAttention work(p);  // one per worker thread: its staging buffers
     for (int64_t t; (t = queue.next()) >= 0;) {
       const int64_t b = t / splits;
-      const MaskInfo mask = kv_mask(p, total_len(p, b));
-      const KeyRange keys = split_keys(mask.keys_for_rows(0, p.seqlen_q), splits, static_cast<int>(t % splits));
+      const int64_t tokens = query_rows(p, b).tokens;  // seqlen_q, or a varlen view's own count
+      const MaskInfo mask = kv_mask(p, total_len(p, b), tokens);
+      const KeyRange all = tokens > 0 ? mask.keys_for_rows(0, tokens) : KeyRange{0, 0};  // no query: nothing to read
+      const KeyRange keys = split_keys(all, splits, static_cast<int>(t % splits));
       work.attend(b, mask, keys.begin, keys.end, &part_o[t * per_part * hd], &part_lse[t * per_part]);
     }
   });

@@ -241,13 +241,14 @@ TEST(CpuDecodeRoute, FewQueryRows) {
   EXPECT_EQ(std::memcmp(lse_fwd.data(), lse_cache.data(), lse_fwd.size() * sizeof(float)), 0);
 }
 
-// AUTO's decode route for varlen forwards with at most one query token per sequence
-// (flash_attn_varlen_func's decoding): checked as a forward against the fp64 reference (sequences
-// without a query or without keys, packed and paged K/V with pages of 16 and 5 keys, causal,
-// windows, softcap, ALiBi, GQA / MQA, every dtype, NaN rows past the packed sequences, a backward
-// from its lse), and as the route: taken, and the same bits as the KV-cache call over the same
-// tensors (the packed keys as one cache row, each sequence's first key as its left padding).
-TEST(CpuDecodeRoute, VarlenOneTokenPerSequence) {
+// AUTO's decode route for varlen forwards with a few query rows per KV head (flash_attn_varlen_func's
+// decoding): checked as a forward against the fp64 reference (sequences without a query or without
+// keys, sequences of 1-4 query tokens whose masks align to their own last key, packed and paged
+// K/V with pages of 16 and 5 keys, causal, windows, softcap, ALiBi, GQA / MHA / MQA, every dtype,
+// NaN rows past the packed sequences, a backward from its lse), and as the route: taken, and the
+// same bits as the KV-cache call over the same tensors (the packed keys as one cache row, each
+// sequence's first key as its left padding).
+TEST(CpuDecodeRoute, VarlenFewQueryRows) {
   auto mem = host_memory();
   std::vector<Case> cases;
   for (int32_t dt : all_dtypes())
@@ -270,6 +271,22 @@ TEST(CpuDecodeRoute, VarlenOneTokenPerSequence) {
       c.padded = dt == FC_DTYPE_BF16;
       cases.push_back(c);
     }
+  for (bool causal : {true, false}) {  // MHA with up to 4 query tokens: each sequence's mask aligned to its own
+    Case c;
+    c.varlen_q = {3, 0, 1, 4, 2};
+    c.varlen_k = {300, 40, 7, 2, 1000};  // (4 tokens against 2 keys: the first rows see nothing)
+    c.heads_q = c.heads_kv = 3;
+    c.head_dim = 64;
+    c.dtype = FC_DTYPE_F32;
+    c.causal = causal;
+    if (!causal) {
+      c.window_left = 20;
+      c.window_right = 1;
+      c.alibi = 2;
+      c.page_size = 16;
+    }
+    cases.push_back(c);
+  }
   Case mqa;  // MQA: 4 query heads on one KV head
   mqa.varlen_q = {1, 1, 1};
   mqa.varlen_k = {1, 1000, 64};
@@ -284,7 +301,7 @@ TEST(CpuDecodeRoute, VarlenOneTokenPerSequence) {
     const CheckResult r = check_forward(x, FC_BACKEND_AUTO, *mem, seed++);
     EXPECT_TRUE(r.ok) << x.name() << "\n" << r.summary();
   }
-  for (const Case& x : {cases[0], cases[4]}) {
+  for (const Case& x : {cases[0], cases[4], cases[9]}) {
     const CheckResult r = check_backward(x, FC_BACKEND_AUTO, *mem, seed++);
     EXPECT_TRUE(r.ok) << x.name() << "\n" << r.summary();
   }
@@ -344,7 +361,7 @@ TEST(CpuDecodeRoute, VarlenOneTokenPerSequence) {
   for (int64_t b = 0; b < kBatch; ++b)  // varlen lse is (heads, total_q); the cache call's (batch, heads, 1)
     for (int64_t h = 0; h < kHq; ++h) EXPECT_EQ(lse_fwd[h * kBatch + b], lse_cache[b * kHq + h]) << b << " " << h;
 
-  // Two query tokens in one sequence (max_seqlen_q = 2) stay on the forward.
+  // Two query tokens in one sequence (max_seqlen_q = 2: 8 rows per KV head) stay on cpu_flash's forward.
   std::vector<int32_t> cu_q2 = {0, 2, 2, 3};
   Tensor tcu_q2 = make_tensor(cu_q2.data(), FC_DTYPE_I32, {kBatch + 1});
   opt.cu_seqlens_q = &tcu_q2;

@@ -583,14 +583,15 @@ TEST(CudaDecodeRoute, FewQueryRows) {
   EXPECT_TRUE(chained_forward_calls_are_ordered(cases[1], FC_BACKEND_AUTO, mem, 8, &why)) << why;
 }
 
-// AUTO's decode route for varlen forwards with at most one query token per sequence
+// AUTO's decode route for varlen forwards with a few query rows per KV head
 // (flash_attn_varlen_func's decoding, api/kvcache_forward_view.hpp's varlen_forward_as_kvcache):
-// sequences without a query or without keys, packed K/V and pages of 16, 256 and 5 keys, head
+// sequences without a query or without keys, sequences of 1-4 tokens (16 rows per KV head) whose
+// masks align to their own last key, packed K/V and pages of 16, 256 and 5 keys, head
 // dims 64 (read in head pairs), 96 (padded), 128 and 256, GQA / MQA, causal, windows, softcap,
 // ALiBi (packed K/V: the forward kernels, which validation asks first, decline it with pages), NaN rows past the packed sequences, split-KV over long keys with the combine skipping
 // the sequences without a query, a backward from its lse, repeat runs bit-identical; and the rule:
-// taken for these calls, not for two query tokens in a sequence.
-TEST(CudaDecodeRoute, VarlenOneTokenPerSequence) {
+// taken for these calls, not for 20 rows per KV head (five tokens of a GQA group of 4).
+TEST(CudaDecodeRoute, VarlenFewQueryRows) {
   REQUIRE_GPU();
   std::vector<Case> cases;
   for (int64_t d : {64, 96, 128, 256})
@@ -625,6 +626,25 @@ TEST(CudaDecodeRoute, VarlenOneTokenPerSequence) {
   paged_split.page_size = 16;
   paged_split.dtype = FC_DTYPE_F16;
   cases.push_back(paged_split);
+  for (int64_t d : {64, 128}) {  // up to 4 tokens of a GQA group of 4: 16 rows per KV head
+    Case c;
+    c.varlen_q = {3, 0, 1, 4, 2};
+    c.varlen_k = {3000, 40, 7, 2, 1000};  // (4 tokens against 2 keys: the first rows see nothing)
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.head_dim = d;
+    c.dtype = FC_DTYPE_BF16;
+    c.causal = d == 64;
+    if (d == 128) {
+      c.window_left = 20;
+      c.window_right = 1;
+      c.alibi = 2;
+    }
+    cases.push_back(c);
+    c.alibi = 0;
+    c.page_size = 16;
+    cases.push_back(c);
+  }
   Case mqa;  // MQA, 16 rows: one pass
   mqa.varlen_q = {1, 1};
   mqa.varlen_k = {5000, 1};
@@ -635,19 +655,20 @@ TEST(CudaDecodeRoute, VarlenOneTokenPerSequence) {
   mqa.alibi = 1;
   cases.push_back(mqa);
   expect_forward(cases, FC_BACKEND_AUTO);
-  expect_backward({cases[0], cases[8], split}, FC_BACKEND_AUTO);
+  expect_backward({cases[0], cases[8], split, cases[18], cases[20]}, FC_BACKEND_AUTO);
   CudaMemory mem;
   std::string why;
   EXPECT_TRUE(repeat_is_bit_identical(split, FC_BACKEND_AUTO, mem, 10, false, &why)) << why;
 
   // The rule, on tensors of split's shape.
   const int64_t total_k = 30000 + 9000 + 12345, hq = 32, hk = 8, d = 128;
-  void* q = mem.alloc(size_t(2) * 2 * hq * d);
+  constexpr int64_t kRowsQ = 8;  // (max_seqlen_q is clamped to the packed rows)
+  void* q = mem.alloc(size_t(2) * kRowsQ * hq * d);
   void* k = mem.alloc(size_t(2) * total_k * hk * d);
-  void* o = mem.alloc(size_t(2) * 2 * hq * d);
+  void* o = mem.alloc(size_t(2) * kRowsQ * hq * d);
   void* cu = mem.alloc(sizeof(int32_t) * 8);
-  fc_tensor tq = device_tensor(q, FC_DTYPE_BF16, {2, hq, d}), tk = device_tensor(k, FC_DTYPE_BF16, {total_k, hk, d});
-  fc_tensor to = device_tensor(o, FC_DTYPE_BF16, {2, hq, d});
+  fc_tensor tq = device_tensor(q, FC_DTYPE_BF16, {kRowsQ, hq, d}), tk = device_tensor(k, FC_DTYPE_BF16, {total_k, hk, d});
+  fc_tensor to = device_tensor(o, FC_DTYPE_BF16, {kRowsQ, hq, d});
   fc_tensor cu_q = device_tensor(cu, FC_DTYPE_I32, {4}), cu_k = device_tensor(static_cast<int32_t*>(cu) + 4, FC_DTYPE_I32, {4});
   fc_attention_options opt{};
   opt.causal = 1;
@@ -656,7 +677,9 @@ TEST(CudaDecodeRoute, VarlenOneTokenPerSequence) {
   opt.max_seqlen_q = 1;
   opt.max_seqlen_k = 30000;
   EXPECT_TRUE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tk, &to, nullptr, &opt}));
-  opt.max_seqlen_q = 2;
+  opt.max_seqlen_q = 4;
+  EXPECT_TRUE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tk, &to, nullptr, &opt}));
+  opt.max_seqlen_q = 5;
   EXPECT_FALSE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tk, &to, nullptr, &opt}));
   for (void* x : {q, k, o, cu}) mem.release(x);
 }

@@ -241,9 +241,10 @@ struct SplitKeys {
   int64_t k0, k1;
 };
 template <int kKeys>
-__device__ __forceinline__ SplitKeys split_keys(const KvCacheParams& p, int64_t seqlen_k, int split, int num_splits) {
+__device__ __forceinline__ SplitKeys split_keys(const KvCacheParams& p, int64_t seqlen_k, int64_t q_tokens, int split,
+                                                int num_splits) {
   SplitKeys sk;
-  sk.all = kv_mask(p, seqlen_k).keys_for_rows(0, p.seqlen_q);
+  sk.all = q_tokens > 0 ? kv_mask(p, seqlen_k, q_tokens).keys_for_rows(0, q_tokens) : KeyRange{0, 0};
   const int64_t base = sk.all.begin / kKeys * kKeys;
   const int64_t len = sk.all.end > sk.all.begin ? sk.all.end - base : 0;
   const int64_t per_split = ((len + num_splits - 1) / num_splits + kKeys - 1) / kKeys * kKeys;
@@ -275,7 +276,8 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
   if (start < 0 || end < start || end + p.seqlen_new > p.capacity()) return;
   int64_t row = b;
   if (!p.paged && p.cache_batch_idx) row = ptx::load_unordered_s32(p.cache_batch_idx + b * p.cache_batch_idx_stride);
-  const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, split, so.num_splits);
+  // (A varlen view's token count is not read here: seqlen_q's keys hold it, and a guess only warms lines.)
+  const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, p.seqlen_q, split, so.num_splits);
   const bool is_v = lane >= kKeys;
   const TensorRef& cache = is_v ? p.v_cache : p.k_cache;
   int64_t pos[kMaxTiles], page[kMaxTiles];
@@ -491,8 +493,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   asm volatile("" ::"l"(seqlen_k));  // the trace point below waits for the load
 #endif
   DECODE_TRACE(kDecodeSeqlenReady);
-  const MaskInfo mask = kv_mask(p, seqlen_k);
-  const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, split, so.num_splits);
+  const MaskInfo mask = kv_mask(p, seqlen_k, q_tokens);
+  const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, q_tokens, split, so.num_splits);
   const KeyRange all = sk.all;
   const int64_t k0 = sk.k0, k1 = sk.k1;
   const int span = static_cast<int>(k1 - k0);
