@@ -16,8 +16,8 @@ bool backend_available(fc_backend backend, int device_id);
 Status choose_backend(const AttentionParams& p, fc_backend requested, fc_backend* chosen);
 Status choose_backend(const BackwardParams& p, fc_backend requested, fc_backend* chosen);
 
-/** Whether run_forward hands these arguments to the decode kernel (AUTO's decode route: a dense
- *  forward with few query rows per KV head); false for invalid arguments. For reports such as
+/** Whether run_forward hands these arguments to the decode kernel (AUTO's decode route: a dense or
+ *  varlen forward with few query rows per KV head); false for invalid arguments. For reports such as
  *  `flashcore run`'s backend line. */
 bool forward_takes_decode_route(const ForwardArgs& args);
 
