@@ -727,11 +727,11 @@ bool chained_forward_calls_are_ordered(const Case& c, fc_backend backend, Memory
   fill_nan(poison);
   // links[i]: the output of call i, which is the q of call i + 1 (out and q have the same shape).
   std::vector<HostTensor> links(static_cast<size_t>(depth), poison);
-  Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), lse(mem, pr.lse);
+  Mirror q(mem, pr.q), k(mem, pr.k), v(mem, pr.v), lse(mem, pr.lse), cu_q(mem, pr.cu_q), cu_k(mem, pr.cu_k);
   std::vector<std::unique_ptr<Mirror>> outs;
   for (auto& t : links) outs.push_back(std::make_unique<Mirror>(mem, t));
-  fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor();
-  const fc_attention_options o = options_for(c, backend, nullptr, nullptr, mem.stream());
+  fc_tensor tq = q.tensor(), tk = k.tensor(), tv = v.tensor(), tcq = cu_q.tensor(), tck = cu_k.tensor();
+  const fc_attention_options o = options_for(c, backend, &tcq, &tck, mem.stream());  // (cu_seqlens: varlen only)
   size_t ws_bytes = 0;
   if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &ws_bytes) != FC_OK) {
     *why = fc_last_error();

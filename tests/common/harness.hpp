@@ -107,7 +107,8 @@ bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& 
 /** A chain of `depth` forward calls issued back to back on the memory's stream, each call's output
  *  the next one's q (same shape), against the same chain with the stream drained after every
  *  call: true when the last outputs are bit-identical. Catches a kernel that starts reading its
- *  inputs before the previous call finished writing them (programmatic dependent launches). */
+ *  inputs before the previous call finished writing them (programmatic dependent launches).
+ *  Dense or varlen cases with packed K/V and no ALiBi. */
 bool chained_forward_calls_are_ordered(const Case& c, fc_backend backend, Memory& mem, int depth, std::string* why);
 
 /** The TESTING.md grids. */

@@ -586,11 +586,13 @@ TEST(CudaDecodeRoute, FewQueryRows) {
 // AUTO's decode route for varlen forwards with a few query rows per KV head
 // (flash_attn_varlen_func's decoding, api/kvcache_forward_view.hpp's varlen_forward_as_kvcache):
 // sequences without a query or without keys, sequences of 1-4 tokens (16 rows per KV head) whose
-// masks align to their own last key, packed K/V and pages of 16, 256 and 5 keys, head
-// dims 64 (read in head pairs), 96 (padded), 128 and 256, GQA / MQA, causal, windows, softcap,
-// ALiBi (packed K/V: the forward kernels, which validation asks first, decline it with pages), NaN rows past the packed sequences, split-KV over long keys with the combine skipping
-// the sequences without a query, a backward from its lse, repeat runs bit-identical; and the rule:
-// taken for these calls, not for 20 rows per KV head (five tokens of a GQA group of 4).
+// masks align to their own last key, packed K/V and pages of 16, 256 and 5 keys, head dims 64
+// (read in head pairs), 96 (padded), 128 and 256, GQA / MQA, causal, windows, softcap, ALiBi
+// (packed K/V: the forward kernels, which validation asks first, decline it with pages), NaN rows
+// past the packed sequences, split-KV over long keys with the combine skipping the sequences
+// without a query, a backward from its lse, repeat runs bit-identical, chained calls ordered (each
+// call's out the next one's q: cu_seqlens_q and q are read after the wait); and the rule: taken
+// for these calls, not for 20 rows per KV head (five tokens of a GQA group of 4).
 TEST(CudaDecodeRoute, VarlenFewQueryRows) {
   REQUIRE_GPU();
   std::vector<Case> cases;
@@ -659,6 +661,8 @@ TEST(CudaDecodeRoute, VarlenFewQueryRows) {
   CudaMemory mem;
   std::string why;
   EXPECT_TRUE(repeat_is_bit_identical(split, FC_BACKEND_AUTO, mem, 10, false, &why)) << why;
+  EXPECT_TRUE(chained_forward_calls_are_ordered(split, FC_BACKEND_AUTO, mem, 8, &why)) << why;
+  EXPECT_TRUE(chained_forward_calls_are_ordered(cases[18], FC_BACKEND_AUTO, mem, 8, &why)) << why;
 
   // The rule, on tensors of split's shape.
   const int64_t total_k = 30000 + 9000 + 12345, hq = 32, hk = 8, d = 128;
@@ -667,6 +671,8 @@ TEST(CudaDecodeRoute, VarlenFewQueryRows) {
   void* k = mem.alloc(size_t(2) * total_k * hk * d);
   void* o = mem.alloc(size_t(2) * kRowsQ * hq * d);
   void* cu = mem.alloc(sizeof(int32_t) * 8);
+  const int32_t cu_values[8] = {0, 1, 1, 2, 0, 30000, 39000, static_cast<int32_t>(total_k)};  // cu_seqlens_q, _k
+  mem.upload(cu, cu_values, sizeof(cu_values));
   fc_tensor tq = device_tensor(q, FC_DTYPE_BF16, {kRowsQ, hq, d}), tk = device_tensor(k, FC_DTYPE_BF16, {total_k, hk, d});
   fc_tensor to = device_tensor(o, FC_DTYPE_BF16, {kRowsQ, hq, d});
   fc_tensor cu_q = device_tensor(cu, FC_DTYPE_I32, {4}), cu_k = device_tensor(static_cast<int32_t*>(cu) + 4, FC_DTYPE_I32, {4});

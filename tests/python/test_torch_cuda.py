@@ -304,6 +304,10 @@ def test_varlen_decode_one_token_per_sequence(page_size):
         ref = reference_attention(*args, causal=True)
         same = reference_attention(*args, causal=True, dtype=dtype)
         assert_within_rule(out[row], ref[0], same[0], dtype, FWD_FACTOR, f"sequence {b}")
+        # lse (heads, total_q): one token sees every key of its sequence under the causal mask
+        scores = torch.einsum("hd,jhd->hj", q[row][0].double(), k[keys].double().repeat_interleave(hq // hkv, dim=1))
+        ref_lse = torch.logsumexp(scores * d ** -0.5, dim=-1)
+        torch.testing.assert_close(lse[:, row][:, 0].double(), ref_lse, rtol=0, atol=1e-3)
 
     graph_q = q.clone()
     call(graph_q)  # warm up outside the capture
