@@ -2,7 +2,9 @@
 // against a contiguous cache of random data, and prints K+V bytes read per second next to the
 // GFLOP/s of the attention (4 x heads_q x length x head_dim per query token). The tool behind the
 // session 9 rewrite of src/cpu/decode.cpp; run it beside `bench/peers.py`'s torch numbers. Each cell
-// also times fc_attention_forward on the same tensors (decoding through flash_attn_func).
+// also times fc_attention_forward on the same tensors (decoding through flash_attn_func), and the
+// same tensors packed as a varlen forward (flash_attn_varlen_func's decoding) with the backend
+// AUTO (the decode route where it takes the call) and cpu_flash named (its forward).
 //
 // Build (from the repository root, against a CPU build in BUILD):
 //   g++ -std=c++17 -O2 -I include dev/cpu_decode_bench.cpp -L BUILD -lflashcore -Wl,-rpath,BUILD
@@ -104,13 +106,42 @@ int main(int argc, char** argv) {
       std::sort(ms.begin(), ms.end());
       return ms[ms.size() / 2];
     };
+    // The same bytes as a varlen forward: q (batch x tokens, hq, d), k / v (batch x len, hk, d).
+    std::vector<int32_t> cu_q(batch + 1), cu_k(batch + 1);
+    for (int64_t b = 0; b <= batch; ++b) {
+      cu_q[b] = static_cast<int32_t>(b * tokens);
+      cu_k[b] = static_cast<int32_t>(b * len);
+    }
+    fc_tensor pq = flashcore::make_tensor(q.data(), dtype, {batch * tokens, hq, d});
+    fc_tensor pk = flashcore::make_tensor(k.data(), dtype, {batch * len, hk, d});
+    fc_tensor pv = flashcore::make_tensor(v.data(), dtype, {batch * len, hk, d});
+    fc_tensor po = flashcore::make_tensor(out.data(), dtype, {batch * tokens, hq, d});
+    fc_tensor tcq = flashcore::make_tensor(cu_q.data(), FC_DTYPE_I32, {batch + 1});
+    fc_tensor tck = flashcore::make_tensor(cu_k.data(), FC_DTYPE_I32, {batch + 1});
+    fc_attention_options vopt = opt;
+    vopt.cu_seqlens_q = &tcq;
+    vopt.cu_seqlens_k = &tck;
+    vopt.max_seqlen_q = tokens;
+    vopt.max_seqlen_k = len;
+    auto varlen_call = [&](int32_t backend) {
+      return [&, backend] {
+        fc_attention_options o = vopt;
+        o.backend = backend;
+        if (fc_attention_forward(&pq, &pk, &pv, &po, nullptr, &o, nullptr, 0) != FC_OK) {
+          std::fprintf(stderr, "fc_attention_forward (varlen): %s\n", fc_last_error());
+          std::exit(1);
+        }
+      };
+    };
     const double t = median_ms(decode_call), t_fwd = median_ms(forward_call);
+    const double t_var_auto = median_ms(varlen_call(FC_BACKEND_AUTO)), t_var_flash = median_ms(varlen_call(FC_BACKEND_CPU_FLASH));
     const double bytes = 2.0 * batch * len * hk * d * elem;
     std::printf("%s %d threads, %lld / %lld heads, d%lld, %lld tokens, batch %lld x %lld keys: %.3f ms, %.1f GB/s of K+V, %.1f GFLOP/s; "
-                "fc_attention_forward on the same tensors %.3f ms (%.2fx)\n",
+                "fc_attention_forward on the same tensors %.3f ms (%.2fx); varlen AUTO %.3f ms, varlen cpu_flash %.3f ms (%.2fx)\n",
                 dt.c_str(), threads, heads_q, heads_kv, static_cast<long long>(d), static_cast<long long>(tokens),
                 static_cast<long long>(batch), static_cast<long long>(len), t, bytes / t / 1e6,
-                4.0 * batch * tokens * hq * len * d / t / 1e6, t_fwd, t_fwd / t);
+                4.0 * batch * tokens * hq * len * d / t / 1e6, t_fwd, t_fwd / t, t_var_auto, t_var_flash,
+                t_var_flash / t_var_auto);
   }
   return 0;
 }
