@@ -12,6 +12,9 @@
 #include <sstream>
 #include <stdexcept>
 #include <algorithm>
+#include <atomic>
+#include <thread>
+#include <type_traits>
 
 #include "api/backends.hpp"
 #include "api/validate.hpp"
@@ -374,6 +377,48 @@ fc_attention_options options_for(const Case& c, fc_backend backend, const fc_ten
   return o;
 }
 
+/** `params` restricted to query heads [h0, h0 + count) and KV heads [hk0, hk0 + count_kv): the
+ *  data pointers (and the ALiBi slopes) move to the first head, the strides stay. */
+void shift_heads(TensorRef& t, DType dt, int64_t heads) {
+  if (t.data) t.data = static_cast<char*>(t.data) + heads * t.head_stride * static_cast<int64_t>(dtype_size(dt));
+}
+template <class Params>
+Params head_slice(const Params& params, int64_t h0, int64_t count, int64_t hk0, int64_t count_kv) {
+  Params s = params;
+  s.heads_q = count;
+  s.heads_kv = count_kv;
+  shift_heads(s.q, s.dtype, h0);
+  shift_heads(s.out, s.dtype, h0);
+  shift_heads(s.k, s.dtype, hk0);
+  shift_heads(s.v, s.dtype, hk0);
+  if (s.lse.data) s.lse.data += h0 * s.lse.head_stride;
+  if (s.alibi_slopes) s.alibi_slopes += h0;
+  if constexpr (std::is_same_v<Params, BackwardParams>) {
+    shift_heads(s.dout, s.dtype, h0);
+    shift_heads(s.dq, s.dtype, h0);
+    shift_heads(s.dk, s.dtype, hk0);
+    shift_heads(s.dv, s.dtype, hk0);
+  }
+  return s;
+}
+
+/** The single-threaded CPU reference over slices of the heads run side by side on every hardware
+ *  thread: the forward one query head per slice, the backward one KV head with its GQA group (its
+ *  dk / dv sum the group). The reference computes each head on its own, so the slices give the
+ *  whole call's bits; the GPU tests spend most of their time in these passes. */
+template <class Params, class Run>
+Status reference_by_heads(const Params& p, bool by_query_head, const Run& run) {
+  const int64_t group = p.heads_q / p.heads_kv, slices = by_query_head ? p.heads_q : p.heads_kv;
+  std::vector<Status> status(static_cast<size_t>(slices));
+  run_on_all_threads(slices, [&](int64_t t) {
+    const Params slice = by_query_head ? head_slice(p, t, 1, t / group, 1) : head_slice(p, t * group, group, t, 1);
+    status[static_cast<size_t>(t)] = run(slice);
+  });
+  for (const Status& st : status)
+    if (!st.is_ok()) return st;
+  return Status::ok();
+}
+
 /** Runs the reference (exact, or low-precision emulation) on host tensors. */
 void host_reference_forward(Problem& pr, bool low, HostTensor* out, HostTensor* lse) {
   HostTensor q = low ? pr.q : upcast(pr.q), k = low ? pr.k : upcast(pr.k), v = low ? pr.v : upcast(pr.v);
@@ -392,7 +437,8 @@ void host_reference_forward(Problem& pr, bool low, HostTensor* out, HostTensor* 
   AttentionParams params;
   Status s = validate_forward({&tq, &tk, &tv, &to, &tl, &o}, false, &params);
   if (!s.is_ok()) throw std::runtime_error("reference forward: " + s.message);
-  s = cpu::reference_forward(params, low ? cpu::ReferenceMode::low_precision : cpu::ReferenceMode::exact);
+  const cpu::ReferenceMode mode = low ? cpu::ReferenceMode::low_precision : cpu::ReferenceMode::exact;
+  s = reference_by_heads(params, true, [&](const AttentionParams& slice) { return cpu::reference_forward(slice, mode); });
   if (!s.is_ok()) throw std::runtime_error("reference forward: " + s.message);
 }
 
@@ -520,6 +566,18 @@ std::string run_forward(Problem& pr, fc_backend backend, Memory& mem) {
 
 }  // namespace
 
+void run_on_all_threads(int64_t tasks, const std::function<void(int64_t)>& task) {
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) task(t);
+  };
+  const int64_t threads = std::min<int64_t>(tasks, std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (std::thread& th : pool) th.join();
+}
+
 CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed) {
   std::mt19937_64 rng(seed);
   Problem pr = make_problem(c, rng);
@@ -530,7 +588,7 @@ CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64
     return res;
   }
   HostTensor ref_out, ref_lse, same_out, same_lse;
-  {  // the two references are independent single-threaded passes: run them side by side
+  {  // the two references are independent passes (each split over the heads): run them side by side
     auto same = std::async(std::launch::async, [&] { host_reference_forward(pr, true, &same_out, &same_lse); });
     host_reference_forward(pr, false, &ref_out, &ref_lse);
     same.get();
@@ -576,7 +634,7 @@ Grads host_reference_backward(Problem& pr, const HostTensor& dout_in, cpu::Refer
   BackwardParams params;
   Status s = validate_backward({&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &o}, false, &params);
   if (!s.is_ok()) throw std::runtime_error("reference backward: " + s.message);
-  s = cpu::reference_backward(params, mode);
+  s = reference_by_heads(params, false, [&](const BackwardParams& slice) { return cpu::reference_backward(slice, mode); });
   if (!s.is_ok()) throw std::runtime_error("reference backward: " + s.message);
   return g;
 }
@@ -640,8 +698,9 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
     return res;
   }
   HostTensor ref_out, ref_lse, same_out, same_lse;
-  // Five independent single-threaded reference passes (the long-sequence grids spend minutes in
-  // them): run side by side. Each writes only its own outputs; pr and dout are read-only here.
+  // Five independent reference passes (the long-sequence grids spend minutes in them; each is split
+  // over the heads too): run side by side. Each writes only its own outputs; pr and dout are
+  // read-only here.
   auto run_async = [](auto fn) { return std::async(std::launch::async, fn); };
   auto fwd_same = run_async([&] { host_reference_forward(pr, true, &same_out, &same_lse); });
   auto bwd_same = run_async([&] { return host_reference_backward(pr, dout, cpu::ReferenceMode::low_precision); });

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,10 @@ struct CheckResult {
   std::string status_error;  // non-empty when the call itself failed
   std::string summary() const;
 };
+
+/** Runs task(t) for every t in [0, tasks) on every hardware thread (tasks that write disjoint
+ *  results: the host references' slices). */
+void run_on_all_threads(int64_t tasks, const std::function<void(int64_t)>& task);
 
 CheckResult check_forward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed);
 CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint64_t seed);

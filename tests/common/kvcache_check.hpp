@@ -337,7 +337,9 @@ struct KvProblem {
 };
 
 /** fp64 oracle (exact) or the low-precision emulation X_same (fp32 scores, P rounded to the
- *  dtype, fp32 accumulation): out as (batch, seqlen_q, heads_q, head_dim), lse (batch, heads_q, seqlen_q). */
+ *  dtype, fp32 accumulation): out as (batch, seqlen_q, heads_q, head_dim), lse (batch, heads_q, seqlen_q).
+ *  One task per (sequence, KV head): its keys and values read once, then each query row of its
+ *  GQA group in turn (each row's sums in key order, so the threads change no bit). */
 inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* out, std::vector<double>* lse,
                       int64_t batch_limit) {
   const KvCase& c = pr.c;
@@ -346,25 +348,26 @@ inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* ou
   const DType dt = static_cast<DType>(c.dtype);
   out->assign(c.batch * c.seqlen_q * c.heads_q * hd, 0.0);
   lse->assign(c.batch * c.heads_q * c.seqlen_q, -std::numeric_limits<double>::infinity());
-  for (int64_t b = 0; b < batch_limit; ++b) {
+  run_on_all_threads(batch_limit * c.heads_kv, [&](int64_t task) {
+    const int64_t b = task / c.heads_kv, hk = task % c.heads_kv;
     const int64_t sk = c.cache_lens[b] + c.seqlen_new;
     const MaskInfo mask{c.seqlen_q, sk, c.window_left, c.causal ? 0 : c.window_right};
-    std::vector<double> K(sk * hd), V(sk * hd);
-    for (int64_t h = 0; h < c.heads_q; ++h) {
-      const int64_t hk = h / group;
-      for (int64_t j = 0; j < sk; ++j)
-        for (int64_t d = 0; d < hd; ++d) {
-          K[j * hd + d] = pr.logical(false, b, j, hk, d, emulate);
-          V[j * hd + d] = pr.logical(true, b, j, hk, d, emulate);
-        }
+    std::vector<double> K(sk * hd), V(sk * hd), q(hd), acc(hd);
+    for (int64_t j = 0; j < sk; ++j)
+      for (int64_t d = 0; d < hd; ++d) {
+        K[j * hd + d] = pr.logical(false, b, j, hk, d, emulate);
+        V[j * hd + d] = pr.logical(true, b, j, hk, d, emulate);
+      }
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i = 0; i < c.seqlen_q; ++i) {
         const KeyRange r = mask.keys_for_row(i);
         if (r.empty()) continue;
+        for (int64_t d = 0; d < hd; ++d) q[d] = pr.query(b, i, h, d, emulate);
         std::vector<double> s(r.end - r.begin);
         double m = -std::numeric_limits<double>::infinity();
         for (int64_t j = r.begin; j < r.end; ++j) {
           double dot = 0;
-          for (int64_t d = 0; d < hd; ++d) dot += pr.query(b, i, h, d, emulate) * K[j * hd + d];
+          for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
           double sc = dot * scale;
           if (c.softcap > 0) sc = c.softcap * std::tanh(sc / c.softcap);
           sc -= pr.slope(b, h) * std::fabs(double(mask.diagonal(i) - j));  // ALiBi (0 without slopes)
@@ -373,7 +376,7 @@ inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* ou
           m = std::max(m, sc);
         }
         double l = 0;
-        std::vector<double> acc(hd, 0.0);
+        std::fill(acc.begin(), acc.end(), 0.0);
         for (int64_t j = r.begin; j < r.end; ++j) {
           double pj = std::exp(s[j - r.begin] - m);
           l += pj;
@@ -388,7 +391,7 @@ inline void kv_oracle(const KvProblem& pr, bool emulate, std::vector<double>* ou
         (*lse)[(b * c.heads_q + h) * c.seqlen_q + i] = m + std::log(l);
       }
     }
-  }
+  });
 }
 
 /** TESTING.md's rule: max|x - ref| <= 2 max|same - ref| + atol (atol: one rounding at the
