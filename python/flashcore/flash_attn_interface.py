@@ -7,7 +7,8 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0; on a GPU
 a head_dim that is not a multiple of 8, alibi_slopes in a paged block_table call of
-flash_attn_varlen_func (the CPU takes it), and a flash_attn_with_kvcache call with alibi_slopes
+flash_attn_varlen_func past 16 query rows per KV head (the CPU takes it; decoding calls run on the
+decode kernel, which does too), and a flash_attn_with_kvcache call with alibi_slopes
 whose query rows (heads x seqlen_q) need more than 65535 blocks of 16 (chunk seqlen_q).
 alibi_slopes works everywhere else, forward and backward.
 Paged caches: flash_attn_with_kvcache
@@ -137,7 +138,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in pages
     block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page size on
     Hopper and on the CPU, multiples of 256 on other GPUs); with alibi_slopes only where the
-    backend serves ALiBi over pages (NotImplementedError otherwise)."""
+    backend serves ALiBi over pages (NotImplementedError otherwise). Decoding calls (at most 16
+    query rows per KV head: max_seqlen_q x the GQA group) run on the decode kernel, which takes
+    any page size and ALiBi."""
     _check_unsupported(dropout_p)
     if block_table is None:
         return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -144,6 +144,19 @@ Status choose_backend(const BackwardParams& p, fc_backend requested, fc_backend*
   return choose_backend_for(p, requested, chosen);
 }
 
+static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, fc_backend chosen, KvCacheParams* kv);
+
+/** Whether `backend`'s own kernels serve p, and if not why (the CPU backends serve every valid call). */
+template <typename Params>
+static Status backend_kernels_serve(const Params& p, fc_backend backend) {
+  if (backend == FC_BACKEND_CUDA_SM80) {
+    Status why;
+    if (!cuda::sm80_supports(p, &why)) return why;
+  }
+  if (backend == FC_BACKEND_CUDA_SM90) return sm90_serves(p);
+  return Status::ok();
+}
+
 template <typename Args, typename Params>
 static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend* backend) {
   Status s;
@@ -156,14 +169,14 @@ static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend
   constexpr bool kBackward = std::is_same_v<Args, BackwardArgs>;
   if (!(s = choose_backend(*p, requested_backend(a.options), backend)).is_ok()) return s;
   if (!(s = backend_checks(*p, a, *backend, kBackward)).is_ok()) return s;
-  if (*backend == FC_BACKEND_CUDA_SM80) {
-    Status why;
-    if (!cuda::sm80_supports(*p, &why)) return why;
+  const Status served = backend_kernels_serve(*p, *backend);
+  if constexpr (!kBackward) {
+    // A forward AUTO hands to the decode path needs only that path: e.g. ALiBi over paged K/V,
+    // which the forward kernels decline and the decode kernel reads.
+    KvCacheParams kv;
+    if (!served.is_ok() && takes_decode_route(*p, a, *backend, &kv)) return Status::ok();
   }
-  if (*backend == FC_BACKEND_CUDA_SM90) {
-    if (!(s = sm90_serves(*p)).is_ok()) return s;
-  }
-  return Status::ok();
+  return served;
 }
 
 /** A CUDA backend's run: its workspace checked, then the caller's device-side cu_seqlens check
@@ -236,6 +249,8 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
       if (!(s = cuda::check_cu_seqlens_on_device(p)).is_ok()) return s;  // varlen calls with an error flag
       return cuda::kvcache_forward(kv, workspace, workspace_bytes);
     }
+    // Without the route's workspace the forward kernels run the call, where they serve it.
+    if (!backend_kernels_serve(p, b).is_ok()) return check_workspace(needed, workspace, workspace_bytes);
   }
   switch (b) {
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);

@@ -588,7 +588,7 @@ TEST(CudaDecodeRoute, FewQueryRows) {
 // sequences without a query or without keys, sequences of 1-4 tokens (16 rows per KV head) whose
 // masks align to their own last key, packed K/V and pages of 16, 256 and 5 keys, head dims 64
 // (read in head pairs), 96 (padded), 128 and 256, GQA / MQA, causal, windows, softcap, ALiBi
-// (packed K/V: the forward kernels, which validation asks first, decline it with pages), NaN rows
+// (packed and over 5-key pages, which the forward kernels decline and the route serves), NaN rows
 // past the packed sequences, split-KV over long keys with the combine skipping the sequences
 // without a query, a backward from its lse, repeat runs bit-identical, chained calls ordered (each
 // call's out the next one's q: cu_seqlens_q and q are read after the wait); and the rule: taken
@@ -612,7 +612,7 @@ TEST(CudaDecodeRoute, VarlenFewQueryRows) {
         c.window_left = 100;
         c.window_right = 0;
       }
-      c.alibi = page == 0 && d != 64 ? 2 : 0;  // (the forward kernels decline ALiBi with pages)
+      c.alibi = (page == 0 && d != 64) || page == 5 ? 2 : 0;  // (over pages: the route only)
       cases.push_back(c);
     }
   Case split;  // GQA 32 / 8 over long keys: split-KV, and a combine that skips sequence 1
@@ -688,6 +688,12 @@ TEST(CudaDecodeRoute, VarlenFewQueryRows) {
   opt.max_seqlen_q = 5;
   EXPECT_FALSE(forward_takes_decode_route(ForwardArgs{&tq, &tk, &tk, &to, nullptr, &opt}));
   for (void* x : {q, k, o, cu}) mem.release(x);
+
+  // ALiBi over pages with many query rows stays a clear error (the forward kernels decline it).
+  Case prefill = cases[3];
+  prefill.varlen_q = {100, 0, 1, 50};
+  const CheckResult r = check_forward(prefill, FC_BACKEND_AUTO, mem, 7);
+  EXPECT_NE(r.status_error.find("alibi_slopes"), std::string::npos) << r.status_error;
 }
 
 /** One bf16 dense problem on the GPU (fresh normal inputs), run as the forward (AUTO or a backend
