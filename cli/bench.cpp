@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common.hpp"
@@ -97,13 +98,35 @@ std::vector<Problem> grid(const std::string& name, const Problem& base) {
           p.causal = causal;
           g.push_back(p);
         }
+  } else if (name == "decode") {  // TARGETS.md's decode cells: one token against a long KV cache
+    for (auto [batch, keys] : {std::pair<int64_t, int64_t>{1, 65536}, {16, 8192}, {64, 2048}}) {
+      Problem p = base;
+      p.batch = batch;
+      p.seqlen_q = 1;
+      p.seqlen_k = keys;
+      p.heads_q = 32;
+      p.heads_kv = 8;
+      p.head_dim = 128;
+      p.causal = true;
+      g.push_back(p);
+    }
   } else if (name == "one") {
     g.push_back(base);
   } else {
-    throw UsageError("--grid: unknown grid '" + name + "' (training, cpu, seed, one)");
+    throw UsageError("--grid: unknown grid '" + name + "' (training, cpu, seed, decode, one)");
   }
   return g;
 }
+
+/** Bytes of K and V one forward of p reads at least (each element once): what bounds a call with a
+ *  few query rows per KV head, whose speed is the memory's. */
+double kv_bytes(const Problem& p) {
+  const double elem = p.dtype == FC_DTYPE_F32 ? 4.0 : 2.0;
+  return 2.0 * double(p.batch) * double(p.seqlen_k) * double(p.heads_kv) * double(p.head_dim) * elem;
+}
+
+/** Decode-shaped: at most 16 query rows per KV head (the table then shows K+V bytes / time). */
+bool decode_shaped(const Problem& p) { return p.seqlen_q * (p.heads_q / p.heads_kv) <= 16; }
 
 }  // namespace
 
@@ -115,7 +138,8 @@ int command_bench(int argc, char** argv) {
   const Args a(argc, argv, 2, known);
   if (a.has("help")) {
     std::printf("usage: flashcore bench [options]\n\n"
-                "  --grid G             training (16k tokens, dim 2048) | cpu | seed | one (default: cpu\n"
+                "  --grid G             training (16k tokens, dim 2048) | cpu | seed | decode (one token,\n"
+                "                       GQA 32/8 d128, 1x65536 16x8192 64x2048 keys) | one (default: cpu\n"
                 "                       without a GPU, training with one)\n"
                 "  --backward           also time forward+backward\n"
                 "  --no-naive           skip the naive fp32 CPU peer\n"
@@ -179,13 +203,20 @@ int command_bench(int argc, char** argv) {
               base.on_gpu ? 0 : threads);
   char device[256];
   if (base.on_gpu && fc_cuda_device_describe(0, device, sizeof(device)) == FC_OK) std::printf("device: %s\n", device);
-  std::printf("%-6s %-7s %-6s %-6s %-6s %-8s %10s %10s", "batch", "seqlen", "heads", "hdim", "mask", "dir", "ms", unit);
+  // Decode-shaped grids also show K+V bytes / time (the memory-bound rate TARGETS.md's decode
+  // cells use), and every grid the key length and KV heads.
+  const bool decode = std::all_of(cells.begin(), cells.end(), decode_shaped);
+  std::printf("%-6s %-7s %-7s %-7s %-6s %-6s %-8s %10s %10s", "batch", "seqlen", "keys", "heads", "hdim", "mask", "dir",
+              "ms", unit);
+  if (decode) std::printf(" %10s", "K+V GB/s");
   if (naive) std::printf(" %12s %10s %8s", "naive ms", "naive", "speedup");
   std::printf("\n");
   for (const Row& r : rows) {
-    std::printf("%-6lld %-7lld %-6lld %-6lld %-6s %-8s %10.3f %10.2f", (long long)r.p.batch, (long long)r.p.seqlen_q,
-                (long long)r.p.heads_q, (long long)r.p.head_dim, r.p.causal ? "causal" : "full", r.direction.c_str(),
-                r.ms, r.rate / div);
+    const std::string heads = std::to_string(r.p.heads_q) + "/" + std::to_string(r.p.heads_kv);
+    std::printf("%-6lld %-7lld %-7lld %-7s %-6lld %-6s %-8s %10.3f %10.2f", (long long)r.p.batch,
+                (long long)r.p.seqlen_q, (long long)r.p.seqlen_k, heads.c_str(), (long long)r.p.head_dim,
+                r.p.causal ? "causal" : "full", r.direction.c_str(), r.ms, r.rate / div);
+    if (decode) std::printf(" %10.1f", kv_bytes(r.p) / (r.ms * 1e-3) / 1e9);
     if (naive && r.naive_ms > 0) std::printf(" %12.3f %10.2f %7.2fx", r.naive_ms, r.naive_rate / div, r.naive_ms / r.ms);
     std::printf("\n");
   }
@@ -200,13 +231,16 @@ int command_bench(int argc, char** argv) {
     kv("dtype", r.p.dtype == FC_DTYPE_F32 ? "fp32" : r.p.dtype == FC_DTYPE_F16 ? "fp16" : "bf16", true);
     kv("batch", std::to_string(r.p.batch), false);
     kv("seqlen", std::to_string(r.p.seqlen_q), false);
+    kv("seqlen_k", std::to_string(r.p.seqlen_k), false);
     kv("heads", std::to_string(r.p.heads_q), false);
+    kv("heads_kv", std::to_string(r.p.heads_kv), false);
     kv("head_dim", std::to_string(r.p.head_dim), false);
     kv("causal", r.p.causal ? "true" : "false", false);
     kv("direction", r.direction, true);
     kv("threads", std::to_string(base.on_gpu ? 0 : threads), false);
     kv("ms", std::to_string(r.ms), false);
     kv("flops_per_s", std::to_string(r.rate), false);
+    kv("kv_bytes_per_s", std::to_string(kv_bytes(r.p) / (r.ms * 1e-3)), false);
     kv("naive_ms", std::to_string(r.naive_ms), false, true);
     return s.str();
   };
@@ -220,7 +254,8 @@ int command_bench(int argc, char** argv) {
   if (a.has("csv")) {
     std::ofstream f(a.str("csv", ""));
     if (!f) throw std::runtime_error("cannot write " + a.str("csv", ""));
-    f << "backend,dtype,batch,seqlen,heads,head_dim,causal,direction,threads,ms,flops_per_s,naive_ms\n";
+    f << "backend,dtype,batch,seqlen,seqlen_k,heads,heads_kv,head_dim,causal,direction,threads,ms,flops_per_s,"
+         "kv_bytes_per_s,naive_ms\n";
     for (const Row& r : rows) f << fields(r, false) << "\n";
   }
   return 0;
