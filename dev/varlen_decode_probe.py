@@ -6,7 +6,10 @@ and 256 through block_table (AUTO), the decode kernel on a dense copy of the key
 top-left aligned). Every sequence has the same length, so the dense peers read the same bytes.
 bf16, causal, device time per call under CUDA-graph replay, K+V bytes / time in TB/s.
 
-    PYTHONPATH=<package>:bench python3 dev/varlen_decode_probe.py [--tokens 1,4]
+    PYTHONPATH=<package>:bench python3 dev/varlen_decode_probe.py [--tokens 1,4] [--ragged]
+
+--ragged adds, per shape, one batch of uneven lengths (uniform in [keys / 8, keys], the same total
+bytes' order of magnitude; an engine's batch): AUTO against the forward kernels, packed K/V.
 """
 import argparse
 import warnings
@@ -43,6 +46,7 @@ def paged(k, v, batch, keys, page):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4", help="query tokens per sequence")
+    ap.add_argument("--ragged", action="store_true", help="also a batch of uneven lengths per shape")
     a = ap.parse_args()
     kernels = "cuda_sm90" if torch.cuda.get_device_capability() == (9, 0) else "cuda_sm80"
     print("bf16, causal, K+V TB/s (graph replay)")
@@ -81,6 +85,31 @@ def main():
             print(f"{batch} x {tokens} x {keys}, {hq}/{hkv}, d{d} | " + " | ".join(f"{x:.2f}" for x in row),
                   flush=True)
         del pages
+        if a.ragged and batch > 1:
+            ragged(batch, keys, hq, hkv, d, kernels)
+
+
+def ragged(batch, keys, hq, hkv, d, kernels):
+    """One token per sequence, lengths uniform in [keys / 8, keys]: AUTO and the forward kernels."""
+    gen = torch.Generator().manual_seed(batch * keys)
+    lengths = torch.randint(keys // 8, keys + 1, (batch,), generator=gen)
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32)
+    cu_k[1:] = lengths.cumsum(0)
+    cu_k = cu_k.cuda()
+    total = int(cu_k[-1])
+    k = torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    rate = lambda us: 2 * k.numel() * k.element_size() / (us * 1e-6) / 1e12
+    call = lambda: flashcore.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, int(lengths.max()), causal=True)
+    row = []
+    for backend in ("auto", kernels):
+        flashcore.set_default_backend(backend)
+        row.append(rate(graph_replay_us(call, 50)))
+    flashcore.set_default_backend("auto")
+    print(f"{batch} x 1 x ragged {keys // 8}..{keys} (mean {int(lengths.float().mean())}), {hq}/{hkv}, d{d} | "
+          f"{row[0]:.2f} | {row[1]:.2f}", flush=True)
 
 
 if __name__ == "__main__":
