@@ -216,7 +216,8 @@ int command_bench(int argc, char** argv) {
     std::printf("%-6lld %-7lld %-7lld %-7s %-6lld %-6s %-8s %10.3f %10.2f", (long long)r.p.batch,
                 (long long)r.p.seqlen_q, (long long)r.p.seqlen_k, heads.c_str(), (long long)r.p.head_dim,
                 r.p.causal ? "causal" : "full", r.direction.c_str(), r.ms, r.rate / div);
-    if (decode) std::printf(" %10.1f", kv_bytes(r.p) / (r.ms * 1e-3) / 1e9);
+    if (decode && r.direction == "fwd") std::printf(" %10.1f", kv_bytes(r.p) / (r.ms * 1e-3) / 1e9);
+    if (decode && r.direction != "fwd") std::printf(" %10s", "-");  // (a backward reads more than K and V)
     if (naive && r.naive_ms > 0) std::printf(" %12.3f %10.2f %7.2fx", r.naive_ms, r.naive_rate / div, r.naive_ms / r.ms);
     std::printf("\n");
   }

@@ -2,6 +2,7 @@
 // public entry point goes through. Nothing here computes attention.
 #include "api/dispatch.hpp"
 
+#include <climits>
 #include <string>
 #include <type_traits>
 
@@ -208,6 +209,7 @@ static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, f
     if (p.is_paged()) return false;
     *kv = forward_as_kvcache(p);
   }
+  if (kv->capacity() > INT32_MAX) return false;  // the decode kernels count keys in int32
   return is_cuda_backend(chosen) ? cuda::decode_route_suits(*kv) : cpu::decode_route_suits(*kv);
 }
 
