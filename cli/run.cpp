@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 
 #include "api/backends.hpp"
 #include "api/dispatch.hpp"
@@ -123,8 +124,13 @@ int command_run(int argc, char** argv) {
   const double ms = time_ms(p, repeats, p.on_gpu ? 10 : 1, [&] { buf.forward(); });
   const double flops = p.flops_forward();
   const double rate = flops / (ms * 1e-3);
-  if (p.on_gpu) std::printf("  time    : %.3f ms   %.1f TFLOP/s\n", ms, rate / 1e12);
-  else std::printf("  time    : %.3f ms   %.1f GFLOP/s\n", ms, rate / 1e9);
+  // A decode-shaped call is bound by reading K and V: its rate in those bytes is the number to
+  // compare with the memory's (as `flashcore bench --grid decode` reports it).
+  const double kv_bytes = 2.0 * p.batch * double(p.seqlen_k) * p.heads_kv * p.head_dim * (p.dtype == FC_DTYPE_F32 ? 4 : 2);
+  const std::string kv_rate =
+      decode_route ? "   K+V read at " + std::to_string(static_cast<int64_t>(kv_bytes / (ms * 1e-3) / 1e9)) + " GB/s" : "";
+  if (p.on_gpu) std::printf("  time    : %.3f ms   %.1f TFLOP/s%s\n", ms, rate / 1e12, kv_rate.c_str());
+  else std::printf("  time    : %.3f ms   %.1f GFLOP/s%s\n", ms, rate / 1e9, kv_rate.c_str());
 
   const int64_t rows_checked = std::min<int64_t>(std::max<int64_t>(check_rows, 0), p.batch * p.heads_q * p.seqlen_q);
   const SpotCheck c = spot_check(buf, p, rows_checked);
