@@ -118,13 +118,6 @@ std::vector<Problem> grid(const std::string& name, const Problem& base) {
   return g;
 }
 
-/** Bytes of K and V one forward of p reads at least (each element once): what bounds a call with a
- *  few query rows per KV head, whose speed is the memory's. */
-double kv_bytes(const Problem& p) {
-  const double elem = p.dtype == FC_DTYPE_F32 ? 4.0 : 2.0;
-  return 2.0 * double(p.batch) * double(p.seqlen_k) * double(p.heads_kv) * double(p.head_dim) * elem;
-}
-
 /** Decode-shaped: at most 16 query rows per KV head (the table then shows K+V bytes / time). */
 bool decode_shaped(const Problem& p) { return p.seqlen_q * (p.heads_q / p.heads_kv) <= 16; }
 
@@ -216,7 +209,7 @@ int command_bench(int argc, char** argv) {
     std::printf("%-6lld %-7lld %-7lld %-7s %-6lld %-6s %-8s %10.3f %10.2f", (long long)r.p.batch,
                 (long long)r.p.seqlen_q, (long long)r.p.seqlen_k, heads.c_str(), (long long)r.p.head_dim,
                 r.p.causal ? "causal" : "full", r.direction.c_str(), r.ms, r.rate / div);
-    if (decode && r.direction == "fwd") std::printf(" %10.1f", kv_bytes(r.p) / (r.ms * 1e-3) / 1e9);
+    if (decode && r.direction == "fwd") std::printf(" %10.1f", r.p.kv_bytes() / (r.ms * 1e-3) / 1e9);
     if (decode && r.direction != "fwd") std::printf(" %10s", "-");  // (a backward reads more than K and V)
     if (naive && r.naive_ms > 0) std::printf(" %12.3f %10.2f %7.2fx", r.naive_ms, r.naive_rate / div, r.naive_ms / r.ms);
     std::printf("\n");
@@ -241,7 +234,7 @@ int command_bench(int argc, char** argv) {
     kv("threads", std::to_string(base.on_gpu ? 0 : threads), false);
     kv("ms", std::to_string(r.ms), false);
     kv("flops_per_s", std::to_string(r.rate), false);
-    kv("kv_bytes_per_s", std::to_string(kv_bytes(r.p) / (r.ms * 1e-3)), false);
+    kv("kv_bytes_per_s", std::to_string(r.p.kv_bytes() / (r.ms * 1e-3)), false);
     kv("naive_ms", std::to_string(r.naive_ms), false, true);
     return s.str();
   };

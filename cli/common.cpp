@@ -167,6 +167,11 @@ Problem parse_problem(const Args& a, const Problem& defaults) {
   return p;
 }
 
+double Problem::kv_bytes() const {
+  const double elem = dtype == FC_DTYPE_F32 ? 4.0 : 2.0;
+  return 2.0 * double(batch) * double(seqlen_k) * double(heads_kv) * double(head_dim) * elem;
+}
+
 double Problem::flops_forward() const {
   const double per_pair = 4.0 * batch * heads_q * head_dim;
   if (window_left == -1 && window_right == -1)  // the field's convention: halved when causal

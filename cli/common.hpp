@@ -44,6 +44,9 @@ struct Problem {
   bool on_gpu = false;
 
   double flops_forward() const;
+  /** Bytes of K and V a forward reads at least (each element once): what bounds a decode-shaped
+   *  call, whose speed is the memory's. */
+  double kv_bytes() const;
   std::string describe() const;
 };
 

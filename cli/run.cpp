@@ -126,9 +126,9 @@ int command_run(int argc, char** argv) {
   const double rate = flops / (ms * 1e-3);
   // A decode-shaped call is bound by reading K and V: its rate in those bytes is the number to
   // compare with the memory's (as `flashcore bench --grid decode` reports it).
-  const double kv_bytes = 2.0 * p.batch * double(p.seqlen_k) * p.heads_kv * p.head_dim * (p.dtype == FC_DTYPE_F32 ? 4 : 2);
   const std::string kv_rate =
-      decode_route ? "   K+V read at " + std::to_string(static_cast<int64_t>(kv_bytes / (ms * 1e-3) / 1e9)) + " GB/s" : "";
+      decode_route ? "   K+V read at " + std::to_string(static_cast<int64_t>(p.kv_bytes() / (ms * 1e-3) / 1e9)) + " GB/s"
+                   : "";
   if (p.on_gpu) std::printf("  time    : %.3f ms   %.1f TFLOP/s%s\n", ms, rate / 1e12, kv_rate.c_str());
   else std::printf("  time    : %.3f ms   %.1f GFLOP/s%s\n", ms, rate / 1e9, kv_rate.c_str());
 

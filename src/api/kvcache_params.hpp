@@ -88,8 +88,9 @@ struct KvCacheParams {
   // varlen_forward_as_kvcache). q_cu_seqlens: sequence b's query tokens are the packed rows
   // [q_cu_seqlens[b], q_cu_seqlens[b + 1]) of q, out and lse (q_rows of them in all), at most
   // seqlen_q of them (query_rows below), and its mask aligns them to its last key (kv_mask with
-  // that count); q, out and lse carry the packed row's stride as their batch stride. cache_seqlens_cumulative: cache_seqlens holds prefix sums (batch + 1 entries),
-  // sequence b's keys are the first cache_seqlens[b + 1] - cache_seqlens[b] of its pages.
+  // that count); q, out and lse carry the packed row's stride as their batch stride.
+  // cache_seqlens_cumulative: cache_seqlens holds prefix sums (batch + 1 entries), sequence b's
+  // keys are the first cache_seqlens[b + 1] - cache_seqlens[b] of its pages.
   // longest_sequence: the most keys a sequence has (max_seqlen_k; 0: capacity()), which sizes the
   // split-KV count on the host where the lengths live on the device.
   const int32_t* q_cu_seqlens = nullptr;
@@ -112,14 +113,21 @@ struct KvCacheParams {
   bool appends() const { return k_new.data != nullptr; }
 };
 
+/** How cache_end / cache_start / cache_row_of read the index arrays: a plain load, or the caller's (the decode
+ *  kernel's prefetch reads them before its programmatic wait with loads of its own). */
+struct PlainIndexLoad {
+  FC_HOST_DEVICE int32_t operator()(const int32_t* at) const { return *at; }
+};
+
 /** cache_seqlens[b] (device or host memory, matching the call): the slot after sequence b's last
  *  cached token, where the first appended token goes and the rotary position it takes. Without
  *  cache_seqlens (fc_attention_kvcache without an append, and the dense forwards the decode route
  *  hands over, api/kvcache_forward_view.hpp) every sequence fills its cache row. */
-FC_HOST_DEVICE int64_t cache_end(const KvCacheParams& p, int64_t b) {
+template <class Load = PlainIndexLoad>
+FC_HOST_DEVICE int64_t cache_end(const KvCacheParams& p, int64_t b, Load load = {}) {
   if (!p.cache_seqlens) return p.capacity();
-  const int64_t at = int64_t(p.cache_seqlens[b * p.cache_seqlens_stride]);
-  return p.cache_seqlens_cumulative ? int64_t(p.cache_seqlens[(b + 1) * p.cache_seqlens_stride]) - at : at;
+  const int64_t at = load(p.cache_seqlens + b * p.cache_seqlens_stride);
+  return p.cache_seqlens_cumulative ? load(p.cache_seqlens + (b + 1) * p.cache_seqlens_stride) - at : at;
 }
 
 /** Where sequence b's query tokens sit in q, out and lse: the batch index offset_of takes (the
@@ -138,8 +146,9 @@ FC_HOST_DEVICE QueryRows query_rows(const KvCacheParams& p, int64_t b) {
 
 /** Slot of sequence b's first token: cache_leftpad[b], 0 without it (and for paged caches). Key j of
  *  the sequence sits at slot cache_start + j. */
-FC_HOST_DEVICE int64_t cache_start(const KvCacheParams& p, int64_t b) {
-  return p.cache_leftpad ? int64_t(p.cache_leftpad[b * p.cache_leftpad_stride]) : 0;
+template <class Load = PlainIndexLoad>
+FC_HOST_DEVICE int64_t cache_start(const KvCacheParams& p, int64_t b, Load load = {}) {
+  return p.cache_leftpad ? int64_t(load(p.cache_leftpad + b * p.cache_leftpad_stride)) : 0;
 }
 
 /** Tokens of sequence b already cached. */
@@ -162,8 +171,9 @@ FC_HOST_DEVICE MaskInfo kv_mask(const KvCacheParams& p, int64_t seqlen_k, int64_
 FC_HOST_DEVICE MaskInfo kv_mask(const KvCacheParams& p, int64_t seqlen_k) { return kv_mask(p, seqlen_k, p.seqlen_q); }
 
 /** Which cache row sequence b uses (contiguous caches). */
-FC_HOST_DEVICE int64_t cache_row_of(const KvCacheParams& p, int64_t b) {
-  return p.cache_batch_idx ? int64_t(p.cache_batch_idx[b * p.cache_batch_idx_stride]) : b;
+template <class Load = PlainIndexLoad>
+FC_HOST_DEVICE int64_t cache_row_of(const KvCacheParams& p, int64_t b, Load load = {}) {
+  return p.cache_batch_idx ? int64_t(load(p.cache_batch_idx + b * p.cache_batch_idx_stride)) : b;
 }
 
 /** Sequence-level value checks: length within capacity (including what is appended) and a valid

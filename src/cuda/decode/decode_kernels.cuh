@@ -253,6 +253,12 @@ __device__ __forceinline__ SplitKeys split_keys(const KvCacheParams& p, int64_t 
   return sk;
 }
 
+/** cache_end / cache_start / cache_row_of's loads before the wait (ptx::load_unordered_s32: L2 only, never merged
+ *  with the reads after it). */
+struct UnorderedIndexLoad {
+  __device__ __forceinline__ int32_t operator()(const int32_t* at) const { return ptx::load_unordered_s32(at); }
+};
+
 /** Before the wait: requests into L2 the K and V rows of this warp's first `so.prefetch_tiles`
  *  tiles (at most kMaxTiles), placed where the sequence's length, cache row and block-table entries
  *  read now say (ptx/l2_prefetch.cuh: they may predate the previous grid's writes; a wrong guess
@@ -266,16 +272,10 @@ __device__ __forceinline__ void prefetch_first_tiles(const KvCacheParams& p, con
   constexpr int kMaxTiles = 4;
   const int tiles = min(so.prefetch_tiles, kMaxTiles);
   if (tiles <= 0) return;
-  int64_t end = p.capacity();
-  if (p.cache_seqlens) {
-    end = ptx::load_unordered_s32(p.cache_seqlens + b * p.cache_seqlens_stride);
-    if (p.cache_seqlens_cumulative) end = ptx::load_unordered_s32(p.cache_seqlens + (b + 1) * p.cache_seqlens_stride) - end;
-  }
-  const int64_t start = p.cache_leftpad ? ptx::load_unordered_s32(p.cache_leftpad + b * p.cache_leftpad_stride) : 0;
+  const int64_t end = cache_end(p, b, UnorderedIndexLoad{}), start = cache_start(p, b, UnorderedIndexLoad{});
   const int64_t seqlen_k = end - start + p.seqlen_new;
   if (start < 0 || end < start || end + p.seqlen_new > p.capacity()) return;
-  int64_t row = b;
-  if (!p.paged && p.cache_batch_idx) row = ptx::load_unordered_s32(p.cache_batch_idx + b * p.cache_batch_idx_stride);
+  const int64_t row = p.paged ? b : cache_row_of(p, b, UnorderedIndexLoad{});
   // (A varlen view's token count is not read here: seqlen_q's keys hold it, and a guess only warms lines.)
   const SplitKeys sk = split_keys<kKeys>(p, seqlen_k, p.seqlen_q, split, so.num_splits);
   const bool is_v = lane >= kKeys;
