@@ -377,11 +377,13 @@ fc_attention_options options_for(const Case& c, fc_backend backend, const fc_ten
   return o;
 }
 
-/** `params` restricted to query heads [h0, h0 + count) and KV heads [hk0, hk0 + count_kv): the
- *  data pointers (and the ALiBi slopes) move to the first head, the strides stay. */
+/** t's data pointer moved `heads` heads on. */
 void shift_heads(TensorRef& t, DType dt, int64_t heads) {
   if (t.data) t.data = static_cast<char*>(t.data) + heads * t.head_stride * static_cast<int64_t>(dtype_size(dt));
 }
+
+/** `params` restricted to query heads [h0, h0 + count) and KV heads [hk0, hk0 + count_kv): the
+ *  data pointers (and the ALiBi slopes) move to the first head, the strides stay. */
 template <class Params>
 Params head_slice(const Params& params, int64_t h0, int64_t count, int64_t hk0, int64_t count_kv) {
   Params s = params;
