@@ -1,5 +1,5 @@
 // Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm90_trace.cu, decode_trace.cu,
-// decode_read_patterns.cu): CHECK(call) for CUDA runtime calls, require_ok for the library's
+// decode_read_patterns.cu, decode_bulk_read.cu): CHECK(call) for CUDA runtime calls, require_ok for the library's
 // Status, the time per call of launches
 // issued back to back, the tools' deterministic input values, and a dense (batch, seqlen, heads,
 // head_dim) problem's parameters.
