@@ -180,7 +180,9 @@ FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_ten
  *  FC_BACKEND_AUTO a dense call with a few query rows per KV head (decoding through the forward)
  *  runs on the decode path; on a GPU its split-KV partials are the workspace reported, and with
  *  less the call runs on the forward kernels instead (slower there, same results within the
- *  tolerance of either). */
+ *  tolerance of either). On Hopper GPUs a call with few query tiles against long keys splits its
+ *  key ranges over the idle SMs where the workspace (16-byte aligned) holds the fp32 partials
+ *  that the query reports; with less (only a page gather's part is required) it runs unsplit. */
 FC_API fc_status fc_attention_forward(const fc_tensor* q, const fc_tensor* k, const fc_tensor* v,
                                       fc_tensor* out, fc_tensor* lse,
                                       const fc_attention_options* options, void* workspace,

@@ -57,7 +57,11 @@ Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_
 // device, TMA-unfriendly strides; for the backward also head dims above 128) the *_supports
 // function says why and AUTO uses sm80.
 bool sm90_supports(const AttentionParams& p, Status* why);
+/** Workspace of a forward: the page gather's where pages are gathered, then the split-KV partials
+ *  where the call's tiles leave SMs idle (sm90/split_kv.hpp). Only the gather's part is required
+ *  (sm90_forward_required_workspace): with less than the whole the call runs unsplit. */
 size_t sm90_forward_workspace(const AttentionParams& p);
+size_t sm90_forward_required_workspace(const AttentionParams& p);
 Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes);
 bool sm90_backward_supports(const BackwardParams& p, Status* why);
 size_t sm90_backward_workspace(const BackwardParams& p);

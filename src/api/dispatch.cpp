@@ -11,6 +11,7 @@
 #include "api/kvcache_forward_view.hpp"
 #if defined(FLASHCORE_HAS_SM90)
 #include "cuda/build_config.hpp"
+#include "cuda/sm90/split_kv.hpp"
 #endif
 
 namespace flashcore {
@@ -36,14 +37,19 @@ bool is_cuda_backend(fc_backend b) { return b == FC_BACKEND_CUDA_SM80 || b == FC
  *  shape) 7.0 vs 10.3 us, H=4 6.7 vs 10.0, causal H=8 6.7 vs 10.9; d128 bf16 H=8 9.6 vs 11.5. At
  *  two waves sm90 leads at d128 (H=16: 11.9 vs 17.9 us, and in all five shapes measured) and at
  *  d64 S=512 (H=16: 10.3 vs 12.3), sm80 only at d64 with long keys (S=4096 H=2: 42.0 vs 53.7), so
- *  the rule stops at one wave. */
+ *  the rule stops at one wave. Calls whose sm90 tiles split their key ranges over the idle SMs
+ *  (sm90/split_kv.hpp: few tiles, long keys) stay on sm90: the small grid streams each block's
+ *  keys in one CTA (GQA 32 / 8 d128, 16 tokens against 64k keys: 0.54 TB/s of K+V on it, 3.3 on
+ *  the split forward through the KV-cache route, H200, docs/PERF.md session 38). */
 bool sm80_small_grid_preferred(const AttentionParams& p) {
 #if defined(FLASHCORE_HAS_SM90)
   constexpr int64_t kSmallGridBlockM = 32;  // SmallGridForwardTraits' query rows per CTA
   const int bucket = cuda::compiled_head_dim_bucket(p.head_dim);
   if (bucket != 64 && bucket != 128) return false;
   const int64_t blocks = (p.seqlen_q + kSmallGridBlockM - 1) / kSmallGridBlockM * p.heads_q * p.batch;
-  return blocks <= cuda::multiprocessor_count(p.device_id, 0) && cuda::sm80_supports(p, nullptr);
+  const int sms = cuda::multiprocessor_count(p.device_id, 0);
+  if (cuda::sm90::plan_forward_split(p, bucket, sms).splits > 1) return false;
+  return blocks <= sms && cuda::sm80_supports(p, nullptr);
 #else
   (void)p;
   return false;
@@ -260,7 +266,7 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     case FC_BACKEND_CUDA_SM80:
       return run_cuda(p, cuda::sm80_forward_workspace(p), workspace, workspace_bytes, cuda::sm80_forward);
     case FC_BACKEND_CUDA_SM90:
-      return run_cuda(p, cuda::sm90_forward_workspace(p), workspace, workspace_bytes, cuda::sm90_forward);
+      return run_cuda(p, cuda::sm90_forward_required_workspace(p), workspace, workspace_bytes, cuda::sm90_forward);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run forward");
   }
 }

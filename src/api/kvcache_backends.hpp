@@ -38,6 +38,9 @@ size_t kvcache_workspace(const KvCacheParams& p);
 /** Backend-specific support (dtype, head_dim, alignment); false with a reason otherwise. */
 bool kvcache_supports(const KvCacheParams& p, Status* why);
 Status kvcache_forward(const KvCacheParams& p, void* workspace, size_t workspace_bytes);
+/** The merge kernel on p, launched as a programmatic dependent of the kernel before it where
+ *  `programmatic` (the Hopper forward's split-KV partials, sm90/forward.cuh). */
+Status merge_split_partials(const MergeParams& p, bool programmatic);
 Status merge_partials(const MergeParams& p);
 /** Whether a dense forward with few query rows, seen as the KV-cache call p
  *  (api/kvcache_forward_view.hpp's forward_as_kvcache), runs faster on the decode kernel than on

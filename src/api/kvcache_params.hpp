@@ -219,13 +219,30 @@ struct MergeParams {
   TensorRef out;  // (batch, seqlen_q, heads, head_dim)
   LseRef lse;     // (batch, heads, seqlen_q); optional
   int64_t parts = 0, batch = 0, seqlen_q = 0, heads = 0, head_dim = 0;
-  // The split-KV combine of a varlen view (KvCacheParams::q_cu_seqlens): sequence b's out and lse
-  // rows are found through these prefix sums (out_rows packed rows), and rows past its tokens are
-  // left alone. nullptr for every other merge (fc_merge_partials never sets it).
+  // A varlen combine (KvCacheParams::q_cu_seqlens, the Hopper forward's split-KV): sequence b's
+  // out and lse rows are packed rows start + i, start found through these prefix sums (out_rows
+  // packed rows), at b * batch_stride + (start + i) * row_stride as in AttentionParams; rows past
+  // its tokens are left alone. nullptr for every other merge (fc_merge_partials never sets it).
   const int32_t* out_cu_seqlens = nullptr;
   int64_t out_rows = 0;
   int num_threads = 0;
   void* stream = nullptr;
 };
+
+/** Points m at split partials in the dense layout the GPU kernels write (the decode kernel's
+ *  SplitOutput, the Hopper forward's split-KV): O (parts, batch, seqlen_q, heads, head_dim) and
+ *  lse (parts, batch, heads, seqlen_q), fp32; m's parts and shape first. */
+inline void set_dense_partials(MergeParams& m, const float* out_partials, const float* lse_partials) {
+  m.out_partials = out_partials;
+  m.op_head_stride = m.head_dim;
+  m.op_row_stride = m.heads * m.head_dim;
+  m.op_batch_stride = m.seqlen_q * m.op_row_stride;
+  m.op_part_stride = m.batch * m.op_batch_stride;
+  m.lse_partials = lse_partials;
+  m.lp_row_stride = 1;
+  m.lp_head_stride = m.seqlen_q;
+  m.lp_batch_stride = m.heads * m.seqlen_q;
+  m.lp_part_stride = m.batch * m.lp_batch_stride;
+}
 
 }  // namespace flashcore

@@ -554,7 +554,7 @@ std::string run_forward(Problem& pr, fc_backend backend, Memory& mem) {
   size_t ws_bytes = 0;
   if (fc_attention_forward_workspace(&tq, &tk, &tv, &o, &ws_bytes) != FC_OK) return fc_last_error();
   void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
-  if (ws && paged) {  // NaN bytes (0xffff in fp16 / bf16): whatever the call reads there must be its own
+  if (ws) {  // NaN bytes (0xffff in fp16 / bf16, fp32 too): whatever the call reads there must be its own
     const std::vector<uint8_t> poison(ws_bytes, 0xff);
     mem.upload(ws, poison.data(), ws_bytes);
   }

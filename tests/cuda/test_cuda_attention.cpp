@@ -357,6 +357,67 @@ TEST_P(CudaForward, PackedGqa) {
   expect_forward(cases, GetParam());
 }
 
+// Few query tiles against long key ranges: the sm90 forward cuts every tile's key blocks into
+// splits that fill the SMs, writes fp32 partials to the workspace (poisoned by the harness) and
+// merges them (sm90/split_kv.hpp; the CPU test ForwardSplitRule.PlansTheGpuTestsShapes checks that
+// the dense shapes below split). Among them: packed GQA, MHA d64, d256's 64-key blocks, a window
+// whose short key ranges leave most splits empty, varlen with an empty sequence and a sequence of
+// 9 keys, and varlen pages of 16 keys (one TMA box each) and of 128. sm80 runs them whole.
+TEST_P(CudaForward, SplitKv) {
+  REQUIRE_BACKEND(GetParam());
+  std::vector<Case> cases;
+  for (int mask = 0; mask < 3; ++mask) {
+    Case c;
+    c.seqlen_q = 16;
+    c.seqlen_k = 4096;
+    c.heads_q = 32;
+    c.heads_kv = 8;
+    c.head_dim = 128;
+    c.dtype = FC_DTYPE_BF16;
+    c.causal = mask == 1;
+    if (mask == 2) {
+      c.window_left = 100;
+      c.window_right = 0;
+      c.padded = true;
+    }
+    cases.push_back(c);
+  }
+  for (bool causal : {false, true}) {
+    Case c;
+    c.batch = 2;
+    c.seqlen_q = 5;
+    c.seqlen_k = 3000;
+    c.heads_q = c.heads_kv = 8;
+    c.head_dim = 64;
+    c.dtype = FC_DTYPE_F16;
+    c.causal = causal;
+    cases.push_back(c);
+  }
+  Case d256;
+  d256.seqlen_q = 33;
+  d256.seqlen_k = 2000;
+  d256.heads_q = 4;
+  d256.heads_kv = 2;
+  d256.head_dim = 256;
+  d256.dtype = FC_DTYPE_BF16;
+  d256.causal = true;
+  cases.push_back(d256);
+  for (int64_t page_size : {0, 16, 128}) {
+    if (page_size != 0 && GetParam() != FC_BACKEND_CUDA_SM90) continue;  // sm80 reads pages of 256k keys
+    Case v;
+    v.varlen_q = {3, 0, 17, 9};
+    v.varlen_k = {1000, 50, 3000, 9};
+    v.heads_q = 16;
+    v.heads_kv = 4;
+    v.head_dim = page_size == 0 ? 96 : 128;
+    v.dtype = FC_DTYPE_BF16;
+    v.causal = page_size != 128;
+    v.page_size = page_size;
+    cases.push_back(v);
+  }
+  expect_forward(cases, GetParam());
+}
+
 // The sm90 forward serves long masked calls with its wide tiles (d64: 192 query rows, d256: 80
 // keys), which the grids above reach only without a mask: causal and window masks from
 // seqlen_k = 4096 on, a partial last query block, GQA and varlen among them.
@@ -508,9 +569,15 @@ TEST(CudaRaces, ChainedForwardCallsReadFinishedInputs) {
   wide.head_dim = 128;
   wide.dtype = FC_DTYPE_BF16;
   wide.causal = true;
+  Case split = wide;  // sm90: split-KV, whose merge kernel sits between the calls' forwards
+  split.batch = 1;
+  split.seqlen_q = 16;
+  split.seqlen_k = 4096;
+  split.heads_q = 32;
+  split.heads_kv = 8;
   for (fc_backend backend : {FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90}) {
     if (!fc_backend_available(backend, 0)) continue;
-    for (const Case& c : {seed, wide}) {
+    for (const Case& c : {seed, wide, split}) {
       std::string why;
       EXPECT_TRUE(chained_forward_calls_are_ordered(c, backend, mem, 8, &why))
           << fc_backend_name(backend) << " " << c.name() << ": " << why;

@@ -254,16 +254,6 @@ MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) 
   m.out_dtype = p.dtype;
   m.device_type = p.device_type;
   m.device_id = p.device_id;
-  m.out_partials = so.part_o;
-  m.op_head_stride = p.qo_head_dim();
-  m.op_row_stride = p.heads_q * p.qo_head_dim();
-  m.op_batch_stride = p.seqlen_q * m.op_row_stride;
-  m.op_part_stride = p.batch * m.op_batch_stride;
-  m.lse_partials = so.part_lse;
-  m.lp_row_stride = 1;
-  m.lp_head_stride = p.seqlen_q;
-  m.lp_batch_stride = p.heads_q * p.seqlen_q;
-  m.lp_part_stride = p.batch * m.lp_batch_stride;
   m.out = p.out;
   m.lse = p.lse;
   m.parts = so.num_splits;
@@ -271,8 +261,15 @@ MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) 
   m.seqlen_q = p.seqlen_q;
   m.heads = p.heads_q;
   m.head_dim = p.qo_head_dim();
+  set_dense_partials(m, so.part_o, so.part_lse);
   m.out_cu_seqlens = p.q_cu_seqlens;
   m.out_rows = p.q_rows;
+  if (p.q_cu_seqlens != nullptr) {
+    // A varlen view's refs take packed rows as batches (varlen_forward_as_kvcache); the merge
+    // adds the packed row itself. The forward's varlen out / lse have no batch stride.
+    m.out.batch_stride = 0;
+    m.lse.batch_stride = 0;
+  }
   m.stream = p.stream;
   return m;
 }
@@ -401,14 +398,16 @@ bool decode_route_suits(const KvCacheParams& p) {
   return decode::decode_kernel_suits(p) && kvcache_supports(p, &why);
 }
 
-Status merge_partials(const MergeParams& p) {
+Status merge_split_partials(const MergeParams& p, bool programmatic) {
   const ScopedDevice on_device(p.device_id);
   switch (p.out_dtype) {
-    case DType::F32: return launch_merge<float>(p);
-    case DType::F16: return launch_merge<__half>(p);
-    case DType::BF16: return launch_merge<__nv_bfloat16>(p);
+    case DType::F32: return launch_merge<float>(p, programmatic);
+    case DType::F16: return launch_merge<__half>(p, programmatic);
+    case DType::BF16: return launch_merge<__nv_bfloat16>(p, programmatic);
     default: return Status::invalid("out: dtype int32 is not supported");
   }
 }
+
+Status merge_partials(const MergeParams& p) { return merge_split_partials(p, /*programmatic=*/false); }
 
 }  // namespace flashcore::cuda

@@ -853,14 +853,14 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   const int64_t h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / (p.heads * p.seqlen_q);
   const float* lp = p.lse_partials + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
   const float* op = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
-  int64_t out_offset = offset_of(p.out, b, i, h), lse_batch = b;
+  int64_t out_offset = offset_of(p.out, b, i, h), lse_row = i;
   if (out_offset != INT64_MIN) wait_previous_grid();
-  if (p.out_cu_seqlens != nullptr) {  // a varlen view's combine: its rows, read after the wait
+  if (p.out_cu_seqlens != nullptr) {  // a varlen combine: its packed rows, read after the wait
     int64_t start, tokens;
     packed_rows(p.out_cu_seqlens, b, p.out_rows, p.seqlen_q, start, tokens);
     if (i >= tokens) return;
-    out_offset = offset_of(p.out, start, i, h);
-    lse_batch = start;
+    out_offset = offset_of(p.out, b, start + i, h);
+    lse_row = start + i;
   }
   OutT* out = static_cast<OutT*>(p.out.data) + out_offset;
   // The combine is latency-bound (a few KB per row, read from L2): the parts are taken kBatch at a
@@ -917,7 +917,7 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
       if (d < p.head_dim) out[d] = from_float<OutT>(has_nan ? kNan : acc[j] * inv);
     }
   }
-  if (lane == 0 && p.lse.data) p.lse.data[lse_batch * p.lse.batch_stride + h * p.lse.head_stride + i * p.lse.row_stride] = lse;
+  if (lane == 0 && p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + lse_row * p.lse.row_stride] = lse;
 }
 
 }  // namespace flashcore::cuda::decode

@@ -17,6 +17,7 @@
 #include "cuda/decode/head_pairs.hpp"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm90/pack_gqa.hpp"
+#include "cuda/sm90/split_kv.hpp"
 
 namespace flashcore::cuda::decode {
 namespace {
@@ -37,6 +38,8 @@ struct RouteTraits {
   // tokens lost everywhere. Taken when (rows' share of their tiles) x (tiles / SMs, at most 1) is
   // at least kMinPackedShare and there are kMinPackedRows rows. Share 0.12 (8 x 8 tokens, 4096
   // keys, session 35: the forward 2.62 TB/s against 2.26; 4 x 16 tokens above: a tie) takes it.
+  // Where the Hopper forward splits its tiles' keys (sm90/split_kv.hpp: tiles short of the SMs
+  // against a long cache), the tiles count times their splits.
   static constexpr int64_t kMinPackedRows = 32;
   static_assert(kMinPackedRows <= kMinRows, "prefill_route_applies returns early below the packed rule");
   static constexpr double kMinPackedShare = 0.1;
@@ -143,7 +146,7 @@ constexpr size_t kMaxRouteGatherBytes = size_t(1) << 30;
  *  of gather workspace (a copy of batch x capacity keys, O(N) next to the attention). */
 bool hopper_takes(const AttentionParams& f) {
   return (f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0)) && sm90_supports(f, nullptr) &&
-         sm90_forward_workspace(f) <= kMaxRouteGatherBytes;
+         sm90_forward_required_workspace(f) <= kMaxRouteGatherBytes;
 }
 
 /** f with placeholder arrays: for the rules and the workspace size, which read only their presence
@@ -158,11 +161,12 @@ AttentionParams shape_params(const KvCacheParams& p) {
 size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_bytes(batch); }
 
 /** Whether the route pays for a call whose Hopper forward packs the GQA group: `rows` packed rows
- *  per KV head, `heads` = batch x heads_kv of them (RouteTraits::kMinPackedShare). */
-bool packed_route_pays(int64_t rows, int64_t heads, int sms) {
+ *  per KV head, `heads` = batch x heads_kv of them, each tile's keys cut into `splits`
+ *  (sm90/split_kv.hpp; RouteTraits::kMinPackedShare). */
+bool packed_route_pays(int64_t rows, int64_t heads, int splits, int sms) {
   using R = RouteTraits;
   if (rows < R::kMinPackedRows) return false;
-  const double tiles = double(heads) * double((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
+  const double tiles = double(heads) * double(splits) * double((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
   const double occupancy = std::min(1.0, tiles / double(sms));
   return sm90::tile_fill(rows, R::kLargestCtaRows) * occupancy >= R::kMinPackedShare;
 }
@@ -188,9 +192,12 @@ bool prefill_route_applies(const KvCacheParams& p) {
   // smaller than a key block), before anything is launched.
   const AttentionParams f = shape_params(p);
   const bool hopper = hopper_takes(f);
+  // The Hopper forward's split-KV multiplies its tiles (sm90/split_kv.hpp).
+  const int splits =
+      hopper ? sm90::plan_forward_split(f, static_cast<int>(compiled_head_dim_bucket(f.head_dim)), sms).splits : 1;
   if (hopper && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows))
-    return packed_route_pays(rows, p.batch * p.heads_kv, sms);
-  if (rows < R::kMinRows || 2 * p.batch * p.heads_q * blocks < sms) return false;  // half a block per SM
+    return packed_route_pays(rows, p.batch * p.heads_kv, splits, sms);
+  if (rows < R::kMinRows || 2 * p.batch * p.heads_q * blocks * splits < sms) return false;  // half a block per SM
   return hopper || sm80_supports(f, nullptr);
 }
 
@@ -234,7 +241,7 @@ Status run_prefill_route(const KvCacheParams& p, bool on_hopper, void* workspace
   const AttentionParams f = forward_params(p, a);
   Status s;
   if (on_hopper) {
-    const size_t bytes = sm90_forward_workspace(f);  // the page gather's, where there is one
+    const size_t bytes = sm90_forward_workspace(f);  // the page gather's and the split partials', where needed
     s = sm90_forward(f, bytes ? static_cast<char*>(workspace) + arrays_bytes(p.batch) : nullptr, bytes);
   } else {
     s = sm80_forward(f, nullptr, 0);

@@ -105,6 +105,15 @@
 // whole tokens (the group divides 64), landing in shared memory in exactly the packed order; the
 // masks take each row's token (token_of / token_end), the direct stores and the lse each row's
 // head (head_of_row). BlockWork::rows counts packed rows. No ALiBi (a slope per query head).
+//
+// ---- Split-KV (ForwardTraits::kSplitKv, sm90/split_kv.hpp says when) -----------------------------
+// A call with fewer query tiles than half the SMs and a long key range (a few tokens of one
+// sequence against a long context: speculative decoding, chunked prefill) would leave most SMs
+// idle, one CTA per tile. Its work items are then (split, tile): the tile's key blocks cut into
+// num_splits ranges of equal length (resolve_block), so the CTAs cover the GPU. Each writes O / l
+// in fp32 and its lse to the workspace (store_partial); the decode path's merge kernel then
+// combines the splits into out and lse (forward_run). A split with no key block writes lse = -inf,
+// which the merge skips.
 #pragma once
 
 #include <cuda.h>
@@ -116,6 +125,7 @@
 #include <string>
 #include <type_traits>
 
+#include "api/kvcache_backends.hpp"  // cuda::merge_split_partials, MergeParams
 #include "api/params.hpp"
 #include "api/status.hpp"
 #include "common/fast_divmod.hpp"
@@ -134,6 +144,7 @@
 #include "cuda/sm90/attention_views.hpp"
 #include "cuda/sm90/forward_trace.cuh"
 #include "cuda/sm90/pack_gqa.hpp"
+#include "cuda/sm90/split_kv.hpp"
 #include "cuda/sm90/tail_rows.cuh"
 #include "cuda/sm90/tensor_map.hpp"
 
@@ -150,7 +161,7 @@ using sm80::quad_allreduce_sum;
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
           bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
-          bool kPackGqa_ = false>
+          bool kPackGqa_ = false, bool kSplitKv_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -210,6 +221,10 @@ struct ForwardTraits {
   // keep their code; no page boxes, no ALiBi (a slope per row).
   static constexpr bool kPackGqa = kPackGqa_;
   static_assert(!kPackGqa || !kPageBoxes, "pack-GQA kernels read K / V in rows or whole-block pages");
+  // Split-KV kernels (WithSplitKv, "Split-KV" above): each tile's key blocks are cut into
+  // num_splits ranges, one work item each, and the epilogue writes fp32 O / l and the lse of its
+  // range to the workspace for the merge. Kernels of their own, so the others keep their code.
+  static constexpr bool kSplitKv = kSplitKv_;
   static constexpr uint32_t kPageIdBytes = 4 * kMaxPageBoxes;
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
@@ -264,13 +279,6 @@ inline bool masked_attention(const forward_params_t& p) {
   return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
 }
 
-/** Paged K/V read in place in pages smaller than a 128-key block, one TMA box per page (the launcher
- *  admitted them: forward_api.cu's reads_pages_in_place), by the kernels that carry that path. */
-inline bool reads_page_boxes(const forward_params_t& p) {
-  constexpr int64_t kBoxTileKeys = 128;  // ForwardTraits::kPageBoxes's tiles
-  return p.is_paged() && p.pages.per_seq > 1 && p.pages.page_size < kBoxTileKeys;
-}
-
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
 template <class T>
 using WithPageBoxes = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
@@ -281,6 +289,11 @@ template <class T>
 using WithPackedGqa = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
                                     T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
                                     /*kPackGqa=*/true>;
+
+/** The same tile writing split-KV partials (ForwardTraits::kSplitKv). */
+template <class T>
+using WithSplitKv = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                  T::kPingPong, T::kScoreTransforms, T::kPageBoxes, T::kPackGqa, /*kSplitKv=*/true>;
 
 /** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
 constexpr int64_t kLongSeqlen = 4096;
@@ -302,6 +315,7 @@ struct ForwardConfigs<Element, 64> {
   using Wide = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/false>;       // 2*24 + 4*32 + 24 KiB
   using WideTurns = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/true>;   // the same
   using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;     // 2*16 + 4*32 + 16 KiB
+  using SplitTile = Narrow;  // split-KV kernels (dispatch_split)
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
@@ -329,6 +343,7 @@ struct ForwardConfigs<Element, 128> {
   // of 192-row blocks balance worse), so masked calls keep the narrow tile.
   using Wide = ForwardTraits<Element, 128, 80, 2, 3>;    // 2*48 + 2*2*20 + 48 (O) KiB
   using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
+  using SplitTile = Narrow;  // split-KV kernels (dispatch_split)
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
@@ -342,6 +357,7 @@ struct ForwardConfigs<Element, 128> {
 template <typename Element>
 struct ForwardConfigs<Element, 256> {
   using Tile = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 + 2*16 (O) KiB
+  using SplitTile = Tile;  // split-KV kernels (dispatch_split)
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (pack_gqa_chosen(p, Tile::kBlockM, Tile::kBlockM)) return launch(TileChoice<WithPackedGqa<Tile>>{});
@@ -365,7 +381,14 @@ struct ForwardKernelArgs {
   int pack_shift;      // pack-GQA kernels: log2 of the GQA group (packed rows per token)
   int num_m_blocks;
   int tiles_per_item;  // 2: pairs of query blocks (see TileWalker); 1: single blocks
-  int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch
+  int num_items;       // ceil(num_m_blocks / tiles_per_item) * heads_q * batch (* num_splits)
+  // Split-KV kernels: item i is split i / split_items.divisor of its tile's key blocks; the
+  // partials go to part_o (splits, batch, seqlen_q, heads_q, head_dim) and part_lse (splits, batch,
+  // heads_q, seqlen_q), fp32 (store_partial).
+  int num_splits;
+  FastDivmod split_items;  // the items of one split
+  float* part_o;
+  float* part_lse;
   // The tile walk's divisors (TileWalker, resolve_block), fixed per launch.
   FastDivmod items_per_head;  // ceil(num_m_blocks / tiles_per_item)
   FastDivmod heads_q;  // the heads the tiles walk: heads_kv in pack-GQA kernels
@@ -414,6 +437,7 @@ struct BlockWork {
   MaskInfo mask;
   int n_block_end;  // key blocks [n_block_end - n_tiles, n_block_end), visited downwards
   int n_tiles;
+  int split;      // split-KV kernels: which range of the tile's key blocks (0 otherwise)
   bool has_rows;  // false: nothing to compute or store (both roles skip the tile)
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
 };
@@ -439,7 +463,7 @@ __device__ __forceinline__ int64_t token_end(const ForwardKernelArgs& args, int6
 
 template <class T>
 __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, int head,
-                                   int batch) {
+                                   int batch, int split) {
   const AttentionParams& p = args.params;
   BlockWork w;
   w.head = head;
@@ -459,8 +483,16 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
       const int first = static_cast<int>(keys.begin / T::kBlockN);
       w.n_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
       w.n_tiles = w.n_block_end - first;
+      if constexpr (T::kSplitKv) {  // blocks [lo, hi) of this split, visited downwards as ever
+        const int per = (w.n_tiles + args.num_splits - 1) / args.num_splits;
+        const int lo = first + split * per;
+        const int hi = lo + per < w.n_block_end ? lo + per : w.n_block_end;
+        w.n_block_end = hi > lo ? hi : lo;
+        w.n_tiles = hi > lo ? hi - lo : 0;
+      }
     }
   }
+  w.split = split;
   const bool varlen = p.cu_seqlens_q != nullptr;
   w.q_row0 = w.seq.q_start + token_of<T>(args, w.m0);  // pack-GQA kernels: a token (the maps are 5-D)
   w.k_row0 = w.seq.k_start;
@@ -521,11 +553,12 @@ __device__ __forceinline__ int32_t block_page(const ForwardKernelArgs& args, con
 struct TileOutput {
   int64_t m0, q_start, rows;  // rows: BlockWork::rows
   int32_t batch, head, q_row0, batch_coord;  // TMA coordinates are int32
+  int32_t split;  // split-KV kernels
 };
 
 __device__ __forceinline__ TileOutput tile_output(const BlockWork& w) {
   return {w.m0, w.seq.q_start, w.rows, static_cast<int32_t>(w.batch), static_cast<int32_t>(w.head),
-          static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.batch_coord)};
+          static_cast<int32_t>(w.q_row0), static_cast<int32_t>(w.batch_coord), static_cast<int32_t>(w.split)};
 }
 
 /** The query head of a tile's row (pack-GQA kernels: of its packed row; out.head is the KV head). */
@@ -829,7 +862,43 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
   }
 }
 
-/** The epilogue of one consumer's 64 rows: O / l rounded to the dtype; lse from lane quad 0. */
+/** The natural-log lse of a row from its running max (raw score units) and its sum; -inf for a
+ *  row that saw no key. */
+__device__ __forceinline__ float row_lse(const ForwardKernelArgs& args, float max, float sum) {
+  return sum > 0.f ? (max * args.exp2_scale + sm80::log2_positive(sum)) * kLn2 : -INFINITY;
+}
+
+/** The split-KV epilogue of one consumer's 64 rows: O / l and the lse of this split's key range,
+ *  fp32, into the workspace (ForwardKernelArgs::part_o / part_lse, indexed by sequence and token
+ *  as the merge reads them); 8-byte stores of column pairs. A range without keys gives O = 0 and
+ *  lse = -inf, which the merge skips. */
+template <class T>
+__device__ __forceinline__ void store_partial(const ForwardKernelArgs& args, const TileOutput& out, int consumer,
+                                              const float (&o)[T::kHeadDim / 2], const RowState& st,
+                                              const float (&sums)[2], int t) {
+  const AttentionParams& p = args.params;
+  const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int64_t row_base = out.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_base + 8 * r;
+    if (row >= out.rows) continue;
+    const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
+    const int64_t seq = int64_t(out.split) * p.batch + out.batch;
+    float* dst = args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim;
+    const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+#pragma unroll
+    for (int j = 0; j < T::kHeadDim / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (col < p.head_dim)
+        *reinterpret_cast<float2*>(dst + col) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+    if (quad == 0) args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
+  }
+}
+
+/** The epilogue of one consumer's 64 rows: O / l rounded to the dtype; lse from lane quad 0
+ *  (split-KV kernels: store_partial). */
 template <class T>
 __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
                                            const TileOutput& out, int consumer,
@@ -845,6 +914,10 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
 #pragma unroll
   for (int r = 0; r < 2; ++r) sums[r] = quad_allreduce_sum(st.sum[r]);
   FWD_TRACE(1 + consumer, kEpilogueEnter, 0);
+  if constexpr (T::kSplitKv) {
+    store_partial<T>(args, out, consumer, o, st, sums, t);
+    return;
+  }
   // Staged: this consumer's 64 rows go to shared memory (the swizzled layout of a TMA box) and one
   // thread stores them with TMA, which clips rows past the tensor's end (dense) and columns past
   // head_dim. A varlen block that reaches past its sequence would overwrite the next sequence's
@@ -881,8 +954,7 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
     for (int r = 0; r < 2; ++r) {
       const int64_t row = row_base + 8 * r;
       if (row >= out.rows) continue;
-      const float lse =
-          sums[r] > 0.f ? (st.max[r] * args.exp2_scale + sm80::log2_positive(sums[r])) * kLn2 : -INFINITY;
+      const float lse = row_lse(args, st.max[r], sums[r]);
       p.lse.data[out.batch * p.lse.batch_stride + head_of_row<T>(args, out, row) * p.lse.head_stride +
                  (out.q_start + token_of<T>(args, row)) * p.lse.row_stride] = lse;
     }
@@ -907,16 +979,23 @@ struct TileWalker {
   __device__ bool next(BlockWork& w) {
     const int m_blocks = args.num_m_blocks;
     while (item < args.num_items) {
-      const int j = static_cast<int>(args.items_per_head.mod(static_cast<uint32_t>(item)));
+      // Split-KV kernels: the splits are the outermost index of the items.
+      uint32_t tile_item = static_cast<uint32_t>(item);
+      int split = 0;
+      if constexpr (T::kSplitKv) {
+        split = static_cast<int>(args.split_items.div(tile_item));
+        tile_item = args.split_items.mod(tile_item);
+      }
+      const int j = static_cast<int>(args.items_per_head.mod(tile_item));
       const int m_block = k == 0 ? m_blocks - 1 - j : j;
       // k == 1 of an odd M's middle item repeats block k == 0: the item is done.
       const bool valid = k < args.tiles_per_item && !(k == 1 && m_block == m_blocks - 1 - j);
       if (valid) {
         ++k;
-        const uint32_t rest = args.items_per_head.div(static_cast<uint32_t>(item));
+        const uint32_t rest = args.items_per_head.div(tile_item);
         const int head = static_cast<int>(args.heads_q.mod(rest));
         const int batch = static_cast<int>(args.heads_q.div(rest));
-        w = resolve_block<T>(args, m_block, head, batch);
+        w = resolve_block<T>(args, m_block, head, batch, split);
         if (w.has_rows) return true;
         continue;
       }
@@ -1340,8 +1419,15 @@ inline bool provably_uneven(const forward_params_t& p) {
   return p.total_q < p.batch * p.seqlen_q || (!p.is_paged() && p.total_k < p.batch * p.seqlen_k);
 }
 
+/** Where a split-KV kernel's partials go (forward_run; ForwardKernelArgs::part_o / part_lse). */
+struct SplitTarget {
+  int splits = 1;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+};
+
 template <class T>
-Status launch_forward(const forward_params_t& p) {
+Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) {
   // Pack-GQA kernels walk (packed rows, KV head, batch) tiles: a KV head's group of query heads is
   // one head of seqlen_q x group rows.
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
@@ -1370,7 +1456,17 @@ Status launch_forward(const forward_params_t& p) {
   const int64_t pairs = (num_m_blocks + 1) / 2 * walk_heads * p.batch;
   const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
   args.tiles_per_item = uneven_cost && pairs >= sm_count ? 2 : 1;
-  args.num_items = static_cast<int>(args.tiles_per_item == 2 ? pairs : num_m_blocks * walk_heads * p.batch);
+  const int64_t tile_items = args.tiles_per_item == 2 ? pairs : num_m_blocks * walk_heads * p.batch;
+  const int splits = T::kSplitKv ? split.splits : 1;
+  if (T::kSplitKv && (splits < 1 || split.part_o == nullptr || split.part_lse == nullptr)) {
+    return Status::internal("cuda_sm90 forward: a split-KV kernel without its partials");
+  }
+  if (tile_items * splits > INT_MAX) return Status::unsupported("cuda_sm90 forward: more than 2^31 - 1 work items");
+  args.num_items = static_cast<int>(tile_items * splits);
+  args.num_splits = splits;
+  args.split_items = FastDivmod(static_cast<uint32_t>(tile_items));
+  args.part_o = split.part_o;
+  args.part_lse = split.part_lse;
   args.items_per_head = FastDivmod(static_cast<uint32_t>((num_m_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
   args.heads_q = FastDivmod(static_cast<uint32_t>(walk_heads));
   args.group = FastDivmod(static_cast<uint32_t>(group));
@@ -1417,7 +1513,7 @@ Status launch_forward(const forward_params_t& p) {
   if (!s.is_ok()) return s;
   // `out` through TMA where it can be described (16-byte aligned base and strides); otherwise the
   // epilogue stores from registers.
-  if (T::kStageO && tma_addressable(p.out, varlen, p.batch)) {
+  if (T::kStageO && !T::kSplitKv && tma_addressable(p.out, varlen, p.batch)) {
     const AttentionMapJob out_job{"out", &p.out, q_rows, walk_heads, T::kRowsPerConsumer, &args.map_o, q_group};
     args.store_o_with_tma =
         encode_attention_maps(&out_job, 1, element, p.batch, p.head_dim, varlen, "cuda_sm90 forward").is_ok();
@@ -1453,6 +1549,7 @@ using WithScoreTransforms = ForwardTraits<typename T::Element, T::kHeadDim, T::k
 template <class T>
 Status launch_for_transform(const forward_params_t& p) {
   if (resolve_score_scales(p).transform == ScoreTransform::kFoldedScale) return launch_forward<T>(p);
+  static_assert(!T::kSplitKv, "split-KV kernels are compiled with the folded scale only (plan_forward_split)");
   if constexpr (T::kPageBoxes) {  // forward_api.cu gathers such pages for these calls
     return Status::unsupported("cuda_sm90 forward: paged k / v in pages smaller than a key block need the plain "
                                "softmax scale (no softcap)");
@@ -1461,11 +1558,60 @@ Status launch_for_transform(const forward_params_t& p) {
   }
 }
 
-/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. */
+/** The split-KV kernel for p on a bucket's two-consumer tile (kSplitTileRows): with the page
+ *  boxes where the pages need them (d64 / d128), or packing the GQA group where the plan packs. */
+template <class Tile, class Launch>
+Status dispatch_split(const forward_params_t& p, bool packed, Launch&& launch) {
+  static_assert(Tile::kBlockM == kSplitTileRows && Tile::kBlockN == split_block_keys(Tile::kHeadDim),
+                "plan_forward_split's tile");
+  if constexpr (Tile::kHeadDim <= 128) {
+    if (reads_page_boxes(p)) return launch(TileChoice<WithSplitKv<WithPageBoxes<Tile>>>{});
+  }
+  if (packed) return launch(TileChoice<WithSplitKv<WithPackedGqa<Tile>>>{});
+  return launch(TileChoice<WithSplitKv<Tile>>{});
+}
+
+/** The merge of p's split partials (`target`, laid out as store_partial writes them) into out and
+ *  lse, by the decode path's merge kernel (a programmatic dependent of the split kernel). Varlen
+ *  calls: out / lse rows found through cu_seqlens_q, addressed as the forward addresses them. */
+inline Status merge_split(const forward_params_t& p, const SplitTarget& target) {
+  MergeParams m;
+  m.out_dtype = p.dtype;
+  m.device_type = p.device_type;
+  m.device_id = p.device_id;
+  m.out = p.out;
+  m.lse = p.lse;
+  if (p.is_varlen()) {
+    m.out_cu_seqlens = p.cu_seqlens_q;
+    m.out_rows = p.total_q;
+  }
+  m.parts = target.splits;
+  m.batch = p.batch;
+  m.seqlen_q = p.seqlen_q;
+  m.heads = p.heads_q;
+  m.head_dim = p.head_dim;
+  set_dense_partials(m, target.part_o, target.part_lse);
+  m.stream = p.stream;
+  return merge_split_partials(m, supports_programmatic_launch(p.device_id));
+}
+
+/** Entry point instantiated once per (dtype, head-dim bucket) by the generated units. Calls whose
+ *  tiles leave SMs idle split their key ranges (plan_forward_split) where the workspace holds the
+ *  partials (sm90_forward_workspace reports them); otherwise, or without that workspace, the tile
+ *  ForwardConfigs chooses runs the call whole. */
 template <typename Element, int kHeadDim>
-Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
-  return ForwardConfigs<Element, kHeadDim>::dispatch(
-      p, [&](auto choice) { return launch_for_transform<typename decltype(choice)::type>(p); });
+Status forward_run(const forward_params_t& p, void* workspace, size_t workspace_bytes) {
+  using Configs = ForwardConfigs<Element, kHeadDim>;
+  const ForwardSplit plan = plan_forward_split(p, kHeadDim, multiprocessor_count(p.device_id, kFallbackSmCount));
+  const bool aligned = reinterpret_cast<uintptr_t>(workspace) % 16 == 0;  // the partials' float2 stores
+  if (plan.splits > 1 && workspace != nullptr && aligned && workspace_bytes >= plan.bytes) {
+    const SplitTarget target{plan.splits, static_cast<float*>(workspace),
+                             reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.o_bytes)};
+    const Status s = dispatch_split<typename Configs::SplitTile>(
+        p, plan.packed, [&](auto choice) { return launch_forward<typename decltype(choice)::type>(p, target); });
+    return s.is_ok() ? merge_split(p, target) : s;
+  }
+  return Configs::dispatch(p, [&](auto choice) { return launch_for_transform<typename decltype(choice)::type>(p); });
 }
 
 }  // namespace flashcore::cuda::sm90

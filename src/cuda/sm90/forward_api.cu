@@ -21,6 +21,7 @@
 #include "cuda/compiled_dispatch.cuh"
 #include "cuda/forward_scores.hpp"
 #include "cuda/sm90/attention_views.hpp"
+#include "cuda/sm90/split_kv.hpp"
 
 namespace flashcore::cuda {
 
@@ -160,17 +161,35 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   return true;
 }
 
-size_t sm90_forward_workspace(const AttentionParams& p) { return gather_bytes(p); }
+namespace {
+/** The page gather's bytes rounded to where the split-KV partials start after them. */
+size_t gather_bytes_aligned(const AttentionParams& p) { return (gather_bytes(p) + 255) / 256 * 256; }
+}  // namespace
+
+size_t sm90_forward_required_workspace(const AttentionParams& p) { return gather_bytes(p); }
+
+size_t sm90_forward_workspace(const AttentionParams& p) {
+  const int bucket = static_cast<int>(compiled_head_dim_bucket(p.head_dim));
+  const size_t split = sm90::plan_forward_split(p, bucket, multiprocessor_count(p.device_id, kFallbackSmCount)).bytes;
+  return split == 0 ? gather_bytes(p) : gather_bytes_aligned(p) + split;
+}
 
 Status sm90_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
+  // The split-KV partials (sm90/split_kv.hpp) follow the gather's bytes; with less workspace than
+  // sm90_forward_workspace reports, the call runs unsplit.
+  const size_t before_split = gather_bytes_aligned(p);
+  void* split_workspace = workspace != nullptr && workspace_bytes > before_split
+                              ? static_cast<char*>(workspace) + before_split
+                              : nullptr;
+  const size_t split_bytes = split_workspace != nullptr ? workspace_bytes - before_split : 0;
   if (!p.is_paged() || reads_pages_in_place(p)) {
-    return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm90 forward");
+    return run_compiled<ForwardEntry>(p, split_workspace, split_bytes, "sm90 forward");
   }
   // Other paged k / v: gathered into packed rows in the workspace first (one O(N) copy on the
-  // stream), then the packed varlen kernels (the forward itself needs no workspace).
+  // stream), then the packed varlen kernels.
   AttentionParams packed;
   const Status s = gather_pages(p, workspace, &packed);
-  return s.is_ok() ? run_compiled<ForwardEntry>(packed, nullptr, 0, "sm90 forward") : s;
+  return s.is_ok() ? run_compiled<ForwardEntry>(packed, split_workspace, split_bytes, "sm90 forward") : s;
 }
 
 }  // namespace flashcore::cuda

@@ -12,6 +12,7 @@ bool sm90_supports(const AttentionParams&, Status* why) {
   return false;
 }
 size_t sm90_forward_workspace(const AttentionParams&) { return 0; }
+size_t sm90_forward_required_workspace(const AttentionParams&) { return 0; }
 Status sm90_forward(const AttentionParams&, void*, size_t) {
   return Status::unsupported("backend: cuda_sm90 is not compiled into this build");
 }

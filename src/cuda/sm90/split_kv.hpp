@@ -1,0 +1,98 @@
+// When the Hopper forward splits each query tile's key range (split-KV, sm90/forward.cuh), into how
+// many parts, and the workspace the parts' fp32 partials take. Host-only: the workspace query
+// (forward_api.cu) and the launch (forward_run) make the same plan, and the CPU tests check the
+// split count's rule (forward_num_splits) without a GPU.
+//
+// The rule. A persistent CTA per SM takes one query tile at a time, so a call with fewer tiles than
+// SMs leaves SMs idle: one sequence of 16 tokens against 64k keys with 8 KV heads (GQA packed) is 8
+// tiles on 132 SMs. Cutting every tile's key blocks into s equal ranges makes s x tiles work items
+// of equal cost; s = floor(SMs / tiles) fills one wave without a second, partial one. Each range
+// keeps at least kMinKeyBlocksPerSplit key blocks (a CTA's start, its pipeline's fill and the
+// partials' write and merge are paid per item), and calls with at least half as many tiles as SMs
+// are left alone (two splits would make a second wave for some of them).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+
+#include "api/params.hpp"
+#include "cuda/forward_scores.hpp"
+#include "cuda/sm90/pack_gqa.hpp"
+
+namespace flashcore::cuda::sm90 {
+
+/** Paged K/V read in place in pages smaller than a 128-key block, one TMA box per page (the launcher
+ *  admitted them: forward_api.cu's reads_pages_in_place), by the kernels that carry that path
+ *  (ForwardTraits::kPageBoxes; they do not pack GQA groups). */
+inline bool reads_page_boxes(const AttentionParams& p) {
+  constexpr int64_t kBoxTileKeys = 128;  // ForwardTraits::kPageBoxes's tiles
+  return p.is_paged() && p.pages.per_seq > 1 && p.pages.page_size < kBoxTileKeys;
+}
+
+inline constexpr int kMinKeyBlocksPerSplit = 4;
+inline constexpr int kMaxForwardSplits = 64;
+/** Query rows of the tiles split kernels use: every bucket's two-consumer tile (ForwardConfigs'
+ *  Narrow at d64 / d128, Tile at d256). */
+inline constexpr int64_t kSplitTileRows = 128;
+
+/** Keys per key block of those tiles. */
+inline constexpr int64_t split_block_keys(int head_dim_bucket) { return head_dim_bucket <= 128 ? 128 : 64; }
+
+/** Splits of every tile's key blocks for `tiles` query tiles over at most `key_blocks` key blocks
+ *  each on `sms` SMs (1: no split). */
+inline int forward_num_splits(int64_t tiles, int64_t key_blocks, int sms) {
+  if (tiles <= 0 || sms <= 0 || 2 * tiles > sms) return 1;
+  const int64_t by_sms = sms / tiles;
+  const int64_t by_keys = key_blocks / kMinKeyBlocksPerSplit;
+  const int64_t s = std::min({by_sms, by_keys, int64_t(kMaxForwardSplits)});
+  return s >= 2 ? static_cast<int>(s) : 1;
+}
+
+/** FLASHCORE_SM90_SPLITS=n in the environment: n splits (at most one per key block) for every call
+ *  a split kernel can take, 1 for none; unset, the rule. An A/B switch for measurements (read once
+ *  per process). */
+inline int forced_forward_splits() {
+  static const int forced = [] {
+    const char* v = std::getenv("FLASHCORE_SM90_SPLITS");
+    return v == nullptr ? 0 : std::clamp(std::atoi(v), 0, kMaxForwardSplits);
+  }();
+  return forced;
+}
+
+/** A call's split-KV plan: its split count, whether its tiles pack the GQA group (as the split
+ *  kernels choose, forward.cuh's dispatch_split: sm90/pack_gqa.hpp on 128-row tiles, except over
+ *  page boxes), and the workspace of its partials. */
+struct ForwardSplit {
+  int splits = 1;
+  bool packed = false;
+  size_t o_bytes = 0;  // (splits, batch, seqlen_q, heads_q, head_dim) fp32 O / l
+  size_t bytes = 0;    // o_bytes, then (splits, batch, heads_q, seqlen_q) fp32 lse
+};
+
+/** The plan for p on a device with `sms` SMs. Split kernels are compiled with the folded softmax
+ *  scale only (no softcap, negative scale or ALiBi). */
+inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bucket, int sms) {
+  ForwardSplit plan;
+  if (resolve_score_scales(p).transform != ScoreTransform::kFoldedScale) return plan;
+  if (p.batch <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.heads_kv <= 0) return plan;
+  plan.packed = !(head_dim_bucket <= 128 && reads_page_boxes(p)) && pack_gqa_chosen(p, kSplitTileRows, kSplitTileRows);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t rows = plan.packed ? p.seqlen_q * group : p.seqlen_q;
+  const int64_t heads = plan.packed ? p.heads_kv : p.heads_q;
+  const int64_t tiles = (rows + kSplitTileRows - 1) / kSplitTileRows * heads * p.batch;
+  const int64_t block_keys = split_block_keys(head_dim_bucket);
+  const int64_t key_blocks = (p.seqlen_k + block_keys - 1) / block_keys;
+  const int forced = forced_forward_splits();
+  plan.splits = forced > 0 ? static_cast<int>(std::clamp<int64_t>(key_blocks, 1, forced))
+                           : forward_num_splits(tiles, key_blocks, sms);
+  if (plan.splits > 1) {
+    const size_t rows_all = size_t(plan.splits) * size_t(p.batch) * size_t(p.seqlen_q) * size_t(p.heads_q);
+    plan.o_bytes = (rows_all * size_t(p.head_dim) * sizeof(float) + 255) / 256 * 256;
+    plan.bytes = plan.o_bytes + rows_all * sizeof(float);
+  }
+  return plan;
+}
+
+}  // namespace flashcore::cuda::sm90
