@@ -197,7 +197,12 @@ bool prefill_route_applies(const KvCacheParams& p) {
       hopper ? sm90::plan_forward_split(f, static_cast<int>(compiled_head_dim_bucket(f.head_dim)), sms).splits : 1;
   if (hopper && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows))
     return packed_route_pays(rows, p.batch * p.heads_kv, splits, sms);
-  if (rows < R::kMinRows || 2 * p.batch * p.heads_q * blocks * splits < sms) return false;  // half a block per SM
+  // Unpacked tiles: from kMinRows rows per KV head with half a block per SM; where the forward
+  // splits, from kMinPackedRows as the packed tiles (flash_attn_func, split forward against the
+  // decode kernel, H200, one sequence of 32 tokens x 32768 keys, MHA: d64 2.65 against 1.24 TB/s,
+  // d256 3.95 against 2.12; docs/PERF.md session 38).
+  const int64_t min_rows = splits > 1 ? R::kMinPackedRows : R::kMinRows;
+  if (rows < min_rows || 2 * p.batch * p.heads_q * blocks * splits < sms) return false;  // half a block per SM
   return hopper || sm80_supports(f, nullptr);
 }
 
