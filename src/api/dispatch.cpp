@@ -38,9 +38,12 @@ bool is_cuda_backend(fc_backend b) { return b == FC_BACKEND_CUDA_SM80 || b == FC
  *  two waves sm90 leads at d128 (H=16: 11.9 vs 17.9 us, and in all five shapes measured) and at
  *  d64 S=512 (H=16: 10.3 vs 12.3), sm80 only at d64 with long keys (S=4096 H=2: 42.0 vs 53.7), so
  *  the rule stops at one wave. Calls whose sm90 tiles split their key ranges over the idle SMs
- *  (sm90/split_kv.hpp: few tiles, long keys) stay on sm90: the small grid streams each block's
- *  keys in one CTA (GQA 32 / 8 d128, 16 tokens against 64k keys: 0.54 TB/s of K+V on it, 3.3 on
- *  the split forward through the KV-cache route, H200, docs/PERF.md session 38). */
+ *  (sm90/split_kv.hpp: few tiles, long keys) into at least as many work items as the small grid
+ *  has CTAs stay on sm90: the small grid streams each block's keys in one CTA (H200, one sequence
+ *  against 64k keys, GQA 32 / 8 d128: 16 tokens 0.54 TB/s of K+V on it, 3.13 split on sm90;
+ *  MHA d64 32 tokens x 32k keys 0.89 against 2.65; docs/PERF.md session 38). Splits into fewer
+ *  items (square calls of 1k tokens over two heads: 2 splits, 32 items against 64 CTAs) leave
+ *  the rule as it was: not measured against each other. */
 bool sm80_small_grid_preferred(const AttentionParams& p) {
 #if defined(FLASHCORE_HAS_SM90)
   constexpr int64_t kSmallGridBlockM = 32;  // SmallGridForwardTraits' query rows per CTA
@@ -48,7 +51,8 @@ bool sm80_small_grid_preferred(const AttentionParams& p) {
   if (bucket != 64 && bucket != 128) return false;
   const int64_t blocks = (p.seqlen_q + kSmallGridBlockM - 1) / kSmallGridBlockM * p.heads_q * p.batch;
   const int sms = cuda::multiprocessor_count(p.device_id, 0);
-  if (cuda::sm90::plan_forward_split(p, bucket, sms).splits > 1) return false;
+  const cuda::sm90::ForwardSplit split = cuda::sm90::plan_forward_split(p, bucket, sms);
+  if (split.splits > 1 && split.tiles * split.splits >= blocks) return false;
   return blocks <= sms && cuda::sm80_supports(p, nullptr);
 #else
   (void)p;

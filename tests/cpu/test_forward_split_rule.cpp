@@ -43,6 +43,7 @@ TEST(ForwardSplitRule, PlansTheGpuTestsShapes) {
     // 16 tokens of GQA 32 / 8 against 4096 keys: packed, 8 tiles.
     ForwardSplit s = plan_forward_split(call(1, 16, 4096, 32, 8, 128), 128, sms);
     EXPECT_TRUE(s.packed);
+    EXPECT_EQ(s.tiles, 8);
     EXPECT_GT(s.splits, 1) << sms;
     EXPECT_EQ(s.bytes, s.o_bytes + size_t(s.splits) * 16 * 32 * 4);
     EXPECT_EQ(s.o_bytes, size_t(s.splits) * 16 * 32 * 128 * 4);

@@ -67,6 +67,7 @@ inline int forced_forward_splits() {
 struct ForwardSplit {
   int splits = 1;
   bool packed = false;
+  int64_t tiles = 0;   // query tiles (work items: tiles x splits)
   size_t o_bytes = 0;  // (splits, batch, seqlen_q, heads_q, head_dim) fp32 O / l
   size_t bytes = 0;    // o_bytes, then (splits, batch, heads_q, seqlen_q) fp32 lse
 };
@@ -82,6 +83,7 @@ inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bu
   const int64_t rows = plan.packed ? p.seqlen_q * group : p.seqlen_q;
   const int64_t heads = plan.packed ? p.heads_kv : p.heads_q;
   const int64_t tiles = (rows + kSplitTileRows - 1) / kSplitTileRows * heads * p.batch;
+  plan.tiles = tiles;
   const int64_t block_keys = split_block_keys(head_dim_bucket);
   const int64_t key_blocks = (p.seqlen_k + block_keys - 1) / block_keys;
   const int forced = forced_forward_splits();
