@@ -44,21 +44,24 @@ bool is_cuda_backend(fc_backend b) { return b == FC_BACKEND_CUDA_SM80 || b == FC
  *  MHA d64 32 tokens x 32k keys 0.89 against 2.65; docs/PERF.md session 38). Splits into fewer
  *  items (square calls of 1k tokens over two heads: 2 splits, 32 items against 64 CTAs) leave
  *  the rule as it was: not measured against each other. */
-bool sm80_small_grid_preferred(const AttentionParams& p) {
+enum class SmallGrid { kNo, kYes, kYieldsToSplit };
+
+SmallGrid sm80_small_grid_rule(const AttentionParams& p) {
 #if defined(FLASHCORE_HAS_SM90)
   constexpr int64_t kSmallGridBlockM = 32;  // SmallGridForwardTraits' query rows per CTA
   const int bucket = cuda::compiled_head_dim_bucket(p.head_dim);
-  if (bucket != 64 && bucket != 128) return false;
+  if (bucket != 64 && bucket != 128) return SmallGrid::kNo;
   const int64_t blocks = (p.seqlen_q + kSmallGridBlockM - 1) / kSmallGridBlockM * p.heads_q * p.batch;
-  const int sms = cuda::multiprocessor_count(p.device_id, 0);
-  const cuda::sm90::ForwardSplit split = cuda::sm90::plan_forward_split(p, bucket, sms);
-  if (split.splits > 1 && split.tiles * split.splits >= blocks) return false;
-  return blocks <= sms && cuda::sm80_supports(p, nullptr);
+  if (blocks > cuda::multiprocessor_count(p.device_id, 0) || !cuda::sm80_supports(p, nullptr)) return SmallGrid::kNo;
+  const cuda::sm90::ForwardSplit split = cuda::sm90_forward_split_plan(p);
+  return split.splits > 1 && split.tiles * split.splits >= blocks ? SmallGrid::kYieldsToSplit : SmallGrid::kYes;
 #else
   (void)p;
-  return false;
+  return SmallGrid::kNo;
 #endif
 }
+
+bool sm80_small_grid_preferred(const AttentionParams& p) { return sm80_small_grid_rule(p) == SmallGrid::kYes; }
 
 Status check_workspace(size_t needed, void* workspace, size_t workspace_bytes) {
   if (needed == 0) return Status::ok();
@@ -263,6 +266,13 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     }
     // Without the route's workspace the forward kernels run the call, where they serve it.
     if (!backend_kernels_serve(p, b).is_ok()) return check_workspace(needed, workspace, workspace_bytes);
+  }
+  // AUTO moved the call off sm80's small grid for sm90's split-KV: without the partials' workspace
+  // sm90 would run it whole, where the small grid is faster.
+  if (b == FC_BACKEND_CUDA_SM90 && requested_backend(a.options) == FC_BACKEND_AUTO &&
+      (workspace == nullptr || workspace_bytes < cuda::sm90_forward_workspace(p)) &&
+      sm80_small_grid_rule(p) == SmallGrid::kYieldsToSplit) {
+    b = FC_BACKEND_CUDA_SM80;
   }
   switch (b) {
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);

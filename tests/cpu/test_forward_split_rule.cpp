@@ -67,6 +67,13 @@ TEST(ForwardSplitRule, CallsItDoesNotSplit) {
   alibi.alibi_slopes = slopes;
   EXPECT_EQ(plan_forward_split(alibi, 128, 132).splits, 1);
   EXPECT_EQ(plan_forward_split(call(1, 16, 4096, 32, 8, 128), 128, 0).splits, 1);  // no SM count
+  // A window bounds each tile's keys: 16 tokens + 100 keys left of them are two key blocks.
+  AttentionParams window = call(1, 16, 4096, 32, 8, 128);
+  window.window_left = 100;
+  window.window_right = 0;
+  EXPECT_EQ(plan_forward_split(window, 128, 132).splits, 1);
+  window.window_left = 4000;  // a wide one still splits
+  EXPECT_GT(plan_forward_split(window, 128, 132).splits, 1);
 }
 
 }  // namespace

@@ -360,9 +360,10 @@ TEST_P(CudaForward, PackedGqa) {
 // Few query tiles against long key ranges: the sm90 forward cuts every tile's key blocks into
 // splits that fill the SMs, writes fp32 partials to the workspace (poisoned by the harness) and
 // merges them (sm90/split_kv.hpp; the CPU test ForwardSplitRule.PlansTheGpuTestsShapes checks that
-// the dense shapes below split). Among them: packed GQA, MHA d64, d256's 64-key blocks, a window
-// whose short key ranges leave most splits empty, varlen with an empty sequence and a sequence of
-// 9 keys, and varlen pages of 16 keys (one TMA box each) and of 128. sm80 runs them whole.
+// the dense shapes below split). Among them: packed GQA, MHA d64, d256's 64-key blocks, varlen with
+// an empty sequence and a sequence of 9 keys (splits without keys), and varlen pages of 8 keys
+// (gathered), 16 (one TMA box each) and 128; a narrow window on padded tensors, which the plan keeps whole
+// (its tiles' keys are short). sm80 runs them all whole.
 TEST_P(CudaForward, SplitKv) {
   REQUIRE_BACKEND(GetParam());
   std::vector<Case> cases;
@@ -402,7 +403,7 @@ TEST_P(CudaForward, SplitKv) {
   d256.dtype = FC_DTYPE_BF16;
   d256.causal = true;
   cases.push_back(d256);
-  for (int64_t page_size : {0, 16, 128}) {
+  for (int64_t page_size : {0, 8, 16, 128}) {  // 8: gathered into packed rows first
     if (page_size != 0 && GetParam() != FC_BACKEND_CUDA_SM90) continue;  // sm80 reads pages of 256k keys
     Case v;
     v.varlen_q = {3, 0, 17, 9};

@@ -161,12 +161,13 @@ AttentionParams shape_params(const KvCacheParams& p) {
 size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_bytes(batch); }
 
 /** Whether the route pays for a call whose Hopper forward packs the GQA group: `rows` packed rows
- *  per KV head, `heads` = batch x heads_kv of them, each tile's keys cut into `splits`
- *  (sm90/split_kv.hpp; RouteTraits::kMinPackedShare). */
-bool packed_route_pays(int64_t rows, int64_t heads, int splits, int sms) {
+ *  per KV head, `heads` = batch x heads_kv of them, or the work items of the forward's split-KV
+ *  plan where it splits (sm90/split_kv.hpp; RouteTraits::kMinPackedShare). */
+bool packed_route_pays(int64_t rows, int64_t heads, const sm90::ForwardSplit& split, int sms) {
   using R = RouteTraits;
   if (rows < R::kMinPackedRows) return false;
-  const double tiles = double(heads) * double(splits) * double((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
+  const double tiles = split.splits > 1 ? double(split.tiles) * double(split.splits)
+                                        : double(heads) * double((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows);
   const double occupancy = std::min(1.0, tiles / double(sms));
   return sm90::tile_fill(rows, R::kLargestCtaRows) * occupancy >= R::kMinPackedShare;
 }
@@ -193,10 +194,10 @@ bool prefill_route_applies(const KvCacheParams& p) {
   const AttentionParams f = shape_params(p);
   const bool hopper = hopper_takes(f);
   // The Hopper forward's split-KV multiplies its tiles (sm90/split_kv.hpp).
-  const int splits =
-      hopper ? sm90::plan_forward_split(f, static_cast<int>(compiled_head_dim_bucket(f.head_dim)), sms).splits : 1;
+  const sm90::ForwardSplit split = hopper ? sm90_forward_split_plan(f) : sm90::ForwardSplit{};
+  const int splits = split.splits;
   if (hopper && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows))
-    return packed_route_pays(rows, p.batch * p.heads_kv, splits, sms);
+    return packed_route_pays(rows, p.batch * p.heads_kv, split, sms);
   // Unpacked tiles: from kMinRows rows per KV head with half a block per SM; where the forward
   // splits, from kMinPackedRows as the packed tiles (flash_attn_func, split forward against the
   // decode kernel, H200, one sequence of 32 tokens x 32768 keys, MHA: d64 2.65 against 1.24 TB/s,

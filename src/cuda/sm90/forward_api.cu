@@ -168,9 +168,15 @@ size_t gather_bytes_aligned(const AttentionParams& p) { return (gather_bytes(p) 
 
 size_t sm90_forward_required_workspace(const AttentionParams& p) { return gather_bytes(p); }
 
-size_t sm90_forward_workspace(const AttentionParams& p) {
+sm90::ForwardSplit sm90_forward_split_plan(const AttentionParams& p) {
+  AttentionParams seen = p;
+  if (p.is_paged() && !reads_pages_in_place(p)) seen.pages = KvPages{};  // gathered into packed rows
   const int bucket = static_cast<int>(compiled_head_dim_bucket(p.head_dim));
-  const size_t split = sm90::plan_forward_split(p, bucket, multiprocessor_count(p.device_id, kFallbackSmCount)).bytes;
+  return sm90::plan_forward_split(seen, bucket, multiprocessor_count(p.device_id, kFallbackSmCount));
+}
+
+size_t sm90_forward_workspace(const AttentionParams& p) {
+  const size_t split = sm90_forward_split_plan(p).bytes;
   return split == 0 ? gather_bytes(p) : gather_bytes_aligned(p) + split;
 }
 

@@ -1,6 +1,7 @@
 // Stand-ins for the Hopper backend when it is not compiled (no CUDA, or 90 not among
 // FLASHCORE_CUDA_ARCHS): it serves nothing, and says why.
 #include "api/backends.hpp"
+#include "cuda/sm90/split_kv.hpp"
 
 namespace flashcore::cuda {
 
@@ -13,6 +14,7 @@ bool sm90_supports(const AttentionParams&, Status* why) {
 }
 size_t sm90_forward_workspace(const AttentionParams&) { return 0; }
 size_t sm90_forward_required_workspace(const AttentionParams&) { return 0; }
+sm90::ForwardSplit sm90_forward_split_plan(const AttentionParams&) { return {}; }
 Status sm90_forward(const AttentionParams&, void*, size_t) {
   return Status::unsupported("backend: cuda_sm90 is not compiled into this build");
 }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -85,9 +86,16 @@ inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bu
   const int64_t tiles = (rows + kSplitTileRows - 1) / kSplitTileRows * heads * p.batch;
   plan.tiles = tiles;
   const int64_t block_keys = split_block_keys(head_dim_bucket);
-  const int64_t key_blocks = (p.seqlen_k + block_keys - 1) / block_keys;
+  int64_t key_blocks = (p.seqlen_k + block_keys - 1) / block_keys;
+  // A window bounded on both sides (causal is a right bound of 0) bounds every tile's keys: its
+  // tokens plus the window's width, whatever seqlen_k.
+  if (p.window_left >= 0 && p.window_right >= 0) {
+    const int64_t tile_tokens = plan.packed ? std::max<int64_t>(1, kSplitTileRows / group) : kSplitTileRows;
+    const int64_t span = std::min(p.seqlen_q, tile_tokens) + p.window_left + p.window_right;
+    key_blocks = std::min(key_blocks, (span + block_keys - 1) / block_keys + 1);
+  }
   const int forced = forced_forward_splits();
-  plan.splits = forced > 0 ? static_cast<int>(std::clamp<int64_t>(key_blocks, 1, forced))
+  plan.splits = forced > 0 ? static_cast<int>(std::clamp<int64_t>(key_blocks, 1, std::min<int64_t>(forced, INT_MAX / std::max<int64_t>(tiles, 1))))
                            : forward_num_splits(tiles, key_blocks, sms);
   if (plan.splits > 1) {
     const size_t rows_all = size_t(plan.splits) * size_t(p.batch) * size_t(p.seqlen_q) * size_t(p.heads_q);
@@ -98,3 +106,11 @@ inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bu
 }
 
 }  // namespace flashcore::cuda::sm90
+
+namespace flashcore::cuda {
+/** plan_forward_split on the call the Hopper forward's kernels will see: paged K/V that
+ *  forward_api.cu gathers first are packed rows there (no page boxes, so GQA groups may pack).
+ *  The workspace query, the launch and the routing rules all take this plan. Splits 1 where the
+ *  sm90 kernels are not built. */
+sm90::ForwardSplit sm90_forward_split_plan(const AttentionParams& p);
+}  // namespace flashcore::cuda
