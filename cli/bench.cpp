@@ -110,10 +110,22 @@ std::vector<Problem> grid(const std::string& name, const Problem& base) {
       p.causal = true;
       g.push_back(p);
     }
+  } else if (name == "few-tokens") {  // speculative decoding, chunked prefill: a few tokens, long keys
+    for (int64_t tokens : {8, 16, 32, 64, 128}) {
+      Problem p = base;
+      p.batch = 1;
+      p.seqlen_q = tokens;
+      p.seqlen_k = p.on_gpu ? 65536 : 16384;
+      p.heads_q = 32;
+      p.heads_kv = 8;
+      p.head_dim = 128;
+      p.causal = true;
+      g.push_back(p);
+    }
   } else if (name == "one") {
     g.push_back(base);
   } else {
-    throw UsageError("--grid: unknown grid '" + name + "' (training, cpu, seed, decode, one)");
+    throw UsageError("--grid: unknown grid '" + name + "' (training, cpu, seed, decode, few-tokens, one)");
   }
   return g;
 }
@@ -132,8 +144,9 @@ int command_bench(int argc, char** argv) {
   if (a.has("help")) {
     std::printf("usage: flashcore bench [options]\n\n"
                 "  --grid G             training (16k tokens, dim 2048) | cpu | seed | decode (one token,\n"
-                "                       GQA 32/8 d128, 1x65536 16x8192 64x2048 keys) | one (default: cpu\n"
-                "                       without a GPU, training with one)\n"
+                "                       GQA 32/8 d128, 1x65536 16x8192 64x2048 keys) | few-tokens (8-128\n"
+                "                       tokens of one sequence, GQA 32/8 d128, against 65536 keys, 16384\n"
+                "                       on the CPU) | one (default: cpu without a GPU, training with one)\n"
                 "  --backward           also time forward+backward\n"
                 "  --no-naive           skip the naive fp32 CPU peer\n"
                 "  --json FILE          write rows as JSON\n"
@@ -196,9 +209,9 @@ int command_bench(int argc, char** argv) {
               base.on_gpu ? 0 : threads);
   char device[256];
   if (base.on_gpu && fc_cuda_device_describe(0, device, sizeof(device)) == FC_OK) std::printf("device: %s\n", device);
-  // Decode-shaped grids also show K+V bytes / time (the memory-bound rate TARGETS.md's decode
-  // cells use), and every grid the key length and KV heads.
-  const bool decode = std::all_of(cells.begin(), cells.end(), decode_shaped);
+  // Decode-shaped grids (and few-tokens, memory-bound at its short end) also show K+V bytes / time
+  // (the rate TARGETS.md's decode cells use), and every grid the key length and KV heads.
+  const bool decode = grid_name == "few-tokens" || std::all_of(cells.begin(), cells.end(), decode_shaped);
   std::printf("%-6s %-7s %-7s %-7s %-6s %-6s %-8s %10s %10s", "batch", "seqlen", "keys", "heads", "hdim", "mask", "dir",
               "ms", unit);
   if (decode) std::printf(" %10s", "K+V GB/s");
