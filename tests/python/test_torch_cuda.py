@@ -320,6 +320,40 @@ def test_varlen_decode_one_token_per_sequence(page_size):
     torch.testing.assert_close(graph_out, call(fresh)[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", [(16, 32, 8, 128), (32, 16, 16, 64)], ids=["gqa_d128", "mha_d64"])
+def test_few_tokens_against_long_keys(case):
+    """A few query tokens of one sequence against a long context (speculative decoding, chunked
+    prefill), which the Hopper forward splits over the idle SMs (split-KV, fp32 partials in the
+    workspace the Python layer allocates from the query): forward and backward against the fp64
+    reference, the KV-cache call over the same tensors with the same bits (on Hopper both run the
+    split forward), and a CUDA-graph replay on new queries."""
+    tokens, hq, hkv, d = case
+    dtype = torch.bfloat16
+    q = torch.randn(1, tokens, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(1, 8192, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    fa = lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True)
+    got = forward_backward(fa, (q, k, v), dout)
+    ref = forward_backward(lambda *x: reference_attention(*x, causal=True), (q, k, v), dout)
+    same = forward_backward(lambda *x: reference_attention(*x, causal=True, dtype=dtype), (q, k, v), dout)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert_within_rule(got[i], ref[i], same[i], dtype, FWD_FACTOR if name == "out" else BWD_FACTOR, name)
+    out, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    cached, cached_lse = flash_attn.flash_attn_with_kvcache(q, k, v, causal=True, return_softmax_lse=True)
+    if torch.cuda.get_device_capability() == (9, 0):
+        torch.testing.assert_close(cached, out, rtol=0, atol=0)
+        torch.testing.assert_close(cached_lse, lse, rtol=0, atol=0)
+    graph_q = q.clone()
+    fa(graph_q, k, v)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = fa(graph_q, k, v)
+    fresh = torch.randn_like(q)
+    graph_q.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(graph_out, fa(fresh, k, v), rtol=0, atol=0)
+
+
 def test_cuda_graph_capture_and_replay():
     shape = (2, 256, 4, 64)
     static = [torch.randn(shape, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]
