@@ -24,8 +24,9 @@
 #include <cstdio>
 #include <vector>
 
+#include "cuda/ptx/mbarrier.cuh"
 #include "cuda_tool.hpp"
-#include "read_ceiling.cuh"
+#include "read_probe.cuh"
 
 namespace {
 
@@ -33,33 +34,9 @@ constexpr int kHeads = 8, kRowBytes = 256, kTokenBytes = kHeads * kRowBytes;
 constexpr int kTileKeys = 16, kHeadTileBytes = kTileKeys * kRowBytes, kStageBytes = 2 * kHeadTileBytes;
 
 __device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_arm(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
+               "l"(src), "r"(bytes), "r"(saddr(bar))
                : "memory");
 }
 
@@ -80,15 +57,33 @@ __device__ __forceinline__ const char* head_rows(const char* base, const Problem
   return base + (int64_t(blockIdx.z) * p.seqlen + int64_t(tile) * kTileKeys) * kTokenBytes + blockIdx.y * kRowBytes;
 }
 
+/** A warp's share of its CTA's tiles (first, first + kWarps, ...: n of them) and its ring of
+ *  kStages stages in shared memory. */
+struct WarpStream {
+  int first, n;
+  unsigned char* ring_ptr;
+  uint32_t ring;
+};
+template <int kWarps, int kStages>
+__device__ __forceinline__ WarpStream warp_stream(const Problem& p, unsigned char* smem, int warp) {
+  int t0, t1;
+  tile_range(p, t0, t1);
+  WarpStream w;
+  w.first = t0 + warp;
+  w.n = w.first < t1 ? (t1 - w.first + kWarps - 1) / kWarps : 0;
+  w.ring_ptr = smem + warp * kStages * kStageBytes;
+  w.ring = saddr(w.ring_ptr);
+  return w;
+}
+
 template <int kWarps, int kStages>
 __global__ void __launch_bounds__(kWarps * 32) cpasync_reader(Problem p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int t0, t1;
-  tile_range(p, t0, t1);
-  const int first = t0 + warp, n = first < t1 ? (t1 - first + kWarps - 1) / kWarps : 0;
-  unsigned char* ring_ptr = smem + warp * kStages * kStageBytes;
-  const uint32_t ring = saddr(ring_ptr);
+  const WarpStream ws = warp_stream<kWarps, kStages>(p, smem, warp);
+  const int first = ws.first, n = ws.n;
+  unsigned char* const ring_ptr = ws.ring_ptr;
+  const uint32_t ring = ws.ring;
   auto copy = [&](int local) {
     const char* kp = head_rows(p.k, p, first + local * kWarps);
     const char* vp = head_rows(p.v, p, first + local * kWarps);
@@ -124,18 +119,17 @@ __global__ void __launch_bounds__(kWarps * 32) bulk_reader(Problem p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[kWarps][kStages];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int t0, t1;
-  tile_range(p, t0, t1);
-  const int first = t0 + warp, n = first < t1 ? (t1 - first + kWarps - 1) / kWarps : 0;
-  unsigned char* ring_ptr = smem + warp * kStages * kStageBytes;
-  const uint32_t ring = saddr(ring_ptr);
-  if (lane < kStages) bar_init(saddr(&bars[warp][lane]), 1);
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  const WarpStream ws = warp_stream<kWarps, kStages>(p, smem, warp);
+  const int first = ws.first, n = ws.n;
+  unsigned char* const ring_ptr = ws.ring_ptr;
+  const uint32_t ring = ws.ring;
+  if (lane < kStages) flashcore::ptx::mbarrier_init(&bars[warp][lane], 1);
+  flashcore::ptx::fence_mbarrier_init();
   __syncwarp();
   auto copy = [&](int local) {
     const int s = local % kStages;
-    const uint32_t bar = saddr(&bars[warp][s]);
-    if (lane == 0) bar_arm(bar, kStageBytes);
+    uint64_t* bar = &bars[warp][s];
+    if (lane == 0) flashcore::ptx::mbarrier_arrive_expect_tx(bar, kStageBytes);
     __syncwarp();
     const char* base = head_rows(lane < kTileKeys ? p.k : p.v, p, first + local * kWarps);
     bulk_copy(ring + s * kStageBytes + lane * kRowBytes, base + (lane % kTileKeys) * kTokenBytes, kRowBytes, bar);
@@ -146,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32) bulk_reader(Problem p) {
     if (s < n) copy(s);
   for (int t = 0; t < n; ++t) {
     if (t + kStages - 1 < n) copy(t + kStages - 1);  // its stage was read at t - 1 (synced below)
-    bar_wait(saddr(&bars[warp][t % kStages]), (t / kStages) & 1);
+    flashcore::ptx::mbarrier_wait_parity(&bars[warp][t % kStages], (t / kStages) & 1);
     acc += reinterpret_cast<const unsigned*>(ring_ptr + (t % kStages) * kStageBytes)[lane];
     __syncwarp();
   }

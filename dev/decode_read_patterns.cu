@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "cuda_tool.hpp"
-#include "read_ceiling.cuh"
+#include "read_probe.cuh"
 
 namespace {
 
@@ -36,14 +36,6 @@ constexpr int kPageBytes = kPageTokens * kTokenBytes;  // 32 KB
 constexpr int kTileKeys = 16;                          // a tile is one page
 constexpr int kHeadTileBytes = kTileKeys * kRowBytes;  // one head's K rows of a tile: 4 KB
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 struct Problem {
   const char* k;           // pool of pages, kPageBytes each

@@ -1,5 +1,6 @@
-// Shared by the dev/ read probes (decode_read_patterns.cu, decode_bulk_read.cu): the sum-read
-// ceiling kernel they print beside their readers, and their rate measurement.
+// Shared by the dev/ read probes (decode_read_patterns.cu, decode_bulk_read.cu): their cp.async
+// wrappers (with memory clobbers, since the probes read the ring with plain loads after the wait),
+// the sum-read ceiling kernel they print beside their readers, and their rate measurement.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,15 @@
 #include <vector>
 
 #include "cuda_tool.hpp"
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // The ceiling: every byte of both pools read once with 16-byte loads, 4 in flight per thread.
 __global__ void sum_read(const uint4* a, const uint4* b, int64_t n, unsigned* sink) {
