@@ -1,0 +1,70 @@
+"""Where flash_attn_with_kvcache's forward route loses time against flash_attn_func on the same
+kernels (docs/PERF.md session 38: MHA d64, 32 tokens x 32768 keys, 1.99 against 2.63 TB/s).
+For each cell: device time per call under CUDA-graph replay of both calls, then every kernel one
+eager call of each launches (torch.profiler over 20 calls: name, launches per call, mean us), so the
+extra kernels and any change in the attention kernel's own time show apart.
+
+    PYTHONPATH=<package>:bench python3 dev/route_gap_probe.py [--cells d64,d128,d256]
+"""
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashcore
+
+from timing import graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
+
+CELLS = {  # name: batch, query tokens, keys, heads q, heads kv, head dim
+    "d64": (1, 32, 32768, 16, 16, 64),
+    "d64x128": (1, 128, 32768, 16, 16, 64),
+    "d128": (1, 32, 65536, 32, 8, 128),
+    "d256": (1, 32, 32768, 16, 16, 256),
+}
+
+
+def kernels_per_call(fn, calls=20):
+    """{kernel name: (launches per call, mean device us)} over `calls` eager calls."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    seen = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name if len(e.name) <= 90 else e.name[:87] + "..."
+            seen[name][0] += 1
+            seen[name][1] += e.device_time
+    return {n: (c / calls, t / c) for n, (c, t) in seen.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--causal", type=int, default=1)
+    a = ap.parse_args()
+    for name in a.cells.split(","):
+        batch, tokens, keys, hq, hkv, d = CELLS[name]
+        q = torch.randn(batch, tokens, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        calls = {
+            "flash_attn_func": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(a.causal)),
+            "with_kvcache": lambda: flashcore.flash_attn_with_kvcache(q, k, v, causal=bool(a.causal)),
+        }
+        out_f, out_c = (fn() for fn in calls.values())
+        print(f"\n== {name}: {batch} x {tokens} x {keys}, heads {hq}/{hkv}, d{d}, causal={a.causal}; "
+              f"max |func - kvcache| {(out_f.float() - out_c.float()).abs().max().item():.3g}")
+        for label, fn in calls.items():
+            us = graph_replay_us(fn, 50)
+            print(f"{label}: {us:.1f} us per call under graph replay, {kv_bytes / (us * 1e-6) / 1e12:.2f} TB/s")
+            for kname, (per_call, mean_us) in sorted(kernels_per_call(fn).items(), key=lambda x: -x[1][1]):
+                print(f"    {per_call:4.1f} x {mean_us:8.2f} us  {kname}")
+
+
+if __name__ == "__main__":
+    main()
