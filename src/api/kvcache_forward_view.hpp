@@ -61,6 +61,7 @@ inline AttentionParams kvcache_as_forward(const KvCacheParams& p, const KvForwar
   f.stream = p.stream;
   f.alibi_slopes = p.alibi_slopes;
   f.alibi_batch_stride = p.alibi_batch_stride;
+  f.num_splits = p.num_splits;
   f.pages.page_size = p.page_size;
   f.pages.num_pages = p.cache_rows;
   f.pages.per_seq = p.pages_per_seq;

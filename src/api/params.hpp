@@ -79,6 +79,9 @@ struct AttentionParams {
   void* stream = nullptr;     // cudaStream_t
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device when cu_seqlens break the rules
   KvPages pages;                  // forward only
+  // The Hopper forward's split-KV (cuda/sm90/split_kv.hpp): 0 = its rule, 1 = no split, n = n key
+  // ranges per tile (at most one per key block). A KV-cache call's num_splits on the forward route.
+  int num_splits = 0;
   // ALiBi (fc_attention_options.alibi_slopes): the score of query i and key j of sequence b, head
   // h, gets -slope(b, h) * |i + seqlen_k - seqlen_q - j| (per-sequence lengths and positions).
   const float* alibi_slopes = nullptr;  // on q's device; nullptr = no bias

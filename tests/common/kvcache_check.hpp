@@ -569,6 +569,13 @@ inline std::vector<KvCase> full_cache_cases(int32_t dtype, int64_t head_dim) {
     chunk.page_size = seqlen_q == 64 ? 16 : 0;
     cases.push_back(chunk);
   }
+  // 256 rows per KV head of contiguous full caches: the GPU route hands them to the forward as a
+  // dense call (no arrays built), here cut into 3 key ranges by the caller's num_splits.
+  KvCase dense = base;
+  dense.seqlen_q = 64;
+  dense.causal = true;
+  dense.num_splits = 3;
+  cases.push_back(dense);
   return cases;
 }
 

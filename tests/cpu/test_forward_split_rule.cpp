@@ -76,4 +76,24 @@ TEST(ForwardSplitRule, CallsItDoesNotSplit) {
   EXPECT_GT(plan_forward_split(window, 128, 132).splits, 1);
 }
 
+TEST(ForwardSplitRule, TakesTheCallersCount) {
+  AttentionParams p = call(1, 16, 4096, 32, 8, 128);  // the rule: 16 splits on 132 SMs
+  p.num_splits = 1;
+  EXPECT_EQ(plan_forward_split(p, 128, 132).splits, 1);
+  EXPECT_EQ(plan_forward_split(p, 128, 132).bytes, 0u);
+  p.num_splits = 3;
+  ForwardSplit s = plan_forward_split(p, 128, 132);
+  EXPECT_EQ(s.splits, 3);
+  EXPECT_EQ(s.bytes, s.o_bytes + size_t(3) * 16 * 32 * 4);
+  p.num_splits = 1000;  // at most kMaxForwardSplits, and one per key block (32 here)
+  EXPECT_EQ(plan_forward_split(p, 128, 132).splits, 32);
+  AttentionParams many = call(4, 4096, 4096, 16, 16, 128);  // the rule leaves it whole
+  many.num_splits = 2;
+  EXPECT_EQ(plan_forward_split(many, 128, 132).splits, 2);
+  AttentionParams softcap = call(1, 16, 4096, 32, 8, 128);
+  softcap.softcap = 30.f;
+  softcap.num_splits = 4;  // no split kernel carries the softcap: whole
+  EXPECT_EQ(plan_forward_split(softcap, 128, 132).splits, 1);
+}
+
 }  // namespace

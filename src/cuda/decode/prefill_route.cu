@@ -15,6 +15,8 @@
 #include "cuda/build_config.hpp"
 #include "cuda/decode/decode_kernels.cuh"
 #include "cuda/decode/head_pairs.hpp"
+#include "cuda/programmatic_launch.hpp"
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm90/pack_gqa.hpp"
 #include "cuda/sm90/split_kv.hpp"
@@ -66,8 +68,12 @@ RouteArrays arrays_in(void* workspace, int64_t batch) {
 }
 
 /** One CTA: each sequence's key count (0, and marked, when its indices break the rules the
- *  decode kernel checks), then the prefix sums; the identity table of contiguous caches. */
+ *  decode kernel checks), then the prefix sums; the identity table of contiguous caches. A
+ *  programmatic dependent (cuda/programmatic_launch.hpp): the kernel before it may write the
+ *  lengths and tables it reads, or still read the workspace it writes. */
 __global__ void __launch_bounds__(RouteTraits::kThreads) build_kernel(KvCacheParams p, RouteArrays a) {
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();  // the forward's CTAs set up while this runs; they wait for its arrays
   constexpr int kThreads = RouteTraits::kThreads;
   __shared__ int64_t partial[kThreads];
   const int64_t per_thread = (p.batch + kThreads - 1) / kThreads;
@@ -106,8 +112,11 @@ __global__ void __launch_bounds__(RouteTraits::kThreads) build_kernel(KvCachePar
   }
 }
 
-/** Block b: NaN into the out and lse rows of a marked sequence. */
+/** Block b: NaN into the out and lse rows of a marked sequence, after the forward wrote them (a
+ *  programmatic dependent of it). */
 __global__ void __launch_bounds__(RouteTraits::kThreads) poison_kernel(KvCacheParams p, const int32_t* bad) {
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
   const int64_t b = blockIdx.x;
   if (!bad[b]) return;
   const float nan = __int_as_float(0x7fc00000);
@@ -128,10 +137,31 @@ __global__ void __launch_bounds__(RouteTraits::kThreads) poison_kernel(KvCachePa
     }
 }
 
-/** The same call as a varlen forward over paged K/V (api/kvcache_forward_view.hpp) on the route's
- *  arrays. The route declines ALiBi (prefill_route_applies), so the slopes it carries are null. */
+/** Whether p is a plain dense forward: contiguous caches whose rows are full (no cache_seqlens),
+ *  sequence b on cache row b (no cache_batch_idx, no left padding), nothing appended. The route then
+ *  builds no arrays and checks no indices (there are none): no kernel runs before or after the
+ *  forward, which also warms L2 with its first tiles before its programmatic wait (varlen calls,
+ *  whose rows the kernel before builds, cannot). */
+bool dense_call(const KvCacheParams& p) {
+  return !p.paged && p.cache_seqlens == nullptr && p.cache_batch_idx == nullptr && p.cache_leftpad == nullptr &&
+         !p.appends() && p.q_cu_seqlens == nullptr;
+}
+
+/** The same call as a forward: dense (dense_call), else a varlen forward over paged K/V
+ *  (api/kvcache_forward_view.hpp) on the route's arrays. The route declines ALiBi
+ *  (prefill_route_applies), so the slopes it carries are null. */
 AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
-  return kvcache_as_forward(p, {a.cu_q, a.cu_k, a.identity});
+  AttentionParams f = kvcache_as_forward(p, {a.cu_q, a.cu_k, a.identity});
+  if (dense_call(p)) {  // q, out, lse as given; cache row b holds sequence b's seqlen_k keys
+    f.q = p.q;
+    f.out = p.out;
+    f.lse = p.lse;
+    f.cu_seqlens_q = f.cu_seqlens_k = nullptr;
+    f.total_q = p.batch * p.seqlen_q;
+    f.total_k = p.batch * f.seqlen_k;
+    f.pages = KvPages{};
+  }
+  return f;
 }
 
 /** The most workspace the route asks for to gather pages for the Hopper forward (pages it cannot
@@ -145,7 +175,8 @@ constexpr size_t kMaxRouteGatherBytes = size_t(1) << 30;
  *  TMA maps of q and out assume, and pages it cannot read in place need at most kMaxRouteGatherBytes
  *  of gather workspace (a copy of batch x capacity keys, O(N) next to the attention). */
 bool hopper_takes(const AttentionParams& f) {
-  return (f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0)) && sm90_supports(f, nullptr) &&
+  const bool rows_packed = !f.is_varlen() || f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0);
+  return rows_packed && sm90_supports(f, nullptr) &&
          sm90_forward_required_workspace(f) <= kMaxRouteGatherBytes;
 }
 
@@ -157,8 +188,10 @@ AttentionParams shape_params(const KvCacheParams& p) {
   return forward_params(p, {placeholder, placeholder, placeholder, placeholder});
 }
 
-/** The route's own arrays (arrays_in), before the forward's workspace. */
-size_t arrays_bytes(int64_t batch) { return 2 * cu_bytes(batch) + 2 * per_seq_bytes(batch); }
+/** The route's own arrays (arrays_in), before the forward's workspace; none for dense calls. */
+size_t arrays_bytes(const KvCacheParams& p) {
+  return dense_call(p) ? 0 : 2 * cu_bytes(p.batch) + 2 * per_seq_bytes(p.batch);
+}
 
 /** Whether the route pays for a call whose Hopper forward packs the GQA group: `rows` packed rows
  *  per KV head, `heads` = batch x heads_kv of them, or the work items of the forward's split-KV
@@ -233,28 +266,34 @@ bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(shape
 
 size_t prefill_route_workspace(const KvCacheParams& p) {
   const AttentionParams f = shape_params(p);
-  return arrays_bytes(p.batch) + (hopper_takes(f) ? sm90_forward_workspace(f) : 0);
+  return arrays_bytes(p) + (hopper_takes(f) ? sm90_forward_workspace(f) : 0);
 }
 
 Status run_prefill_route(const KvCacheParams& p, bool on_hopper, void* workspace) {
-  const RouteArrays a = arrays_in(workspace, p.batch);
+  const bool dense = dense_call(p);
+  const RouteArrays a = dense ? RouteArrays{} : arrays_in(workspace, p.batch);
   const ScopedDevice on_device(p.device_id);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  build_kernel<<<1, RouteTraits::kThreads, 0, stream>>>(p, a);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
+  // Both small kernels launch as programmatic dependents where the GPU has them: their launches
+  // and the forward's setup overlap the kernel before each instead of draining the stream.
+  const bool programmatic = supports_programmatic_launch(p.device_id);
+  cudaError_t err = cudaSuccess;
+  if (!dense) {
+    err = launch_kernel(build_kernel, dim3(1), dim3(RouteTraits::kThreads), 0, stream, programmatic, p, a);
+    if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
+  }
 
   const AttentionParams f = forward_params(p, a);
   Status s;
   if (on_hopper) {
     const size_t bytes = sm90_forward_workspace(f);  // the page gather's and the split partials', where needed
-    s = sm90_forward(f, bytes ? static_cast<char*>(workspace) + arrays_bytes(p.batch) : nullptr, bytes);
+    s = sm90_forward(f, bytes ? static_cast<char*>(workspace) + arrays_bytes(p) : nullptr, bytes);
   } else {
     s = sm80_forward(f, nullptr, 0);
   }
-  if (!s.is_ok()) return s;
-  poison_kernel<<<static_cast<unsigned>(p.batch), RouteTraits::kThreads, 0, stream>>>(p, a.bad);
-  err = cudaGetLastError();
+  if (!s.is_ok() || dense) return s;
+  err = launch_kernel(poison_kernel, dim3(static_cast<unsigned>(p.batch)), dim3(RouteTraits::kThreads), 0, stream,
+                      programmatic, p, static_cast<const int32_t*>(a.bad));
   if (err != cudaSuccess) return Status::cuda(std::string("kvcache prefill: launch failed: ") + cudaGetErrorString(err));
   return Status::ok();
 }

@@ -73,8 +73,9 @@ struct ForwardSplit {
   size_t bytes = 0;    // o_bytes, then (splits, batch, heads_q, seqlen_q) fp32 lse
 };
 
-/** The plan for p on a device with `sms` SMs. Split kernels are compiled with the folded softmax
- *  scale only (no softcap, negative scale or ALiBi). */
+/** The plan for p on a device with `sms` SMs: p.num_splits where the caller set it (at most
+ *  kMaxForwardSplits and one per key block), else the rule. Split kernels are compiled with the
+ *  folded softmax scale only (no softcap, negative scale or ALiBi): other calls run whole. */
 inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bucket, int sms) {
   ForwardSplit plan;
   if (resolve_score_scales(p).transform != ScoreTransform::kFoldedScale) return plan;
@@ -94,7 +95,8 @@ inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bu
     const int64_t span = std::min(p.seqlen_q, tile_tokens) + p.window_left + p.window_right;
     key_blocks = std::min(key_blocks, (span + block_keys - 1) / block_keys + 1);
   }
-  const int forced = forced_forward_splits();
+  // The caller's count (a KV-cache call's num_splits), else the environment's, else the rule.
+  const int forced = p.num_splits > 0 ? std::min(p.num_splits, kMaxForwardSplits) : forced_forward_splits();
   plan.splits = forced > 0 ? static_cast<int>(std::clamp<int64_t>(key_blocks, 1, std::min<int64_t>(forced, INT_MAX / std::max<int64_t>(tiles, 1))))
                            : forward_num_splits(tiles, key_blocks, sms);
   if (plan.splits > 1) {
