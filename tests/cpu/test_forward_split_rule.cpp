@@ -59,13 +59,6 @@ TEST(ForwardSplitRule, PlansTheGpuTestsShapes) {
 TEST(ForwardSplitRule, CallsItDoesNotSplit) {
   EXPECT_EQ(plan_forward_split(call(4, 4096, 4096, 16, 16, 128), 128, 132).splits, 1);  // many tiles
   EXPECT_EQ(plan_forward_split(call(1, 16, 300, 32, 8, 128), 128, 132).splits, 1);     // 3 key blocks
-  AttentionParams softcap = call(1, 16, 4096, 32, 8, 128);
-  softcap.softcap = 30.f;  // split kernels carry the folded scale only
-  EXPECT_EQ(plan_forward_split(softcap, 128, 132).splits, 1);
-  AttentionParams alibi = call(1, 16, 4096, 32, 8, 128);
-  float slopes[32] = {};
-  alibi.alibi_slopes = slopes;
-  EXPECT_EQ(plan_forward_split(alibi, 128, 132).splits, 1);
   EXPECT_EQ(plan_forward_split(call(1, 16, 4096, 32, 8, 128), 128, 0).splits, 1);  // no SM count
   // A window bounds each tile's keys: 16 tokens + 100 keys left of them are two key blocks.
   AttentionParams window = call(1, 16, 4096, 32, 8, 128);
@@ -90,10 +83,24 @@ TEST(ForwardSplitRule, TakesTheCallersCount) {
   AttentionParams many = call(4, 4096, 4096, 16, 16, 128);  // the rule leaves it whole
   many.num_splits = 2;
   EXPECT_EQ(plan_forward_split(many, 128, 132).splits, 2);
+}
+
+TEST(ForwardSplitRule, ScoreTransformsSplitToo) {
   AttentionParams softcap = call(1, 16, 4096, 32, 8, 128);
-  softcap.softcap = 30.f;
-  softcap.num_splits = 4;  // no split kernel carries the softcap: whole
-  EXPECT_EQ(plan_forward_split(softcap, 128, 132).splits, 1);
+  softcap.softcap = 30.f;  // the score-transform split kernels, packed as the plain call
+  ForwardSplit s = plan_forward_split(softcap, 128, 132);
+  EXPECT_TRUE(s.packed);
+  EXPECT_EQ(s.splits, 8);  // 8 tiles, 32 key blocks: at least 4 a split
+  AttentionParams alibi = call(1, 16, 4096, 32, 8, 128);
+  float slopes[32] = {};
+  alibi.alibi_slopes = slopes;  // slopes differ by query head: unpacked, 32 tiles
+  s = plan_forward_split(alibi, 128, 132);
+  EXPECT_FALSE(s.packed);
+  EXPECT_EQ(s.tiles, 32);
+  EXPECT_EQ(s.splits, 4);
+  AttentionParams negative = call(1, 16, 4096, 32, 8, 128);
+  negative.softmax_scale = -0.125f;
+  EXPECT_GT(plan_forward_split(negative, 128, 132).splits, 1);
 }
 
 }  // namespace

@@ -363,7 +363,8 @@ TEST_P(CudaForward, PackedGqa) {
 // the dense shapes below split). Among them: packed GQA, MHA d64, d256's 64-key blocks, varlen with
 // an empty sequence and a sequence of 9 keys (splits without keys), and varlen pages of 8 keys
 // (gathered), 16 (one TMA box each) and 128; a narrow window on padded tensors, which the plan keeps whole
-// (its tiles' keys are short). sm80 runs them all whole.
+// (its tiles' keys are short); softcap, ALiBi and a negative scale on the score-transform split
+// kernels. sm80 runs them all whole.
 TEST_P(CudaForward, SplitKv) {
   REQUIRE_BACKEND(GetParam());
   std::vector<Case> cases;
@@ -403,6 +404,7 @@ TEST_P(CudaForward, SplitKv) {
   d256.dtype = FC_DTYPE_BF16;
   d256.causal = true;
   cases.push_back(d256);
+  Case box_pages;  // the 16-key page case (sm90 only)
   for (int64_t page_size : {0, 8, 16, 128}) {  // 8: gathered into packed rows first
     if (page_size != 0 && GetParam() != FC_BACKEND_CUDA_SM90) continue;  // sm80 reads pages of 256k keys
     Case v;
@@ -415,6 +417,24 @@ TEST_P(CudaForward, SplitKv) {
     v.causal = page_size != 128;
     v.page_size = page_size;
     cases.push_back(v);
+    if (page_size == 16) box_pages = v;
+  }
+  // The score-transform split kernels: softcap on packed GQA (and on 16-key pages, which such calls
+  // gather), ALiBi (never packed) with per-sequence slopes, a negative scale; d64 / d128 / d256.
+  Case softcap = cases[1];  // causal, 16 tokens x 4096 keys, GQA 32 / 8
+  softcap.softcap = 30;
+  softcap.q_magnitude = 4.f;
+  cases.push_back(softcap);
+  Case alibi = cases[3];  // MHA d64, 2 x 5 tokens x 3000 keys
+  alibi.alibi = 2;
+  alibi.causal = true;
+  cases.push_back(alibi);
+  Case negative = d256;
+  negative.softmax_scale = -0.05;
+  cases.push_back(negative);
+  if (GetParam() == FC_BACKEND_CUDA_SM90) {
+    box_pages.softcap = 20;
+    cases.push_back(box_pages);
   }
   expect_forward(cases, GetParam());
 }

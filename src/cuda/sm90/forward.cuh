@@ -879,21 +879,28 @@ __device__ __forceinline__ void store_partial(const ForwardKernelArgs& args, con
   const AttentionParams& p = args.params;
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int64_t row_base = out.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
+  const int64_t seq = int64_t(out.split) * p.batch + out.batch;
+  // Both rows' destinations and scales first, then one pass over the columns: with the rows'
+  // address arithmetic interleaved into the stores, d256's unpacked kernels spilled 132 bytes.
+  float* dst[2];
+  float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_base + 8 * r;
-    if (row >= out.rows) continue;
     const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
-    const int64_t seq = int64_t(out.split) * p.batch + out.batch;
-    float* dst = args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim;
-    const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+    dst[r] = row < out.rows ? args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim : nullptr;
+    inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+    if (dst[r] != nullptr && quad == 0)
+      args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
+  }
 #pragma unroll
-    for (int j = 0; j < T::kHeadDim / 8; ++j) {
-      const int col = 8 * j + 2 * quad;
-      if (col < p.head_dim)
-        *reinterpret_cast<float2*>(dst + col) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    }
-    if (quad == 0) args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
+  for (int j = 0; j < T::kHeadDim / 8; ++j) {
+    const int col = 8 * j + 2 * quad;
+    if (col >= p.head_dim) continue;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (dst[r] != nullptr)
+        *reinterpret_cast<float2*>(dst[r] + col) = make_float2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
   }
 }
 
@@ -1559,11 +1566,17 @@ Status launch_for_transform(const forward_params_t& p) {
 }
 
 /** The split-KV kernel for p on a bucket's two-consumer tile (kSplitTileRows): with the page
- *  boxes where the pages need them (d64 / d128), or packing the GQA group where the plan packs. */
+ *  boxes where the pages need them (d64 / d128, folded scale only: forward_api.cu gathers the pages
+ *  of other calls), or packing the GQA group where the plan packs; softcap, ALiBi and negative
+ *  scales on the score-transform kernels (ALiBi calls never pack: pack_gqa_fits). */
 template <class Tile, class Launch>
 Status dispatch_split(const forward_params_t& p, bool packed, Launch&& launch) {
   static_assert(Tile::kBlockM == kSplitTileRows && Tile::kBlockN == split_block_keys(Tile::kHeadDim),
                 "plan_forward_split's tile");
+  if (resolve_score_scales(p).transform != ScoreTransform::kFoldedScale) {
+    if (packed) return launch(TileChoice<WithSplitKv<WithScoreTransforms<WithPackedGqa<Tile>>>>{});
+    return launch(TileChoice<WithSplitKv<WithScoreTransforms<Tile>>>{});
+  }
   if constexpr (Tile::kHeadDim <= 128) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithSplitKv<WithPageBoxes<Tile>>>{});
   }

@@ -74,11 +74,10 @@ struct ForwardSplit {
 };
 
 /** The plan for p on a device with `sms` SMs: p.num_splits where the caller set it (at most
- *  kMaxForwardSplits and one per key block), else the rule. Split kernels are compiled with the
- *  folded softmax scale only (no softcap, negative scale or ALiBi): other calls run whole. */
+ *  kMaxForwardSplits and one per key block), else the rule. Softcap, ALiBi and negative scales
+ *  split too, in the score-transform kernels (forward.cuh's dispatch_split); ALiBi never packs. */
 inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bucket, int sms) {
   ForwardSplit plan;
-  if (resolve_score_scales(p).transform != ScoreTransform::kFoldedScale) return plan;
   if (p.batch <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.heads_kv <= 0) return plan;
   plan.packed = !(head_dim_bucket <= 128 && reads_page_boxes(p)) && pack_gqa_chosen(p, kSplitTileRows, kSplitTileRows);
   const int64_t group = p.heads_q / p.heads_kv;
