@@ -879,28 +879,50 @@ __device__ __forceinline__ void store_partial(const ForwardKernelArgs& args, con
   const AttentionParams& p = args.params;
   const int warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int64_t row_base = out.m0 + consumer * T::kRowsPerConsumer + warp * 16 + group;
-  const int64_t seq = int64_t(out.split) * p.batch + out.batch;
-  // Both rows' destinations and scales first, then one pass over the columns: with the rows'
-  // address arithmetic interleaved into the stores, d256's unpacked kernels spilled 132 bytes.
-  float* dst[2];
-  float inv[2];
+  if constexpr (T::kHeadDim > 128) {
+    // d256: both rows' destinations and scales first, then one pass over the columns. Row by row,
+    // the unpacked kernels spilled 132 bytes; this order has none and reads 3.87 against 3.64 TB/s
+    // (H200, MHA 1 x 32 x 32768, docs/PERF.md session 39). At d64 the same order read 2.20 against
+    // 2.66 (same process), so the smaller buckets keep the row-by-row loop below.
+    const int64_t seq = int64_t(out.split) * p.batch + out.batch;
+    float* dst[2];
+    float inv[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row_base + 8 * r;
-    const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
-    dst[r] = row < out.rows ? args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim : nullptr;
-    inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
-    if (dst[r] != nullptr && quad == 0)
-      args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
-  }
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row_base + 8 * r;
+      const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
+      dst[r] = row < out.rows ? args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim : nullptr;
+      inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+      if (dst[r] != nullptr && quad == 0)
+        args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
+    }
 #pragma unroll
-  for (int j = 0; j < T::kHeadDim / 8; ++j) {
-    const int col = 8 * j + 2 * quad;
-    if (col >= p.head_dim) continue;
+    for (int j = 0; j < T::kHeadDim / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      if (col >= p.head_dim) continue;
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (dst[r] != nullptr)
-        *reinterpret_cast<float2*>(dst[r] + col) = make_float2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+      for (int r = 0; r < 2; ++r)
+        if (dst[r] != nullptr)
+          *reinterpret_cast<float2*>(dst[r] + col) =
+              make_float2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row_base + 8 * r;
+      if (row >= out.rows) continue;
+      const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
+      const int64_t seq = int64_t(out.split) * p.batch + out.batch;
+      float* dst = args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim;
+      const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+#pragma unroll
+      for (int j = 0; j < T::kHeadDim / 8; ++j) {
+        const int col = 8 * j + 2 * quad;
+        if (col < p.head_dim)
+          *reinterpret_cast<float2*>(dst + col) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      }
+      if (quad == 0) args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
+    }
   }
 }
 
