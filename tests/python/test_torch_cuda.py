@@ -354,6 +354,31 @@ def test_few_tokens_against_long_keys(case):
     torch.testing.assert_close(graph_out, fa(fresh, k, v), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["plain", "softcap"])
+def test_kvcache_forward_route_splits_and_full_caches(softcap):
+    """32 tokens of one sequence against 8192 cached keys (GQA 32 / 8, d128): the KV-cache call's
+    forward route. Full caches without cache_seqlens run as a dense forward, with them through the
+    route's varlen view (on Hopper the same kernels: the same bits); the caller's num_splits (1: no
+    split, 3) reaches the split forward; softcap calls split on the score-transform kernels. Each
+    against the fp64 reference."""
+    dtype = torch.bfloat16
+    q = torch.randn(1, 32, 32, 128, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(1, 8192, 8, 128, device=DEVICE, dtype=dtype) for _ in range(2))
+    ref = reference_attention(q, k, v, causal=True, softcap=softcap)
+    same = reference_attention(q, k, v, causal=True, softcap=softcap, dtype=dtype)
+    lengths = torch.full((1,), 8192, dtype=torch.int32, device=DEVICE)
+    dense = flash_attn.flash_attn_with_kvcache(q, k, v, causal=True, softcap=softcap)
+    assert_within_rule(dense, ref, same, dtype, FWD_FACTOR, "full caches")
+    with_lengths = flash_attn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, softcap=softcap)
+    assert_within_rule(with_lengths, ref, same, dtype, FWD_FACTOR, "cache_seqlens")
+    if torch.cuda.get_device_capability() == (9, 0):
+        torch.testing.assert_close(with_lengths, dense, rtol=0, atol=0)
+    for splits in (1, 3):
+        out = flash_attn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, softcap=softcap,
+                                                 num_splits=splits)
+        assert_within_rule(out, ref, same, dtype, FWD_FACTOR, f"num_splits={splits}")
+
+
 def test_cuda_graph_capture_and_replay():
     shape = (2, 256, 4, 64)
     static = [torch.randn(shape, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]
