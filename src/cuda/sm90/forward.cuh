@@ -113,7 +113,8 @@
 // num_splits ranges of equal length (resolve_block), so the CTAs cover the GPU. Each writes O / l
 // in fp32 and its lse to the workspace (store_partial); the decode path's merge kernel then
 // combines the splits into out and lse (forward_run). A split with no key block writes lse = -inf,
-// which the merge skips.
+// which the merge skips. Softcap, ALiBi and negative scales split on the score-transform tiles
+// (dispatch_split).
 #pragma once
 
 #include <cuda.h>
@@ -1578,7 +1579,7 @@ using WithScoreTransforms = ForwardTraits<typename T::Element, T::kHeadDim, T::k
 template <class T>
 Status launch_for_transform(const forward_params_t& p) {
   if (resolve_score_scales(p).transform == ScoreTransform::kFoldedScale) return launch_forward<T>(p);
-  static_assert(!T::kSplitKv, "split-KV kernels are compiled with the folded scale only (plan_forward_split)");
+  static_assert(!T::kSplitKv, "split-KV kernels take their score transforms in dispatch_split");
   if constexpr (T::kPageBoxes) {  // forward_api.cu gathers such pages for these calls
     return Status::unsupported("cuda_sm90 forward: paged k / v in pages smaller than a key block need the plain "
                                "softmax scale (no softcap)");
