@@ -222,9 +222,10 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
  *   out, lse     as in fc_attention_forward; queries sit at the end of each sequence, so causal
  *                means query i attends keys 0 .. cache_seqlens[b] + seqlen_new - seqlen_q + i
  *   num_splits   split-KV (flash-decoding) partitions; 0 = heuristic from batch, heads, length, SMs
- *                and the memory bandwidth; 1 = none. Calls with many query rows per KV head that
- *                run on the Hopper forward kernels take at most 64 and one per 128-key block (64 at
- *                head dim 256), and run whole where those kernels do not split (softcap, ALiBi)
+ *                and the memory bandwidth; 1 = none. It sets how the kernel that runs the call
+ *                splits, not which kernel that is. Calls with many query rows per KV head that run
+ *                on the Hopper forward kernels take at most 64, one per 128-key block (64 keys at
+ *                head dim 256), and as many as keep the fp32 partials within 1 GiB
  *   cache_leftpad int32 (batch) or NULL, contiguous caches only: sequence b's tokens sit at slots
  *                cache_leftpad[b] .. cache_seqlens[b] - 1 of its cache row (left-padded batches);
  *                it attends over cache_seqlens[b] - cache_leftpad[b] cached tokens (plus the appended

@@ -83,6 +83,14 @@ TEST(ForwardSplitRule, TakesTheCallersCount) {
   AttentionParams many = call(4, 4096, 4096, 16, 16, 128);  // the rule leaves it whole
   many.num_splits = 2;
   EXPECT_EQ(plan_forward_split(many, 128, 132).splits, 2);
+  // A forced count keeps the partials within 1 GiB: 8 x 4096 tokens x 32 heads x (128 + 1) floats
+  // are 541 MB a split, so 8 asked for become 1.
+  AttentionParams huge = call(8, 4096, 4096, 32, 32, 128);
+  huge.num_splits = 8;
+  EXPECT_EQ(plan_forward_split(huge, 128, 132).splits, 1);
+  huge.batch = 2;  // 135 MB a split: 7 fit
+  EXPECT_EQ(plan_forward_split(huge, 128, 132).splits, 7);
+  EXPECT_LE(plan_forward_split(huge, 128, 132).bytes, size_t(1) << 30);
 }
 
 TEST(ForwardSplitRule, ScoreTransformsSplitToo) {

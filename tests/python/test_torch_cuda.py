@@ -358,9 +358,9 @@ def test_few_tokens_against_long_keys(case):
 def test_kvcache_forward_route_splits_and_full_caches(softcap):
     """32 tokens of one sequence against 8192 cached keys (GQA 32 / 8, d128): the KV-cache call's
     forward route. Full caches without cache_seqlens run as a dense forward, with them through the
-    route's varlen view (on Hopper the same kernels: the same bits); the caller's num_splits (1: no
-    split, 3) reaches the split forward; softcap calls split on the score-transform kernels. Each
-    against the fp64 reference."""
+    route's varlen view (on Hopper the same kernels: the same bits); the caller's num_splits sets
+    how that forward splits (1: whole, 3 parts), not which kernels take the call; softcap calls
+    split on the score-transform kernels. Each against the fp64 reference."""
     dtype = torch.bfloat16
     q = torch.randn(1, 32, 32, 128, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(1, 8192, 8, 128, device=DEVICE, dtype=dtype) for _ in range(2))

@@ -188,6 +188,15 @@ AttentionParams shape_params(const KvCacheParams& p) {
   return forward_params(p, {placeholder, placeholder, placeholder, placeholder});
 }
 
+/** shape_params with the forward's own split rule: which kernels take a call does not depend on the
+ *  caller's num_splits, which sets only how the chosen forward splits (a count forced on a call with
+ *  many tiles would otherwise move it from the decode kernel onto a route measured for few). */
+AttentionParams rule_params(const KvCacheParams& p) {
+  AttentionParams f = shape_params(p);
+  f.num_splits = 0;
+  return f;
+}
+
 /** The route's own arrays (arrays_in), before the forward's workspace; none for dense calls. */
 size_t arrays_bytes(const KvCacheParams& p) {
   return dense_call(p) ? 0 : 2 * cu_bytes(p.batch) + 2 * per_seq_bytes(p.batch);
@@ -224,7 +233,7 @@ bool prefill_route_applies(const KvCacheParams& p) {
   const int sms = multiprocessor_count(p.device_id, kDefaultSms);
   // The forward kernels' own rules (sm80: pages of 256k keys; sm90: any, gathered where they are
   // smaller than a key block), before anything is launched.
-  const AttentionParams f = shape_params(p);
+  const AttentionParams f = rule_params(p);
   const bool hopper = hopper_takes(f);
   // The Hopper forward's split-KV multiplies its tiles (sm90/split_kv.hpp).
   const sm90::ForwardSplit split = hopper ? sm90_forward_split_plan(f) : sm90::ForwardSplit{};
@@ -253,7 +262,7 @@ bool decode_kernel_suits(const KvCacheParams& p) {
   // A varlen forward's view (one query token per sequence): the forward kernels would read each KV
   // head's keys once per query head, in a tile per (sequence, head) holding one row.
   if (p.q_cu_seqlens != nullptr) return one_pass;
-  const AttentionParams f = shape_params(p);
+  const AttentionParams f = rule_params(p);
   const bool hopper_packs = hopper_takes(f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
   if (!one_pass) return hopper_packs && !prefill_route_applies(p);
   constexpr int kDefaultSms = 132;

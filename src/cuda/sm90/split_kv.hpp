@@ -33,6 +33,7 @@ inline bool reads_page_boxes(const AttentionParams& p) {
 }
 
 inline constexpr int kMinKeyBlocksPerSplit = 4;
+inline constexpr size_t kMaxForcedPartialBytes = size_t(1) << 30;  // plan_forward_split
 inline constexpr int kMaxForwardSplits = 64;
 /** Query rows of the tiles split kernels use: every bucket's two-consumer tile (ForwardConfigs'
  *  Narrow at d64 / d128, Tile at d256). */
@@ -94,8 +95,14 @@ inline ForwardSplit plan_forward_split(const AttentionParams& p, int head_dim_bu
     const int64_t span = std::min(p.seqlen_q, tile_tokens) + p.window_left + p.window_right;
     key_blocks = std::min(key_blocks, (span + block_keys - 1) / block_keys + 1);
   }
-  // The caller's count (a KV-cache call's num_splits), else the environment's, else the rule.
-  const int forced = p.num_splits > 0 ? std::min(p.num_splits, kMaxForwardSplits) : forced_forward_splits();
+  // The caller's count (a KV-cache call's num_splits), else the environment's, else the rule. A
+  // forced count takes at most kMaxForcedPartialBytes of partials (the rule's splits only come to
+  // calls of few tiles, whose partials are small).
+  int forced = p.num_splits > 0 ? std::min(p.num_splits, kMaxForwardSplits) : forced_forward_splits();
+  if (forced > 1) {
+    const double per_split = double(p.batch) * double(p.seqlen_q) * double(p.heads_q) * double(p.head_dim + 1) * 4.0;
+    forced = static_cast<int>(std::clamp<double>(double(kMaxForcedPartialBytes) / per_split, 1.0, double(forced)));
+  }
   plan.splits = forced > 0 ? static_cast<int>(std::clamp<int64_t>(key_blocks, 1, std::min<int64_t>(forced, INT_MAX / std::max<int64_t>(tiles, 1))))
                            : forward_num_splits(tiles, key_blocks, sms);
   if (plan.splits > 1) {
