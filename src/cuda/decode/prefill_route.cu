@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(RouteTraits::kThreads) poison_kernel(KvCachePa
  *  whose rows the kernel before builds, cannot). */
 bool dense_call(const KvCacheParams& p) {
   return !p.paged && p.cache_seqlens == nullptr && p.cache_batch_idx == nullptr && p.cache_leftpad == nullptr &&
-         !p.appends() && p.q_cu_seqlens == nullptr;
+         !p.appends() && !p.rotary.on() && p.q_cu_seqlens == nullptr;
 }
 
 /** The same call as a forward: dense (dense_call), else a varlen forward over paged K/V
