@@ -3,21 +3,20 @@ kernels (docs/PERF.md session 38: MHA d64, 32 tokens x 32768 keys, 1.99 against 
 For each cell: device time per call under CUDA-graph replay of flash_attn_func and of
 flash_attn_with_kvcache without and with cache_seqlens (full caches either way: a dense forward,
 and the varlen view over the route's arrays), then every kernel one eager call of each launches
-(torch.profiler over 20 calls: name, launches per call, mean us; programmatic dependents start
-early and wait, so their durations overlap), so extra kernels and changes in the attention
+(bench/decode_bench.py's kernel_breakdown: torch.profiler over 20 calls, each kernel's device us
+per call and the span per call; programmatic dependents start early and wait, so their durations
+overlap), so extra kernels and changes in the attention
 kernel's own time show apart.
 
     PYTHONPATH=<package>:bench python3 dev/route_gap_probe.py [--cells d64,d128,d256]
 """
 import argparse
-from collections import defaultdict
-
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import flashcore
 
-from timing import graph_replay_us  # bench/timing.py (PYTHONPATH=bench)
+from decode_bench import kernel_breakdown  # bench/ (PYTHONPATH=bench)
+from timing import graph_replay_us
 
 CELLS = {  # name: batch, query tokens, keys, heads q, heads kv, head dim
     "d64": (1, 32, 32768, 16, 16, 64),
@@ -25,23 +24,6 @@ CELLS = {  # name: batch, query tokens, keys, heads q, heads kv, head dim
     "d128": (1, 32, 65536, 32, 8, 128),
     "d256": (1, 32, 32768, 16, 16, 256),
 }
-
-
-def kernels_per_call(fn, calls=20):
-    """{kernel name: (launches per call, mean device us)} over `calls` eager calls."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    seen = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = e.name if len(e.name) <= 90 else e.name[:87] + "..."
-            seen[name][0] += 1
-            seen[name][1] += e.device_time
-    return {n: (c / calls, t / c) for n, (c, t) in seen.items()}
 
 
 def main():
@@ -69,8 +51,7 @@ def main():
         for label, fn in calls.items():
             us = graph_replay_us(fn, 50)
             print(f"{label}: {us:.1f} us per call under graph replay, {kv_bytes / (us * 1e-6) / 1e12:.2f} TB/s")
-            for kname, (per_call, mean_us) in sorted(kernels_per_call(fn).items(), key=lambda x: -x[1][1]):
-                print(f"    {per_call:4.1f} x {mean_us:8.2f} us  {kname}")
+            print(f"    eager, per call: {kernel_breakdown(fn)}")
 
 
 if __name__ == "__main__":

@@ -229,10 +229,16 @@ struct MergeParams {
   void* stream = nullptr;
 };
 
-/** Points m at split partials in the dense layout the GPU kernels write (the decode kernel's
- *  SplitOutput, the Hopper forward's split-KV): O (parts, batch, seqlen_q, heads, head_dim) and
- *  lse (parts, batch, heads, seqlen_q), fp32; m's parts and shape first. */
-inline void set_dense_partials(MergeParams& m, const float* out_partials, const float* lse_partials) {
+/** Sets m's parts and shape and points it at split partials in the dense layout the GPU kernels
+ *  write (the decode kernel's SplitOutput, the Hopper forward's split-KV): O (parts, batch,
+ *  seqlen_q, heads, head_dim) and lse (parts, batch, heads, seqlen_q), fp32. */
+inline void set_dense_partials(MergeParams& m, int64_t parts, int64_t batch, int64_t seqlen_q, int64_t heads,
+                               int64_t head_dim, const float* out_partials, const float* lse_partials) {
+  m.parts = parts;
+  m.batch = batch;
+  m.seqlen_q = seqlen_q;
+  m.heads = heads;
+  m.head_dim = head_dim;
   m.out_partials = out_partials;
   m.op_head_stride = m.head_dim;
   m.op_row_stride = m.heads * m.head_dim;

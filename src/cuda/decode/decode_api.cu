@@ -256,12 +256,7 @@ MergeParams merge_params(const KvCacheParams& p, const decode::SplitOutput& so) 
   m.device_id = p.device_id;
   m.out = p.out;
   m.lse = p.lse;
-  m.parts = so.num_splits;
-  m.batch = p.batch;
-  m.seqlen_q = p.seqlen_q;
-  m.heads = p.heads_q;
-  m.head_dim = p.qo_head_dim();
-  set_dense_partials(m, so.part_o, so.part_lse);
+  set_dense_partials(m, so.num_splits, p.batch, p.seqlen_q, p.heads_q, p.qo_head_dim(), so.part_o, so.part_lse);
   m.out_cu_seqlens = p.q_cu_seqlens;
   m.out_rows = p.q_rows;
   if (p.q_cu_seqlens != nullptr) {

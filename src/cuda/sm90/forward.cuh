@@ -1621,12 +1621,7 @@ inline Status merge_split(const forward_params_t& p, const SplitTarget& target) 
     m.out_cu_seqlens = p.cu_seqlens_q;
     m.out_rows = p.total_q;
   }
-  m.parts = target.splits;
-  m.batch = p.batch;
-  m.seqlen_q = p.seqlen_q;
-  m.heads = p.heads_q;
-  m.head_dim = p.head_dim;
-  set_dense_partials(m, target.part_o, target.part_lse);
+  set_dense_partials(m, target.splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim, target.part_o, target.part_lse);
   m.stream = p.stream;
   return merge_split_partials(m, supports_programmatic_launch(p.device_id));
 }
