@@ -10,13 +10,15 @@
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -DFLASHCORE_DECODE_TRACE -DFLASHCORE_HDIM_128 -DFLASHCORE_DTYPE_BF16 -I include -I src -I dev \
 //     dev/decode_trace.cu src/cuda/device.cu -o build/decode_trace
-// run:   build/decode_trace
+// run:   build/decode_trace            (HEADS_KV=2 CELLS=1x65536,4x16384 build/decode_trace: other shapes,
+//                                       GQA 32 / HEADS_KV)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -39,6 +41,7 @@ namespace dec = flashcore::cuda::decode;
 // declining every call.
 namespace flashcore::cuda::decode {
 bool prefill_route_applies(const KvCacheParams&) { return false; }
+bool decode_kernel_suits(const KvCacheParams&) { return true; }
 bool prefill_route_on_hopper(const KvCacheParams&) { return false; }
 size_t prefill_route_workspace(const KvCacheParams&) { return 0; }
 Status run_prefill_route(const KvCacheParams&, bool, void*) {
@@ -48,7 +51,7 @@ Status run_prefill_route(const KvCacheParams&, bool, void*) {
 
 namespace {
 
-constexpr int64_t kHeadsQ = 32, kHeadsKv = 8, kDim = 128;
+constexpr int64_t kHeadsQ = 32, kDim = 128;
 
 struct Stat {
   std::vector<double> v;
@@ -61,8 +64,17 @@ struct Stat {
 
 }  // namespace
 
+/** HEADS_KV (default 8: the benchmark's GQA 32 / 8) and CELLS ("BxL,BxL,...", default the
+ *  benchmark's three cells) from the environment, for shapes beside the target's. */
+int64_t heads_kv_from_env() {
+  const char* v = std::getenv("HEADS_KV");
+  const int64_t h = v ? std::atoll(v) : 8;
+  return h >= 1 && h <= 32 && 32 % h == 0 ? h : 8;
+}
+
 int main() {
-  const int64_t max_tokens = 131072;
+  const int64_t kHeadsKv = heads_kv_from_env();
+  const int64_t max_tokens = 131072 * 8 / kHeadsKv;
   __nv_bfloat16 *k, *v, *q, *out;
   const size_t cache_bytes = max_tokens * kHeadsKv * kDim * 2;
   CHECK(cudaMalloc(&k, cache_bytes));
@@ -87,7 +99,23 @@ int main() {
   std::mt19937 rng(11);
 
   struct Cell { int64_t batch, kv_len; };
-  for (const Cell c : {Cell{1, 65536}, Cell{16, 8192}, Cell{64, 2048}}) {
+  std::vector<Cell> cells = {{1, 65536}, {16, 8192}, {64, 2048}};
+  if (const char* spec = std::getenv("CELLS")) {
+    cells.clear();
+    long long b = 0, l = 0;
+    for (const char* at = spec; std::sscanf(at, "%lldx%lld", &b, &l) == 2;) {
+      if (b < 1 || b > 64 || l < 16 || b * l > max_tokens) {
+        std::fprintf(stderr, "CELLS: %lldx%lld outside 1-64 sequences and %lld keys in all\n", b, l, (long long)max_tokens);
+        return 1;
+      }
+      cells.push_back({b, l});
+      at = std::strchr(at, ',');
+      if (at == nullptr) break;
+      ++at;
+    }
+  }
+  const int64_t row_chunks = (kHeadsQ / kHeadsKv + 15) / 16;  // one query token: the GQA group's rows
+  for (const Cell c : cells) {
     for (const int page : {0, 16}) {
       fc::KvCacheParams p;
       p.dtype = fc::DType::BF16;
@@ -125,7 +153,7 @@ int main() {
       p.v_cache.data = v;
       const fc::cuda::AttentionPlan plan = fc::cuda::plan_attention(p);  // decode_api.cu's choices
       const int splits = plan.splits, warps = plan.tile.warps;
-      const int64_t ctas = int64_t(splits) * kHeadsKv * c.batch;
+      const int64_t ctas = int64_t(splits) * kHeadsKv * row_chunks * c.batch;
       if (ctas * warps * dec::kDecodePhases > trace_slots || fc::cuda::kvcache_workspace(p) > (64u << 20)) {
         std::fprintf(stderr, "trace or workspace too small\n");
         return 1;

@@ -569,17 +569,28 @@ TEST(CudaKvCache, SplitCallsOnAnyWorkspace) {
   mem.release(w);
 }
 
-TEST(CudaMergePartials, MatchesCpu) {
-  REQUIRE_GPU();
-  constexpr int64_t kParts = 5, kBatch = 2, kSq = 2, kHeads = 3, kHd = 40;
-  std::vector<float> op(kParts * kBatch * kSq * kHeads * kHd), lp(kParts * kBatch * kHeads * kSq);
+/** fc_merge_partials on the GPU against the CPU's on the same partials: `parts` parts of
+ *  (batch, seqlen_q, heads, head_dim); row (b 1, i 0, h 0) is empty in every part (0 / -inf), and
+ *  with `poison` one part of row (b 0, i 1, h 2) has a NaN LSE (the row becomes NaN) and row
+ *  (b 1, i 1, h 1) has only its last part non-empty. */
+void expect_gpu_merge_matches_cpu(int64_t parts, int64_t head_dim, bool poison) {
+  constexpr int64_t kBatch = 2, kSq = 2, kHeads = 3;
+  const int64_t kHd = head_dim;
+  std::vector<float> op(parts * kBatch * kSq * kHeads * kHd), lp(parts * kBatch * kHeads * kSq);
   for (size_t i = 0; i < op.size(); ++i) op[i] = std::sin(0.37 * i);
   for (size_t i = 0; i < lp.size(); ++i) lp[i] = 4 * std::cos(1.3 * i);
-  for (int64_t s = 0; s < kParts; ++s) lp[(s * kBatch + 1) * kHeads * kSq] = -INFINITY;  // one empty row
+  auto lse_at = [&](int64_t s, int64_t b, int64_t i, int64_t h) -> float& {
+    return lp[((s * kBatch + b) * kHeads + h) * kSq + i];
+  };
+  for (int64_t s = 0; s < parts; ++s) lse_at(s, 1, 0, 0) = -INFINITY;  // one empty row
+  if (poison) {
+    lse_at(parts / 2, 0, 1, 2) = NAN;
+    for (int64_t s = 0; s + 1 < parts; ++s) lse_at(s, 1, 1, 1) = -INFINITY;
+  }
   CudaMemory mem;
   std::vector<float> cpu_out(kBatch * kSq * kHeads * kHd), cpu_lse(kBatch * kHeads * kSq);
-  fc_tensor hop = flashcore::make_tensor(op.data(), FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd});
-  fc_tensor hlp = flashcore::make_tensor(lp.data(), FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq});
+  fc_tensor hop = flashcore::make_tensor(op.data(), FC_DTYPE_F32, {parts, kBatch * kSq, kHeads, kHd});
+  fc_tensor hlp = flashcore::make_tensor(lp.data(), FC_DTYPE_F32, {parts, kBatch, kHeads, kSq});
   fc_tensor hout = flashcore::make_tensor(cpu_out.data(), FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd});
   fc_tensor hlse = flashcore::make_tensor(cpu_lse.data(), FC_DTYPE_F32, {kBatch, kHeads, kSq});
   ASSERT_EQ(fc_merge_partials(&hop, &hlp, &hout, &hlse, nullptr), FC_OK) << fc_last_error();
@@ -589,8 +600,8 @@ TEST(CudaMergePartials, MatchesCpu) {
   void* dlse = mem.alloc(cpu_lse.size() * 4);
   mem.upload(dop, op.data(), op.size() * 4);
   mem.upload(dlp, lp.data(), lp.size() * 4);
-  fc_tensor gop = flashcore::make_tensor(dop, FC_DTYPE_F32, {kParts, kBatch * kSq, kHeads, kHd}, FC_DEVICE_CUDA);
-  fc_tensor glp = flashcore::make_tensor(dlp, FC_DTYPE_F32, {kParts, kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
+  fc_tensor gop = flashcore::make_tensor(dop, FC_DTYPE_F32, {parts, kBatch * kSq, kHeads, kHd}, FC_DEVICE_CUDA);
+  fc_tensor glp = flashcore::make_tensor(dlp, FC_DTYPE_F32, {parts, kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
   fc_tensor gout = flashcore::make_tensor(dout, FC_DTYPE_F32, {kBatch, kSq, kHeads, kHd}, FC_DEVICE_CUDA);
   fc_tensor glse = flashcore::make_tensor(dlse, FC_DTYPE_F32, {kBatch, kHeads, kSq}, FC_DEVICE_CUDA);
   fc_attention_options opt{};
@@ -599,10 +610,34 @@ TEST(CudaMergePartials, MatchesCpu) {
   std::vector<float> gpu_out(cpu_out.size()), gpu_lse(cpu_lse.size());
   mem.download(gpu_out.data(), dout, gpu_out.size() * 4);
   mem.download(gpu_lse.data(), dlse, gpu_lse.size() * 4);
-  for (size_t i = 0; i < cpu_out.size(); ++i) EXPECT_NEAR(gpu_out[i], cpu_out[i], 1e-5) << i;
-  for (size_t i = 0; i < cpu_lse.size(); ++i)
-    EXPECT_TRUE(std::isinf(cpu_lse[i]) ? gpu_lse[i] == cpu_lse[i] : std::fabs(gpu_lse[i] - cpu_lse[i]) < 1e-5) << i;
+  int nan_rows = 0;
+  for (size_t i = 0; i < cpu_out.size(); ++i) {
+    if (std::isnan(cpu_out[i])) {
+      EXPECT_TRUE(std::isnan(gpu_out[i])) << "parts " << parts << ", element " << i;
+      continue;
+    }
+    EXPECT_NEAR(gpu_out[i], cpu_out[i], 1e-5) << "parts " << parts << ", element " << i;
+  }
+  for (size_t i = 0; i < cpu_lse.size(); ++i) {
+    nan_rows += std::isnan(cpu_lse[i]);
+    if (std::isnan(cpu_lse[i]) || std::isinf(cpu_lse[i]))
+      EXPECT_TRUE(std::isnan(cpu_lse[i]) ? std::isnan(gpu_lse[i]) : gpu_lse[i] == cpu_lse[i]) << "parts " << parts << ", row " << i;
+    else
+      EXPECT_LT(std::fabs(gpu_lse[i] - cpu_lse[i]), 1e-5) << "parts " << parts << ", row " << i;
+  }
+  EXPECT_EQ(nan_rows, poison ? 1 : 0);  // the poisoned row, and only it
   for (void* p : {dop, dlp, dout, dlse}) mem.release(p);
+}
+
+TEST(CudaMergePartials, MatchesCpu) {
+  REQUIRE_GPU();
+  expect_gpu_merge_matches_cpu(5, 40, false);
+  expect_gpu_merge_matches_cpu(5, 40, true);
+  // Past one batch of parts (DecodeTraits::kMergeBatch) the merge splits a row's parts over its
+  // CTA's warps; 70 parts leave the last warp one batch of 6 and the others 16 or 32; head_dim
+  // 256 takes two column passes.
+  for (int64_t parts : {17, 70})
+    for (int64_t hd : {64, 256}) expect_gpu_merge_matches_cpu(parts, hd, true);
 }
 
 }  // namespace

@@ -187,10 +187,13 @@ template <typename OutT>
 Status launch_merge(const MergeParams& m, bool programmatic_dependent = false) {
   const int64_t rows = m.batch * m.seqlen_q * m.heads;
   if (rows == 0) return Status::ok();
-  constexpr int kRowsPerBlock = DecodeTraits::kMergeThreads / DecodeTraits::kWarp;
-  const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  return launch("merge_partials", decode::merge_kernel<OutT>, dim3(static_cast<unsigned>(blocks)),
-                DecodeTraits::kMergeThreads, 0, static_cast<cudaStream_t>(m.stream), programmatic_dependent, m);
+  // Past one batch of parts a row's warps share its parts (decode::merge_kernel).
+  const bool parts_split = m.parts > DecodeTraits::kMergeBatch;
+  const int64_t per_block = parts_split ? decode::merge_rows_per_cta<true>() : decode::merge_rows_per_cta<false>();
+  const int64_t blocks = (rows + per_block - 1) / per_block;
+  return launch("merge_partials", parts_split ? decode::merge_kernel<OutT, true> : decode::merge_kernel<OutT, false>,
+                dim3(static_cast<unsigned>(blocks)), DecodeTraits::kMergeThreads, 0, static_cast<cudaStream_t>(m.stream),
+                programmatic_dependent, m);
 }
 
 /** The attention kernel of p with kWarps warps per CTA (kPaired: p is a head-pair view). */

@@ -41,6 +41,7 @@ struct DecodeTraits {
   static constexpr int kRows = 16;  // query rows per attention CTA (the m of the mma tile)
   static constexpr int kWarp = 32;
   static constexpr int kMergeThreads = 128;
+  static constexpr int kMergeBatch = 16;  // parts whose loads a merge warp issues together
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -210,7 +211,11 @@ struct AttnTile {
   // every decode target cell of the H100 (2026-11-23), 4 and 5 stages on the H200 (session 33).
   static constexpr int kStages = HD <= 64 ? kD64Stages : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kCombineBytes = kWarps * kRows * HD * int(sizeof(float));
+  // The warps' O rows for the combine, kCombineStride floats apart: HD + 8 puts the rows g = 0..3 of
+  // a fragment store (float2 at 8n + 2c) on distinct banks, where rows HD apart all hit the same
+  // four (an 8-way conflict on every store of the epilogue).
+  static constexpr int kCombineStride = HD + 8;
+  static constexpr int kCombineBytes = kWarps * kRows * kCombineStride * int(sizeof(float));
   // HD 256: Q's mma fragments (64 registers) would spill next to the 128 accumulators; they are
   // read from shared memory (ldmatrix per k-step) instead, placed after the ring.
   static constexpr bool kQInSmem = HD > 128;
@@ -751,15 +756,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
 
   // Combine the warps' states.
   const bool any_bad = __syncthreads_or(bad);  // also: every warp is done with its ring
-  float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][HD]
+  float* s_o = reinterpret_cast<float*>(smem);  // [warp][row][kCombineStride]
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
     l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
     const int r = g + 8 * half;
+    if (r >= nrows) continue;  // padding rows: never read (one token of GQA 32 / 8 fills 4 of 16)
 #pragma unroll
     for (int n = 0; n < 2 * kSteps; ++n)
-      *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * HD + 8 * n + 2 * c) =
+      *reinterpret_cast<float2*>(s_o + (warp * kRows + r) * Tl::kCombineStride + 8 * n + 2 * c) =
           make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
     if (c == 0) {
       s_m[warp][r] = m[half];
@@ -795,7 +801,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float wt = s_w[w][r];
-      const float4* from = reinterpret_cast<const float4*>(s_o + (w * kRows + r) * HD + d_acc);
+      const float4* from = reinterpret_cast<const float4*>(s_o + (w * kRows + r) * Tl::kCombineStride + d_acc);
       const float4 lo = from[0], hi = from[1];
       o[0] = fmaf(wt, lo.x, o[0]);
       o[1] = fmaf(wt, lo.y, o[1]);
@@ -833,11 +839,81 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Merge: one warp per (b, i, h) row. A NaN part poisons the row; all parts -inf give 0 / -inf.
+// Merge of (out, lse) partials. A NaN part poisons the row; all parts -inf give 0 / -inf.
 // ---------------------------------------------------------------------------------------------
-template <typename OutT>
+/** One warp's running merge of a row's parts over columns [d0, d0 + kPerLane x 32): the online
+ *  softmax's max / sum and the weighted O of its lane's kPerLane columns. */
+struct MergeState {
+  static constexpr int kPerLane = 4;
+  float run_max, run_sum, acc[kPerLane];
+  bool has_nan;
+};
+
+/** Folds parts first, first + 1, ... (kBatch at a time, then `stride` on) into st. The combine is
+ *  latency-bound (a few KB per row, read from L2): every load of a batch (its LSEs and the lane's
+ *  columns of each O) is issued before any is used, so a batch costs one round trip to memory;
+ *  across batches the running max / sum / weighted O are rescaled as in the online softmax. */
+template <int kBatch>
+__device__ __forceinline__ void merge_parts(const MergeParams& p, const float* lp, const float* op, int64_t d0, int lane,
+                                            int64_t first, int64_t stride, MergeState& st) {
+  constexpr int kWarp = DecodeTraits::kWarp, kPerLane = MergeState::kPerLane;
+  const float kNegInf = -__int_as_float(0x7f800000);
+  st.run_max = kNegInf;
+  st.run_sum = 0.f;
+  st.has_nan = false;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) st.acc[j] = 0.f;
+  for (int64_t s0 = first; s0 < p.parts; s0 += stride) {
+    float l[kBatch], v[kBatch][kPerLane];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const bool in = s0 + k < p.parts;
+      l[k] = in ? lp[(s0 + k) * p.lp_part_stride] : kNegInf;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int64_t d = d0 + lane + j * kWarp;
+        v[k][j] = (in && d < p.head_dim) ? op[(s0 + k) * p.op_part_stride + d] : 0.f;
+      }
+    }
+    float batch_max = kNegInf;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      st.has_nan |= isnan(l[k]);
+      batch_max = fmaxf(batch_max, l[k]);  // fmaxf ignores a NaN operand
+    }
+    const float new_max = fmaxf(st.run_max, batch_max);
+    if (new_max == kNegInf) continue;  // nothing but empty parts so far
+    const float rescale = __expf(st.run_max - new_max);  // run_max = -inf: 0, and the state is 0
+    st.run_sum *= rescale;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) st.acc[j] *= rescale;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (!(l[k] > kNegInf)) continue;  // an empty part's O may hold anything: never read into the sum
+      const float w = __expf(l[k] - new_max);
+      st.run_sum += w;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) st.acc[j] = fmaf(w, v[k][j], st.acc[j]);
+    }
+    st.run_max = new_max;
+  }
+}
+
+/** Rows per merge CTA: one warp per (b, i, h) row, all of its parts (kPartsSplit = false), or one
+ *  row whose parts the CTA's warps share, batch w, w + warps, ... each, combined through shared
+ *  memory (kPartsSplit = true: past one batch of parts, where a lone warp would pay one round trip
+ *  per batch in turn; docs/PERF.md session 40, H200: 63 parts of 32 rows took 8.9 us alone on lone
+ *  warps, 3.9 shared). */
+template <bool kPartsSplit>
+constexpr int merge_rows_per_cta() {
+  return kPartsSplit ? 1 : DecodeTraits::kMergeThreads / DecodeTraits::kWarp;
+}
+
+template <typename OutT, bool kPartsSplit>
 __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(MergeParams p) {
-  constexpr int kWarp = DecodeTraits::kWarp;
+  constexpr int kWarp = DecodeTraits::kWarp, kWarps = DecodeTraits::kMergeThreads / kWarp;
+  constexpr int kPerLane = MergeState::kPerLane;
+  constexpr int kBatch = DecodeTraits::kMergeBatch;
   // A split-KV combine is short and sits between two long attention grids: it lets the next grid
   // (the next call's attention) be scheduled at once, so that grid's CTAs are placed while this
   // call's attention still runs instead of after this kernel started; then it waits until its
@@ -847,9 +923,9 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   allow_next_grid();
   const float kNegInf = -__int_as_float(0x7f800000);
   const float kNan = __int_as_float(0x7fc00000);
-  const int lane = threadIdx.x % kWarp;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp;
-  if (row >= p.batch * p.seqlen_q * p.heads) return;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t row = int64_t(blockIdx.x) * merge_rows_per_cta<kPartsSplit>() + (kPartsSplit ? 0 : warp);
+  if (row >= p.batch * p.seqlen_q * p.heads) return;  // (a whole CTA when kPartsSplit)
   const int64_t h = row % p.heads, i = (row / p.heads) % p.seqlen_q, b = row / (p.heads * p.seqlen_q);
   const float* lp = p.lse_partials + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
   const float* op = p.out_partials + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
@@ -858,66 +934,68 @@ __global__ void __launch_bounds__(DecodeTraits::kMergeThreads) merge_kernel(Merg
   if (p.out_cu_seqlens != nullptr) {  // a varlen combine: its packed rows, read after the wait
     int64_t start, tokens;
     packed_rows(p.out_cu_seqlens, b, p.out_rows, p.seqlen_q, start, tokens);
-    if (i >= tokens) return;
+    if (i >= tokens) return;  // (uniform over the CTA when kPartsSplit: one row)
     out_offset = offset_of(p.out, b, start + i, h);
     lse_row = start + i;
   }
   OutT* out = static_cast<OutT*>(p.out.data) + out_offset;
-  // The combine is latency-bound (a few KB per row, read from L2): the parts are taken kBatch at a
-  // time with every load of a batch (its LSEs and the lane's kPerLane columns of each O) issued
-  // before any is used, so a split-KV combine of up to kBatch parts costs one round trip to memory.
-  // Across batches the running max / sum / weighted O are rescaled as in the online softmax.
-  constexpr int kPerLane = 4;
-  constexpr int kBatch = 16;
+  __shared__ float s_max[kPartsSplit ? kWarps : 1], s_sum[kPartsSplit ? kWarps : 1];
+  __shared__ float s_acc[kPartsSplit ? kWarps : 1][kPerLane * kWarp];
+  __shared__ int s_nan[kPartsSplit ? kWarps : 1];
   float lse = kNegInf;
   for (int64_t d0 = 0; d0 < p.head_dim; d0 += kPerLane * kWarp) {
-    float run_max = kNegInf, run_sum = 0.f, acc[kPerLane];
-    bool has_nan = false;
+    MergeState st;
+    if constexpr (kPartsSplit) {
+      merge_parts<kBatch>(p, lp, op, d0, lane, int64_t(warp) * kBatch, int64_t(kWarps) * kBatch, st);
+      // The warps' states, rescaled to their common max (as across batches above) by warp 0.
+      if (lane == 0) {
+        s_max[warp] = st.run_max;
+        s_sum[warp] = st.run_sum;
+        s_nan[warp] = st.has_nan;
+      }
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) acc[j] = 0.f;
-    for (int64_t s0 = 0; s0 < p.parts; s0 += kBatch) {
-      float l[kBatch], v[kBatch][kPerLane];
+      for (int j = 0; j < kPerLane; ++j) s_acc[warp][lane + j * kWarp] = st.acc[j];
+      __syncthreads();
+      if (warp == 0) {
+        float mx = kNegInf;
+        bool has_nan = false;
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const bool in = s0 + k < p.parts;
-        l[k] = in ? lp[(s0 + k) * p.lp_part_stride] : kNegInf;
-#pragma unroll
-        for (int j = 0; j < kPerLane; ++j) {
-          const int64_t d = d0 + lane + j * kWarp;
-          v[k][j] = (in && d < p.head_dim) ? op[(s0 + k) * p.op_part_stride + d] : 0.f;
+        for (int w = 0; w < kWarps; ++w) {
+          mx = fmaxf(mx, s_max[w]);
+          has_nan |= s_nan[w] != 0;
         }
+        float sum = 0.f, acc[kPerLane] = {};
+        if (mx != kNegInf) {
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) {
+            if (!(s_max[w] > kNegInf)) continue;  // a warp without a non-empty part
+            const float scale = __expf(s_max[w] - mx);
+            sum = fmaf(scale, s_sum[w], sum);
+#pragma unroll
+            for (int j = 0; j < kPerLane; ++j) acc[j] = fmaf(scale, s_acc[w][lane + j * kWarp], acc[j]);
+          }
+        }
+        st.run_max = mx;
+        st.run_sum = sum;
+        st.has_nan = has_nan;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) st.acc[j] = acc[j];
       }
-      float batch_max = kNegInf;
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        has_nan |= isnan(l[k]);
-        batch_max = fmaxf(batch_max, l[k]);  // fmaxf ignores a NaN operand
-      }
-      const float new_max = fmaxf(run_max, batch_max);
-      if (new_max == kNegInf) continue;  // nothing but empty parts so far
-      const float rescale = __expf(run_max - new_max);  // run_max = -inf: 0, and the state is 0
-      run_sum *= rescale;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) acc[j] *= rescale;
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        if (!(l[k] > kNegInf)) continue;  // an empty part's O may hold anything: never read into the sum
-        const float w = __expf(l[k] - new_max);
-        run_sum += w;
-#pragma unroll
-        for (int j = 0; j < kPerLane; ++j) acc[j] = fmaf(w, v[k][j], acc[j]);
-      }
-      run_max = new_max;
+      __syncthreads();  // shared memory free for the next columns
+      if (warp != 0) continue;
+    } else {
+      merge_parts<kBatch>(p, lp, op, d0, lane, 0, kBatch, st);
     }
-    lse = has_nan ? kNan : (run_max == kNegInf ? kNegInf : run_max + __logf(run_sum));
-    const float inv = run_max == kNegInf ? 0.f : 1.f / run_sum;
+    lse = st.has_nan ? kNan : (st.run_max == kNegInf ? kNegInf : st.run_max + __logf(st.run_sum));
+    const float inv = st.run_max == kNegInf ? 0.f : 1.f / st.run_sum;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t d = d0 + lane + j * kWarp;
-      if (d < p.head_dim) out[d] = from_float<OutT>(has_nan ? kNan : acc[j] * inv);
+      if (d < p.head_dim) out[d] = from_float<OutT>(st.has_nan ? kNan : st.acc[j] * inv);
     }
   }
-  if (lane == 0 && p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + lse_row * p.lse.row_stride] = lse;
+  if ((!kPartsSplit || warp == 0) && lane == 0 && p.lse.data)
+    p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + lse_row * p.lse.row_stride] = lse;
 }
 
 }  // namespace flashcore::cuda::decode
