@@ -341,9 +341,17 @@ template <typename PartO, typename PartLse, typename Store>
 void merge_row(int64_t parts, int64_t hd, PartO part_o, PartLse part_lse, Store store, float* lse_out,
                std::vector<float>& weight) {
   float m = kNegInf;
+  bool has_nan = false;  // kept apart: a NaN in m would be replaced by the next part's lse
   for (int64_t s = 0; s < parts; ++s) {
     const float l = part_lse(s);
-    if (!(l <= m)) m = l;  // NaN propagates into m
+    has_nan = has_nan || std::isnan(l);
+    m = std::max(m, l);
+  }
+  if (has_nan) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t d = 0; d < hd; ++d) store(d, nan);
+    *lse_out = nan;
+    return;
   }
   if (m == kNegInf) {
     for (int64_t d = 0; d < hd; ++d) store(d, 0.f);

@@ -716,5 +716,40 @@ TEST(MergePartialsCpu, MatchesFp64AndHandlesEmptyParts) {
   }
 }
 
+// A NaN among a row's part LSEs poisons the row (out and lse NaN) wherever it stands: before or
+// after finite parts, and with only empty (-inf) parts beside it. The other rows stay exact.
+TEST(MergePartialsCpu, NanPartPoisonsItsRow) {
+  const float kNan = std::nanf(""), kNegInf = -std::numeric_limits<float>::infinity();
+  const std::vector<std::vector<float>> rows = {
+      {kNan, kNegInf, kNegInf}, {kNegInf, kNan, kNegInf}, {kNegInf, kNegInf, kNan},
+      {kNan, 1.f, kNegInf},     {2.f, kNan, 1.f},          {0.5f, -1.f, 2.f}};  // the last one clean
+  const int64_t parts = 3, heads = static_cast<int64_t>(rows.size()), hd = 8;
+  std::vector<float> op(parts * heads * hd), lp(parts * heads);
+  for (size_t i = 0; i < op.size(); ++i) op[i] = std::cos(0.7 * double(i));
+  for (int64_t s = 0; s < parts; ++s)
+    for (int64_t h = 0; h < heads; ++h) lp[s * heads + h] = rows[h][s];
+  std::vector<float> out(heads * hd, 123.f), lse(heads, 123.f);
+  fc_tensor top = flashcore::make_tensor(op.data(), FC_DTYPE_F32, {parts, 1, heads, hd});
+  fc_tensor tlp = flashcore::make_tensor(lp.data(), FC_DTYPE_F32, {parts, 1, heads, 1});
+  fc_tensor tout = flashcore::make_tensor(out.data(), FC_DTYPE_F32, {1, 1, heads, hd});
+  fc_tensor tlse = flashcore::make_tensor(lse.data(), FC_DTYPE_F32, {1, heads, 1});
+  ASSERT_EQ(fc_merge_partials(&top, &tlp, &tout, &tlse, nullptr), FC_OK) << fc_last_error();
+  for (int64_t h = 0; h + 1 < heads; ++h) {
+    EXPECT_TRUE(std::isnan(lse[h])) << "row " << h << ": lse " << lse[h];
+    for (int64_t d = 0; d < hd; ++d) EXPECT_TRUE(std::isnan(out[h * hd + d])) << "row " << h << ", d " << d;
+  }
+  const int64_t h = heads - 1;
+  double m = -INFINITY, total = 0;
+  for (float l : rows[h]) m = std::max(m, double(l));
+  for (float l : rows[h]) total += std::exp(l - m);
+  const double ref_lse = m + std::log(total);
+  EXPECT_NEAR(lse[h], ref_lse, 1e-5);
+  for (int64_t d = 0; d < hd; ++d) {
+    double ref = 0;
+    for (int64_t s = 0; s < parts; ++s) ref += std::exp(rows[h][s] - ref_lse) * op[(s * heads + h) * hd + d];
+    EXPECT_NEAR(out[h * hd + d], ref, 1e-5) << "d " << d;
+  }
+}
+
 }  // namespace
 }  // namespace flashcore::testing
