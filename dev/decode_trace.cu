@@ -69,12 +69,37 @@ struct Stat {
 int64_t heads_kv_from_env() {
   const char* v = std::getenv("HEADS_KV");
   const int64_t h = v ? std::atoll(v) : 8;
-  return h >= 1 && h <= 32 && 32 % h == 0 ? h : 8;
+  if (h < 1 || h > 32 || 32 % h != 0) {
+    std::fprintf(stderr, "HEADS_KV: a divisor of 32 (the query heads), got %s\n", v);
+    std::exit(1);
+  }
+  return h;
 }
 
 int main() {
   const int64_t kHeadsKv = heads_kv_from_env();
   const int64_t max_tokens = 131072 * 8 / kHeadsKv;
+  struct Cell { int64_t batch, kv_len; };
+  std::vector<Cell> cells = {{1, 65536}, {16, 8192}, {64, 2048}};
+  if (const char* spec = std::getenv("CELLS")) {
+    cells.clear();
+    long long b = 0, l = 0;
+    for (const char* at = spec;; ++at) {
+      if (std::sscanf(at, "%lldx%lld", &b, &l) != 2) {
+        std::fprintf(stderr, "CELLS: expected BATCHxKEYS[,BATCHxKEYS...], got %s\n", spec);
+        return 1;
+      }
+      // Whole 16-key pages: the paged run's tables cover the length exactly.
+      if (b < 1 || b > 64 || l < 16 || l % 16 != 0 || b * l > max_tokens) {
+        std::fprintf(stderr, "CELLS: %lldx%lld: 1-64 sequences of a multiple of 16 keys, %lld keys in all at most\n", b, l,
+                     (long long)max_tokens);
+        return 1;
+      }
+      cells.push_back({b, l});
+      at = std::strchr(at, ',');
+      if (at == nullptr) break;
+    }
+  }
   __nv_bfloat16 *k, *v, *q, *out;
   const size_t cache_bytes = max_tokens * kHeadsKv * kDim * 2;
   CHECK(cudaMalloc(&k, cache_bytes));
@@ -98,22 +123,6 @@ int main() {
   CHECK(cudaMemcpyToSymbol(dec::g_decode_trace, &trace, sizeof(trace)));
   std::mt19937 rng(11);
 
-  struct Cell { int64_t batch, kv_len; };
-  std::vector<Cell> cells = {{1, 65536}, {16, 8192}, {64, 2048}};
-  if (const char* spec = std::getenv("CELLS")) {
-    cells.clear();
-    long long b = 0, l = 0;
-    for (const char* at = spec; std::sscanf(at, "%lldx%lld", &b, &l) == 2;) {
-      if (b < 1 || b > 64 || l < 16 || b * l > max_tokens) {
-        std::fprintf(stderr, "CELLS: %lldx%lld outside 1-64 sequences and %lld keys in all\n", b, l, (long long)max_tokens);
-        return 1;
-      }
-      cells.push_back({b, l});
-      at = std::strchr(at, ',');
-      if (at == nullptr) break;
-      ++at;
-    }
-  }
   const int64_t row_chunks = (kHeadsQ / kHeadsKv + 15) / 16;  // one query token: the GQA group's rows
   for (const Cell c : cells) {
     for (const int page : {0, 16}) {

@@ -634,8 +634,9 @@ TEST(CudaMergePartials, MatchesCpu) {
   expect_gpu_merge_matches_cpu(5, 40, false);
   expect_gpu_merge_matches_cpu(5, 40, true);
   // Past one batch of parts (DecodeTraits::kMergeBatch) the merge splits a row's parts over its
-  // CTA's warps; 70 parts leave the last warp one batch of 6 and the others 16 or 32; head_dim
-  // 256 takes two column passes.
+  // CTA's warps, warp w taking batches w, w + 4, ...: 17 parts leave warps 2-3 nothing and warp 1
+  // one part (in the poisoned rows, the only non-empty one); 70 give warp 0 a second, partial
+  // batch (parts 64-69: a rescale inside a warp). head_dim 256 takes two column passes.
   for (int64_t parts : {17, 70})
     for (int64_t hd : {64, 256}) expect_gpu_merge_matches_cpu(parts, hd, true);
 }

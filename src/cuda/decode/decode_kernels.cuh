@@ -212,8 +212,8 @@ struct AttnTile {
   static constexpr int kStages = HD <= 64 ? kD64Stages : (HD <= 128 ? 3 : 2);
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   // The warps' O rows for the combine, kCombineStride floats apart: HD + 8 puts the rows g = 0..3 of
-  // a fragment store (float2 at 8n + 2c) on distinct banks, where rows HD apart all hit the same
-  // four (an 8-way conflict on every store of the epilogue).
+  // a half-warp's fragment store (float2 at 8n + 2c) on distinct banks, where rows HD apart all hit
+  // the same eight (a 4-way conflict per half-warp on every store of the epilogue).
   static constexpr int kCombineStride = HD + 8;
   static constexpr int kCombineBytes = kWarps * kRows * kCombineStride * int(sizeof(float));
   // HD 256: Q's mma fragments (64 registers) would spill next to the 128 accumulators; they are
