@@ -1,8 +1,8 @@
 // How many thread-block clusters of the decode attention kernel (cuda/decode/decode_kernels.cuh)
-// the GPU holds at once, by cluster size, for its 8-warp and 4-warp d128 tiles: the number behind
-// decode_api.cu's choice between merging a split call inside its clusters and the merge kernel
-// (a GPC must hold a whole cluster, so clusters of CTAs that take a whole SM each may leave SMs
-// idle).
+// the GPU holds at once, by cluster size, for its 8-warp and 4-warp d128 tiles (a GPC must hold a
+// whole cluster, so clusters of CTAs that take a whole SM each may leave SMs idle): the number
+// that kept a split call's merge inside its clusters (branch decode-cluster-merge, docs/PERF.md
+// session 40) off main.
 //
 // build / run (on the GPU machine, from the repository root; ~30 s):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \

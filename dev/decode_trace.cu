@@ -64,8 +64,8 @@ struct Stat {
 
 }  // namespace
 
-/** HEADS_KV (default 8: the benchmark's GQA 32 / 8) and CELLS ("BxL,BxL,...", default the
- *  benchmark's three cells) from the environment, for shapes beside the target's. */
+/** HEADS_KV from the environment (default 8: the benchmark's GQA 32 / 8), for shapes beside the
+ *  target's; main reads CELLS ("BxL,BxL,...", default the benchmark's three cells). */
 int64_t heads_kv_from_env() {
   const char* v = std::getenv("HEADS_KV");
   const int64_t h = v ? std::atoll(v) : 8;
@@ -123,7 +123,8 @@ int main() {
   CHECK(cudaMemcpyToSymbol(dec::g_decode_trace, &trace, sizeof(trace)));
   std::mt19937 rng(11);
 
-  const int64_t row_chunks = (kHeadsQ / kHeadsKv + 15) / 16;  // one query token: the GQA group's rows
+  // One query token: the GQA group's rows, in chunks of the attention CTA's rows.
+  const int64_t row_chunks = (kHeadsQ / kHeadsKv + dec::DecodeTraits::kRows - 1) / dec::DecodeTraits::kRows;
   for (const Cell c : cells) {
     for (const int page : {0, 16}) {
       fc::KvCacheParams p;
