@@ -52,7 +52,8 @@ class FcOptions(ctypes.Structure):
                 ("deterministic", ctypes.c_int32), ("stream", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
                 ("check_cu_seqlens", ctypes.c_int32), ("error_flag", ctypes.c_void_p),
                 ("reserved", ctypes.c_int32 * 4), ("block_table", ctypes.c_void_p),  # FC_ABI_VERSION 2
-                ("alibi_slopes", ctypes.c_void_p)]  # FC_ABI_VERSION 3
+                ("alibi_slopes", ctypes.c_void_p),  # FC_ABI_VERSION 3
+                ("sm_margin", ctypes.c_int32)]  # FC_ABI_VERSION 4
 
 
 class FcKvArgs(ctypes.Structure):
@@ -65,7 +66,7 @@ class FcKvArgs(ctypes.Structure):
                 # FC_ABI_VERSION 2
                 ("rotary_cos", ctypes.POINTER(FcTensor)), ("rotary_sin", ctypes.POINTER(FcTensor)),
                 ("rotary_interleaved", ctypes.c_int32), ("cache_leftpad", ctypes.POINTER(FcTensor))]
-FC_ABI_VERSION = 3  # the C ABI these structures mirror
+FC_ABI_VERSION = 4  # the C ABI these structures mirror
 
 
 def fc_tensor(t):

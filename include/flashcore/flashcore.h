@@ -35,8 +35,9 @@ extern "C" {
 /* 2: fc_kvcache_args gained rotary_cos / rotary_sin / rotary_interleaved / cache_leftpad (appended
  *    after error_flag) and fc_attention_options gained block_table (appended after reserved);
  *    callers built against version 1 pass shorter structs: rebuild them.
- * 3: fc_attention_options gained alibi_slopes (appended after block_table). */
-#define FC_ABI_VERSION 3
+ * 3: fc_attention_options gained alibi_slopes (appended after block_table).
+ * 4: fc_attention_options gained sm_margin (appended after alibi_slopes). */
+#define FC_ABI_VERSION 4
 #define FC_MAX_DIMS 4
 
 /** Element types. Values are part of the ABI. */
@@ -136,6 +137,13 @@ typedef struct fc_attention_options {
    *  grid takes heads_q x seqlen_q rows up to 65535 blocks of 16 rows per call). CPU slopes must
    *  be finite; CUDA slopes are trusted (a NaN slope gives NaN rows). NULL = no bias. */
   const fc_tensor* alibi_slopes;
+  /** Since FC_ABI_VERSION 4. CUDA: SMs the call leaves to work running beside it (FlashAttention-3's
+   *  sm_margin), e.g. the communication kernels of ring attention. The Hopper kernels whose grids
+   *  hold one CTA per SM and walk a fixed list of tiles (forward; backward without a mask) size
+   *  their grids for SM count - sm_margin SMs (at least one), so no CTA waits for an SM that such
+   *  a kernel holds while the others finish their lists. Kernels launched one CTA per tile need no
+   *  margin and ignore it; so do CPU backends. 0 = every SM; negative is an error. */
+  int32_t sm_margin;
 } fc_attention_options;
 
 /** Message of the last failed call on this thread ("" when none). Valid until the next call. */

@@ -62,6 +62,7 @@ struct Options {
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device for bad cu_seqlens (no sync)
   const Tensor* block_table = nullptr;  // varlen forward: k / v are pages (fc_attention_options.block_table)
   const Tensor* alibi_slopes = nullptr;  // float32 (heads_q) or (batch, heads_q): ALiBi bias
+  int32_t sm_margin = 0;  // CUDA: SMs left to concurrent work (fc_attention_options.sm_margin)
 
   fc_attention_options to_c() const {
     fc_attention_options o{};
@@ -83,6 +84,7 @@ struct Options {
     o.error_flag = error_flag;
     o.block_table = block_table;
     o.alibi_slopes = alibi_slopes;
+    o.sm_margin = sm_margin;
     return o;
   }
 };

@@ -74,7 +74,7 @@ def _last_dim_contiguous(t):
 
 
 def _options(like, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-             window_right, softcap, backend, deterministic):
+             window_right, softcap, backend, deterministic, sm_margin=0):
     if like.is_cuda:
         stream = torch.cuda.current_stream(like.device).cuda_stream
         num_threads = 0
@@ -93,6 +93,7 @@ def _options(like, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_lef
         deterministic=deterministic,
         stream=stream,
         num_threads=num_threads,
+        sm_margin=sm_margin,
     )
 
 
@@ -131,11 +132,11 @@ class _OnDevice:
 
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
-                  block_table=None):
+                  block_table=None, sm_margin=0):
     out = q.new_empty(q.shape)
     lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, backend, deterministic)
+                       window_right, softcap, backend, deterministic, sm_margin)
     with _OnDevice(q):
         _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
                    _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
@@ -147,12 +148,12 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
 
 def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                   softcap, backend, deterministic):
+                   softcap, backend, deterministic, sm_margin=0):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, backend, deterministic)
+                       window_right, softcap, backend, deterministic, sm_margin)
     with _OnDevice(q):
         _C.backward(_describe(dout, "dout"), _describe(q, "q"), _describe(k, "k"),
                     _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),

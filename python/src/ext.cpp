@@ -64,6 +64,7 @@ struct CallOptions {
   // numpy has no native bfloat16: the Python layer passes ml_dtypes bfloat16 arrays as uint16
   // views and sets this flag so that 16-bit unsigned integers are read as bfloat16.
   bool uint16_is_bfloat16 = false;
+  int32_t sm_margin = 0;  // CUDA: SMs left to concurrent work (fc_attention_options.sm_margin)
 };
 
 std::string dtype_description(nb::dlpack::dtype dt) {
@@ -269,6 +270,7 @@ fc_attention_options make_options(const CallOptions& call, const fc_tensor* cu_s
   options.stream = reinterpret_cast<void*>(call.stream);
   options.num_threads = call.num_threads;
   options.check_cu_seqlens = call.check_cu_seqlens ? 1 : 0;
+  options.sm_margin = call.sm_margin;
   return options;
 }
 
@@ -546,16 +548,17 @@ NB_MODULE(_C, m) {
           [](CallOptions* self, double softmax_scale, bool causal, int32_t window_left,
              int32_t window_right, double softcap, int64_t max_seqlen_q, int64_t max_seqlen_k,
              int32_t backend, bool deterministic, uintptr_t stream, int32_t num_threads,
-             bool check_cu_seqlens, bool uint16_is_bfloat16) {
+             bool check_cu_seqlens, bool uint16_is_bfloat16, int32_t sm_margin) {
             new (self) CallOptions{softmax_scale, causal,      window_left,  window_right,
                                    softcap,       max_seqlen_q, max_seqlen_k, backend,
                                    deterministic, stream,      num_threads,  check_cu_seqlens,
-                                   uint16_is_bfloat16};
+                                   uint16_is_bfloat16, sm_margin};
           },
           nb::kw_only(), "softmax_scale"_a = 0.0, "causal"_a = false, "window_left"_a = -1,
           "window_right"_a = -1, "softcap"_a = 0.0, "max_seqlen_q"_a = 0, "max_seqlen_k"_a = 0,
           "backend"_a = static_cast<int32_t>(FC_BACKEND_AUTO), "deterministic"_a = false,
-          "stream"_a = 0, "num_threads"_a = 0, "check_cu_seqlens"_a = false, "uint16_is_bfloat16"_a = false)
+          "stream"_a = 0, "num_threads"_a = 0, "check_cu_seqlens"_a = false, "uint16_is_bfloat16"_a = false,
+          "sm_margin"_a = 0)
       .def_rw("softmax_scale", &CallOptions::softmax_scale)
       .def_rw("causal", &CallOptions::causal)
       .def_rw("window_left", &CallOptions::window_left)
@@ -568,7 +571,8 @@ NB_MODULE(_C, m) {
       .def_rw("stream", &CallOptions::stream)
       .def_rw("num_threads", &CallOptions::num_threads)
       .def_rw("check_cu_seqlens", &CallOptions::check_cu_seqlens)
-      .def_rw("uint16_is_bfloat16", &CallOptions::uint16_is_bfloat16);
+      .def_rw("uint16_is_bfloat16", &CallOptions::uint16_is_bfloat16)
+      .def_rw("sm_margin", &CallOptions::sm_margin);
 
   m.def("forward", &forward, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(),
         "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(), "options"_a,

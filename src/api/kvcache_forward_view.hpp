@@ -58,6 +58,7 @@ inline AttentionParams kvcache_as_forward(const KvCacheParams& p, const KvForwar
   f.window_left = p.window_left;
   f.window_right = p.window_right;
   f.num_threads = p.num_threads;
+  f.sm_margin = p.sm_margin;
   f.stream = p.stream;
   f.alibi_slopes = p.alibi_slopes;
   f.alibi_batch_stride = p.alibi_batch_stride;
@@ -112,6 +113,7 @@ inline KvCacheParams forward_as_kvcache(const AttentionParams& f) {
   p.window_left = f.window_left;
   p.window_right = f.window_right;
   p.num_threads = f.num_threads;
+  p.sm_margin = f.sm_margin;
   p.stream = f.stream;
   return p;
 }

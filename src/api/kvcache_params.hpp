@@ -99,6 +99,7 @@ struct KvCacheParams {
   int64_t longest_sequence = 0;
   int32_t* error_flag = nullptr;  // optional; set to 1 on bad cache indices (device side on CUDA)
   int num_threads = 0;
+  int sm_margin = 0;  // CUDA: SMs left to concurrent work (fc_attention_options.sm_margin)
   void* stream = nullptr;
 
   FC_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }

@@ -57,6 +57,7 @@ Status apply_options(const fc_attention_options& opt, const fc_tensor* q, KvCach
   p->window_left = ro.window_left;
   p->window_right = ro.window_right;
   p->num_threads = opt.num_threads;
+  p->sm_margin = opt.sm_margin;
   p->stream = opt.stream;
   return Status::ok();
 }

@@ -76,6 +76,7 @@ struct AttentionParams {
 
   bool deterministic = false;
   int num_threads = 0;        // CPU: 0 = every core of the affinity mask (cpu::available_cores)
+  int sm_margin = 0;          // CUDA: SMs left to concurrent work (fc_attention_options.sm_margin)
   void* stream = nullptr;     // cudaStream_t
   int32_t* error_flag = nullptr;  // CUDA varlen: set to 1 on the device when cu_seqlens break the rules
   KvPages pages;                  // forward only

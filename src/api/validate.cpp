@@ -241,6 +241,8 @@ Status check_common_options(const fc_attention_options& opt, int64_t head_dim, R
     return Status::invalid("backend: unknown backend code " + std::to_string(opt.backend));
   if (opt.num_threads < 0)
     return Status::invalid("num_threads: " + std::to_string(opt.num_threads) + " is negative (0 = all cores)");
+  if (opt.sm_margin < 0)
+    return Status::invalid("sm_margin: " + std::to_string(opt.sm_margin) + " is negative (0 = every SM)");
   r->softmax_scale =
       static_cast<float>(opt.softmax_scale != 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(head_dim)));
   r->softcap = static_cast<float>(opt.softcap);
@@ -405,6 +407,7 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   p->window_right = ro.window_right;
   p->deterministic = opt.deterministic != 0;
   p->num_threads = opt.num_threads;
+  p->sm_margin = opt.sm_margin;
   p->stream = opt.stream;
   if (reinterpret_cast<uintptr_t>(opt.error_flag) % alignof(int32_t) != 0)
     return Status::invalid("error_flag: is not 4-byte aligned (it must point at an int32)");

@@ -15,6 +15,12 @@ int compiled_head_dim_bucket(int64_t head_dim);
 
 /** Multiprocessors of a device, or `fallback` when the query fails (the error is cleared). */
 int multiprocessor_count(int device_id, int fallback);
+/** The multiprocessors a call's grid may plan for: the count less the caller's sm_margin (SMs left
+ *  to work running beside it, fc_attention_options.sm_margin), at least one. */
+inline int usable_multiprocessors(int device_id, int fallback, int sm_margin) {
+  const int sms = multiprocessor_count(device_id, fallback);
+  return sm_margin <= 0 ? sms : (sm_margin < sms ? sms - sm_margin : 1);
+}
 /** The DRAM's peak bytes / s (memory clock x bus width, double data rate); 0 when the device does
  *  not report them. */
 double dram_peak_bytes_per_second(int device_id);

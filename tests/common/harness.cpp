@@ -368,6 +368,7 @@ fc_attention_options options_for(const Case& c, fc_backend backend, const fc_ten
   o.stream = stream;
   o.deterministic = c.deterministic;
   o.num_threads = c.num_threads;
+  o.sm_margin = c.sm_margin;
   if (c.is_varlen()) {
     o.cu_seqlens_q = cu_q;
     o.cu_seqlens_k = cu_k;
@@ -731,9 +732,14 @@ CheckResult check_backward(const Case& c, fc_backend backend, Memory& mem, uint6
 }
 
 namespace {
-/** Runs forward (and backward) once per entry of `threads_per_run` (that run's num_threads) on
- *  the same inputs; true when every run is bit-identical to the first. */
-bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, const std::vector<int32_t>& threads_per_run,
+/** A run's settings: its num_threads and sm_margin. */
+struct RunSetting {
+  int32_t num_threads;
+  int32_t sm_margin;
+};
+/** Runs forward (and backward) once per entry of `runs` on the same inputs; true when every run
+ *  is bit-identical to the first. */
+bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, const std::vector<RunSetting>& runs,
                             bool backward, std::string* why) {
   std::mt19937_64 rng(1234);
   Problem pr = make_problem(c, rng);
@@ -741,8 +747,9 @@ bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, cons
   fill_random(dout, rng, 1.f);
   poison_dout_tail(pr, dout);
   std::vector<uint8_t> first;
-  for (size_t r = 0; r < threads_per_run.size(); ++r) {
-    pr.c.num_threads = threads_per_run[r];
+  for (size_t r = 0; r < runs.size(); ++r) {
+    pr.c.num_threads = runs[r].num_threads;
+    pr.c.sm_margin = runs[r].sm_margin;
     fill_nan(pr.out);
     fill_nan(pr.lse);
     std::vector<uint8_t> now;
@@ -766,8 +773,11 @@ bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, cons
     if (r == 0) {
       first = now;
     } else if (now != first) {
-      *why = "run " + std::to_string(r) + " (num_threads " + std::to_string(threads_per_run[r]) +
-             ") differs from run 0 (num_threads " + std::to_string(threads_per_run[0]) + ")";
+      auto setting = [&](size_t i) {
+        return "(num_threads " + std::to_string(runs[i].num_threads) + ", sm_margin " +
+               std::to_string(runs[i].sm_margin) + ")";
+      };
+      *why = "run " + std::to_string(r) + " " + setting(r) + " differs from run 0 " + setting(0);
       return false;
     }
   }
@@ -777,7 +787,8 @@ bool runs_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, cons
 
 bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int repeats, bool backward,
                              std::string* why) {
-  return runs_are_bit_identical(c, backend, mem, std::vector<int32_t>(static_cast<size_t>(repeats), c.num_threads),
+  return runs_are_bit_identical(c, backend, mem,
+                                std::vector<RunSetting>(static_cast<size_t>(repeats), {c.num_threads, c.sm_margin}),
                                 backward, why);
 }
 
@@ -828,7 +839,16 @@ bool chained_forward_calls_are_ordered(const Case& c, fc_backend backend, Memory
 
 bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& mem,
                                      const std::vector<int32_t>& thread_counts, bool backward, std::string* why) {
-  return runs_are_bit_identical(c, backend, mem, thread_counts, backward, why);
+  std::vector<RunSetting> runs;
+  for (int32_t t : thread_counts) runs.push_back({t, c.sm_margin});
+  return runs_are_bit_identical(c, backend, mem, runs, backward, why);
+}
+
+bool sm_margins_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, const std::vector<int32_t>& margins,
+                                  bool backward, std::string* why) {
+  std::vector<RunSetting> runs;
+  for (int32_t m : margins) runs.push_back({c.num_threads, m});
+  return runs_are_bit_identical(c, backend, mem, runs, backward, why);
 }
 
 std::vector<std::pair<int64_t, int64_t>> seqlen_pairs(bool include_large) {

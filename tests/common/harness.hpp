@@ -60,6 +60,7 @@ struct Case {
   float q_magnitude = 1.f;
   bool deterministic = false;
   int32_t num_threads = 0;  // CPU backends: 0 = all cores
+  int32_t sm_margin = 0;    // CUDA: fc_attention_options.sm_margin
   // Varlen forward only, > 0: k / v handed to the call as pages of this many keys in shuffled
   // order through a block table (with spare pages of random data); the references read the packed
   // k / v, so a wrong page walk fails the comparison.
@@ -108,6 +109,11 @@ bool repeat_is_bit_identical(const Case& c, fc_backend backend, Memory& mem, int
  *  true when every run is bit-identical to the first. */
 bool thread_counts_are_bit_identical(const Case& c, fc_backend backend, Memory& mem,
                                      const std::vector<int32_t>& thread_counts, bool backward, std::string* why);
+
+/** Runs forward (and backward when `backward`) once with each sm_margin of `margins`; true when
+ *  every run is bit-identical to the first. */
+bool sm_margins_are_bit_identical(const Case& c, fc_backend backend, Memory& mem, const std::vector<int32_t>& margins,
+                                  bool backward, std::string* why);
 
 /** A chain of `depth` forward calls issued back to back on the memory's stream, each call's output
  *  the next one's q (same shape), against the same chain with the stream drained after every

@@ -43,6 +43,7 @@ struct KvCase {
   int32_t window_left = -1, window_right = -1;
   double softcap = 0;
   int32_t num_splits = 1;
+  int32_t sm_margin = 0;  // fc_attention_options.sm_margin (CUDA: SMs the plan leaves free)
   bool want_lse = true;
   int64_t slack = 5;  // capacity beyond the longest sequence (garbage that must not be read)
   std::vector<int32_t> leftpad;  // contiguous caches: sequence b starts at slot leftpad[b]; empty = none
@@ -62,7 +63,8 @@ struct KvCase {
     std::ostringstream s;
     s << "b" << batch << " sq" << seqlen_q << " new" << seqlen_new << " h" << heads_q << "/" << heads_kv << " d"
       << head_dim << " dt" << dtype << " page" << page_size << (batch_idx ? " bidx" : "") << (causal ? " causal" : "")
-      << " win(" << window_left << "," << window_right << ") cap" << softcap << " splits" << num_splits << " lens[";
+      << " win(" << window_left << "," << window_right << ") cap" << softcap << " splits" << num_splits
+      << (sm_margin ? " sm_margin" + std::to_string(sm_margin) : std::string()) << " lens[";
     for (size_t i = 0; i < cache_lens.size(); ++i) s << (i ? "," : "") << cache_lens[i];
     s << "]";
     if (!leftpad.empty()) {
@@ -255,6 +257,7 @@ struct KvProblem {
       opt.alibi_slopes = &tslopes;
     }
     opt.stream = mem.stream();
+    opt.sm_margin = c.sm_margin;
   }
 
   /** Runs the call with a workspace of the size the library asks for. */

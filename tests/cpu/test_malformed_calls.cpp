@@ -99,7 +99,7 @@ void break_tensor(fc_tensor* t, std::mt19937_64& rng, const std::vector<void*>& 
 
 void break_options(fc_attention_options* o, std::mt19937_64& rng) {
   const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
-  switch (std::uniform_int_distribution<int>(0, 8)(rng)) {
+  switch (std::uniform_int_distribution<int>(0, 9)(rng)) {
     case 0: o->softmax_scale = static_cast<double>(pick(rng, {0, 1, -1, 3})) * 0.25 + (pick(rng, {0, 1}) ? 0 : nan); break;
     case 1: o->softmax_scale = pick(rng, {0, 1}) ? inf : 1e300; break;
     case 2: o->softcap = pick(rng, {0, 1, 2}) == 0 ? -1.0 : (pick(rng, {0, 1}) ? 1e300 : nan); break;
@@ -112,6 +112,7 @@ void break_options(fc_attention_options* o, std::mt19937_64& rng) {
     case 5: o->backend = static_cast<int32_t>(pick(rng, {-3, -1, 0, 1, 2, 3, 4, 5, 99})); break;
     case 6: o->num_threads = static_cast<int32_t>(pick(rng, {-1, 0, 1, 2, 3})); break;
     case 7: o->deterministic = static_cast<int32_t>(pick(rng, {0, 1, 5})); break;
+    case 8: o->sm_margin = static_cast<int32_t>(pick(rng, {-1, 0, 1, 200, INT32_MIN})); break;
     default:
       o->max_seqlen_q = pick(rng, {-1, 0, 1, 100, std::numeric_limits<int64_t>::max()});
       o->max_seqlen_k = pick(rng, {-1, 0, 7, std::numeric_limits<int64_t>::max()});

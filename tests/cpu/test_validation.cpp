@@ -213,6 +213,11 @@ TEST_F(BadInput, Options) {
   opt.backend = 0;
   opt.num_threads = -1;
   expect_forward_error("num_threads: -1 is negative");
+  opt.num_threads = 0;
+  opt.sm_margin = -3;
+  expect_forward_error("sm_margin: -3 is negative");
+  opt.sm_margin = 1000;  // more than any GPU has: the grids keep one SM; CPU backends ignore it
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
 }
 
 TEST_F(BadInput, WorkspaceQueryValidatesToo) {

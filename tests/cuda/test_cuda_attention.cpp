@@ -512,6 +512,41 @@ TEST_P(CudaForward, RepeatsAreBitIdentical) {
   EXPECT_TRUE(repeat_is_bit_identical(c, GetParam(), mem, 100, false, &why)) << why;
 }
 
+// sm_margin (SMs left to work running beside the call) shrinks the Hopper forward's persistent grid,
+// down to one CTA: each tile is computed as before, so every margin gives the same bits (on sm80,
+// whose grids hold one CTA per tile, it changes nothing). Causal GQA (query blocks paired by cost
+// on a full grid, not on a small one), unmasked d64 (three consumers) and varlen (four lists per
+// SM), then accuracy against the reference with the grid at one CTA.
+TEST_P(CudaForward, SmMarginKeepsTheBits) {
+  REQUIRE_BACKEND(GetParam());
+  CudaMemory mem;
+  Case causal_gqa;
+  causal_gqa.batch = 4;
+  causal_gqa.seqlen_q = causal_gqa.seqlen_k = 1100;
+  causal_gqa.heads_q = 16;
+  causal_gqa.heads_kv = 4;
+  causal_gqa.head_dim = 128;
+  causal_gqa.dtype = FC_DTYPE_BF16;
+  causal_gqa.causal = true;
+  Case unmasked = causal_gqa;
+  unmasked.causal = false;
+  unmasked.head_dim = 64;
+  unmasked.dtype = FC_DTYPE_F16;
+  Case varlen = causal_gqa;
+  varlen.varlen_q = {700, 1, 260, 1300};
+  varlen.varlen_k = {700, 90, 260, 1400};
+  varlen.batch = 4;
+  std::string why;
+  for (const Case& c : {causal_gqa, unmasked, varlen})
+    EXPECT_TRUE(sm_margins_are_bit_identical(c, GetParam(), mem, {0, 1, 100, 131, 100000}, false, &why)) << why;
+  std::vector<Case> cases;
+  for (Case c : {causal_gqa, unmasked, varlen}) {
+    c.sm_margin = 100000;
+    cases.push_back(c);
+  }
+  expect_forward(cases, GetParam());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, CudaForward,
                          ::testing::Values(FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90), backend_label);
 
@@ -569,6 +604,27 @@ TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
     c.dtype = FC_DTYPE_BF16;
     EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM90, mem, 10, true, &why)) << "sm90 d256: " << why;
   }
+}
+
+// The Hopper backward's persistent grid (no mask) under sm_margin: the same bits in deterministic
+// mode at every margin, and the gradients against the reference with the grid at one CTA.
+TEST(CudaSm90Backward, SmMarginKeepsTheBits) {
+  if (!fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) GTEST_SKIP() << "no sm_90 GPU";
+  CudaMemory mem;
+  Case c;
+  c.batch = 2;
+  c.seqlen_q = 700;
+  c.seqlen_k = 900;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.dtype = FC_DTYPE_BF16;
+  c.deterministic = true;
+  std::string why;
+  EXPECT_TRUE(sm_margins_are_bit_identical(c, FC_BACKEND_CUDA_SM90, mem, {0, 3, 131, 100000}, true, &why)) << why;
+  c.sm_margin = 100000;
+  c.deterministic = false;
+  expect_backward({c}, FC_BACKEND_CUDA_SM90);
 }
 
 // On sm_90 every kernel is a programmatic dependent of the one before it and must wait for it before

@@ -80,6 +80,32 @@ TEST(CudaKvCache, TargetShapesSmall) {
   expect_cases(cases, {0, 1, 8, 16, 17, 24}, 200);
 }
 
+// sm_margin leaves SMs to concurrent work: the decode plan splits for fewer SMs (and the KV-cache
+// route's forward sizes its grid for them); results stay within the reference's tolerance.
+TEST(CudaKvCache, SmMargin) {
+  REQUIRE_GPU();
+  std::vector<KvCase> cases;
+  for (int32_t margin : {8, 100, 100000}) {
+    KvCase decode;  // one long sequence: split-KV
+    decode.dtype = FC_DTYPE_BF16;
+    decode.head_dim = 128;
+    decode.heads_q = 32;
+    decode.heads_kv = 8;
+    decode.cache_lens = {20000};
+    decode.seqlen_new = 1;
+    decode.sm_margin = margin;
+    KvCase prefill = decode;  // 64 query rows per KV head: the forward route
+    prefill.batch = 2;
+    prefill.cache_lens = {3000, 700};
+    prefill.seqlen_new = 0;
+    prefill.seqlen_q = 16;
+    prefill.causal = true;
+    cases.push_back(decode);
+    cases.push_back(prefill);
+  }
+  expect_cases(cases, {0}, 700);
+}
+
 TEST(CudaKvCache, BothWarpCounts) {
   REQUIRE_GPU();
   // On Hopper d64 / d128 calls run 8-warp CTAs where one wave of them fills the SMs (batch 2 x 8 KV

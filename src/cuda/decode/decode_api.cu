@@ -104,7 +104,7 @@ struct AttentionPlan {
 AttentionPlan plan_attention(const KvCacheParams& p) {
   using H = HeuristicTraits;
   AttentionPlan plan;
-  plan.sms = multiprocessor_count(p.device_id, H::kDefaultSms);
+  plan.sms = usable_multiprocessors(p.device_id, H::kDefaultSms, p.sm_margin);
   const int64_t ctas = p.batch * p.heads_kv * row_chunks(p);  // of one split
   plan.tile = attention_tile(p, ctas, plan.sms);
   int smem_per_sm = 0;

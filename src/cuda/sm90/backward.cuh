@@ -1445,7 +1445,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   // walking tiles blockIdx.x, + gridDim.x, ...: the next tile's Q, dO, K and V load under the
   // current one's last step and epilogue instead of after a fresh CTA starts (fwd+bwd d256
   // S = 512: 139 -> 179 TFLOP/s). Otherwise one CTA per tile.
-  const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
+  const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
   const int64_t grid = persistent_grid(p) ? std::min<int64_t>(ctas, sm_count) : ctas;
   err = launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(T::kThreads), T::kSmemBytes, stream,
                       supports_programmatic_launch(p.device_id), args);

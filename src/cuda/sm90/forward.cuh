@@ -1482,7 +1482,7 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   // such a mask single blocks go in order, so the CTAs working at one time cover every query block
   // of a head together and read its K/V from DRAM once (pairs read it a second time for the second
   // block: 1.6x the DRAM bytes at d256 S=512).
-  const int sm_count = multiprocessor_count(p.device_id, kFallbackSmCount);
+  const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
   const int64_t pairs = (num_m_blocks + 1) / 2 * walk_heads * p.batch;
   const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
   args.tiles_per_item = uneven_cost && pairs >= sm_count ? 2 : 1;
@@ -1633,7 +1633,8 @@ inline Status merge_split(const forward_params_t& p, const SplitTarget& target) 
 template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* workspace, size_t workspace_bytes) {
   using Configs = ForwardConfigs<Element, kHeadDim>;
-  const ForwardSplit plan = plan_forward_split(p, kHeadDim, multiprocessor_count(p.device_id, kFallbackSmCount));
+  const ForwardSplit plan =
+      plan_forward_split(p, kHeadDim, usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin));
   const bool aligned = reinterpret_cast<uintptr_t>(workspace) % 16 == 0;  // the partials' float2 stores
   if (plan.splits > 1 && workspace != nullptr && aligned && workspace_bytes >= plan.bytes) {
     const SplitTarget target{plan.splits, static_cast<float*>(workspace),

@@ -172,7 +172,7 @@ sm90::ForwardSplit sm90_forward_split_plan(const AttentionParams& p) {
   AttentionParams seen = p;
   if (p.is_paged() && !reads_pages_in_place(p)) seen.pages = KvPages{};  // gathered into packed rows
   const int bucket = static_cast<int>(compiled_head_dim_bucket(p.head_dim));
-  return sm90::plan_forward_split(seen, bucket, multiprocessor_count(p.device_id, kFallbackSmCount));
+  return sm90::plan_forward_split(seen, bucket, usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin));
 }
 
 size_t sm90_forward_workspace(const AttentionParams& p) {
