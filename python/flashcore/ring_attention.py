@@ -35,12 +35,12 @@ def merge_into(out_acc, lse_acc, out, lse):
     lse_acc) in place. out (batch, seq, heads, dim), lse (batch, heads, seq). Rows without keys in
     both (lse = -inf) stay out = 0, lse = -inf."""
     new_lse = torch.logaddexp(lse_acc, lse)
-    empty = torch.isneginf(new_lse)
-    safe = torch.where(empty, torch.zeros_like(new_lse), new_lse)
-    w_acc = torch.where(empty, torch.zeros_like(new_lse), torch.exp(lse_acc - safe))
-    w_new = torch.where(empty, torch.zeros_like(new_lse), torch.exp(lse - safe))
+    # The weights exp(lse_acc - new_lse) and w = exp(lse - new_lse) sum to 1, so the merge is one
+    # lerp of the rows towards out (half the memory traffic of scaling both and adding); w = 0 where
+    # neither side saw keys, and a NaN lse stays NaN.
+    w = torch.exp(lse - new_lse).masked_fill_(torch.isneginf(new_lse), 0.0)
     # (batch, heads, seq) weights -> (batch, seq, heads, 1) against out's layout
-    out_acc.mul_(w_acc.transpose(1, 2).unsqueeze(-1)).add_(out.float() * w_new.transpose(1, 2).unsqueeze(-1))
+    out_acc.lerp_(out.float(), w.transpose(1, 2).unsqueeze(-1))
     lse_acc.copy_(new_lse)
 
 
@@ -65,6 +65,41 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
         return received, (dist.batch_isend_irecv(ops), sent)
+
+    def shift_after_next_launch(self, tensors):
+        """shift(tensors), ready now and started by the returned function, which the caller calls
+        right after launching the step's first attention: on a GPU the host takes ~0.1-0.4 ms to
+        launch the messages and as long again for the attention, and the messages launched first
+        left the GPU idle for both (docs/PERF.md, session 41). The messages run on a side stream
+        that has waited for everything before the attention (torch makes a message's stream wait
+        for the stream it is launched from, so launched from the compute stream they would wait for
+        the attention too)."""
+        if not tensors[0].is_cuda:
+            return lambda: self.shift(tensors)
+        compute = torch.cuda.current_stream(tensors[0].device)
+        side = _side_stream(tensors[0].device)
+        sent = [t.contiguous() for t in tensors]  # messages are dense buffers
+        received = [torch.empty_like(t) for t in sent]  # on the compute stream, which reads them
+        side.wait_stream(compute)  # the messages' inputs are ready there, the attention not yet launched
+
+        def launch():
+            with torch.cuda.stream(side):
+                ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
+                ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
+                works = dist.batch_isend_irecv(ops)
+            return received, (works, sent)
+
+        return launch
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    """One stream per device for the ring's messages, created once."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
 
 
 def _wait(requests):
@@ -109,41 +144,54 @@ def _step_blocks(layout, causal, rank, source, q_len, k_len):
     return [(slice(q_len // 2, None), everything, False)]
 
 
-def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic):
-    batch, seqlen, heads, dim = q.shape
-    out_acc = torch.zeros(batch, seqlen, heads, dim, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((batch, heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin):
+    out_acc = lse_acc = None
     kv = (k, v)
     for step in range(ring.world):
-        pending = ring.shift(kv) if step + 1 < ring.world else None
+        launch = ring.shift_after_next_launch(kv) if step + 1 < ring.world else None
+        pending = None
         source = (ring.rank - step) % ring.world
-        for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, seqlen, k.shape[1]):
+        for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, q.shape[1], k.shape[1]):
             out, lse = _forward_impl(q[:, rows], kv[0][:, keys], kv[1][:, keys], None, None, None, 0, 0, scale,
-                                     block_causal, -1, -1, 0.0, backend, deterministic)
-            merge_into(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+                                     block_causal, -1, -1, 0.0, backend, deterministic, sm_margin=sm_margin)
+            if launch is not None and pending is None:
+                pending = launch()
+            if out_acc is None:  # the first step (the own shard) covers every row: nothing to merge with
+                out_acc, lse_acc = out.float(), lse
+            else:
+                merge_into(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+        if launch is not None and pending is None:  # a step without visible blocks
+            pending = launch()
         if pending is not None:
             kv, requests = pending
             _wait(requests)
     return out_acc.to(q.dtype), lse_acc
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend, deterministic):
+def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend, deterministic, sm_margin):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
            torch.zeros(v.shape, dtype=torch.float32, device=v.device))
     for step in range(ring.world):
-        # K / V do not change: the next shard is requested before this step computes. Its dk / dv
-        # are complete only after the step, so they travel behind it.
-        pending_kv = ring.shift(kv) if step + 1 < ring.world else None
+        # K / V do not change: the next shard travels while this step computes (sent once its
+        # first backward is launched). Its dk / dv are complete only after the step, so they travel
+        # behind it.
+        launch_kv = ring.shift_after_next_launch(kv) if step + 1 < ring.world else None
+        pending_kv = None
         source = (ring.rank - step) % ring.world
         for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, q.shape[1], k.shape[1]):
             dq_s, dk_s, dv_s = _backward_impl(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
                                               out[:, rows], lse[:, :, rows].contiguous(), None, None, None, 0, 0,
-                                              scale, block_causal, -1, -1, 0.0, backend, deterministic)
+                                              scale, block_causal, -1, -1, 0.0, backend, deterministic,
+                                              sm_margin=sm_margin)
+            if launch_kv is not None and pending_kv is None:
+                pending_kv = launch_kv()
             dq[:, rows] += dq_s.float()
             dkv[0][:, keys] += dk_s.float()
             dkv[1][:, keys] += dv_s.float()
+        if launch_kv is not None and pending_kv is None:  # a step without visible blocks
+            pending_kv = launch_kv()
         # After the last step this rank holds the shard of rank + 1: one more hop brings every
         # dk / dv home (alone, a rank keeps its own).
         if ring.world > 1:
@@ -155,12 +203,28 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+# SMs each attention call of a GPU ring leaves to the NCCL kernel moving the next shard (see
+# ring_flash_attn_func's sm_margin); measured in docs/PERF.md.
+DEFAULT_SM_MARGIN = 0
+
+
+def _check_sm_margin(sm_margin):
+    if sm_margin is not None and (isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0):
+        raise ValueError(f"sm_margin: expected an int >= 0 or None, got {sm_margin!r}")
+
+
+def _sm_margin(sm_margin, q, ring):
+    if sm_margin is None:
+        return DEFAULT_SM_MARGIN if q.is_cuda and ring.world > 1 else 0
+    return sm_margin
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale, causal, layout, backend, deterministic):
-        out, lse = _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic)
+    def forward(ctx, q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin):
+        out, lse = _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (ring, scale, causal, layout, backend, deterministic)
+        ctx.settings = (ring, scale, causal, layout, backend, deterministic, sm_margin)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -189,7 +253,7 @@ def zigzag_unshard(shards, dim=1):
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, deterministic=False,
-                         return_lse=False, layout="contiguous", backend="auto"):
+                         return_lse=False, layout="contiguous", backend="auto", sm_margin=None):
     """Exact attention over a sequence whose shards live on the ranks of `group` (default: the
     default process group), differentiable in q, k, v.
 
@@ -201,12 +265,16 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     flash_attn_func. ``causal`` masks across the whole sequence (query and key shards of one
     length). Returns this rank's out (the shape and dtype of q), and with ``return_lse`` also its
     lse (batch, heads_q, seqlen_shard) in float32 over the whole sequence's keys. Softcap,
-    sliding windows and ALiBi are not supported here."""
+    sliding windows and ALiBi are not supported here. ``sm_margin``: SMs each attention call
+    leaves free for the communication running beside it (fc_attention_options.sm_margin; the
+    Hopper kernels' grids hold one CTA per SM, and one that waits for an SM the NCCL kernel holds
+    delays the whole call); None = DEFAULT_SM_MARGIN on GPUs with more than one rank, else 0."""
+    _check_sm_margin(sm_margin)
     if not dist.is_initialized():
         raise RuntimeError("group: torch.distributed is not initialized (init_process_group first)")
     _check(q, k, v, causal, layout)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     ring = _Ring(group)
     out, lse = _RingAttention.apply(q, k, v, ring, resolve_scale(softmax_scale), bool(causal), layout,
-                                    backend_id(backend), bool(deterministic))
+                                    backend_id(backend), bool(deterministic), _sm_margin(sm_margin, q, ring))
     return (out, lse) if return_lse else out

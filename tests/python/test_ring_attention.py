@@ -138,6 +138,9 @@ class ThreadRing:
         self.mailboxes[(self.rank + 1) % self.world].put([t.clone() for t in tensors])
         return self.mailboxes[self.rank].get(timeout=60), ([], None)
 
+    def shift_after_next_launch(self, tensors):
+        return lambda: self.shift(tensors)
+
 
 def _thread_ring(world, shards, dout, causal, layout):
     """Runs every rank's forward and backward as threads; returns [(out, lse, dq, dk, dv)]."""
@@ -151,7 +154,9 @@ def _thread_ring(world, shards, dout, causal, layout):
         try:
             ring = ThreadRing(r, world, mailboxes)
             q, k, v = shards[r]
-            settings = (0.0, causal, layout, backend_id("auto"), False)
+            # a GPU ring's calls leave SMs to its messages (sm_margin); the results must not change
+            margin = 7 if q.is_cuda else 0
+            settings = (0.0, causal, layout, backend_id("auto"), False, margin)
             out, lse = ring_attention._ring_forward(q, k, v, ring, *settings)
             results[r] = (out, lse) + ring_attention._ring_backward(dout[r], q, k, v, out, lse, ring, *settings)
         except Exception as e:  # re-raised by the caller
@@ -221,6 +226,10 @@ def test_errors_name_the_argument():
         with pytest.raises(RuntimeError, match="^group: torch.distributed is not initialized"):
             ring_flash_attn_func(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8))
 
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="^sm_margin: expected an int >= 0 or None"):
+            ring_flash_attn_func(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8),
+                                 sm_margin=bad)
     with pytest.raises(ValueError, match="^k: a causal ring"):
         _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), True)
     with pytest.raises(ValueError, match="^layout: zigzag needs"):
