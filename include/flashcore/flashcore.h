@@ -141,8 +141,10 @@ typedef struct fc_attention_options {
    *  sm_margin), e.g. the communication kernels of ring attention. The Hopper kernels whose grids
    *  hold one CTA per SM and walk a fixed list of tiles (forward; backward without a mask) size
    *  their grids for SM count - sm_margin SMs (at least one), so no CTA waits for an SM that such
-   *  a kernel holds while the others finish their lists. Kernels launched one CTA per tile need no
-   *  margin and ignore it; so do CPU backends. 0 = every SM; negative is an error. */
+   *  a kernel holds while the others finish their lists; the split-KV plans (the Hopper forward's,
+   *  the decode kernel's on any GPU) choose their split counts for those SMs too, which changes a
+   *  split call's rounding (not its accuracy). Other grids (one CTA per tile) and CPU backends
+   *  ignore it. 0 = every SM; negative is an error. */
   int32_t sm_margin;
 } fc_attention_options;
 

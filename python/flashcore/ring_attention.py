@@ -74,8 +74,9 @@ class _Ring:
         that has waited for everything before the attention (torch makes a message's stream wait
         for the stream it is launched from, so launched from the compute stream they would wait for
         the attention too)."""
-        if not tensors[0].is_cuda:
-            return lambda: self.shift(tensors)
+        if not tensors[0].is_cuda:  # CPU attention blocks the host: the messages go first
+            pending = self.shift(tensors)
+            return lambda: pending
         compute = torch.cuda.current_stream(tensors[0].device)
         side = _side_stream(tensors[0].device)
         sent = [t.contiguous() for t in tensors]  # messages are dense buffers
@@ -204,13 +205,15 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend
 
 
 # SMs each attention call of a GPU ring leaves to the NCCL kernel moving the next shard (see
-# ring_flash_attn_func's sm_margin); measured in docs/PERF.md.
+# ring_flash_attn_func's sm_margin). Margins of 8-32 measured no faster (docs/PERF.md, session 41),
+# but with the messages launched before the attention; not re-measured since they run under it.
 DEFAULT_SM_MARGIN = 0
 
 
 def _check_sm_margin(sm_margin):
-    if sm_margin is not None and (isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0):
-        raise ValueError(f"sm_margin: expected an int >= 0 or None, got {sm_margin!r}")
+    if sm_margin is not None and (isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or
+                                  not 0 <= sm_margin < 2**31):
+        raise ValueError(f"sm_margin: expected an int in [0, 2^31) or None, got {sm_margin!r}")
 
 
 def _sm_margin(sm_margin, q, ring):

@@ -369,6 +369,7 @@ Status validate_merge(const fc_tensor* op, const fc_tensor* lp, const fc_tensor*
   if (opt.backend < FC_BACKEND_AUTO || opt.backend > FC_BACKEND_CUDA_SM90)
     return Status::invalid("backend: unknown backend code " + str(opt.backend));
   if (opt.num_threads < 0) return Status::invalid("num_threads: " + str(opt.num_threads) + " is negative (0 = all cores)");
+  if (opt.sm_margin < 0) return Status::invalid("sm_margin: " + str(opt.sm_margin) + " is negative (0 = every SM)");
 
   p->out_dtype = static_cast<DType>(out->dtype);
   p->device_type = out->device_type;

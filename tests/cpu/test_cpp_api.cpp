@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <vector>
 
 #include "flashcore/flashcore.hpp"
@@ -37,6 +38,11 @@ TEST(CppApi, ForwardBackwardAndErrors) {
   }
 }
 
+// Fields of a newer C ABI are appended, so a caller built against an older header passes a prefix.
+static_assert(offsetof(fc_attention_options, block_table) > offsetof(fc_attention_options, reserved), "ABI 2");
+static_assert(offsetof(fc_attention_options, alibi_slopes) > offsetof(fc_attention_options, block_table), "ABI 3");
+static_assert(offsetof(fc_attention_options, sm_margin) > offsetof(fc_attention_options, alibi_slopes), "ABI 4");
+
 TEST(CppApi, OptionsReachTheCStruct) {
   flashcore::Options opt;
   fc_attention_options c = opt.to_c();
@@ -51,9 +57,11 @@ TEST(CppApi, OptionsReachTheCStruct) {
   opt.window_left = 8;
   opt.deterministic = true;
   opt.num_threads = 3;
+  opt.sm_margin = 5;
   const flashcore::Tensor table{};
   opt.block_table = &table;
   c = opt.to_c();
+  EXPECT_EQ(c.sm_margin, 5);
   EXPECT_EQ(c.block_table, &table);
   EXPECT_EQ(c.check_cu_seqlens, 1);
   EXPECT_EQ(c.error_flag, &flag);

@@ -711,6 +711,10 @@ TEST(MergePartialsCpu, MatchesFp64AndHandlesEmptyParts) {
     badlse.shape[0] = 1;
     EXPECT_EQ(fc_merge_partials(&top, &tlp, &tout, &badlse, nullptr), FC_ERROR_INVALID_ARGUMENT);
     EXPECT_EQ(std::string(fc_last_error()).rfind("lse:", 0), 0u) << fc_last_error();
+    fc_attention_options negative_margin{};
+    negative_margin.sm_margin = -1;
+    EXPECT_EQ(fc_merge_partials(&top, &tlp, &tout, &tlse, &negative_margin), FC_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(fc_last_error()).rfind("sm_margin:", 0), 0u) << fc_last_error();
     for (size_t i = 0; i < lse.size(); ++i)
       EXPECT_TRUE(std::isinf(lse_before[i]) ? lse[i] == lse_before[i] : lse[i] == lse_before[i]);
   }

@@ -514,14 +514,16 @@ TEST_P(CudaForward, RepeatsAreBitIdentical) {
 
 // sm_margin (SMs left to work running beside the call) shrinks the Hopper forward's persistent grid,
 // down to one CTA: each tile is computed as before, so every margin gives the same bits (on sm80,
-// whose grids hold one CTA per tile, it changes nothing). Causal GQA (query blocks paired by cost
-// on a full grid, not on a small one), unmasked d64 (three consumers) and varlen (four lists per
-// SM), then accuracy against the reference with the grid at one CTA.
+// whose grids hold one CTA per tile, it changes nothing). Calls the forward does not split only:
+// a split count follows the SMs too (CudaSmMargin.PlansForFewerSms), and with it the bits. Causal
+// GQA (query blocks go in pairs of equal cost once there are at least as many pairs as SMs: not at
+// margin 0 for this one sequence, but on the smaller grids), unmasked d64 (three consumers) and
+// varlen (four lists per SM), then accuracy against the reference with the grid at one CTA.
 TEST_P(CudaForward, SmMarginKeepsTheBits) {
   REQUIRE_BACKEND(GetParam());
   CudaMemory mem;
   Case causal_gqa;
-  causal_gqa.batch = 4;
+  causal_gqa.batch = 1;
   causal_gqa.seqlen_q = causal_gqa.seqlen_k = 1100;
   causal_gqa.heads_q = 16;
   causal_gqa.heads_kv = 4;
@@ -604,6 +606,26 @@ TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
     c.dtype = FC_DTYPE_BF16;
     EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_CUDA_SM90, mem, 10, true, &why)) << "sm90 d256: " << why;
   }
+}
+
+// What sm_margin changes must be seen: a call that the Hopper forward splits over its keys (16 query
+// tokens against 4096 keys) plans its splits for the SMs left, so its workspace (the partials)
+// shrinks when one SM is left.
+TEST(CudaSmMargin, PlansForFewerSms) {
+  if (!fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) GTEST_SKIP() << "no sm_90 GPU";
+  CudaMemory mem;
+  void* q = mem.alloc(16 * 32 * 128 * 2);
+  void* kv = mem.alloc(4096 * 8 * 128 * 2);
+  const fc_tensor tq = flashcore::make_tensor(q, FC_DTYPE_BF16, {1, 16, 32, 128}, FC_DEVICE_CUDA);
+  const fc_tensor tk = flashcore::make_tensor(kv, FC_DTYPE_BF16, {1, 4096, 8, 128}, FC_DEVICE_CUDA);
+  fc_attention_options o{};
+  o.backend = FC_BACKEND_CUDA_SM90;
+  size_t every_sm = 0, one_sm = 0;
+  ASSERT_EQ(fc_attention_forward_workspace(&tq, &tk, &tk, &o, &every_sm), FC_OK) << fc_last_error();
+  o.sm_margin = 100000;
+  ASSERT_EQ(fc_attention_forward_workspace(&tq, &tk, &tk, &o, &one_sm), FC_OK) << fc_last_error();
+  EXPECT_GT(every_sm, 0u) << "the call was expected to split over its keys";
+  EXPECT_LT(one_sm, every_sm);
 }
 
 // The Hopper backward's persistent grid (no mask) under sm_margin: the same bits in deterministic

@@ -80,19 +80,31 @@ TEST(CudaKvCache, TargetShapesSmall) {
   expect_cases(cases, {0, 1, 8, 16, 17, 24}, 200);
 }
 
-// sm_margin leaves SMs to concurrent work: the decode plan splits for fewer SMs (and the KV-cache
-// route's forward sizes its grid for them); results stay within the reference's tolerance.
+// sm_margin leaves SMs to concurrent work: the decode plan splits for fewer SMs (its workspace, the
+// partials, shrinks when one SM is left) and the KV-cache route's forward sizes its grid for them;
+// results stay within the reference's tolerance.
 TEST(CudaKvCache, SmMargin) {
   REQUIRE_GPU();
+  KvCase decode;  // one long sequence: split-KV (the heuristic's count)
+  decode.dtype = FC_DTYPE_BF16;
+  decode.head_dim = 128;
+  decode.heads_q = 32;
+  decode.heads_kv = 8;
+  decode.cache_lens = {20000};
+  decode.seqlen_new = 1;
+  decode.num_splits = 0;
+  {
+    CudaMemory mem;
+    KvProblem pr(decode, mem, 650);
+    size_t every_sm = 0, one_sm = 0;
+    ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &every_sm), FC_OK) << fc_last_error();
+    pr.opt.sm_margin = 100000;
+    ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &one_sm), FC_OK) << fc_last_error();
+    EXPECT_GT(every_sm, 0u) << "one sequence of 20000 keys was expected to split";
+    EXPECT_LT(one_sm, every_sm);
+  }
   std::vector<KvCase> cases;
   for (int32_t margin : {8, 100, 100000}) {
-    KvCase decode;  // one long sequence: split-KV
-    decode.dtype = FC_DTYPE_BF16;
-    decode.head_dim = 128;
-    decode.heads_q = 32;
-    decode.heads_kv = 8;
-    decode.cache_lens = {20000};
-    decode.seqlen_new = 1;
     decode.sm_margin = margin;
     KvCase prefill = decode;  // 64 query rows per KV head: the forward route
     prefill.batch = 2;
