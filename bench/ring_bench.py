@@ -111,10 +111,15 @@ def main():
     a = ap.parse_args()
     if a.world == 0:
         a.world = torch.cuda.device_count() if a.device == "cuda" else 2
+    spawn_ranks(run, a)
+
+
+def spawn_ranks(body, a):
+    """Runs body(rank, a, port) in a.world processes that meet at a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(a, port), nprocs=a.world, join=True)
+    mp.spawn(body, args=(a, port), nprocs=a.world, join=True)
 
 
 if __name__ == "__main__":

@@ -10,25 +10,17 @@ usage: PYTHONPATH=<package> python3 dev/ring_probe.py [--seqlen-per-rank 8192] [
 
 import argparse
 import os
-import socket
-import statistics
+import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from ring_bench import spawn_ranks, timed  # noqa: E402  (the bench's timing and rank start)
 
 
-def timed(fn, repeats):
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)  # ms
+def timed_ms(fn, repeats):
+    return timed(fn, "cuda", repeats) * 1e3
 
 
 def print_timeline(fn):
@@ -106,8 +98,8 @@ def run(rank, a, port):
                 for _ in range(3):  # the partner of the profiled calls (warm-up, profiled, spare)
                     ra.ring_flash_attn_func(*local, causal=causal, layout=layout, sm_margin=0)
             torch.cuda.synchronize()
-        rows["attention alone (fwd)"] = slowest(timed(attention_alone, a.repeats), dev)
-        rows["one K/V shift"] = slowest(timed(messages_alone, a.repeats), dev)
+        rows["attention alone (fwd)"] = slowest(timed_ms(attention_alone, a.repeats), dev)
+        rows["one K/V shift"] = slowest(timed_ms(messages_alone, a.repeats), dev)
         for m in margins:
             def fwd():
                 with torch.no_grad():
@@ -116,8 +108,8 @@ def run(rank, a, port):
             def step():
                 ra.ring_flash_attn_func(*local, causal=causal, layout=layout, sm_margin=m).backward(dout)
 
-            rows[f"ring fwd, sm_margin {m}"] = slowest(timed(fwd, a.repeats), dev)
-            rows[f"ring fwd+bwd, sm_margin {m}"] = slowest(timed(step, a.repeats), dev)
+            rows[f"ring fwd, sm_margin {m}"] = slowest(timed_ms(fwd, a.repeats), dev)
+            rows[f"ring fwd+bwd, sm_margin {m}"] = slowest(timed_ms(step, a.repeats), dev)
         if rank == 0:
             whole = [x.to(dev, torch.bfloat16).requires_grad_() for x in full]
             d_whole = torch.randn_like(whole[0])
@@ -129,7 +121,7 @@ def run(rank, a, port):
             def one_step():
                 flashcore.flash_attn_func(*whole, causal=causal).backward(d_whole)
 
-            one = (timed(one_fwd, a.repeats), timed(one_step, a.repeats))
+            one = (timed_ms(one_fwd, a.repeats), timed_ms(one_step, a.repeats))
             print(f"\n{layout}, causal={causal}, {world} x {n} tokens, {a.heads} heads, d {a.dim}, bf16 "
                   f"(one device: fwd {one[0]:.3f} ms, fwd+bwd {one[1]:.3f} ms)")
             for name, ms in rows.items():
@@ -150,10 +142,7 @@ def main():
     ap.add_argument("--timeline", action="store_true", help="print one ring forward's GPU timeline (rank 0)")
     a = ap.parse_args()
     a.world = torch.cuda.device_count()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run, args=(a, port), nprocs=a.world, join=True)
+    spawn_ranks(run, a)
 
 
 if __name__ == "__main__":

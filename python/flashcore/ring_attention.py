@@ -60,37 +60,41 @@ class _Ring:
         """Sends `tensors` to the next rank and receives the previous rank's into new buffers;
         returns (buffers, requests). Wait on the requests before reading the buffers or writing
         the sent tensors."""
-        sent = [t.contiguous() for t in tensors]  # messages are dense buffers
-        received = [torch.empty_like(t) for t in sent]
+        sent, received = _message_buffers(tensors)
+        return self._start(sent, received)
+
+    def _start(self, sent, received):
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
         return received, (dist.batch_isend_irecv(ops), sent)
 
     def shift_after_next_launch(self, tensors):
         """shift(tensors), ready now and started by the returned function, which the caller calls
-        right after launching the step's first attention: on a GPU the host takes ~0.1-0.4 ms to
-        launch the messages and as long again for the attention, and the messages launched first
-        left the GPU idle for both (docs/PERF.md, session 41). The messages run on a side stream
+        right after launching the step's first attention: on a GPU torch.distributed holds the host
+        ~0.3 ms launching the messages, and launched first they left the GPU idle for that time
+        (docs/PERF.md, session 41). The messages run on a side stream
         that has waited for everything before the attention (torch makes a message's stream wait
         for the stream it is launched from, so launched from the compute stream they would wait for
         the attention too)."""
         if not tensors[0].is_cuda:  # CPU attention blocks the host: the messages go first
             pending = self.shift(tensors)
             return lambda: pending
-        compute = torch.cuda.current_stream(tensors[0].device)
         side = _side_stream(tensors[0].device)
-        sent = [t.contiguous() for t in tensors]  # messages are dense buffers
-        received = [torch.empty_like(t) for t in sent]  # on the compute stream, which reads them
-        side.wait_stream(compute)  # the messages' inputs are ready there, the attention not yet launched
+        sent, received = _message_buffers(tensors)  # on the compute stream, which reads `received`
+        # the messages' inputs are ready there, the attention not yet launched
+        side.wait_stream(torch.cuda.current_stream(tensors[0].device))
 
         def launch():
             with torch.cuda.stream(side):
-                ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
-                ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
-                works = dist.batch_isend_irecv(ops)
-            return received, (works, sent)
+                return self._start(sent, received)
 
         return launch
+
+
+def _message_buffers(tensors):
+    """The dense buffers a shift sends, and new ones of their shapes to receive into."""
+    sent = [t.contiguous() for t in tensors]
+    return sent, [torch.empty_like(t) for t in sent]
 
 
 _SIDE_STREAMS = {}
