@@ -201,12 +201,15 @@ int main() {
         t0 = std::min(t0, at(i, 0, dec::kDecodeEntry));
         t_end = std::max(t_end, at(i, 0, dec::kDecodeEnd));
       }
-      Stat entry, waited, seqlen, prologue, qready, landed, loop, epilogue, end, warp_loop_spread;
+      Stat entry, waited, seqlen, range, lookup0, issued0, prologue, qready, landed, loop, epilogue, end, warp_loop_spread;
       for (int64_t i = 0; i < ctas; ++i) {
         const double w0 = at(i, 0, dec::kDecodeWaited);
         entry.add((at(i, 0, dec::kDecodeEntry) - t0) / 1e3);
         waited.add((w0 - t0) / 1e3);
         seqlen.add((at(i, 0, dec::kDecodeSeqlenReady) - w0) / 1e3);
+        range.add((at(i, 0, dec::kDecodeRangeReady) - w0) / 1e3);
+        lookup0.add((at(i, 0, dec::kDecodeLookup0) - w0) / 1e3);
+        issued0.add((at(i, 0, dec::kDecodeIssued0) - w0) / 1e3);
         prologue.add((at(i, 0, dec::kDecodeFirstIssued) - w0) / 1e3);
         qready.add((at(i, 0, dec::kDecodeQReady) - w0) / 1e3);
         landed.add((at(i, 0, dec::kDecodeTile0Landed) - w0) / 1e3);
@@ -233,6 +236,9 @@ int main() {
       row("entry since first entry", entry);
       row("past the wait since first entry", waited);
       row("sequence length loaded after wait", seqlen);
+      row("key range ready after wait", range);
+      row("first tile looked up after wait", lookup0);
+      row("first tile's copies issued after wait", issued0);
       row("first copies issued after wait", prologue);
       row("Q ready after wait", qready);
       row("warp 0's first tile landed", landed);

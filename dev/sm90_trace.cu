@@ -26,6 +26,14 @@
 namespace fc = flashcore;
 namespace sm90 = flashcore::cuda::sm90;
 
+// The traced shapes fill the GPU with query tiles, so the forward never splits their keys and
+// never calls the merge of split partials (src/cuda/decode/decode_api.cu, left out of this build).
+namespace flashcore::cuda {
+Status merge_split_partials(const MergeParams&, bool) {
+  return Status::internal("sm90_trace: the merge of split partials is not built into this tool");
+}
+}  // namespace flashcore::cuda
+
 int main(int argc, char** argv) {
   if (argc != 6 || (std::strcmp(argv[1], "fwd") != 0 && std::strcmp(argv[1], "bwd") != 0)) {
     std::fprintf(stderr, "usage: %s fwd|bwd HEAD_DIM SEQLEN CAUSAL OUT.bin\n", argv[0]);

@@ -505,6 +505,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
   const int span = static_cast<int>(k1 - k0);
   const int64_t contiguous_row = (p.paged || bad) ? 0 : cache_row_of(p, b);
   const int64_t contiguous_start = (p.paged || bad) ? 0 : cache_start(p, b);  // key j at slot start + j
+#ifdef FLASHCORE_DECODE_TRACE
+  asm volatile("" ::"l"(contiguous_start), "l"(contiguous_row), "l"(k0), "l"(k1));
+#endif
+  DECODE_TRACE(kDecodeRangeReady);
 
   // Tiles of this warp: w, w + kWarps, ... of the CTA's range.
   const int tiles = (span + kKeys - 1) / kKeys;
@@ -595,10 +599,12 @@ __global__ void __launch_bounds__(kWarpsPerCta * DecodeTraits::kWarp) attention_
     for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
 
   lookup(0);
+  DECODE_TRACE(kDecodeLookup0);
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < my_tiles) issue(st);
     cp_async_commit();
+    if (st == 0) DECODE_TRACE(kDecodeIssued0);
     lookup(st + 1);
   }
   DECODE_TRACE(kDecodeFirstIssued);

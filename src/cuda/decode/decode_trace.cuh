@@ -20,6 +20,9 @@ enum DecodePhase : int {
   kDecodeLoopDone,        // every copy landed, the last tile's math done
   kDecodeCombined,        // the warps' states combined (second barrier of the epilogue)
   kDecodeEnd,             // outputs written
+  kDecodeRangeReady,      // the split's key range and the cache row / start computed
+  kDecodeLookup0,         // the first tile's addresses looked up
+  kDecodeIssued0,         // the first tile's copies issued
   kDecodePhases
 };
 
