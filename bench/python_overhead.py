@@ -15,6 +15,8 @@ waiting for the device at the end. Layers measured, from the outside in:
   ext_raw_bwd   flashcore._C.backward on raw descriptors, preallocated (binding + library)
   ext_validate  flashcore._C.forward_workspace on raw descriptors: validation only, no launch
   dlpack_export q.__dlpack__() alone: torch's cost of exporting one tensor
+  kvcache       flashcore.flash_attn_with_kvcache: one query token per sequence against a cache
+                of seqlen keys (cache_seqlens given), the decoding step of eager inference
   sdpa          torch.nn.functional.scaled_dot_product_attention (same shape, BHSD view)
   sdpa+bwd      the same with autograd backward
 Usage: python bench/python_overhead.py [--device cuda|cpu] [--iters N] [--shape B,S,H,D]
@@ -76,6 +78,8 @@ def build_calls(device, shape, dtype):
     bwd_buffer = torch.empty(max(bwd_bytes, 1), dtype=torch.uint8, device=device)
     fc_device = _C.DEVICE_CUDA if device == "cuda" else _C.DEVICE_CPU
     bwd_workspace = (bwd_buffer.data_ptr(), bwd_bytes, fc_device, bwd_buffer.device.index or 0, bwd_buffer)
+    q1 = q[:, -1:].contiguous()
+    cache_seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
     qg_t, kg_t, vg_t = (x.transpose(1, 2) for x in (qg, kg, vg))
 
@@ -99,6 +103,7 @@ def build_calls(device, shape, dtype):
                                            raw["lse"], *raw_grads, None, None, bwd_workspace, options),
         "ext_validate": lambda: _C.forward_workspace(raw["q"], raw["k"], raw["v"], None, None, options),
         "dlpack_export": lambda: q.__dlpack__(),
+        "kvcache": lambda: flashcore.flash_attn_with_kvcache(q1, k, v, cache_seqlens=cache_seqlens),
         "sdpa": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t),
         "sdpa+bwd": sdpa_bwd,
     }

@@ -209,8 +209,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend
 
 
 # SMs each attention call of a GPU ring leaves to the NCCL kernel moving the next shard (see
-# ring_flash_attn_func's sm_margin). Margins of 8-32 measured no faster (docs/PERF.md, session 41),
-# but with the messages launched before the attention; not re-measured since they run under it.
+# ring_flash_attn_func's sm_margin). Margins of 8-32 measured no faster with the messages launched
+# before the attention (docs/PERF.md, session 41), nor 8-16 with them running under it (session 42).
 DEFAULT_SM_MARGIN = 0
 
 
