@@ -226,8 +226,10 @@ decode::SplitOutput split_output(const KvCacheParams& p, const AttentionPlan& pl
   // 4-warp CTAs, 1 x 65536 on an H100 (16 splits, 128 CTAs in 264 slots) -0.3% to -0.7%; on an
   // H200 (session 33, 256 CTAs in 264 slots) 1 x 65536 with 32 splits +2.3% to +2.6%, 16 x 8192
   // with 2 splits +1.1% to +1.2%; 4 tiles per warp gained less on both. 8-warp CTAs with splits
-  // fill one wave (at most 5% of the SMs free) and take it for the same reason (timed with it on
-  // only).
+  // fill one wave (at most 5% of the SMs free) and take it for the same reason: against none, two
+  // tiles +1.0% to +2.8% on every target cell (H200, session 42; one tile gained about half of
+  // that, four 0.2-0.5% more at 1 x 65536 and up to 1.4% less at 64 x 2048). Requests for more
+  // tiles after the wait (an L2 lookahead past the ring) queue with the first copies: -1% to -12%.
   const int64_t attention_ctas = int64_t(so.num_splits) * p.heads_kv * so.row_chunks * p.batch;
   const bool slots_filled = attention_ctas > int64_t(plan.sms) * (plan.ctas_per_sm - 1);
   so.prefetch_tiles = programmatic && (so.num_splits == 1 || slots_filled) ? 2 : 0;
