@@ -139,6 +139,22 @@ def test_non_contiguous_inputs_and_int64_cu_seqlens():
     torch.testing.assert_close(out_varlen[:7], expected)
 
 
+def test_heads_major_inputs_give_heads_major_outputs():
+    # q, k, v viewed (batch, seqlen, heads, d) from (batch, heads, seqlen, d) storage, as models that
+    # keep heads outermost pass them: out takes q's layout (torch.empty_like, as flash_attn), the
+    # gradients their inputs' layouts, and every value matches float64 math.
+    q, k, v = (torch.randn(2, 3, 37, 16).transpose(1, 2).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 37, 3, 16)
+    out, grads = grads_of(lambda *x: flash_attn.flash_attn_func(*x, causal=True), (q, k, v), dout)
+    assert out.stride() == q.stride()
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_grads = grads_of(lambda *x: reference_attention(*x, causal=True)[0], inputs64,
+                                  dout.double())
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+
+
 # ---- autograd -------------------------------------------------------------------------------
 
 MASKS = {

@@ -150,6 +150,31 @@ def test_forward_on_each_cuda_backend(backend, case):
     assert_within_rule(out, ref, same, torch.bfloat16, FWD_FACTOR, f"{backend} out")
 
 
+@pytest.mark.parametrize("backend", ["auto", "cuda_sm80", "cuda_sm90"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_heads_major_inputs_give_heads_major_outputs(backend, d):
+    """q, k, v viewed (batch, seqlen, heads, d) from (batch, heads, seqlen, d) storage: out takes
+    q's layout (torch.empty_like, as flash_attn), which the kernels store to, and the result and
+    the gradients meet the accuracy rule (the gradients take their inputs' layouts too)."""
+    if backend != "auto" and not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available on this GPU / build")
+    q, k, v = (torch.randn(2, 4, 300, d, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    dout = torch.randn(2, 300, 4, d, device=DEVICE, dtype=torch.bfloat16)
+    flashcore.set_default_backend(backend)
+    try:
+        got = forward_backward(lambda *x: flash_attn.flash_attn_func(*x, causal=True), (q, k, v), dout)
+    finally:
+        flashcore.set_default_backend("auto")
+    assert got[0].stride() == q.stride()
+    ref = forward_backward(lambda *x: reference_attention(*x, causal=True), (q, k, v), dout)
+    same = forward_backward(lambda *x: reference_attention(*x, causal=True, dtype=torch.bfloat16),
+                            (q, k, v), dout)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
+        assert_within_rule(got[i], ref[i], same[i], torch.bfloat16, factor, f"{backend} {name}")
+
+
 @pytest.mark.parametrize("backend", ["cuda_sm80", "cuda_sm90"])
 @pytest.mark.parametrize("case", [(2, 300, 300, 4, 2, 64, dict(causal=True)),
                                   (1, 200, 333, 4, 1, 128, dict(window=(50, 10), softcap=20.0)),
