@@ -4,8 +4,8 @@ calls (flash_attn_with_kvcache, merge_partials).
 ``flashcore::fwd`` and ``flashcore::bwd`` are registered with torch.library.custom_op, with
 fake (meta) implementations so torch.compile(fullgraph=True) traces through them without a
 graph break, and with register_autograd so backward calls the library's backward. The real
-implementations allocate every tensor through PyTorch (out, dq, dk, dv with torch.empty_like, as
-flash_attn does, lse with torch.empty, the workspace as a uint8 tensor of the size the library reports), launch on
+implementations allocate every tensor through PyTorch (out, dq, dk, dv in their input's layout
+as flash_attn's torch.empty_like gives it, see _empty_like; lse with torch.empty; the workspace as a uint8 tensor of the size the library reports), launch on
 the current CUDA stream and never synchronize or read device memory on the host, so they can
 be captured in CUDA graphs. Tensors reach the extension as raw descriptors (pointer, dtype,
 device, shape, strides), not through DLPack, to keep the host overhead per call low.
@@ -71,6 +71,17 @@ def _describe(t, name):
     else:
         raise ValueError(f"{name}: device {t.device} is not supported (cpu or cuda tensors only)")
     return (t.data_ptr(), fc_dtype, fc_device, index, t.shape, t.stride())
+
+
+def _empty_like(t):
+    """A tensor for a result shaped like t: t's layout where t is dense (torch.empty_like, as
+    flash_attn allocates out), else contiguous. empty_like of a tensor whose rows overlap (an
+    unfold, say) can put another stride-1 dimension last; the library needs the last one
+    contiguous, so such a result is allocated contiguous instead."""
+    out = torch.empty_like(t)
+    if out.stride(-1) != 1 and out.shape[-1] > 1:
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return out
 
 
 def _empty_f32(like, shape):
@@ -156,7 +167,7 @@ def _OnDevice(like):
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
                   block_table=None, sm_margin=0):
-    out = torch.empty_like(q)
+    out = _empty_like(q)
     lse = _empty_f32(q, lse_shape(q.shape, cu_seqlens_q is not None))
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, softcap, backend, deterministic, sm_margin)
@@ -172,9 +183,9 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
 def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                    softcap, backend, deterministic, sm_margin=0):
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = _empty_like(q)
+    dk = _empty_like(k)
+    dv = _empty_like(v)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, softcap, backend, deterministic, sm_margin)
     with _OnDevice(q):
@@ -224,7 +235,7 @@ def _fwd(
 @_fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
-    out = torch.empty_like(q)
+    out = _empty_like(q)
     lse = _empty_f32(q, lse_shape(q.shape, cu_seqlens_q is not None))
     return out, lse
 
@@ -259,7 +270,7 @@ def _bwd(
 def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, backend,
               deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _empty_like(q), _empty_like(k), _empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -405,7 +416,7 @@ def _paged_op(
 @_paged_op.register_fake
 def _paged_op_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                    alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, backend):
-    return torch.empty_like(q), _empty_f32(q, lse_shape(q.shape, True))
+    return _empty_like(q), _empty_f32(q, lse_shape(q.shape, True))
 
 
 def attention_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -455,7 +466,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
                   softmax_scale, causal, window_left, window_right, softcap, num_splits, backend,
                   rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, alibi_slopes,
                   return_lse):
-    out = torch.empty_like(q)
+    out = _empty_like(q)
     lse = _empty_f32(q, kvcache_lse_shape(q.shape)) if return_lse else None
     options = _options(q, 0, 0, softmax_scale, causal, window_left, window_right, softcap,
                        backend, False)
@@ -508,7 +519,7 @@ def _kvcache_op_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
                      softmax_scale, causal, window_left, window_right, softcap, num_splits,
                      backend, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
                      alibi_slopes):
-    return torch.empty_like(q), _empty_f32(q, kvcache_lse_shape(q.shape))
+    return _empty_like(q), _empty_f32(q, kvcache_lse_shape(q.shape))
 
 
 def cache_seqlens_tensor(cache_seqlens, q):

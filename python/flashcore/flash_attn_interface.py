@@ -97,8 +97,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     corner; query i attends to keys in [i + sk - sq - window_size[0], i + sk - sq +
     window_size[1]]. alibi_slopes (nheads,) or (batch, nheads), float32 on q's device: the
     score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j| (no gradient for the
-    slopes). Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with
-    return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32. With the 'auto' backend
+    slopes). Returns out (batch, seqlen_q, nheads, headdim) in q's memory layout (as flash_attn:
+    a q viewed from (batch, nheads, seqlen, headdim) storage gives such an out), or (out,
+    softmax_lse, None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32. With the 'auto' backend
     a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
     decode kernel, as flash_attn_with_kvcache over the same tensors would."""
     _check_unsupported(dropout_p)

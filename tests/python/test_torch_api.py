@@ -151,8 +151,29 @@ def test_heads_major_inputs_give_heads_major_outputs():
     ref_out, ref_grads = grads_of(lambda *x: reference_attention(*x, causal=True)[0], inputs64,
                                   dout.double())
     assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
+        assert got.stride() == x.stride(), name
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+
+
+def test_overlapping_inputs_give_outputs_with_a_contiguous_last_dimension():
+    # Overlapping rows (an unfold's sliding windows): torch.empty_like would put another stride-1
+    # dimension last, which no backend takes; the results are allocated contiguous instead.
+    q = torch.randn(2, 5, 10).unfold(2, 8, 1).requires_grad_()  # (2, 5, 3, 8), strides (50, 10, 1, 1)
+    assert torch.empty_like(q).stride(-1) != 1  # what the rule guards against
+    k, v = make_qkv((2, 5, 3, 8), (2, 5, 3, 8), requires_grad=True)[1:]
+    dout = torch.randn(2, 5, 3, 8)
+    out, grads = grads_of(lambda *x: flash_attn.flash_attn_func(*x), (q, k, v), dout)
+    assert out.stride(-1) == 1 and grads[0].stride(-1) == 1
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_grads = grads_of(lambda *x: reference_attention(*x)[0], inputs64, dout.double())
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+    cache = torch.randn(2, 12, 3, 8)
+    out_kv = flash_attn.flash_attn_with_kvcache(q.detach()[:, :1], cache, cache,
+                                                cache_seqlens=torch.tensor([12, 7], dtype=torch.int32))
+    assert out_kv.stride(-1) == 1
 
 
 # ---- autograd -------------------------------------------------------------------------------
@@ -251,6 +272,9 @@ def test_custom_op_opcheck():
 
     q, k, v = make_qkv((1, 12, 2, 16), (1, 10, 1, 16), requires_grad=True)
     opcheck(torch.ops.flashcore.fwd.default, (q, k, v) + OP_SETTINGS)
+    # Heads-major q: the fake's output strides must be the real op's (both take q's layout).
+    q_heads_major = torch.randn(1, 2, 12, 16).transpose(1, 2).requires_grad_()
+    opcheck(torch.ops.flashcore.fwd.default, (q_heads_major, k, v) + OP_SETTINGS)
     q, k, v = (x.detach() for x in (q, k, v))
     out, lse = torch.ops.flashcore.fwd(q, k, v, *OP_SETTINGS)
     opcheck(torch.ops.flashcore.bwd.default, (torch.randn_like(out), q, k, v, out, lse) + OP_SETTINGS)

@@ -167,6 +167,7 @@ def test_heads_major_inputs_give_heads_major_outputs(backend, d):
     finally:
         flashcore.set_default_backend("auto")
     assert got[0].stride() == q.stride()
+    assert [g.stride() for g in got[1:]] == [x.stride() for x in (q, k, v)]
     ref = forward_backward(lambda *x: reference_attention(*x, causal=True), (q, k, v), dout)
     same = forward_backward(lambda *x: reference_attention(*x, causal=True, dtype=torch.bfloat16),
                             (q, k, v), dout)
