@@ -1152,3 +1152,23 @@ def test_torch_cuda_head_pairs_keep_a_heads_non_finite_keys_to_itself(rng, cuda_
                                    f"out of KV head {kv_head}")
         assert_low_precision_close(lse.cpu().numpy()[:, heads], ref_lse[:, heads], same_lse[:, heads],
                                    np.float32, f"lse of KV head {kv_head}")
+
+
+def test_torch_heads_major_q_gives_out_in_its_layout(rng, torch):
+    """q viewed (batch, seqlen_q, heads, d) from (batch, heads, seqlen_q, d) storage: out takes q's
+    layout (as flash_attn allocates it) and holds the values of the same call on a contiguous q;
+    with an append, the caches get the same rows either way."""
+    case = make_case(rng, seqlen_q=3, seqlen_new=3, capacity=40)
+    results = []
+    for heads_major in (False, True):
+        tcase = torch_case(torch, case)
+        q = tcase.pop("q")
+        if heads_major:
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k_cache, v_cache = tcase.pop("k_cache"), tcase.pop("v_cache")
+        out, lse = flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True,
+                                                     return_softmax_lse=True, **tcase)
+        assert out.stride() == q.stride()
+        results.append((out, lse, k_cache, v_cache))
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), *results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -590,3 +590,22 @@ def test_dlpack_api_accepts_torch_tensors_requiring_grad():
     assert relative_error(out, ref) < FP32_RELATIVE_TOLERANCE
     dq, dk, dv = flashcore.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_varlen_heads_major_q_gives_out_in_its_layout():
+    # Packed varlen q viewed (total, heads, d) from (heads, total, d) storage: out takes q's layout
+    # and the values, lse and gradients of the same call on a contiguous q.
+    cu = torch.tensor([0, 13, 13, 40], dtype=torch.int32)
+    q = torch.randn(3, 40, 16).transpose(0, 1)
+    k, v = torch.randn(40, 3, 16), torch.randn(40, 3, 16)
+    dout = torch.randn(40, 3, 16)
+    results = []
+    for query in (q.contiguous(), q):
+        inputs = [x.detach().clone().requires_grad_() for x in (query, k, v)]
+        out, lse, _ = flash_attn.flash_attn_varlen_func(*inputs, cu, cu, 27, 27, causal=True,
+                                                         return_attn_probs=True)
+        grads = torch.autograd.grad(out, inputs, dout)
+        assert out.stride() == query.stride() and grads[0].stride() == query.stride()
+        results.append((out, lse) + grads)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
