@@ -5,8 +5,8 @@ calls (flash_attn_with_kvcache, merge_partials).
 fake (meta) implementations so torch.compile(fullgraph=True) traces through them without a
 graph break, and with register_autograd so backward calls the library's backward. The real
 implementations allocate every tensor through PyTorch (out, dq, dk, dv in their input's layout
-as flash_attn's torch.empty_like gives it, see _empty_like; lse with torch.empty; the workspace as a uint8 tensor of the size the library reports), launch on
-the current CUDA stream and never synchronize or read device memory on the host, so they can
+as flash_attn's torch.empty_like gives it, see _empty_like; lse with torch.empty; the workspace
+as a uint8 tensor of the size the library reports), launch on the current CUDA stream and never synchronize or read device memory on the host, so they can
 be captured in CUDA graphs. Tensors reach the extension as raw descriptors (pointer, dtype,
 device, shape, strides), not through DLPack, to keep the host overhead per call low.
 The KV-cache call (``flashcore::kvcache``, declared as mutating k_cache and v_cache, which it
@@ -89,6 +89,13 @@ def _empty_f32(like, shape):
     return torch.empty(*shape, dtype=torch.float32, device=like.device)
 
 
+def _require_tensors(names, values, like="q"):
+    """TypeError naming the first of values that is neither None nor a torch.Tensor."""
+    for name, t in zip(names, values):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor like {like}, got {type(t).__name__}")
+
+
 def _last_dim_contiguous(t):
     # flash_attn's rule: only the head_dim stride must be 1; other strides are accepted as is.
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -151,7 +158,7 @@ def _workspace_allocator(like):
 _NO_GUARD = contextlib.nullcontext()
 
 
-def _OnDevice(like):
+def _device_guard(like):
     """A context that makes like's CUDA device current for the call when it is not (multi-GPU
     processes); a shared no-op otherwise."""
     if like.is_cuda:
@@ -171,7 +178,7 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
     lse = _empty_f32(q, lse_shape(q.shape, cu_seqlens_q is not None))
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, softcap, backend, deterministic, sm_margin)
-    with _OnDevice(q):
+    with _device_guard(q):
         _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
                    _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
                    _describe(cu_seqlens_k, "cu_seqlens_k"), _workspace_allocator(q), options,
@@ -188,7 +195,7 @@ def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_sl
     dv = _empty_like(v)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, softcap, backend, deterministic, sm_margin)
-    with _OnDevice(q):
+    with _device_guard(q):
         _C.backward(_describe(dout, "dout"), _describe(q, "q"), _describe(k, "k"),
                     _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),
                     _describe(dq, "dq"), _describe(dk, "dk"), _describe(dv, "dv"),
@@ -364,10 +371,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     # generators save about a microsecond of the ~10 this entry costs on the host.
     if (type(k) is not Tensor or type(v) is not Tensor or cu_seqlens_q is not None or
             cu_seqlens_k is not None or alibi_slopes is not None):
-        for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
-                        ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
+        _require_tensors(("k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"),
+                         (k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
         cu_seqlens_q, cu_seqlens_k = _cu_seqlens(cu_seqlens_q), _cu_seqlens(cu_seqlens_k)
     window_left, window_right = resolve_window(window_size)
     q = _last_dim_contiguous(q)
@@ -470,7 +475,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
     lse = _empty_f32(q, kvcache_lse_shape(q.shape)) if return_lse else None
     options = _options(q, 0, 0, softmax_scale, causal, window_left, window_right, softcap,
                        backend, False)
-    with _OnDevice(q):
+    with _device_guard(q):
         _C.kvcache(_describe(q, "q"), _describe(k_cache, "k_cache"), _describe(v_cache, "v_cache"),
                    _describe(cache_seqlens, "cache_seqlens"), _describe(block_table, "block_table"),
                    _describe(cache_batch_idx, "cache_batch_idx"), _describe(k, "k"),
@@ -533,6 +538,10 @@ def cache_seqlens_tensor(cache_seqlens, q):
                       device=q.device)
 
 
+_KVCACHE_TENSOR_NAMES = ("k_cache", "v_cache", "k", "v", "cache_batch_idx", "block_table",
+                         "rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes")
+
+
 def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                       softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                       backend, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
@@ -540,12 +549,9 @@ def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
     """flash_attn_with_kvcache for torch tensors: out, or (out, lse) when return_lse."""
     optional = (k_cache, v_cache, k, v, cache_batch_idx, block_table, rotary_cos, rotary_sin,
                 cache_leftpad, alibi_slopes)
-    for t in optional:  # plain tensors pass with one test each; the names only for an error
-        if t is not None and type(t) is not Tensor and not isinstance(t, torch.Tensor):
-            names = ("k_cache", "v_cache", "k", "v", "cache_batch_idx", "block_table", "rotary_cos",
-                     "rotary_sin", "cache_leftpad", "alibi_slopes")
-            name = names[next(i for i, x in enumerate(optional) if x is t)]
-            raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(t).__name__}")
+    for t in optional:  # one test per argument; the names are paired only for an error
+        if t is not None and not isinstance(t, torch.Tensor):
+            _require_tensors(_KVCACHE_TENSOR_NAMES, optional)
     window_left, window_right = resolve_window(window_size)
     # The caches are never copied: the appended tokens must land in the caller's tensors.
     q = _last_dim_contiguous(q)
@@ -574,10 +580,7 @@ def attention_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
 
 def merge_partials(out_partials, lse_partials, out, lse, backend):
     """flashcore.merge_partials for torch tensors: current stream, outputs allocated by torch."""
-    for name, t in (("lse_partials", lse_partials), ("out", out), ("lse", lse)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor like out_partials, got "
-                            f"{type(t).__name__}")
+    _require_tensors(("lse_partials", "out", "lse"), (lse_partials, out, lse), like="out_partials")
     merged_shape, out_shape, lse_out_shape = merge_partials_shapes(out_partials.shape,
                                                                    lse_partials.shape)
     out_partials = _last_dim_contiguous(out_partials).reshape(merged_shape)
@@ -586,7 +589,7 @@ def merge_partials(out_partials, lse_partials, out, lse, backend):
     if lse is None:
         lse = out_partials.new_empty(lse_out_shape, dtype=torch.float32)
     options = _options(out_partials, 0, 0, 0.0, False, -1, -1, 0.0, backend_id(backend), False)
-    with _OnDevice(out_partials):
+    with _device_guard(out_partials):
         _C.merge_partials(_describe(out_partials, "out_partials"),
                           _describe(lse_partials, "lse_partials"), _describe(out, "out"),
                           _describe(lse, "lse"), options)

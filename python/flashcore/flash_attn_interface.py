@@ -99,8 +99,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j| (no gradient for the
     slopes). Returns out (batch, seqlen_q, nheads, headdim) in q's memory layout (as flash_attn:
     a q viewed from (batch, nheads, seqlen, headdim) storage gives such an out), or (out,
-    softmax_lse, None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32. With the 'auto' backend
-    a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
+    softmax_lse, None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32.
+    With the 'auto' backend a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
     decode kernel, as flash_attn_with_kvcache over the same tensors would."""
     _check_unsupported(dropout_p)
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
