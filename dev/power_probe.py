@@ -1,0 +1,130 @@
+"""Power, SM clock and rate of long forward calls, flashcore next to SDPA cuDNN (GPU machine).
+
+Why: under Nsight Compute's locked base clocks the d256 causal 16k forward took 1.62 ms against
+cuDNN's 2.09 (1.29x), while the benchmark (free-running clocks) read 632 TFLOP/s against 597
+(1.06x): at long lengths the clock, not the cycle count, may set the ratio. This keeps each
+implementation busy for a few seconds, alternating, while nvidia-smi samples power, SM clock,
+temperature and the active clock-event reasons, and prints per phase: TFLOP/s, median clock and
+power, and the reasons seen.
+
+usage: PYTHONPATH=<package> python3 dev/power_probe.py [--cells mm,256:16384:1,... (mm: the matmul)] [--seconds 3]
+       [--rounds 2]
+"""
+import argparse
+import datetime
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashcore
+
+QUERY = "timestamp,power.draw,clocks.sm,temperature.gpu,clocks_event_reasons.active"
+
+
+def sampler(path):
+    out = open(path, "w")
+    return subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+def read_samples(path):
+    rows = []
+    for line in open(path):
+        f = [x.strip() for x in line.split(",")]
+        if len(f) < 5:
+            continue
+        try:
+            t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            rows.append((t, float(f[1]), float(f[2]), float(f[3]), f[4]))
+        except ValueError:
+            continue
+    return rows
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def run_phase(fn, seconds):
+    """Calls back to back for `seconds`; returns (start, end, ms per call over the last 80%)."""
+    t0 = time.time()
+    fn()
+    torch.cuda.synchronize()
+    one_start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - one_start
+    n = max(5, int(seconds / max(one, 1e-5)))
+    warm = n // 5
+    for _ in range(warm):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n - warm):
+        fn()
+    e.record()
+    e.synchronize()
+    return t0, time.time(), s.elapsed_time(e) / (n - warm)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cells", default="mm,256:16384:1,256:16384:0,128:16384:0,64:16384:1,mm")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,power.limit,power.max_limit,clocks.max.sm,"
+                          "clocks.applications.graphics", "--format=csv"], capture_output=True, text=True).stdout)
+    path = os.path.join(tempfile.mkdtemp(), "smi.csv")
+    proc = sampler(path)
+    phases = []
+    try:
+        for cell in args.cells.split(","):
+            if cell == "mm":  # the bf16 8192^3 matmul, the benchmark's ceiling
+                a, bm = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                for r in range(args.rounds):
+                    t0, t1, ms = run_phase(lambda: a @ bm, args.seconds)
+                    phases.append(("matmul 8192", "torch", r, t0, t1, 2 * 8192**3 / ms / 1e9))
+                    time.sleep(0.3)
+                del a, bm
+                continue
+            d, s, c = (int(x) for x in cell.split(":"))
+            b, h = 16384 // s, 2048 // d
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            flop = 4 * b * h * s * s * d * (0.5 if c else 1.0)
+            impls = {
+                "flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)),
+                "sdpa_cudnn": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(c)),
+            }
+            with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                for r in range(args.rounds):
+                    for name, fn in impls.items():
+                        t0, t1, ms = run_phase(fn, args.seconds)
+                        phases.append((f"d{d} S{s} {'causal' if c else 'full'}", name, r, t0, t1, flop / ms / 1e9))
+                        time.sleep(0.3)
+            del q, k, v, qt, kt, vt
+            torch.cuda.empty_cache()
+    finally:
+        time.sleep(0.2)
+        proc.terminate()
+        proc.wait()
+    samples = read_samples(path)
+    print(f"{len(samples)} nvidia-smi samples")
+    print(f"{'cell':<18} {'impl':<11} {'round':>5} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'degC':>5}  reasons")
+    for cell, name, r, t0, t1, tf in phases:
+        span = t1 - t0
+        sel = [x for x in samples if t0 + 0.3 * span <= x[0] <= t1]  # the timed part
+        reasons = sorted({x[4] for x in sel})
+        print(f"{cell:<18} {name:<11} {r:>5} {tf:>8.1f} {median([x[2] for x in sel]):>6.0f} "
+              f"{median([x[1] for x in sel]):>6.0f} {median([x[3] for x in sel]):>5.0f}  {' '.join(reasons)}")
+
+
+if __name__ == "__main__":
+    main()
