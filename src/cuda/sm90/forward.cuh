@@ -189,6 +189,14 @@ struct ForwardTraits {
   // +8.5% at S = 512, +5.9% at 1k, +1% at 4k / 16k; d128 causal lost 0.4-1% (session 20).
   // Q K^T stays N = 128: a half-width wgmma behind a run-time test serialized every wgmma (C7515).
   static constexpr bool kLeftHalfDiagonal = kHeadDim_ == 64 && kBlockN_ == 128;
+  // Q K^T with Q in registers (the RS form: each consumer loads its 64 rows of Q once per tile
+  // with ldmatrix) instead of both operands from shared memory: every key block's S then reads
+  // only K from shared memory. d128 on two consumers of 240 registers (the split-KV kernels would
+  // spill 32-88 bytes). Sustained rates at the H200's power limit (dev/power_probe.py, docs/PERF.md
+  // session 43, two alternating builds): d128 causal 2k / 8k / 16k +0.6% / +1.1% / +1.3%, 512 and
+  // the unmasked narrow-tile cells within 0.4%; at d64 it lost 0.8-0.9% (causal 512-2k).
+  static constexpr bool kQInRegisters = kConsumers_ == 2 && kHeadDim_ == 128 && kBlockN_ == 128 && !kSplitKv_;
+  static constexpr int kQSlices = kQInRegisters ? kHeadDim_ / 16 : 1;  // A fragments held (1: unused)
   // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
   // per-thread count at entry (65536 / kThreads rounded down to the allocation granule of 8,
   // which __launch_bounds__(kThreads, 1) makes ptxas use). The split must fit in it, or the
@@ -735,17 +743,38 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[T::kBlockN /
   }
 }
 
+/** This consumer's 64 rows of Q as RS A fragments, one per k-slice of 16 columns (kQInRegisters):
+ *  ldmatrix.x4 per slice, lane l addressing row l % 16 of its warp's 16 at column 8 (l / 16), so
+ *  that the four 8x8 matrices land in the A layout's a[0..3] (wgmma.cuh). Q rows are 128-byte
+ *  swizzled, so the 8 rows of each matrix hit 8 different 16-byte bank groups. */
+template <class T>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[T::kQSlices][4], const SmemPlan<T>& sm,
+                                                 int consumer, int q_slot) {
+  constexpr ptx::KMajorTile kQTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kHeadDim};
+  const uint32_t t = ptx::thread_in_warpgroup(), lane = t % 32;
+  const uint32_t row = consumer * T::kRowsPerConsumer + (t / 32) * 16 + lane % 16;
+#pragma unroll
+  for (int k = 0; k < T::kHeadDim / 16; ++k)
+    ptx::ldmatrix_x4(qa[k], sm.q_addr(q_slot) + kQTile.byte_offset(row, 16 * k + 8 * (lane / 16)));
+}
+
 template <class T>
 __device__ __forceinline__ void issue_qk(float (&s)[T::kBlockN / 2], const SmemPlan<T>& sm,
-                                         int consumer, int q_slot, int stage) {
+                                         const uint32_t (&qa)[T::kQSlices][4], int consumer,
+                                         int q_slot, int stage) {
   constexpr ptx::KMajorTile kQTile{ptx::SmemSwizzle::k128B, T::kBlockM, T::kHeadDim};
   constexpr ptx::KMajorTile kKTile{ptx::SmemSwizzle::k128B, T::kBlockN, T::kHeadDim};
   ptx::wgmma_fence();
 #pragma unroll
   for (int k = 0; k < T::kHeadDim / 16; ++k) {
-    ptx::wgmma_ss<T::kBlockN, typename T::Element>(
-        s, kQTile.desc(sm.q_addr(q_slot), consumer * T::kRowsPerConsumer, 16 * k),
-        kKTile.desc(sm.k_addr(stage), 0, 16 * k), k > 0);
+    if constexpr (T::kQInRegisters) {
+      ptx::wgmma_rs<T::kBlockN, typename T::Element, /*kTransB=*/0>(
+          s, qa[k], kKTile.desc(sm.k_addr(stage), 0, 16 * k), k > 0);
+    } else {
+      ptx::wgmma_ss<T::kBlockN, typename T::Element>(
+          s, kQTile.desc(sm.q_addr(q_slot), consumer * T::kRowsPerConsumer, 16 * k),
+          kKTile.desc(sm.k_addr(stage), 0, 16 * k), k > 0);
+    }
   }
   ptx::wgmma_commit_group();
 }
@@ -1049,6 +1078,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
   float o[T::kHeadDim / 2];
   float s[T::kBlockN / 2];
   uint32_t pa[T::kBlockN / 16][4];
+  uint32_t qa[T::kQSlices][4];  // Q's A fragments (kQInRegisters)
   float correction[2];
   // The previous tile while its last P V is still to be issued: where its output goes and its row
   // state. That P V reads the V of the last K/V fill consumed so far, pc.kv_fills - 1.
@@ -1094,6 +1124,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
     FWD_TRACE(role, kQReady, 0);
     ++pc.q_fills;
+    if constexpr (T::kQInRegisters) load_q_fragments<T>(qa, sm, consumer, q_slot);
     if (w.n_tiles == 0) {
       release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
       if (pending) finish_pending();
@@ -1146,7 +1177,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       turn.take();
       FWD_TRACE(role, kTurnTaken, 0);
-      issue_qk<T>(s, sm, consumer, q_slot, stage);
+      issue_qk<T>(s, sm, qa, consumer, q_slot, stage);
       if constexpr (kCarried) issue_pv<T>(o, pa, sm, pending_stage);
       turn.pass();
       if constexpr (kCarried) {
@@ -1196,7 +1227,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       FWD_TRACE(role, kVReady, it - 1);
       turn.take();
       FWD_TRACE(role, kTurnTaken, it);
-      issue_qk<T>(s, sm, consumer, q_slot, stage);
+      issue_qk<T>(s, sm, qa, consumer, q_slot, stage);
       issue_pv<T>(o, pa, sm, prev);
       turn.pass();
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
