@@ -193,8 +193,8 @@ struct ForwardTraits {
   // with ldmatrix) instead of both operands from shared memory: every key block's S then reads
   // only K from shared memory. d128 on two consumers of 240 registers (the split-KV kernels would
   // spill 32-88 bytes). Sustained rates at the H200's power limit (dev/power_probe.py, docs/PERF.md
-  // session 43, two alternating builds): d128 causal 2k / 8k / 16k +0.6% / +1.1% / +1.3%, 512 and
-  // the unmasked narrow-tile cells within 0.4%; at d64 it lost 0.8-0.9% (causal 512-2k).
+  // session 43, two alternating builds): d128 causal 8k / 16k +1.1% / +1.3% at the same clock,
+  // 512-2k and the unmasked narrow-tile cells within their noise; d64 lost 0.8-0.9% (causal 512-2k).
   static constexpr bool kQInRegisters = kConsumers_ == 2 && kHeadDim_ == 128 && kBlockN_ == 128 && !kSplitKv_;
   static constexpr int kQSlices = kQInRegisters ? kHeadDim_ / 16 : 1;  // A fragments held (1: unused)
   // setmaxnreg moves registers within what the CTA was launched with: kThreads times the
