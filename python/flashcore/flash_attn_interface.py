@@ -6,7 +6,10 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0; on a GPU
-a head_dim that is not a multiple of 8, alibi_slopes in a paged block_table call of
+a head_dim that is not a multiple of 8 in flash_attn_with_kvcache and in a paged (block_table)
+flash_attn_varlen_func call, and in any call on other DLPack arrays (the dense and varlen calls
+on torch tensors pad it to the next multiple of 8 and cut the output back, as flash_attn does),
+alibi_slopes in a paged block_table call of
 flash_attn_varlen_func past 16 query rows per KV head (the CPU takes it; decoding calls run on the
 decode kernel, which does too), and a flash_attn_with_kvcache call with alibi_slopes
 whose query rows (heads x seqlen_q) need more than 65535 blocks of 16 (chunk seqlen_q).
@@ -65,12 +68,30 @@ def _last_dim_contiguous_numpy(x):
     return x
 
 
+def _head_dim_padding(q):
+    """Columns to add to a head_dim that the GPU kernels cannot take (they move 16-byte rows: a
+    multiple of 8 elements); 0 on the CPU, whose backends take any head_dim."""
+    return -q.shape[-1] % 8 if q.is_cuda else 0
+
+
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
     if _is_torch(q):
+        # As flash_attn does: zero columns padded onto q, k and v add nothing to Q K^T and give
+        # output columns of 0, which are cut off again; the scale stays the caller's head_dim's.
+        # The pad and the cut are torch ops, so autograd and torch.compile see through them.
+        head_dim, pad = q.shape[-1], _head_dim_padding(q)
+        if pad:
+            import torch.nn.functional as F
+
+            if softmax_scale is None:
+                softmax_scale = head_dim ** -0.5
+            q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
         out, lse = _load_torch_impl().attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, window_size, softcap, deterministic, _default_backend, alibi_slopes)
+        if pad:
+            out = out[..., :head_dim]
     else:
         q, k, v = (_last_dim_contiguous_numpy(x) for x in (q, k, v))
         out, lse = _dlpack_api.attention_forward(

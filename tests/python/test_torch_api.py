@@ -229,6 +229,59 @@ def test_autograd_varlen_with_empty_sequences():
             torch.testing.assert_close(got[rows][None].double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture
+def pad_head_dims_on_cpu(monkeypatch):
+    """The GPU's head_dim padding (flash_attn_interface._head_dim_padding) applied to CPU tensors,
+    so that its pad / cut and its scale are checked here against the unpadded CPU call."""
+    from flashcore import flash_attn_interface
+
+    monkeypatch.setattr(flash_attn_interface, "_head_dim_padding", lambda q: -q.shape[-1] % 8)
+
+
+@pytest.mark.parametrize("head_dim", [20, 37, 60])
+@pytest.mark.parametrize("softmax_scale", [None, 0.3], ids=["default_scale", "given_scale"])
+def test_head_dim_padding_matches_the_unpadded_call(pad_head_dims_on_cpu, head_dim, softmax_scale):
+    q, k, v = make_qkv((2, 21, 4, head_dim), (2, 33, 2, head_dim), requires_grad=True)
+    dout = torch.randn(q.shape)
+    fa = lambda q, k, v: flash_attn.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True,
+                                                    softcap=5.0, return_attn_probs=True)
+    out, lse, _ = fa(q, k, v)
+    assert out.shape == q.shape and lse.shape == (2, 4, 21)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = lambda q, k, v: reference_attention(q, k, v, causal=True, softcap=5.0, scale=softmax_scale)
+    ref_out, ref_grads = grads_of(lambda *x: ref(*x)[0], inputs64, dout.double())
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    torch.testing.assert_close(lse.double(), ref(*inputs64)[1].detach(), rtol=1e-5, atol=1e-5)
+    for name, got, want, x in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
+        assert got.shape == x.shape
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+
+
+def test_head_dim_padding_varlen_and_compiled(pad_head_dims_on_cpu):
+    lengths = [7, 0, 12]
+    cu = torch.tensor([0, 7, 7, 19], dtype=torch.int32)
+    q, k, v = make_qkv((19, 4, 36), (19, 2, 36), requires_grad=True)
+    dout = torch.randn(q.shape)
+    fa = lambda q, k, v: flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                           causal=True)
+    out, grads = grads_of(fa, (q, k, v), dout)
+    assert out.shape == q.shape
+    for b in (0, 2):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        inputs64 = [x.detach()[rows][None].double().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_grads = grads_of(lambda *x: reference_attention(*x, causal=True)[0], inputs64,
+                                      dout[rows][None].double())
+        torch.testing.assert_close(out[rows][None].double(), ref_out, rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got[rows][None].double(), want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True),
+                             backend="aot_eager", fullgraph=True)
+    q4, k4, v4 = (x.detach()[None] for x in (q, k, v))
+    torch.testing.assert_close(compiled(q4, k4, v4), flash_attn.flash_attn_func(q4, k4, v4, causal=True))
+
+
 def test_autograd_packed_forms():
     qkv = torch.randn(2, 19, 3, 2, 16, requires_grad=True)
     dout = torch.randn(2, 19, 2, 16)

@@ -83,6 +83,18 @@ def forward_backward(fn, inputs, dout):
     return (out,) + torch.autograd.grad(out, inputs, dout)
 
 
+def assert_step_within_rule(got, inputs, dout, label, **mask):
+    """got = (out, dq, dk, dv) of a forward + backward step on `inputs`: each within the rule
+    against the fp64 reference, with plain torch math in the inputs' dtype as the same-precision
+    result."""
+    dtype = inputs[0].dtype
+    ref = forward_backward(lambda *x: reference_attention(*x, **mask), inputs, dout)
+    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), inputs, dout)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
+        assert_within_rule(got[i], ref[i], same[i], dtype, factor, f"{label} {name}")
+
+
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
@@ -168,12 +180,26 @@ def test_heads_major_inputs_give_heads_major_outputs(backend, d):
         flashcore.set_default_backend("auto")
     assert got[0].stride() == q.stride()
     assert [g.stride() for g in got[1:]] == [x.stride() for x in (q, k, v)]
-    ref = forward_backward(lambda *x: reference_attention(*x, causal=True), (q, k, v), dout)
-    same = forward_backward(lambda *x: reference_attention(*x, causal=True, dtype=torch.bfloat16),
-                            (q, k, v), dout)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
-        assert_within_rule(got[i], ref[i], same[i], torch.bfloat16, factor, f"{backend} {name}")
+    assert_step_within_rule(got, (q, k, v), dout, backend, causal=True)
+
+
+@pytest.mark.parametrize("backend", ["auto", "cuda_sm80", "cuda_sm90"])
+@pytest.mark.parametrize("d", [36, 60, 100])
+def test_head_dim_not_a_multiple_of_8_is_padded(backend, d):
+    """flash_attn pads such a head_dim to the next multiple of 8 for its kernels and cuts the
+    output back; so does flashcore's Python API (the default scale stays 1/sqrt(d))."""
+    if backend != "auto" and not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available on this GPU / build")
+    q = torch.randn(2, 200, 4, d, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 230, 2, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    flashcore.set_default_backend(backend)
+    try:
+        got = forward_backward(lambda *x: flash_attn.flash_attn_func(*x, causal=True), (q, k, v), dout)
+    finally:
+        flashcore.set_default_backend("auto")
+    assert got[0].shape == q.shape and [g.shape for g in got[1:]] == [x.shape for x in (q, k, v)]
+    assert_step_within_rule(got, (q, k, v), dout, f"{backend} d{d}", causal=True)
 
 
 @pytest.mark.parametrize("backend", ["cuda_sm80", "cuda_sm90"])
