@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
+from gpu_clocks import ClockSampler
 from targets import report as target_report
 from timing import bench_ms, graph_replay_us
 
@@ -61,6 +62,9 @@ T0 = time.time()
 ROWS = []
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GRID_DTYPES = [d for d in args.dtype.split(",") if d]
+# SM clock and power while each training-grid timing runs (bench/gpu_clocks.py; off without
+# nvidia-smi): at the power limit the clock follows each kernel's energy per FLOP.
+CLOCKS = None if args.cpu_only else ClockSampler()
 
 
 def emit(**kw):
@@ -166,13 +170,16 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
             impls[name] = (lambda be=be: _sdpa(be, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                causal))
         rounds = {name: [] for name in impls}
+        windows = {name: [] for name in impls}  # (start, end) of each round's timing
         errors = {}
         for _ in range(max(1, args.rounds)):
             for name, fn in impls.items():
                 if name in errors:
                     continue
                 try:
+                    t0 = time.time()
                     rounds[name].append(_time_impl(mode, name, fn, q, k, v, dout))
+                    windows[name].append((t0, time.time()))
                 except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
                     errors[name] = str(e).splitlines()[0][:160]
         for name in impls:
@@ -181,8 +188,11 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
                      causal=causal, error=errors[name])
                 continue
             ms = min(rounds[name])
+            best = rounds[name].index(ms)
+            clocks = CLOCKS.window(*windows[name][best]) if CLOCKS else None
             emit(kind="train", impl=name, mode=mode, dtype=dt, batch=b, heads=h, seqlen=s, hdim=d,
-                 causal=causal, ms=ms, ms_rounds=rounds[name], tflops=flops(b, h, s, d, causal, mode) / ms / 1e9)
+                 causal=causal, ms=ms, ms_rounds=rounds[name], tflops=flops(b, h, s, d, causal, mode) / ms / 1e9,
+                 **({k: clocks[k] for k in ("sm_mhz", "watts", "power_capped")} if clocks else {}))
     del q, k, v, dout
     torch.cuda.empty_cache()
 
@@ -455,12 +465,14 @@ def summary():
     train = [r for r in ROWS if r["kind"] == "train"]
     key = lambda r: (r["mode"], r.get("dtype", "bf16"), r["hdim"], r["causal"], r["seqlen"])
     cells = sorted({key(r) for r in train})
-    print("%-8s %-5s %-5s %-6s %-6s %10s %10s %10s %10s %10s %8s %8s" % (
+    print("%-8s %-5s %-5s %-6s %-6s %10s %10s %10s %10s %10s %8s %8s %10s" % (
         "mode", "dtype", "hdim", "mask", "seqlen", "flashcore", "fc_sm80", "sdpa_fa2", "cudnn", "effic.", "vs FA2",
-        "vs cuDNN"))
+        "vs cuDNN", "MHz fc/cu"))
     ratios = {}
     for c in cells:
         by = {r["impl"]: r.get("tflops") for r in train if key(r) == c}
+        mhz = {r["impl"]: r.get("sm_mhz") for r in train if key(r) == c}
+        fc_mhz, cu_mhz = mhz.get("flashcore"), mhz.get("sdpa_cudnn")
         fc, f80, fa2, cu, ef = (by.get(n) for n in ("flashcore", "flashcore_sm80", "sdpa_flash", "sdpa_cudnn",
                                                     "sdpa_efficient"))
         fmt = lambda x: "%10.1f" % x if x else "%10s" % "-"
@@ -470,9 +482,10 @@ def summary():
             ratios.setdefault((c[0], "sdpa_flash"), []).append(r1)
         if r2:
             ratios.setdefault((c[0], "sdpa_cudnn"), []).append(r2)
-        print("%-8s %-5s %-5d %-6s %-6d %s %s %s %s %s %8s %8s" % (
+        print("%-8s %-5s %-5d %-6s %-6d %s %s %s %s %s %8s %8s %10s" % (
             c[0], c[1], c[2], "causal" if c[3] else "full", c[4], fmt(fc), fmt(f80), fmt(fa2), fmt(cu), fmt(ef),
-            "%.2fx" % r1 if r1 else "-", "%.2fx" % r2 if r2 else "-"))
+            "%.2fx" % r1 if r1 else "-", "%.2fx" % r2 if r2 else "-",
+            "%.0f/%.0f" % (fc_mhz, cu_mhz) if fc_mhz and cu_mhz else "-"))
     for (mode, peer), rs in sorted(ratios.items()):
         gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
         print("%s vs %s: geomean %.2fx, min %.2fx, max %.2fx over %d cells" % (mode, peer, gm, min(rs), max(rs),
@@ -524,5 +537,7 @@ for section in sections:
     except Exception as e:  # keep going: a later section's numbers are still worth having
         emit(kind="error", section=section.__name__, error=repr(e)[:300])
         print("section", section.__name__, "failed:", repr(e)[:300])
+if CLOCKS:
+    CLOCKS.stop()
 plot()
 summary()

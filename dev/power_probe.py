@@ -4,17 +4,16 @@ Why: under Nsight Compute's locked base clocks the d256 causal 16k forward took 
 cuDNN's 2.09 (1.29x), while the benchmark (free-running clocks) read 632 TFLOP/s against 597
 (1.06x): at long lengths the clock, not the cycle count, may set the ratio. This keeps each
 implementation busy for a few seconds, alternating, while nvidia-smi samples power, SM clock,
-temperature and the active clock-event reasons, and prints per phase: TFLOP/s, median clock and
-power, and the reasons seen.
+temperature and the active clock-event reasons (bench/gpu_clocks.py), and prints per phase:
+TFLOP/s, median clock, power and temperature, and the share of samples with the power cap active.
 
 usage: PYTHONPATH=<package> python3 dev/power_probe.py [--cells mm,256:16384:1,... (mm: the matmul)] [--seconds 3]
        [--rounds 2]
 """
 import argparse
-import datetime
 import os
 import subprocess
-import tempfile
+import sys
 import time
 
 import torch
@@ -23,32 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
 
-QUERY = "timestamp,power.draw,clocks.sm,temperature.gpu,clocks_event_reasons.active"
-
-
-def sampler(path):
-    out = open(path, "w")
-    return subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
-                            stdout=out, stderr=subprocess.STDOUT)
-
-
-def read_samples(path):
-    rows = []
-    for line in open(path):
-        f = [x.strip() for x in line.split(",")]
-        if len(f) < 5:
-            continue
-        try:
-            t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            rows.append((t, float(f[1]), float(f[2]), float(f[3]), f[4]))
-        except ValueError:
-            continue
-    return rows
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from gpu_clocks import ClockSampler  # noqa: E402
 
 
 def run_phase(fn, seconds):
@@ -81,8 +56,7 @@ def main():
     args = ap.parse_args()
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,power.limit,power.max_limit,clocks.max.sm,"
                           "clocks.applications.graphics", "--format=csv"], capture_output=True, text=True).stdout)
-    path = os.path.join(tempfile.mkdtemp(), "smi.csv")
-    proc = sampler(path)
+    sampler = ClockSampler()
     phases = []
     try:
         for cell in args.cells.split(","):
@@ -113,17 +87,16 @@ def main():
             torch.cuda.empty_cache()
     finally:
         time.sleep(0.2)
-        proc.terminate()
-        proc.wait()
-    samples = read_samples(path)
-    print(f"{len(samples)} nvidia-smi samples")
-    print(f"{'cell':<18} {'impl':<11} {'round':>5} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'degC':>5}  reasons")
+        sampler.stop()
+    print(f"{len(sampler.samples)} nvidia-smi samples")
+    print(f"{'cell':<18} {'impl':<11} {'round':>5} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'degC':>5}  power-capped share")
     for cell, name, r, t0, t1, tf in phases:
-        span = t1 - t0
-        sel = [x for x in samples if t0 + 0.3 * span <= x[0] <= t1]  # the timed part
-        reasons = sorted({x[4] for x in sel})
-        print(f"{cell:<18} {name:<11} {r:>5} {tf:>8.1f} {median([x[2] for x in sel]):>6.0f} "
-              f"{median([x[1] for x in sel]):>6.0f} {median([x[3] for x in sel]):>5.0f}  {' '.join(reasons)}")
+        w = sampler.window(t0 + 0.3 * (t1 - t0), t1)  # the timed part
+        if w is None:
+            print(f"{cell:<18} {name:<11} {r:>5} {tf:>8.1f}  (no samples)")
+            continue
+        print(f"{cell:<18} {name:<11} {r:>5} {tf:>8.1f} {w['sm_mhz']:>6.0f} {w['watts']:>6.0f} "
+              f"{w['temperature']:>5.0f}  {w['power_capped']:.2f}")
 
 
 if __name__ == "__main__":
