@@ -6,7 +6,7 @@ import time
 import torch
 
 
-def _ms_per_call(fn, calls):
+def ms_per_call(fn, calls):
     """Milliseconds per call of `calls` calls issued back to back between two CUDA events."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -30,12 +30,12 @@ def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
         if n % 8 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    one = _ms_per_call(fn, 1)
+    one = ms_per_call(fn, 1)
     # Calls back to back (TARGETS.md): at least 3 per timed repeat, ~10 ms worth. One call between
     # two events also times the host issuing it: a fwd+bwd step of ~1.2 ms at S=512 then read
     # ~1.7 ms for flashcore (whose host side takes ~0.6 ms to issue a training step).
     inner = max(3, min(50, int(10.0 / max(one, 1e-3))))
-    ts = sorted(_ms_per_call(fn, inner) for _ in range(rep))
+    ts = sorted(ms_per_call(fn, inner) for _ in range(rep))
     return ts[len(ts) // 2]
 
 
@@ -45,7 +45,7 @@ def events_rate(fn, work, repeats=5, calls=20):
     scripts' fixed-count form of bench_ms)."""
     fn()
     torch.cuda.synchronize()
-    return statistics.median(work / (_ms_per_call(fn, calls) / 1e3) / 1e12 for _ in range(repeats))
+    return statistics.median(work / (ms_per_call(fn, calls) / 1e3) / 1e12 for _ in range(repeats))
 
 
 def training_rates(fwd, flop, backward=True):

@@ -24,6 +24,7 @@ import flashcore
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from gpu_clocks import ClockSampler  # noqa: E402
+from timing import ms_per_call  # noqa: E402
 
 
 def run_phase(fn, seconds):
@@ -39,13 +40,8 @@ def run_phase(fn, seconds):
     warm = n // 5
     for _ in range(warm):
         fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n - warm):
-        fn()
-    e.record()
-    e.synchronize()
-    return t0, time.time(), s.elapsed_time(e) / (n - warm)
+    ms = ms_per_call(fn, n - warm)
+    return t0, time.time(), ms
 
 
 def main():

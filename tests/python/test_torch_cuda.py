@@ -83,16 +83,16 @@ def forward_backward(fn, inputs, dout):
     return (out,) + torch.autograd.grad(out, inputs, dout)
 
 
-def assert_step_within_rule(got, inputs, dout, label, **mask):
+def assert_step_within_rule(got, inputs, dout, label="", **mask):
     """got = (out, dq, dk, dv) of a forward + backward step on `inputs`: each within the rule
     against the fp64 reference, with plain torch math in the inputs' dtype as the same-precision
-    result."""
+    result (messages prefixed with `label`)."""
     dtype = inputs[0].dtype
     ref = forward_backward(lambda *x: reference_attention(*x, **mask), inputs, dout)
     same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), inputs, dout)
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         factor = FWD_FACTOR if name == "out" else BWD_FACTOR
-        assert_within_rule(got[i], ref[i], same[i], dtype, factor, f"{label} {name}")
+        assert_within_rule(got[i], ref[i], same[i], dtype, factor, f"{label} {name}" if label else name)
 
 
 @pytest.fixture(autouse=True)
@@ -133,12 +133,8 @@ def test_forward_backward_vs_torch_math(dtype, case):
         q, k, v, causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
         softcap=mask.get("softcap", 0.0))
     got = forward_backward(fa, (q, k, v), dout)
-    ref = forward_backward(lambda *x: reference_attention(*x, **mask), (q, k, v), dout)
-    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), (q, k, v), dout)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        assert got[i].dtype == dtype
-        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
-        assert_within_rule(got[i], ref[i], same[i], dtype, factor, name)
+    assert all(g.dtype == dtype for g in got)
+    assert_step_within_rule(got, (q, k, v), dout, **mask)
 
 
 @pytest.mark.parametrize("backend", ["cuda_sm80", "cuda_sm90"])
@@ -226,11 +222,7 @@ def test_backward_on_each_cuda_backend(backend, case):
         got = forward_backward(fa, (q, k, v), dout)
     finally:
         flashcore.set_default_backend("auto")
-    ref = forward_backward(lambda *x: reference_attention(*x, **mask), (q, k, v), dout)
-    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), (q, k, v), dout)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
-        assert_within_rule(got[i], ref[i], same[i], dtype, factor, f"{backend} {name}")
+    assert_step_within_rule(got, (q, k, v), dout, backend, **mask)
 
 
 def test_varlen_matches_dense_per_sequence():
@@ -386,10 +378,7 @@ def test_few_tokens_against_long_keys(case):
     dout = torch.randn_like(q)
     fa = lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True)
     got = forward_backward(fa, (q, k, v), dout)
-    ref = forward_backward(lambda *x: reference_attention(*x, causal=True), (q, k, v), dout)
-    same = forward_backward(lambda *x: reference_attention(*x, causal=True, dtype=dtype), (q, k, v), dout)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        assert_within_rule(got[i], ref[i], same[i], dtype, FWD_FACTOR if name == "out" else BWD_FACTOR, name)
+    assert_step_within_rule(got, (q, k, v), dout, causal=True)
     out, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     cached, cached_lse = flash_attn.flash_attn_with_kvcache(q, k, v, causal=True, return_softmax_lse=True)
     if torch.cuda.get_device_capability() == (9, 0):
@@ -508,11 +497,7 @@ def test_alibi_forward_backward_vs_torch_math(dtype, per_batch):
     mask = dict(causal=True, alibi_slopes=slopes)
     fa = lambda q, k, v: flash_attn.flash_attn_func(q, k, v, **mask)
     got = forward_backward(fa, (q, k, v), dout)
-    ref = forward_backward(lambda *x: reference_attention(*x, **mask), (q, k, v), dout)
-    same = forward_backward(lambda *x: reference_attention(*x, **mask, dtype=dtype), (q, k, v), dout)
-    for i, name in enumerate(("out", "dq", "dk", "dv")):
-        factor = FWD_FACTOR if name == "out" else BWD_FACTOR
-        assert_within_rule(got[i], ref[i], same[i], dtype, factor, name)
+    assert_step_within_rule(got, (q, k, v), dout, **mask)
 
 
 def test_dlpack_api_with_explicit_stream():

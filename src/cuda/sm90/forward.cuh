@@ -1124,7 +1124,6 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
     FWD_TRACE(role, kQReady, 0);
     ++pc.q_fills;
-    if constexpr (T::kQInRegisters) load_q_fragments<T>(qa, sm, consumer, q_slot);
     if (w.n_tiles == 0) {
       release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
       if (pending) finish_pending();
@@ -1133,6 +1132,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       store_tile<T>(args, sm, tile_output(w), consumer, o, st, pc);
       continue;
     }
+    if constexpr (T::kQInRegisters) load_q_fragments<T>(qa, sm, consumer, q_slot);
     // Only the rows that will be stored decide whether a key block needs per-element masks: rows
     // past seqlen_q (the last query block's tail, or a whole consumer's 64 rows) compute on finite
     // inputs and are discarded, so they take the branch-free body. Counting them made every key
