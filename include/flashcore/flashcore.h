@@ -37,7 +37,7 @@ extern "C" {
  *    callers built against version 1 pass shorter structs: rebuild them.
  * 3: fc_attention_options gained alibi_slopes (appended after block_table).
  * 4: fc_attention_options gained sm_margin (appended after alibi_slopes). */
-#define FC_ABI_VERSION 4
+#define FC_ABI_VERSION 5
 #define FC_MAX_DIMS 4
 
 /** Element types. Values are part of the ABI. */
@@ -146,6 +146,19 @@ typedef struct fc_attention_options {
    *  split call's rounding (not its accuracy). Other grids (one CTA per tile) and CPU backends
    *  ignore it. 0 = every SM; negative is an error. */
   int32_t sm_margin;
+  /** Since FC_ABI_VERSION 5. Dropout of the attention probabilities, as flash_attn's dropout_p
+   *  (training): in [0, 1); 0 = none. Each probability P_ij (after the softmax) is kept with
+   *  probability 1 - dropout_p and then multiplied by 1 / (1 - dropout_p), else zeroed; lse is the
+   *  softmax's, without dropout. Which entries are kept is a pure function of (dropout_seed,
+   *  dropout_offset, sequence, query head, query row, key column) (Philox4x32-10; the exact rule is
+   *  in src/common/dropout.hpp), the same on every backend, tile shape and thread count: a backward
+   *  given the forward's seed and offset drops the same entries. Keep probabilities are multiples
+   *  of 2^-16. Served by cpu_reference, cpu_flash and cuda_sm80 (on Hopper too: FC_BACKEND_AUTO
+   *  sends dropout calls there; cuda_sm90 refuses them); not by fc_attention_kvcache. Calls need
+   *  seqlen_k < 2^29 and batch * heads_q < 2^32. */
+  double dropout_p;
+  uint64_t dropout_seed;
+  uint64_t dropout_offset;
 } fc_attention_options;
 
 /** Message of the last failed call on this thread ("" when none). Valid until the next call. */

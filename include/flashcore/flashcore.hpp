@@ -63,6 +63,8 @@ struct Options {
   const Tensor* block_table = nullptr;  // varlen forward: k / v are pages (fc_attention_options.block_table)
   const Tensor* alibi_slopes = nullptr;  // float32 (heads_q) or (batch, heads_q): ALiBi bias
   int32_t sm_margin = 0;  // CUDA: SMs left to concurrent work (fc_attention_options.sm_margin)
+  double dropout_p = 0;   // dropout of the probabilities (fc_attention_options.dropout_p); 0 = none
+  uint64_t dropout_seed = 0, dropout_offset = 0;  // the mask's Philox seed and offset
 
   fc_attention_options to_c() const {
     fc_attention_options o{};
@@ -85,6 +87,9 @@ struct Options {
     o.block_table = block_table;
     o.alibi_slopes = alibi_slopes;
     o.sm_margin = sm_margin;
+    o.dropout_p = dropout_p;
+    o.dropout_seed = dropout_seed;
+    o.dropout_offset = dropout_offset;
     return o;
   }
 };

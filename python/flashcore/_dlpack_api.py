@@ -78,6 +78,9 @@ def make_options(
     num_threads=0,
     check_cu_seqlens=False,
     uint16_is_bfloat16=False,
+    dropout_p=0.0,
+    dropout_seed=0,
+    dropout_offset=0,
 ):
     """A ``_C.Options`` from flash_attn-style arguments."""
     left, right = resolve_window(window_size)
@@ -95,7 +98,16 @@ def make_options(
         num_threads=int(num_threads),
         check_cu_seqlens=bool(check_cu_seqlens),
         uint16_is_bfloat16=uint16_is_bfloat16,
+        dropout_p=float(dropout_p),
+        dropout_seed=_uint64(dropout_seed, "dropout_seed"),
+        dropout_offset=_uint64(dropout_offset, "dropout_offset"),
     )
+
+
+def _uint64(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < 2**64:
+        raise ValueError(f"{name}: expected an int in [0, 2^64), got {value!r}")
+    return int(value)
 
 
 def lse_shape(q_shape, is_varlen):
@@ -237,6 +249,9 @@ def attention_forward(
     error_flag=None,
     block_table=None,
     alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_seed=0,
+    dropout_offset=0,
 ):
     """out = softmax(softmax_scale * q k^T + mask) v for numpy or DLPack arrays.
 
@@ -258,6 +273,11 @@ def attention_forward(
     ``alibi_slopes`` (float32 (heads_q) or (batch, heads_q) on q's device): flash_attn's ALiBi,
     the score of query i and key j of a sequence gets -slope * |i + seqlen_k - seqlen_q - j|
     (after softmax_scale and softcap; lse includes it).
+    ``dropout_p`` in [0, 1): dropout of the probabilities, each kept with probability 1 -
+    dropout_p and scaled by 1 / (1 - dropout_p) (lse is the softmax's, without dropout). Which
+    are kept is a pure function of ``dropout_seed``, ``dropout_offset`` (ints in [0, 2^64)) and
+    the entry's sequence, query head, row and column, the same on every backend: pass the same
+    three to attention_backward.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(x, name)
@@ -286,6 +306,9 @@ def attention_forward(
         num_threads=num_threads,
         check_cu_seqlens=check_cu_seqlens,
         uint16_is_bfloat16=uses_bf16,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     q_, k_, v_, out_ = (_as_bfloat16_bits(_plain(x)) for x in (q, k, v, out))
     _C.forward(q_, k_, v_, out_, _plain(lse), cu_seqlens_q, cu_seqlens_k, workspace, options,
@@ -321,13 +344,18 @@ def attention_backward(
     check_cu_seqlens=False,
     error_flag=None,
     alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_seed=0,
+    dropout_offset=0,
 ):
     """Gradients (dq, dk, dv) of attention_forward for the same arguments and options.
 
     ``out`` and ``lse`` must come from that forward. With GQA/MQA the gradients of the query
     heads sharing a KV head are summed into dk/dv. dq/dk/dv may be passed in; otherwise they
     are allocated like q/k/v with their framework. ``check_cu_seqlens``, ``error_flag`` and
-    ``alibi_slopes`` (the forward's; the slopes get no gradient) as in attention_forward.
+    ``alibi_slopes`` (the forward's; the slopes get no gradient) as in attention_forward, and
+    the forward's ``dropout_p``, ``dropout_seed`` and ``dropout_offset`` (the same entries are
+    dropped).
     """
     for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
         _check_array(x, name)
@@ -355,6 +383,9 @@ def attention_backward(
         num_threads=num_threads,
         check_cu_seqlens=check_cu_seqlens,
         uint16_is_bfloat16=_is_numpy_bfloat16(q),
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset,
     )
     tensors = (_as_bfloat16_bits(_plain(x)) for x in (dout, q, k, v, out, lse, dq, dk, dv))
     _C.backward(*tensors, cu_seqlens_q, cu_seqlens_k, workspace, options, error_flag=_plain(error_flag),

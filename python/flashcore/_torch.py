@@ -102,7 +102,8 @@ def _last_dim_contiguous(t):
 
 
 def _options(like, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-             window_right, softcap, backend, deterministic, sm_margin=0):
+             window_right, softcap, backend, deterministic, sm_margin=0, dropout_p=0.0,
+             dropout_seed=None):
     if like.is_cuda:
         stream = _current_raw_stream(like.get_device())
         num_threads = 0
@@ -122,7 +123,31 @@ def _options(like, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_lef
         stream=stream,
         num_threads=num_threads,
         sm_margin=sm_margin,
+        dropout_p=dropout_p,
+        dropout_seed=_seed_value(dropout_p, dropout_seed),
     )
+
+
+def _seed_value(dropout_p, dropout_seed):
+    """The int seed in a dropout call's seed tensor (a CPU int64 drawn by _draw_dropout_seed:
+    reading it does not synchronize a GPU); 0 without dropout."""
+    if not dropout_p:
+        return 0
+    return int(dropout_seed) % 2**64
+
+
+def _draw_dropout_seed():
+    """A fresh mask seed from torch's default CPU generator, so torch.manual_seed makes dropout
+    reproducible. A tensor, not an int: torch.compile traces the draw into its graph (an int read
+    on the host would break it), and the op reads the value inside its implementation."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+def _check_dropout_capture(like, dropout_p):
+    # The seed is drawn and read on the host: a CUDA graph would replay one mask forever.
+    if dropout_p and like.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("dropout_p: a call with dropout cannot be captured in a CUDA graph (its mask's "
+                                  "seed is drawn on the host and would repeat on every replay)")
 
 
 def _stream_of_device(index):
@@ -173,11 +198,12 @@ def _device_guard(like):
 
 def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                   softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
-                  block_table=None, sm_margin=0):
+                  block_table=None, sm_margin=0, dropout_p=0.0, dropout_seed=None):
+    _check_dropout_capture(q, dropout_p)
     out = _empty_like(q)
     lse = _empty_f32(q, lse_shape(q.shape, cu_seqlens_q is not None))
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, backend, deterministic, sm_margin)
+                       window_right, softcap, backend, deterministic, sm_margin, dropout_p, dropout_seed)
     with _device_guard(q):
         _C.forward(_describe(q, "q"), _describe(k, "k"), _describe(v, "v"), _describe(out, "out"),
                    _describe(lse, "lse"), _describe(cu_seqlens_q, "cu_seqlens_q"),
@@ -189,12 +215,13 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
 
 def _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                   softcap, backend, deterministic, sm_margin=0):
+                   softcap, backend, deterministic, sm_margin=0, dropout_p=0.0, dropout_seed=None):
+    _check_dropout_capture(q, dropout_p)
     dq = _empty_like(q)
     dk = _empty_like(k)
     dv = _empty_like(v)
     options = _options(q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, backend, deterministic, sm_margin)
+                       window_right, softcap, backend, deterministic, sm_margin, dropout_p, dropout_seed)
     with _device_guard(q):
         _C.backward(_describe(dout, "dout"), _describe(q, "q"), _describe(k, "k"),
                     _describe(v, "v"), _describe(out, "out"), _describe(lse, "lse"),
@@ -212,8 +239,9 @@ def _grad_output(dout, out):
 
 
 # ---- the custom ops (what torch.compile, export and dispatch modes see) -----------------------
-# The optional tensors (cu_seqlens, alibi_slopes) come before the scalar settings, so that
-# autograd can save them with the other tensors and hand the settings on as one tuple.
+# The optional tensors (cu_seqlens, alibi_slopes, the dropout seed) come before the scalar
+# settings, so that autograd can save them with the other tensors and hand the settings on as
+# one tuple. Dropout's probability is the last setting.
 
 
 @torch.library.custom_op("flashcore::fwd", mutates_args=())
@@ -224,6 +252,7 @@ def _fwd(
     cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor],
     alibi_slopes: Optional[Tensor],
+    dropout_seed: Optional[Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float,
@@ -233,15 +262,17 @@ def _fwd(
     softcap: float,
     backend: int,
     deterministic: bool,
+    dropout_p: float,
 ) -> Tuple[Tensor, Tensor]:
     return _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
                          max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                         backend, deterministic)
+                         backend, deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, backend,
+              deterministic, dropout_p):
     out = _empty_like(q)
     lse = _empty_f32(q, lse_shape(q.shape, cu_seqlens_q is not None))
     return out, lse
@@ -258,6 +289,7 @@ def _bwd(
     cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor],
     alibi_slopes: Optional[Tensor],
+    dropout_seed: Optional[Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float,
@@ -267,35 +299,37 @@ def _bwd(
     softcap: float,
     backend: int,
     deterministic: bool,
+    dropout_p: float,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return _backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                           max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                          window_right, softcap, backend, deterministic)
+                          window_right, softcap, backend, deterministic, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed)
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, backend,
-              deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed,
+              max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+              backend, deterministic, dropout_p):
     return _empty_like(q), _empty_like(k), _empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings) = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, *settings) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    ctx.settings = settings  # max_seqlen_q ... deterministic, in _fwd's order
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
+    ctx.settings = settings  # max_seqlen_q ... dropout_p, in _fwd's order
     # The library's backward takes no gradient for lse (as in flash_attn): lse is a constant.
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
     dout = _grad_output(dout, out)
     dq, dk, dv = _bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                      *ctx.settings)
-    # No gradient for the cu_seqlens, the ALiBi slopes (as in flash_attn) or the settings.
-    no_grad_for_the_rest = (None,) * (len(ctx.settings) + 3)
+                      dropout_seed, *ctx.settings)
+    # No gradient for the cu_seqlens, the ALiBi slopes (as in flash_attn), the seed or the settings.
+    no_grad_for_the_rest = (None,) * (len(ctx.settings) + 4)
     return (dq, dk, dv) + no_grad_for_the_rest
 
 
@@ -313,19 +347,23 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings):
-        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, *settings):
+        *settings, dropout_p = settings  # _fwd's order: dropout_p last
+        out, lse = _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *settings,
+                                 dropout_p=dropout_p, dropout_seed=dropout_seed)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
         ctx.settings = settings
+        ctx.dropout_p = dropout_p
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
         dq, dk, dv = _backward_impl(_grad_output(dout, out), q, k, v, out, lse, cu_seqlens_q,
-                                    cu_seqlens_k, alibi_slopes, *ctx.settings)
-        return (dq, dk, dv) + (None,) * (len(ctx.settings) + 3)
+                                    cu_seqlens_k, alibi_slopes, *ctx.settings, dropout_p=ctx.dropout_p,
+                                    dropout_seed=dropout_seed)
+        return (dq, dk, dv) + (None,) * (len(ctx.settings) + 5)
 
 
 _dispatch_stack_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
@@ -363,9 +401,10 @@ def _cu_seqlens(t):
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              causal, window_size, softcap, deterministic, backend, alibi_slopes=None):
+              causal, window_size, softcap, deterministic, backend, alibi_slopes=None, dropout_p=0.0):
     """(out, lse) for torch tensors, differentiable in q, k, v (flash_attn semantics; the
-    alibi_slopes get no gradient)."""
+    alibi_slopes get no gradient). dropout_p > 0 draws the mask's seed from torch's default
+    generator (torch.manual_seed reproduces it); the backward drops the same entries."""
     # The common call (plain k and v, no optional tensors) tests two types; the loop runs only
     # for the rest. Every line here is paid by every eager call: explicit statements instead of
     # generators save about a microsecond of the ~10 this entry costs on the host.
@@ -378,18 +417,20 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     q = _last_dim_contiguous(q)
     k = _last_dim_contiguous(k)
     v = _last_dim_contiguous(v)
+    dropout_p = float(dropout_p)
+    dropout_seed = _draw_dropout_seed() if dropout_p else None
     args = (
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed,
         max_seqlen_q if cu_seqlens_q is not None else 0,
         max_seqlen_k if cu_seqlens_q is not None else 0,
         resolve_scale(softmax_scale), bool(causal), window_left, window_right, float(softcap),
-        backend_id(backend), bool(deterministic),
+        backend_id(backend), bool(deterministic), dropout_p,
     )
     if not _eager_fast_path_ok((q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)):
         return _fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)
-    return _forward_impl(*args)
+    return _forward_impl(*args[:6], *args[7:-1], dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 # ---- paged K/V (flash_attn_varlen_func's block_table): forward only ------------------------------

@@ -5,7 +5,12 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
   - torch tensors (CUDA or CPU) go through flashcore._torch: custom ops with autograd,
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
-What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0; on a GPU
+dropout_p works on torch tensors, forward and backward, on the CPU backends and on the GPU's
+portable (sm80) kernels, where AUTO sends such calls on Hopper too: the mask's seed comes from
+torch's default generator (torch.manual_seed reproduces it), and a call with dropout cannot be
+captured in a CUDA graph (the seed is drawn on the host).
+What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0 on numpy /
+DLPack arrays (flashcore.attention_forward takes an explicit seed) or with a block_table; on a GPU
 a head_dim that is not a multiple of 8 in flash_attn_with_kvcache and in a paged (block_table)
 flash_attn_varlen_func call, and in any call on other DLPack arrays (the dense and varlen calls
 on torch tensors pad it to the next multiple of 8 and cut the output back, as flash_attn does),
@@ -54,9 +59,18 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
-def _check_unsupported(dropout_p):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p: only 0.0 is supported, got {dropout_p}")
+def _check_dropout(dropout_p, q, block_table=None):
+    """dropout_p as a float, or the reason it cannot be served here."""
+    if dropout_p == 0.0:
+        return 0.0
+    if not _is_torch(q):
+        raise NotImplementedError("dropout_p: needs torch tensors here (their seed comes from torch's generator); "
+                                  "flashcore.attention_forward / attention_backward take numpy arrays with an "
+                                  "explicit dropout_seed")
+    if block_table is not None:
+        raise NotImplementedError("dropout_p: not supported with a block_table (paged K/V is forward only, for "
+                                  "inference)")
+    return float(dropout_p)
 
 
 def _last_dim_contiguous_numpy(x):
@@ -75,7 +89,8 @@ def _head_dim_padding(q):
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-               causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+               causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+               dropout_p=0.0):
     if _is_torch(q):
         # As flash_attn does: zero columns padded onto q, k and v add nothing to Q K^T and give
         # output columns of 0, which are cut off again; the scale stays the caller's head_dim's.
@@ -89,7 +104,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
         out, lse = _load_torch_impl().attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, window_size, softcap, deterministic, _default_backend, alibi_slopes)
+            causal, window_size, softcap, deterministic, _default_backend, alibi_slopes, dropout_p)
         if pad:
             out = out[..., :head_dim]
     else:
@@ -123,29 +138,29 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     softmax_lse, None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32.
     With the 'auto' backend a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
     decode kernel, as flash_attn_with_kvcache over the same tensors would."""
-    _check_unsupported(dropout_p)
+    dropout_p = _check_dropout(dropout_p, q)
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs, dropout_p)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """qkv: (batch, seqlen, 3, nheads, headdim). Otherwise as flash_attn_func."""
-    _check_unsupported(dropout_p)
+    dropout_p = _check_dropout(dropout_p, qkv)
     q, k, v = _split_packed(qkv, 2, 3, "qkv")
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs, dropout_p)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _check_unsupported(dropout_p)
+    dropout_p = _check_dropout(dropout_p, q)
     k, v = _split_packed(kv, 2, 2, "kv")
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs, dropout_p)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -163,11 +178,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     backend serves ALiBi over pages (NotImplementedError otherwise). Decoding calls (at most 16
     query rows per KV head: max_seqlen_q x the GQA group) run on the decode kernel, which takes
     any page size and ALiBi."""
-    _check_unsupported(dropout_p)
+    dropout_p = _check_dropout(dropout_p, q, block_table)
     if block_table is None:
         return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                          return_attn_probs)
+                          return_attn_probs, dropout_p)
     if _is_torch(q):
         out, lse = _load_torch_impl().attention_paged(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -187,10 +202,11 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """qkv: (total, 3, nheads, headdim); cu_seqlens shared by queries and keys."""
-    _check_unsupported(dropout_p)
+    dropout_p = _check_dropout(dropout_p, qkv)
     q, k, v = _split_packed(qkv, 1, 3, "qkv")
     return _attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                      dropout_p)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -199,11 +215,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
-    _check_unsupported(dropout_p)
+    dropout_p = _check_dropout(dropout_p, q)
     k, v = _split_packed(kv, 1, 2, "kv")
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                      return_attn_probs)
+                      return_attn_probs, dropout_p)
 
 
 def _check_unsupported_kvcache(cache_leftpad, block_table):

@@ -65,6 +65,9 @@ struct CallOptions {
   // views and sets this flag so that 16-bit unsigned integers are read as bfloat16.
   bool uint16_is_bfloat16 = false;
   int32_t sm_margin = 0;  // CUDA: SMs left to concurrent work (fc_attention_options.sm_margin)
+  double dropout_p = 0.0;     // dropout of the probabilities (fc_attention_options.dropout_p)
+  uint64_t dropout_seed = 0;  // the mask's Philox seed and offset
+  uint64_t dropout_offset = 0;
 };
 
 std::string dtype_description(nb::dlpack::dtype dt) {
@@ -271,6 +274,9 @@ fc_attention_options make_options(const CallOptions& call, const fc_tensor* cu_s
   options.num_threads = call.num_threads;
   options.check_cu_seqlens = call.check_cu_seqlens ? 1 : 0;
   options.sm_margin = call.sm_margin;
+  options.dropout_p = call.dropout_p;
+  options.dropout_seed = call.dropout_seed;
+  options.dropout_offset = call.dropout_offset;
   return options;
 }
 
@@ -548,17 +554,18 @@ NB_MODULE(_C, m) {
           [](CallOptions* self, double softmax_scale, bool causal, int32_t window_left,
              int32_t window_right, double softcap, int64_t max_seqlen_q, int64_t max_seqlen_k,
              int32_t backend, bool deterministic, uintptr_t stream, int32_t num_threads,
-             bool check_cu_seqlens, bool uint16_is_bfloat16, int32_t sm_margin) {
+             bool check_cu_seqlens, bool uint16_is_bfloat16, int32_t sm_margin, double dropout_p,
+             uint64_t dropout_seed, uint64_t dropout_offset) {
             new (self) CallOptions{softmax_scale, causal,      window_left,  window_right,
                                    softcap,       max_seqlen_q, max_seqlen_k, backend,
                                    deterministic, stream,      num_threads,  check_cu_seqlens,
-                                   uint16_is_bfloat16, sm_margin};
+                                   uint16_is_bfloat16, sm_margin, dropout_p, dropout_seed, dropout_offset};
           },
           nb::kw_only(), "softmax_scale"_a = 0.0, "causal"_a = false, "window_left"_a = -1,
           "window_right"_a = -1, "softcap"_a = 0.0, "max_seqlen_q"_a = 0, "max_seqlen_k"_a = 0,
           "backend"_a = static_cast<int32_t>(FC_BACKEND_AUTO), "deterministic"_a = false,
           "stream"_a = 0, "num_threads"_a = 0, "check_cu_seqlens"_a = false, "uint16_is_bfloat16"_a = false,
-          "sm_margin"_a = 0)
+          "sm_margin"_a = 0, "dropout_p"_a = 0.0, "dropout_seed"_a = 0, "dropout_offset"_a = 0)
       .def_rw("softmax_scale", &CallOptions::softmax_scale)
       .def_rw("causal", &CallOptions::causal)
       .def_rw("window_left", &CallOptions::window_left)
@@ -572,7 +579,10 @@ NB_MODULE(_C, m) {
       .def_rw("num_threads", &CallOptions::num_threads)
       .def_rw("check_cu_seqlens", &CallOptions::check_cu_seqlens)
       .def_rw("uint16_is_bfloat16", &CallOptions::uint16_is_bfloat16)
-      .def_rw("sm_margin", &CallOptions::sm_margin);
+      .def_rw("sm_margin", &CallOptions::sm_margin)
+      .def_rw("dropout_p", &CallOptions::dropout_p)
+      .def_rw("dropout_seed", &CallOptions::dropout_seed)
+      .def_rw("dropout_offset", &CallOptions::dropout_offset);
 
   m.def("forward", &forward, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(),
         "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "workspace"_a.none(), "options"_a,

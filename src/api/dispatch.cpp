@@ -215,6 +215,7 @@ static bool takes_decode_route(const AttentionParams& p, const ForwardArgs& a, f
   if (requested_backend(a.options) != FC_BACKEND_AUTO) return false;
   if (chosen != FC_BACKEND_CPU_FLASH && !is_cuda_backend(chosen)) return false;
   if (p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return false;
+  if (p.dropout.enabled()) return false;  // the decode kernels have no dropout
   if (p.is_varlen()) {
     if (p.pages.first_slot != nullptr) return false;
     *kv = varlen_forward_as_kvcache(p);

@@ -44,6 +44,9 @@ Status apply_options(const fc_attention_options& opt, const fc_tensor* q, KvCach
   if (opt.error_flag)
     return Status::invalid("error_flag: must be null in fc_attention_options for fc_attention_kvcache (its flag is "
                            "fc_kvcache_args.error_flag)");
+  if (opt.dropout_p != 0)
+    return Status::invalid("dropout_p: must be 0 for fc_attention_kvcache (inference; flash_attn_with_kvcache has no "
+                           "dropout)");
   ResolvedOptions ro;
   Status s = check_common_options(opt, p->head_dim, &ro);
   if (!s.is_ok()) return s;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/dropout.hpp"
 #include "common/mask.hpp"
 
 namespace flashcore {
@@ -87,6 +88,10 @@ struct AttentionParams {
   // h, gets -slope(b, h) * |i + seqlen_k - seqlen_q - j| (per-sequence lengths and positions).
   const float* alibi_slopes = nullptr;  // on q's device; nullptr = no bias
   int64_t alibi_batch_stride = 0;       // 0 for (heads_q) slopes; the head stride is 1
+  // Dropout of the attention probabilities (fc_attention_options.dropout_p): entry (i, j) of
+  // sequence b, query head h is kept when dropout_keeps(dropout, b * heads_q + h, i, j) (positions
+  // inside the sequence) and kept entries are scaled by dropout.keep_scale; lse is not affected.
+  DropoutParams dropout;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FC_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }

@@ -243,6 +243,8 @@ Status check_common_options(const fc_attention_options& opt, int64_t head_dim, R
     return Status::invalid("num_threads: " + std::to_string(opt.num_threads) + " is negative (0 = all cores)");
   if (opt.sm_margin < 0)
     return Status::invalid("sm_margin: " + std::to_string(opt.sm_margin) + " is negative (0 = every SM)");
+  if (!std::isfinite(opt.dropout_p) || opt.dropout_p < 0 || opt.dropout_p >= 1)
+    return Status::invalid("dropout_p: " + std::to_string(opt.dropout_p) + " is outside [0, 1) (0 = no dropout)");
   r->softmax_scale =
       static_cast<float>(opt.softmax_scale != 0 ? opt.softmax_scale : 1.0 / std::sqrt(double(head_dim)));
   r->softcap = static_cast<float>(opt.softcap);
@@ -290,6 +292,29 @@ using namespace validate_detail;
 /** alibi_slopes into p (check_alibi_slopes has the rules). */
 Status apply_alibi(const fc_tensor& slopes, int64_t batch, const fc_tensor* q, AttentionParams* p) {
   return check_alibi_slopes(slopes, batch, p->heads_q, q, &p->alibi_slopes, &p->alibi_batch_stride);
+}
+
+/** Dropout's rules past its range (check_common_options): the Philox counter holds a key column
+ *  below 2^29 (64-key blocks x 8 groups in 32 bits), a query row and b * heads_q + h in 32 bits
+ *  (common/dropout.hpp). p->seqlen_q / seqlen_k bound every sequence's positions (varlen: the
+ *  clamped max_seqlen). */
+Status apply_dropout(const fc_attention_options& opt, AttentionParams* p) {
+  if (opt.dropout_p == 0) return Status::ok();
+  if (p->seqlen_k >= (int64_t(1) << 29))
+    return Status::invalid("dropout_p: needs seqlen_k below 2^29 (got " + std::to_string(p->seqlen_k) + ")");
+  if (p->seqlen_q > UINT32_MAX || p->batch * p->heads_q > UINT32_MAX)
+    return Status::invalid("dropout_p: needs seqlen_q and batch * heads_q below 2^32");
+  p->dropout = make_dropout(opt.dropout_p, opt.dropout_seed, opt.dropout_offset);
+  return Status::ok();
+}
+
+/** The options applied after the shapes are known: ALiBi slopes and dropout. */
+Status apply_bias_and_dropout(const fc_attention_options& opt, int64_t batch, const fc_tensor* q, AttentionParams* p) {
+  if (opt.alibi_slopes) {
+    const Status s = apply_alibi(*opt.alibi_slopes, batch, q, p);
+    if (!s.is_ok()) return s;
+  }
+  return apply_dropout(opt, p);
 }
 
 TensorRef dense_ref(const fc_tensor* t) {
@@ -426,7 +451,7 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
     p->q = dense_ref(q);
     p->k = dense_ref(k);
     p->v = dense_ref(v);
-    return opt.alibi_slopes ? apply_alibi(*opt.alibi_slopes, batch, q, p) : Status::ok();
+    return apply_bias_and_dropout(opt, batch, q, p);
   }
 
   const fc_tensor* cq = opt.cu_seqlens_q;
@@ -486,7 +511,7 @@ Status validate_common(const fc_tensor* q, const fc_tensor* k, const fc_tensor* 
   p->q = varlen_ref(q);
   p->k = paged ? dense_ref(k) : varlen_ref(k);
   p->v = paged ? dense_ref(v) : varlen_ref(v);
-  return opt.alibi_slopes ? apply_alibi(*opt.alibi_slopes, batch, q, p) : Status::ok();
+  return apply_bias_and_dropout(opt, batch, q, p);
 }
 
 /** lse: dense (batch, heads_q, seqlen_q), varlen (heads_q, total_q); fp32. */

@@ -175,7 +175,7 @@ Status reduce_gqa_partials(const BackwardParams& p, GqaPartials& partials) {
 }  // namespace backward_detail
 
 Status flash_backward(const BackwardParams& p) {
-  if (amx_backward_enabled(p.dtype)) return amx_flash_backward(p);
+  if (amx_backward_enabled(p.dtype) && !p.dropout.enabled()) return amx_flash_backward(p);  // no dropout on AMX
   using namespace backward_detail;
   return avx_flash_backward_tiles<ShippedBackwardConfig>(p, min_chunk_keys_or_env(kAvxMinChunkKeys));
 }

@@ -63,6 +63,7 @@ struct BackwardScratch {
   AlignedFloats dk_rows;            // [N x D] dK rows on their way out
   AlignedFloats dk_t, dv_t;         // [D x N]
   AlignedFloats probs, dscores, tanh_grad;  // [M x N]
+  AlignedFloats dropped_probs;      // [M x N] dropout: P * Z (Z = 0 or 1 / (1 - p)), dV's operand
   AlignedFloats row_a;              // [D_pad] one row in flight
   PrefetchQueue prefetch;           // the next key block's K and V rows
 
@@ -80,7 +81,7 @@ struct BackwardScratch {
     k_rows.reserve(n * d_pad);
     v_rows.reserve(n * head_dim);
     dk_rows.reserve(n * head_dim);
-    for (AlignedFloats* a : {&probs, &dscores, &tanh_grad}) a->reserve(m * n);
+    for (AlignedFloats* a : {&probs, &dscores, &tanh_grad, &dropped_probs}) a->reserve(m * n);
     row_a.reserve(d_pad);
   }
 };
@@ -225,12 +226,18 @@ class BackwardTaskRunner {
     } else {
       probabilities</*kAlibi=*/false>(mask, m0, m_valid, n0, n_valid);
     }
+    const bool dropout = p_.dropout.enabled();
+    if (dropout) drop_probabilities(m0, m_valid, n0, n_valid);
     PhaseTimer::lap(BackwardPhase::kSoftmax);
-    add_key_grads(dout, probs, w_.dv_t.data());  // dV^T += dO^T P
+    add_key_grads(dout, dropout ? w_.dropped_probs.data() : probs, w_.dv_t.data());  // dV^T += dO^T (P * Z)
     // dP = dO V^T, then dS in place.
     gemm_bcast<kSet, Gemm>(m_valid, kN, head_dim, dout, head_dim, 1, w_.v_t.data(), kN, dscores, kN, nullptr, pf);
     PhaseTimer::lap(BackwardPhase::kScores);
-    score_gradients(m0, m_valid);
+    if (dropout) {
+      score_gradients</*kDropout=*/true>(m0, m_valid);
+    } else {
+      score_gradients</*kDropout=*/false>(m0, m_valid);
+    }
     PhaseTimer::lap(BackwardPhase::kSoftmax);
     add_key_grads(q, dscores, w_.dk_t.data());  // dK^T += (scale Q)^T dS
     // dQ += dS K
@@ -295,17 +302,47 @@ class BackwardTaskRunner {
     }
   }
 
-  /** dS = P * (dP - D_i), times tanh' under softcap (the scale is in Q for dK, applied to dQ last). */
+  /** dropped_probs = P * Z for the block's rows (common/dropout.hpp's mask; Z = 1 / (1 - p) where
+   *  kept, 0 where dropped). */
+  void drop_probabilities(int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid) {
+    constexpr int64_t kN = Config::kBlockKeys;
+    const int64_t bh = task_.batch * p_.heads_q + task_.head;
+    const float keep_scale = p_.dropout.keep_scale;
+    for (int64_t r = 0; r < m_valid; ++r) {
+      const float* prob = w_.probs.data() + r * kN;
+      float* dropped = w_.dropped_probs.data() + r * kN;
+      std::fill(dropped, dropped + kN, 0.f);
+      for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
+        const uint64_t kept = dropout_keep_bits(p_.dropout, bh, m0 + r, j0 / 64);
+        const int64_t j_end = std::min(n0 + n_valid, (j0 / 64 + 1) * 64);
+        for (int64_t j = j0; j < j_end; ++j) {
+          if ((kept >> (j % 64)) & 1) dropped[j - n0] = prob[j - n0] * keep_scale;
+        }
+      }
+    }
+  }
+
+  /** dS = P * (dP - D_i), times tanh' under softcap (the scale is in Q for dK, applied to dQ last).
+   *  kDropout: dP is first multiplied by Z, read back from dropped_probs (nonzero exactly where P
+   *  is nonzero and kept; where P is 0, dS is 0 either way). */
+  template <bool kDropout>
   void score_gradients(int64_t m0, int64_t m_valid) {
     constexpr int64_t kN = Config::kBlockKeys;
     const bool capped = p_.softcap > 0.f;
+    const Vec keep_scale = Simd::set1(p_.dropout.keep_scale);
     for (int64_t r = 0; r < m_valid; ++r) {
       const float* prob = w_.probs.data() + r * kN;
+      const float* dropped = w_.dropped_probs.data() + r * kN;
       const float* tanh_grad = w_.tanh_grad.data() + r * kN;
       float* ds = w_.dscores.data() + r * kN;
       const Vec delta = Simd::set1(w_.delta.data()[m0 - task_.row_begin + r]);
       for (int64_t j = 0; j < kN; j += kSimdWidth) {
-        Vec g = Simd::mul(Simd::load(prob + j), Simd::sub(Simd::load(ds + j), delta));
+        Vec dp = Simd::load(ds + j);
+        if constexpr (kDropout) {
+          const Vec z = Simd::select(Simd::eq(Simd::load(dropped + j), Simd::zero()), Simd::zero(), keep_scale);
+          dp = Simd::mul(dp, z);
+        }
+        Vec g = Simd::mul(Simd::load(prob + j), Simd::sub(dp, delta));
         if (capped) g = Simd::mul(g, Simd::load(tanh_grad + j));
         Simd::store(ds + j, g);
       }

@@ -10,7 +10,8 @@ namespace cpu {
 
 Status flash_forward(const AttentionParams& p) {
   using namespace forward_detail;
-  if (amx_forward_enabled(p.dtype)) return amx_flash_forward(p);
+  // The AMX kernels have no dropout: such calls run on the AVX-512 path.
+  if (amx_forward_enabled(p.dtype) && !p.dropout.enabled()) return amx_flash_forward(p);
   return flash_forward_with<ForwardConfig>(p);
 }
 

@@ -349,6 +349,7 @@ class ForwardTaskRunner {
         } else {
           softmax_tile</*kAlibi=*/false>(bl, n0, n_block, full, plain);
         }
+        if (p_.dropout.enabled()) drop_probabilities(task, bl, n0, n_block);
         Phases::lap(ForwardPhase::kSoftmax);
         // O^T[d][m] = O^T[d][m] * rescale[m] + sum_n V[n][d] * P^T[n][m]
         if (!bl.started) {
@@ -464,10 +465,30 @@ class ForwardTaskRunner {
     }
   }
 
+  /** Dropout (common/dropout.hpp): zeroes the dropped entries of P^T at keys [n0, n0 + n_valid)
+   *  after the softmax has summed them into l (the normalization and lse see every
+   *  probability); write_outputs applies the kept entries' 1 / (1 - p). */
+  void drop_probabilities(const ForwardTask& task, const Block& bl, int64_t n0, int64_t n_valid) {
+    const int64_t group = p_.group_size(), m_pad = bl.m_pad;
+    float* s_t = w_.s_t.data();
+    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+    for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
+      const int64_t bh = task.batch * p_.heads_q + at.head;
+      for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
+        const uint64_t kept = dropout_keep_bits(p_.dropout, bh, at.q_row, j0 / 64);
+        const int64_t j_end = std::min(n0 + n_valid, (j0 / 64 + 1) * 64);
+        for (int64_t j = j0; j < j_end; ++j) {
+          if (!((kept >> (j % 64)) & 1)) s_t[(j - n0) * m_pad + r] = 0.f;
+        }
+      }
+    }
+  }
+
   /** out = O / l, lse = m + log l; rows without any allowed key get 0 and -inf. */
   void write_outputs(const ForwardTask& task, const SeqInfo& seq, const Block& bl) {
     const int64_t group = p_.group_size(), head_dim = p_.head_dim;
     const bool have_accumulator = bl.started;
+    const float keep_scale = p_.dropout.enabled() ? p_.dropout.keep_scale : 1.f;  // dropout's 1 / (1 - p)
     float* stage = w_.stage.data();  // row-major [m_pad x D]
     if (have_accumulator) transpose(bl.o_t, bl.m_pad, head_dim, bl.m_pad, stage, head_dim);
     StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
@@ -477,7 +498,7 @@ class ForwardTaskRunner {
       const float l = bl.row_sum[r];
       const bool any = have_accumulator && l > 0.f;
       float* row = stage + r * head_dim;
-      const float inv_l = any ? 1.f / l : 0.f;
+      const float inv_l = any ? keep_scale / l : 0.f;
       if (any) {
         for (int64_t d = 0; d < head_dim; ++d) row[d] *= inv_l;
       } else {

@@ -65,6 +65,17 @@ void row_scores(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t i
   }
 }
 
+/** Dropout (common/dropout.hpp): whether entry (i, j) of sequence b, query head h is dropped. */
+bool dropped(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return p.dropout.enabled() && !dropout_keeps(p.dropout, b * p.heads_q + h, i, j);
+}
+
+/** The factor of kept probabilities: 1 / (1 - dropout_p), computed in Real (1 without dropout). */
+template <typename Real>
+Real keep_scale(const AttentionParams& p) {
+  return p.dropout.enabled() ? Real(1) / (Real(1) - static_cast<Real>(p.dropout.p)) : Real(1);
+}
+
 template <typename Real>
 Status forward_impl(const AttentionParams& p, bool low) {
   const Arith<Real> ar{p.dtype, low};
@@ -91,11 +102,14 @@ Status forward_impl(const AttentionParams& p, bool low) {
           std::fill(acc.begin(), acc.end(), Real(0));
           for (int64_t j = r.begin; j < r.end; ++j) {
             const Real pj = std::exp(scores[j - r.begin] - m);
-            l += pj;
+            l += pj;  // lse and the normalization see every probability; dropout only zeroes P V's terms
+            if (dropped(p, b, h, i, j)) continue;
             const Real pj_stored = ar.round(pj);
             for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
           }
-          for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, static_cast<float>(acc[d] / l));
+          const Real out_scale = keep_scale<Real>(p) / l;
+          for (int64_t d = 0; d < hd; ++d)
+            store_from_float(p.out.data, o_off + d, p.dtype, static_cast<float>(acc[d] * out_scale));
           lse = static_cast<float>(m + std::log(l));
         }
         if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + qrow * p.lse.row_stride] = lse;
@@ -119,6 +133,7 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
   const Real score_rel_err = static_cast<Real>(score_relative_error(p.head_dim));
   const int64_t hd = p.head_dim;
   const Real scale = static_cast<Real>(p.softmax_scale);
+  const Real kept = keep_scale<Real>(p);  // Z_ij of a kept entry
   std::vector<Real> q_row(hd), do_row(hd), scores, tanhs, probs, dq(hd), o_row(hd);
   std::vector<Real> dk, dv;  // (seqlen_k, hd) of one KV head, summed over its query heads
   for (int64_t b = 0; b < p.batch; ++b) {
@@ -151,17 +166,22 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               for (int64_t d = 0; d < hd; ++d) o_row[d] = load<Real>(p.out, p.dtype, b, qrow, h, d);
             } else {
               std::fill(o_row.begin(), o_row.end(), Real(0));
-              for (int64_t j = r.begin; j < r.end; ++j)
+              for (int64_t j = r.begin; j < r.end; ++j) {
+                if (dropped(p, b, h, i, j)) continue;
                 for (int64_t d = 0; d < hd; ++d)
-                  o_row[d] += probs[j - r.begin] * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
+                  o_row[d] += probs[j - r.begin] * kept * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
+              }
             }
             Real Di = 0;
             for (int64_t d = 0; d < hd; ++d) Di += do_row[d] * o_row[d];
             for (int64_t j = r.begin; j < r.end; ++j) {
               const Real pj = probs[j - r.begin];
+              // Dropout: O = sum_j P_j Z_j v_j with Z_j = 0 or 1 / (1 - p), so dL/dP_j = Z_j dO.v_j,
+              // and sum_j P_j Z_j dO.v_j is still dO.O = D_i.
+              const Real zj = dropped(p, b, h, i, j) ? Real(0) : kept;
               Real dp = 0;
               for (int64_t d = 0; d < hd; ++d) dp += do_row[d] * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
-              Real ds = pj * (dp - Di);
+              Real ds = pj * (dp * zj - Di);
               Real dscore = 1;  // d(score)/d(q.k * scale): below 1 under a softcap
               if (p.softcap > 0) {
                 const Real t = tanhs[j - r.begin];
@@ -171,13 +191,13 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               // The weights of this key in dV and of its dS in dQ / dK. In score_error_bound mode
               // they become what a score error e moves them by: P_ij e and |dS_ij| e, with e the
               // fp32 error of the row's dot product (natural-log units, through the softcap).
-              Real p_weight = ar.round(pj), ds_weight = ar.round(ds);
+              Real p_weight = ar.round(pj) * zj, ds_weight = ar.round(ds);
               if (bound) {
                 Real dot_abs = 0;
                 for (int64_t d = 0; d < hd; ++d)
                   dot_abs += std::fabs(q_row[d] * load_kv<Real>(p, p.k, b, s.k_start + j, hk, d));
                 const Real e = score_rel_err * dot_abs * scale * dscore;
-                p_weight = pj * e;
+                p_weight = pj * zj * e;
                 ds_weight = std::fabs(ds) * e;
               }
               for (int64_t d = 0; d < hd; ++d) {
@@ -223,9 +243,10 @@ void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, do
   for (int64_t j = r.begin; j < r.end; ++j) {
     const double pj = std::exp(scores[j - r.begin] - m);
     l += pj;
+    if (dropped(p, b, h, i, j)) continue;
     for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] += pj * load_kv<double>(p, p.v, b, s.k_start + j, hk, d);
   }
-  for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] /= l;
+  for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= keep_scale<double>(p) / l;
   *lse = m + std::log(l);
 }
 

@@ -162,6 +162,63 @@ std::vector<Case> grid_alibi(const GridOptions& g) {
   return v;
 }
 
+std::vector<Case> grid_dropout(const GridOptions& g) {
+  std::vector<Case> v;
+  struct Shape {
+    int64_t batch, sq, sk, heads_q, heads_kv;
+    bool causal;
+    int32_t left, right;
+    double softcap;
+    int alibi;
+    double p;
+  };
+  const Shape shapes[] = {
+      {2, 200, 200, 4, 4, true, -1, -1, 0, 0, 0.17},   // causal, square
+      {2, 100, 300, 4, 2, false, -1, -1, 0, 0, 0.5},   // GQA, keys past several 64-key blocks
+      {1, 300, 100, 2, 1, true, -1, -1, 0, 0, 0.17},   // rows before the first key (fully masked)
+      {1, 130, 190, 2, 2, false, 37, 5, 30, 0, 0.5},   // window starting inside a block, softcap
+      {3, 1, 257, 8, 2, false, -1, -1, 0, 0, 0.9},     // one query row, most entries dropped
+      {1, 333, 333, 4, 1, true, -1, -1, 0, 2, 0.17},   // MQA, ALiBi, off every tile size
+      {1, 77, 500, 2, 2, false, -1, -1, 0, 1, 0.5},    // ALiBi, unmasked, several key blocks
+  };
+  std::vector<int64_t> dims = g.head_dims;
+  dims.insert(dims.end(), g.odd_head_dims.begin(), g.odd_head_dims.end());
+  for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
+    const Shape& sh = shapes[i];
+    Case c;
+    c.batch = sh.batch;
+    c.seqlen_q = sh.sq;
+    c.seqlen_k = sh.sk;
+    c.heads_q = sh.heads_q;
+    c.heads_kv = sh.heads_kv;
+    c.causal = sh.causal;
+    c.window_left = sh.left;
+    c.window_right = sh.right;
+    c.softcap = sh.softcap;
+    c.alibi = sh.alibi;
+    c.dropout_p = sh.p;
+    c.dropout_seed += i;
+    c.dropout_offset = i * 1000003ull << 20;  // offsets above 2^32 too
+    c.head_dim = dims[i % dims.size()];
+    c.dtype = g.dtypes[i % g.dtypes.size()];
+    c.padded = i == 1;
+    v.push_back(c);
+  }
+  for (bool causal : {false, true}) {  // varlen: each sequence's own rows and columns
+    Case c;
+    c.varlen_q = {5, 0, 130, 64};
+    c.varlen_k = {7, 33, 0, 200};
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.head_dim = g.head_dims.back();
+    c.dtype = g.dtypes[0];
+    c.causal = causal;
+    c.dropout_p = causal ? 0.5 : 0.17;
+    v.push_back(c);
+  }
+  return v;
+}
+
 std::vector<Case> grid_varlen(const GridOptions& g) {
   std::vector<Case> v;
   const std::vector<std::vector<int32_t>> qs = {{5, 0, 130, 64}, {1, 1, 1}, {200, 17}};

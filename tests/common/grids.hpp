@@ -30,6 +30,11 @@ std::vector<Case> grid_paged(const GridOptions& g, const std::vector<int64_t>& p
 /** ALiBi slopes ((heads_q) and (batch, heads_q)) with causal masks at both alignments, a window,
  *  softcap, GQA, varlen batches with empty sequences, one query row, several key blocks. */
 std::vector<Case> grid_alibi(const GridOptions& g);
+/** Dropout (p = 0.17, 0.5, 0.9) with causal masks at both alignments, a window starting inside
+ *  a 64-key block, softcap, ALiBi, GQA, MQA, padded strides, lengths off every tile size, one
+ *  query row, fully masked rows, varlen batches with empty sequences; head dims from g, odd ones
+ *  included. */
+std::vector<Case> grid_dropout(const GridOptions& g);
 /** Fully masked rows, seqlen_k = 0, huge logits. */
 std::vector<Case> grid_edges(const GridOptions& g);
 

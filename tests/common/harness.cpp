@@ -369,6 +369,9 @@ fc_attention_options options_for(const Case& c, fc_backend backend, const fc_ten
   o.deterministic = c.deterministic;
   o.num_threads = c.num_threads;
   o.sm_margin = c.sm_margin;
+  o.dropout_p = c.dropout_p;
+  o.dropout_seed = c.dropout_seed;
+  o.dropout_offset = c.dropout_offset;
   if (c.is_varlen()) {
     o.cu_seqlens_q = cu_q;
     o.cu_seqlens_k = cu_k;
@@ -408,9 +411,13 @@ Params head_slice(const Params& params, int64_t h0, int64_t count, int64_t hk0, 
 /** The single-threaded CPU reference over slices of the heads run side by side on every hardware
  *  thread: the forward one query head per slice, the backward one KV head with its GQA group (its
  *  dk / dv sum the group). The reference computes each head on its own, so the slices give the
- *  whole call's bits; the GPU tests spend most of their time in these passes. */
+ *  whole call's bits; the GPU tests spend most of their time in these passes. Dropout calls run
+ *  as one slice. */
 template <class Params, class Run>
 Status reference_by_heads(const Params& p, bool by_query_head, const Run& run) {
+  // A dropout mask is drawn per (sequence, query head of the whole call): a slice would renumber
+  // its heads from 0 and draw another mask. Such calls run whole.
+  if (p.dropout.enabled()) return run(p);
   const int64_t group = p.heads_q / p.heads_kv, slices = by_query_head ? p.heads_q : p.heads_kv;
   std::vector<Status> status(static_cast<size_t>(slices));
   run_on_all_threads(slices, [&](int64_t t) {
@@ -465,6 +472,7 @@ std::string Case::name() const {
   if (deterministic) s << "_det";
   if (page_size > 0) s << "_pages" << page_size;
   if (alibi != 0) s << "_alibi" << alibi;
+  if (dropout_p > 0) s << "_drop" << static_cast<int>(dropout_p * 100 + 0.5);
   return s.str();
 }
 

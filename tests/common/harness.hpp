@@ -71,6 +71,11 @@ struct Case {
   int64_t packed_tail_rows = 37;
   // ALiBi: 1 = random slopes of shape (heads_q), 2 = (batch, heads_q); 0 = none.
   int alibi = 0;
+  // Dropout (fc_attention_options.dropout_p): the backend and the references get the same seed
+  // and offset, so they drop the same entries (common/dropout.hpp).
+  double dropout_p = 0;
+  uint64_t dropout_seed = 0x5eedf1a5c0de1234ull;
+  uint64_t dropout_offset = 0;
 
   std::string name() const;
   bool is_varlen() const { return !varlen_q.empty(); }

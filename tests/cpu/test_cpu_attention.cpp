@@ -143,6 +143,33 @@ TEST(CpuFlashBackward, Masks) { expect_backward(grid_masks(small_grid()), FC_BAC
 TEST(CpuFlashBackward, Varlen) { expect_backward(grid_varlen(small_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashBackward, Edges) { expect_backward(grid_edges(small_grid()), FC_BACKEND_CPU_FLASH); }
 TEST(CpuFlashBackward, Alibi) { expect_backward(grid_alibi(small_grid()), FC_BACKEND_CPU_FLASH); }
+// Dropout: the fp16 / bf16 calls run on the AVX-512 path even where AMX serves the others
+// (flash_forward.cpp), so every dtype meets the same mask code.
+TEST(CpuFlashForward, Dropout) { expect_forward(grid_dropout(cpu_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuFlashBackward, Dropout) { expect_backward(grid_dropout(small_grid()), FC_BACKEND_CPU_FLASH); }
+TEST(CpuReference, DropoutLowPrecisionMatchesExact) {
+  // The reference against itself through the harness: its low-precision mode drops the same entries.
+  expect_forward(grid_dropout(small_grid()), FC_BACKEND_CPU_REFERENCE);
+}
+
+// The mask is a function of positions, not of tasks: thread counts (and with them the query
+// blocks per task and the backward's key chunks) must not move a bit.
+TEST(CpuFlashThreads, DropoutThreadCountDoesNotChangeBits) {
+  auto mem = host_memory();
+  Case c;
+  c.batch = 2;
+  c.seqlen_q = 700;
+  c.seqlen_k = 900;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.head_dim = 64;
+  c.dtype = FC_DTYPE_BF16;
+  c.window_left = 100;
+  c.window_right = 30;
+  c.dropout_p = 0.3;
+  std::string why;
+  EXPECT_TRUE(thread_counts_are_bit_identical(c, FC_BACKEND_CPU_FLASH, *mem, {1, 2, 5}, true, &why)) << why;
+}
 
 TEST(CpuFlashRaces, RepeatsAreBitIdentical) {
   auto mem = host_memory();

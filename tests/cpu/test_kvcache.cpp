@@ -494,6 +494,7 @@ TEST(KvCacheCpuBadInput, Options) {
                                                                                        "fc_attention_options");
   static int32_t flag = 0;
   expect_rejected(c, [](KvProblem& p) { p.opt.error_flag = &flag; }, "error_flag: must be null in fc_attention_options");
+  expect_rejected(c, [](KvProblem& p) { p.opt.dropout_p = 0.1; }, "dropout_p: must be 0 for fc_attention_kvcache");
   EXPECT_EQ(flag, 0);
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = 99; }, "backend:");
   expect_rejected(c, [](KvProblem& p) { p.opt.backend = FC_BACKEND_CUDA_SM80; }, "q:");

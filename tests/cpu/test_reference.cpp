@@ -9,6 +9,7 @@
 
 #include "api/backends.hpp"
 #include "api/validate.hpp"
+#include "common/dropout.hpp"
 
 namespace flashcore {
 namespace {
@@ -249,6 +250,78 @@ TEST(Reference, FiniteDifferencesAlibi) {
   t.opt.alibi_slopes = &ts;
   t.opt.softcap = 3.0;
   check_finite_differences(t);
+}
+
+TEST(Reference, DropoutClosedForm) {
+  // q = 0: every allowed key weighs 1 / (allowed keys); dropout keeps the entries the mask keeps,
+  // times 1 / (1 - p), and leaves lse = log(allowed keys).
+  for (bool causal : {false, true}) {
+    Tiny t(3, 70, 2, 1, 2, 31);  // 70 keys: two 64-key blocks
+    std::fill(t.q.begin(), t.q.end(), 0.f);
+    t.opt.causal = causal;
+    t.opt.dropout_p = 0.3;
+    t.opt.dropout_seed = 0xabcdef0123ull;
+    t.opt.dropout_offset = 5;
+    AttentionParams p = t.params();
+    ASSERT_TRUE(p.dropout.enabled());
+    ASSERT_TRUE(cpu::reference_forward(p).is_ok());
+    const DropoutParams d = make_dropout(0.3, 0xabcdef0123ull, 5);
+    int64_t dropped = 0;
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t i = 0; i < 3; ++i) {
+        const int64_t allowed = causal ? i + 70 - 3 + 1 : 70;
+        double out[2] = {0, 0};
+        for (int64_t j = 0; j < allowed; ++j) {
+          if (!dropout_keeps(d, h, i, j)) {  // batch 0: problem bh = h
+            ++dropped;
+            continue;
+          }
+          for (int e = 0; e < 2; ++e) out[e] += t.v[j * 2 + e] / 0.7 / static_cast<double>(allowed);
+        }
+        EXPECT_NEAR(t.lse[h * 3 + i], std::log(static_cast<double>(allowed)), 1e-6) << "h " << h << " i " << i;
+        for (int e = 0; e < 2; ++e) EXPECT_NEAR(t.out[(i * 2 + h) * 2 + e], out[e], 1e-5) << "h " << h << " i " << i;
+      }
+    EXPECT_GT(dropped, 0);  // the check above saw dropped entries
+  }
+}
+
+TEST(Reference, FiniteDifferencesDropout) {
+  // The mask is a fixed function of the seed: the loss is smooth in q, k, v and the backward's
+  // Z-weighted dV and dP must match its finite differences (GQA, causal, softcap).
+  Tiny t(5, 6, 2, 1, 4, 26);
+  t.opt.dropout_p = 0.4;
+  t.opt.dropout_seed = 77;
+  t.opt.causal = 1;
+  t.opt.softcap = 3.0;
+  check_finite_differences(t);
+  Tiny u(4, 9, 2, 2, 3, 27);
+  u.opt.dropout_p = 0.6;
+  u.opt.dropout_seed = 78;
+  u.opt.dropout_offset = 1ull << 40;
+  check_finite_differences(u);
+}
+
+TEST(Reference, DropoutChangesTheOutputBySeedAndOffset) {
+  auto forward = [](double p, uint64_t seed, uint64_t offset) {
+    Tiny t(8, 100, 2, 1, 8, 32);
+    t.opt.dropout_p = p;
+    t.opt.dropout_seed = seed;
+    t.opt.dropout_offset = offset;
+    AttentionParams params = t.params();
+    EXPECT_TRUE(cpu::reference_forward(params).is_ok());
+    return t.out;
+  };
+  auto max_diff = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double m = 0;
+    for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
+    return m;
+  };
+  const std::vector<float> plain = forward(0, 1, 0), base = forward(0.5, 1, 0);
+  EXPECT_EQ(max_diff(forward(0, 2, 3), plain), 0.0);  // p = 0: the seed is ignored
+  EXPECT_EQ(max_diff(forward(0.5, 1, 0), base), 0.0);  // the same mask again
+  EXPECT_GT(max_diff(base, plain), 0.05);
+  EXPECT_GT(max_diff(forward(0.5, 2, 0), base), 0.05);
+  EXPECT_GT(max_diff(forward(0.5, 1, 1), base), 0.05);
 }
 
 }  // namespace

@@ -216,6 +216,14 @@ TEST_F(BadInput, Options) {
   opt.num_threads = 0;
   opt.sm_margin = -3;
   expect_forward_error("sm_margin: -3 is negative");
+  opt.sm_margin = 0;
+  opt.dropout_p = -0.1;
+  expect_forward_error("dropout_p: -0.100000 is outside [0, 1)");
+  opt.dropout_p = 1.0;
+  expect_forward_error("dropout_p: 1.000000 is outside [0, 1)");
+  opt.dropout_p = NAN;
+  expect_forward_error("dropout_p: ");
+  opt.dropout_p = 0;
   opt.sm_margin = 1000;  // more than any GPU has: the grids keep one SM; CPU backends ignore it
   ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
 }

@@ -59,3 +59,45 @@ def sequence_forward(q, k, v, scale, causal, window, softcap, compute_dtype, p_d
     p = p.astype(p_dtype).astype(compute_dtype)
     out = np.einsum("hij,jhd->ihd", p, v)
     return out, lse
+
+
+# ---- dropout ------------------------------------------------------------------------------------
+# An independent numpy replica of the library's dropout mask (src/common/dropout.hpp): Philox4x32-10
+# keyed by the seed, one call per (row, 64-key block, column pair t, half u) of a (sequence, query
+# head) problem, whose eight 16-bit draws serve columns 8n + 2t + {0, 1}, n = 4u .. 4u + 3.
+
+_PHILOX_MUL = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_PHILOX_WEYL = (0x9E3779B9, 0xBB67AE85)
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of uint32 counter arrays (broadcast together) under the key (k0, k1)."""
+    c = [np.asarray(x, dtype=np.uint64) for x in np.broadcast_arrays(c0, c1, c2, c3)]
+    k0, k1 = int(k0) & 0xFFFFFFFF, int(k1) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = _PHILOX_MUL[0] * c[0]
+        p1 = _PHILOX_MUL[1] * c[2]
+        hi0, lo0 = p0 >> np.uint64(32), p0 & _LOW32
+        hi1, lo1 = p1 >> np.uint64(32), p1 & _LOW32
+        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
+        k0 = (k0 + _PHILOX_WEYL[0]) & 0xFFFFFFFF
+        k1 = (k1 + _PHILOX_WEYL[1]) & 0xFFFFFFFF
+    return [x.astype(np.uint32) for x in c]
+
+
+def dropout_keep_mask(p, seed, offset, problem, seqlen_q, seqlen_k):
+    """(seqlen_q, seqlen_k) bool: which probabilities of problem b * heads_q + h survive dropout
+    with probability p under (seed, offset), positions inside the sequence."""
+    threshold = min(int((1.0 - p) * 65536.0 + 0.5), 65536)
+    key0 = seed & 0xFFFFFFFF
+    key1 = ((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF
+    j = np.arange(seqlen_k, dtype=np.uint64)[None, :]
+    i = np.arange(seqlen_q, dtype=np.uint64)[:, None]
+    group = ((j >> np.uint64(6)) << np.uint64(3)) | (((j >> np.uint64(1)) & np.uint64(3)) << np.uint64(1)) | \
+        ((j >> np.uint64(5)) & np.uint64(1))
+    words = philox4x32_10(group, i, problem, offset & 0xFFFFFFFF, key0, key1)
+    word = (j >> np.uint64(3)) & np.uint64(3)
+    chosen = np.choose(np.broadcast_to(word, (seqlen_q, seqlen_k)).astype(np.intp), words).astype(np.uint64)
+    draw = (chosen >> ((j & np.uint64(1)) * np.uint64(16))) & np.uint64(0xFFFF)
+    return draw < threshold

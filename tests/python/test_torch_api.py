@@ -46,9 +46,10 @@ def alibi_bias(seqlen_q, seqlen_k, slopes, dtype):
 
 
 def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None,
-                        dtype=torch.float64, alibi_slopes=None):
+                        dtype=torch.float64, alibi_slopes=None, dropout=None):
     """Dense (batch, seq, heads, dim) attention in plain torch ops, differentiable; rows
-    without keys give 0. Returns (out, lse) in `dtype`."""
+    without keys give 0. dropout: (p, keep) with keep a (batch, heads, sq, sk) bool tensor, the
+    kept probabilities scaled by 1 / (1 - p) (lse is unaffected). Returns (out, lse) in `dtype`."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[2] // k.shape[2]
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -63,6 +64,8 @@ def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, sca
     has_key = allowed.any(dim=-1)[:, None]  # (sq, 1)
     p = torch.softmax(s, dim=-1) * has_key
     lse = torch.logsumexp(s, dim=-1).masked_fill(~has_key[:, 0], float("-inf"))
+    if dropout is not None:
+        p = p * dropout[1].to(dtype) / (1.0 - dropout[0])
     return torch.einsum("bhij,bjhd->bihd", p, v), lse
 
 
@@ -315,9 +318,9 @@ def test_deterministic_backward_is_bitwise_repeatable():
 # ---- custom ops and torch.compile -------------------------------------------------------------
 
 
-# flashcore::fwd's arguments after q, k, v: dense, no ALiBi, default scale, causal, no
-# window/softcap, automatic backend, non-deterministic.
-OP_SETTINGS = (None, None, None, 0, 0, 0.0, True, -1, -1, 0.0, 0, False)
+# flashcore::fwd's arguments after q, k, v: dense, no ALiBi, no dropout seed, default scale,
+# causal, no window/softcap, automatic backend, non-deterministic, no dropout.
+OP_SETTINGS = (None, None, None, None, 0, 0, 0.0, True, -1, -1, 0.0, 0, False, 0.0)
 
 
 def test_custom_op_opcheck():
@@ -339,7 +342,7 @@ def test_eager_fast_path_matches_custom_op():
 
     q, k, v = make_qkv((2, 21, 4, 32), (2, 27, 2, 32), requires_grad=True)
     dout = torch.randn(q.shape)
-    settings = (None, None, None, 0, 0, 0.0, True, 3, -1, 2.0, 0, False)
+    settings = (None, None, None, None, 0, 0, 0.0, True, 3, -1, 2.0, 0, False, 0.0)
     fast = lambda *x: flash_attn.flash_attn_func(*x, causal=True, window_size=(3, -1), softcap=2.0)
     via_op = lambda *x: _torch._fwd(*x, *settings)[0]
     assert _torch._eager_fast_path_ok((q, k, v))
@@ -522,7 +525,7 @@ def test_alibi_slopes_get_no_gradient(fa_backend):
     out = flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes)
     out.sum().backward()
     assert slopes.grad is None and all(x.grad is not None for x in (q, k, v))
-    settings = (None, None, slopes, 0, 0, 0.0, False, -1, -1, 0.0, _torch.backend_id(fa_backend), False)
+    settings = (None, None, slopes, None, 0, 0, 0.0, False, -1, -1, 0.0, _torch.backend_id(fa_backend), False, 0.0)
     out_op = _torch._fwd(q, k, v, *settings)[0]
     assert torch.equal(out_op, out)
     grads = torch.autograd.grad(out_op.sum(), (q, k, v, slopes), allow_unused=True)
@@ -537,8 +540,8 @@ def test_alibi_custom_op_opcheck(backend):
     from flashcore import _torch
 
     q, k, v = make_qkv((2, 12, 2, 16), (2, 10, 1, 16), requires_grad=True)
-    settings = (None, None, alibi_slopes(2, 2, per_batch=True), 0, 0, 0.0, True, -1, -1, 0.0,
-                _torch.backend_id(backend), False)
+    settings = (None, None, alibi_slopes(2, 2, per_batch=True), None, 0, 0, 0.0, True, -1, -1, 0.0,
+                _torch.backend_id(backend), False, 0.0)
     opcheck(torch.ops.flashcore.fwd.default, (q, k, v) + settings)
     q, k, v = (x.detach() for x in (q, k, v))
     out, lse = torch.ops.flashcore.fwd(q, k, v, *settings)
@@ -596,8 +599,12 @@ def test_error_mismatched_shapes_name_the_argument():
 
 def test_error_unsupported_features():
     q, k, v = make_qkv((1, 4, 2, 16), (1, 4, 2, 16))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flash_attn.flash_attn_func(q, k, v, dropout_p=0.5)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="dropout_p: not supported with a block_table"):
+        flash_attn.flash_attn_varlen_func(q[0], k, v, cu, cu, 4, 4, dropout_p=0.5, block_table=table)
+    with pytest.raises(ValueError, match=r"dropout_p: 1.000000 is outside \[0, 1\)"):
+        flash_attn.flash_attn_func(q, k, v, dropout_p=1.0)
 
 
 @pytest.mark.parametrize(
@@ -662,3 +669,107 @@ def test_varlen_heads_major_q_gives_out_in_its_layout():
         results.append((out, lse) + grads)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+# ---- dropout ------------------------------------------------------------------------------------
+# The mask comes from an independent numpy replica of the library's rule (attention_reference's
+# dropout_keep_mask) and the seed the call draws from torch's generator: the library, its
+# autograd and its seed plumbing are all checked against plain torch math.
+
+import numpy as np  # noqa: E402
+from attention_reference import dropout_keep_mask  # noqa: E402
+
+
+def drawn_seed(seed):
+    """The mask seed a flashcore call draws right after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+
+
+def keep_masks(p, mask_seed, batch, heads, seqlen_q, seqlen_k):
+    """(batch, heads, seqlen_q, seqlen_k) bool keep mask of a dense call."""
+    return torch.from_numpy(np.stack([
+        np.stack([dropout_keep_mask(p, mask_seed, 0, b * heads + h, seqlen_q, seqlen_k) for h in range(heads)])
+        for b in range(batch)]))
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu_reference"])
+@pytest.mark.parametrize("mask,p", [(dict(), 0.17), (dict(causal=True), 0.5), (dict(window=(20, 5), softcap=5.0), 0.3)],
+                         ids=["plain", "causal", "window_softcap"])
+def test_dropout_forward_and_autograd_match_torch_math(backend, mask, p):
+    q, k, v = make_qkv((2, 70, 4, 16), (2, 90, 2, 16), requires_grad=True)
+    dout = torch.randn_like(q)
+    flash_attn.set_default_backend(backend)
+    try:
+        torch.manual_seed(11)
+        out = flash_attn.flash_attn_func(q, k, v, dropout_p=p, **{"window_size" if key == "window" else key: value
+                                                                  for key, value in mask.items()})
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        flash_attn.set_default_backend("auto")
+    keep = keep_masks(p, drawn_seed(11), 2, 4, 70, 90)
+    ref_out, ref_grads = grads_of(lambda *x: reference_attention(*x, **mask, dropout=(p, keep))[0], (q, k, v), dout)
+    assert relative_error(out, ref_out) < FP32_RELATIVE_TOLERANCE
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert relative_error(got, want) < FP32_RELATIVE_TOLERANCE, name
+    # The mask really drops about p of the entries, and dropping them moved the output.
+    assert abs((~keep).float().mean().item() - p) < 0.05
+    plain = reference_attention(q, k, v, **mask)[0]
+    assert relative_error(out, plain) > 0.05
+
+
+def test_dropout_seed_follows_torch_manual_seed():
+    q, k, v = make_qkv((1, 40, 2, 16), (1, 40, 2, 16))
+    torch.manual_seed(3)
+    first = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4)
+    second = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4)
+    torch.manual_seed(3)
+    again = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, second)  # each call draws a fresh mask
+    assert torch.equal(flash_attn.flash_attn_func(q, k, v, dropout_p=0.0), flash_attn.flash_attn_func(q, k, v))
+
+
+def test_dropout_varlen_and_packed_forms():
+    q, k, v = make_qkv((50, 4, 16), (80, 2, 16), requires_grad=True)
+    cu_q = torch.tensor([0, 20, 20, 50], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 45, 80], dtype=torch.int32)
+    torch.manual_seed(5)
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 35, dropout_p=0.25, causal=True)
+    mask_seed = drawn_seed(5)
+    for b in range(3):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        sq, sk = rows.stop - rows.start, keys.stop - keys.start
+        if sq == 0:
+            continue
+        keep = torch.from_numpy(np.stack([dropout_keep_mask(0.25, mask_seed, 0, b * 4 + h, sq, sk)
+                                          for h in range(4)]))[None]  # problem b * heads_q + h
+        ref = reference_attention(q[None, rows], k[None, keys], v[None, keys], causal=True, dropout=(0.25, keep))[0]
+        assert relative_error(out[None, rows], ref) < FP32_RELATIVE_TOLERANCE, b
+    out.sum().backward()  # the varlen backward runs with the same seed
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    qkv = torch.randn(1, 30, 3, 2, 16)
+    torch.manual_seed(6)
+    packed = flash_attn.flash_attn_qkvpacked_func(qkv, dropout_p=0.5)
+    torch.manual_seed(6)
+    unpacked = flash_attn.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p=0.5)
+    assert torch.equal(packed, unpacked)
+
+
+def test_dropout_custom_op_and_compile():
+    from torch.library import opcheck
+
+    q, k, v = make_qkv((1, 12, 2, 16), (1, 10, 1, 16), requires_grad=True)
+    settings = (None, None, None, torch.tensor([1234]), 0, 0, 0.0, True, -1, -1, 0.0, 0, False, 0.3)
+    opcheck(torch.ops.flashcore.fwd.default, (q, k, v) + settings)
+    q0, k0, v0 = (x.detach() for x in (q, k, v))
+    out, lse = torch.ops.flashcore.fwd(q0, k0, v0, *settings)
+    opcheck(torch.ops.flashcore.bwd.default, (torch.randn_like(out), q0, k0, v0, out, lse) + settings)
+
+    compiled = torch.compile(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, dropout_p=0.3, causal=True),
+                             fullgraph=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    plain = flash_attn.flash_attn_func(q0, k0, v0, causal=True)
+    assert torch.isfinite(out).all() and relative_error(out, plain) > 0.05
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))

@@ -27,10 +27,11 @@ NO_KEY_SCORE = -1e30
 
 
 def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float64,
-                        alibi_slopes=None):
+                        alibi_slopes=None, dropout=None):
     """Plain torch math in `dtype` (float64: the truth; the input dtype: the naive
     same-precision result). Rows without keys give 0. alibi_slopes (heads,) or (batch, heads):
-    flash_attn's bias -slope * |i + sk - sq - j| after the softcap."""
+    flash_attn's bias -slope * |i + sk - sq - j| after the softcap. dropout: (p, keep), keep a
+    (batch, heads, sq, sk) bool tensor; kept probabilities are scaled by 1 / (1 - p)."""
     scale = q.shape[-1] ** -0.5
     group = q.shape[2] // k.shape[2]
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -57,8 +58,10 @@ def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, dty
     if right >= 0:
         allowed &= keys <= diagonal + right
     s = s.masked_fill(~allowed, NO_KEY_SCORE)
-    p = (torch.softmax(s, dim=-1) * allowed.any(-1, keepdim=True)).to(dtype)
-    return torch.einsum("bhij,bjhd->bihd", p, v)
+    p = torch.softmax(s, dim=-1) * allowed.any(-1, keepdim=True)
+    if dropout is not None:
+        p = p * dropout[1] / (1.0 - dropout[0])
+    return torch.einsum("bhij,bjhd->bihd", p.to(dtype), v)
 
 
 def max_error(x, ref):
@@ -539,3 +542,90 @@ def test_cuda_cu_seqlens_checked_on_request(monkeypatch):
     flashcore.attention_forward(q, k, k, cu_seqlens_q=good, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=7,
                                 error_flag=flag)
     assert int(flag.item()) == 0
+
+
+# ---- dropout (the portable kernels; AUTO sends dropout calls there on Hopper too) --------------
+
+import numpy as np  # noqa: E402
+from attention_reference import dropout_keep_mask  # noqa: E402
+
+
+def drawn_seed(seed):
+    """The mask seed a flashcore call draws right after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+
+
+def keep_masks(p, mask_seed, batch, heads, seqlen_q, seqlen_k):
+    """(batch, heads, seqlen_q, seqlen_k) bool keep mask of a dense call, on the GPU (from the
+    numpy replica of the library's rule)."""
+    masks = np.stack([np.stack([dropout_keep_mask(p, mask_seed, 0, b * heads + h, seqlen_q, seqlen_k)
+                                for h in range(heads)]) for b in range(batch)])
+    return torch.from_numpy(masks).to(DEVICE)
+
+
+DROPOUT_CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, mask, p)
+    (2, 128, 128, 4, 4, 64, dict(), 0.17),
+    (2, 113, 203, 8, 2, 64, dict(causal=True), 0.5),
+    (1, 239, 128, 4, 1, 128, dict(causal=True), 0.1),
+    (2, 256, 300, 4, 2, 128, dict(window=(64, 16)), 0.3),
+    (1, 200, 300, 2, 2, 256, dict(softcap=20.0, causal=True), 0.5),
+    (1, 96, 160, 2, 1, 72, dict(), 0.25),
+]
+
+
+@pytest.mark.parametrize("backend", ["auto", "cuda_sm80"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=[f"case{i}" for i in range(len(DROPOUT_CASES))])
+def test_dropout_forward_backward(backend, dtype, case):
+    if not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available on this GPU / build")
+    batch, sq, sk, hq, hkv, d, mask, p = case
+    inputs = [torch.randn(batch, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+              for s, h in ((sq, hq), (sk, hkv), (sk, hkv))]
+    dout = torch.randn(batch, sq, hq, d, device=DEVICE, dtype=dtype)
+    flashcore.set_default_backend(backend)
+    try:
+        torch.manual_seed(21)
+        out = flash_attn.flash_attn_func(
+            *inputs, dropout_p=p, causal=mask.get("causal", False), window_size=mask.get("window", (-1, -1)),
+            softcap=mask.get("softcap", 0.0))
+        grads = torch.autograd.grad(out, inputs, dout)
+    finally:
+        flashcore.set_default_backend("auto")
+    keep = keep_masks(p, drawn_seed(21), batch, hq, sq, sk)
+    assert_step_within_rule((out,) + grads, inputs, dout, f"{backend} dropout", **mask, dropout=(p, keep))
+    plain = reference_attention(*inputs, **mask)
+    assert max_error(out, plain) > 0.05  # the dropped entries moved the output
+
+
+def test_dropout_repeats_and_seeds():
+    q, k, v = (torch.randn(2, 200, 4, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    torch.manual_seed(4)
+    first = flash_attn.flash_attn_func(q, k, v, dropout_p=0.3)
+    second = flash_attn.flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.manual_seed(4)
+    assert torch.equal(first, flash_attn.flash_attn_func(q, k, v, dropout_p=0.3))
+    assert not torch.equal(first, second)
+    # The CPU backends draw the same mask from the same seed: the GPU's result within the rule
+    # of the CPU's fp32 result on the same inputs.
+    torch.manual_seed(4)
+    on_cpu = flash_attn.flash_attn_func(q.cpu().float(), k.cpu().float(), v.cpu().float(), dropout_p=0.3)
+    assert max_error(first, on_cpu.to(DEVICE)) < 0.05
+
+
+def test_dropout_on_the_hopper_kernels_is_refused_and_not_captured():
+    q, k, v = (torch.randn(1, 64, 2, 64, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    if flashcore.backend_available("cuda_sm90"):
+        flashcore.set_default_backend("cuda_sm90")
+        try:
+            with pytest.raises(NotImplementedError, match="dropout_p > 0 runs on cuda_sm80"):
+                flash_attn.flash_attn_func(q, k, v, dropout_p=0.1)
+        finally:
+            flashcore.set_default_backend("auto")
+    flash_attn.flash_attn_func(q, k, v, dropout_p=0.1)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(NotImplementedError, match="CUDA graph"):
+        with torch.cuda.graph(graph):
+            flash_attn.flash_attn_func(q, k, v, dropout_p=0.1)

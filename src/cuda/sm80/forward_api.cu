@@ -97,6 +97,9 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
     return reject(why, "paged k / v need a page_size that is a multiple of " + std::to_string(kPagedPageMultiple) +
                            " (got " + std::to_string(p.pages.page_size) + "; the CPU backends take any)");
   }
+  if (p.dropout.enabled()) {
+    return reject(why, "dropout_p > 0 is not implemented on the GPU yet (the CPU backends take it)");
+  }
   if (p.is_paged() && p.has_alibi()) {
     return reject(why, "alibi_slopes with paged k / v are not supported (the CPU backends take them)");
   }

@@ -114,6 +114,7 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.head_dim % kHeadDimAlignment != 0) {
     return reject(why, "head_dim " + std::to_string(p.head_dim) + " must be a multiple of 8 and at most 256");
   }
+  if (p.dropout.enabled()) return reject(why, "dropout_p > 0 runs on cuda_sm80 (the Hopper kernels have no dropout)");
   // ALiBi runs in the score-transform kernels; paged K/V with ALiBi is declined on GPUs.
   if (p.has_alibi() && p.is_paged()) return reject(why, "alibi_slopes with paged k / v are not supported");
   if (compiled_head_dim_bucket(p.head_dim) == 0) {
