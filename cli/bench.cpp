@@ -162,9 +162,10 @@ int command_bench(int argc, char** argv) {
   const std::string grid_name = a.str("grid", base.on_gpu ? "training" : "cpu");
   const std::vector<Problem> cells = grid(grid_name, base);
   const bool backward = a.has("backward");
-  // The naive peer computes plain (optionally causal) attention only: with a window, softcap or
-  // ALiBi it would not compute the same function, so it sits those runs out.
-  const bool plain = base.window_left == -1 && base.window_right == -1 && base.softcap == 0 && !base.alibi;
+  // The naive peer computes plain (optionally causal) attention only: with a window, softcap,
+  // ALiBi or dropout it would not compute the same function, so it sits those runs out.
+  const bool plain = base.window_left == -1 && base.window_right == -1 && base.softcap == 0 && !base.alibi &&
+                     base.dropout_p == 0;
   const bool naive = !base.on_gpu && !a.has("no-naive") && plain;
   const int repeats = static_cast<int>(std::max<int64_t>(1, a.num("repeats", 5)));
   // The naive peer gets as many threads as flashcore's default (the process's affinity mask).

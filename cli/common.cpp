@@ -73,7 +73,7 @@ const std::map<std::string, bool>& problem_options() {
   static const std::map<std::string, bool> opts = {
       {"batch", true},  {"seqlen", true},   {"seqlen-k", true}, {"heads", true},    {"heads-kv", true},
       {"head-dim", true}, {"dtype", true},  {"causal", false},  {"window", true},   {"softcap", true},
-      {"alibi", false},  {"backend", true}, {"threads", true}, {"help", false}};
+      {"alibi", false},  {"dropout", true}, {"backend", true}, {"threads", true}, {"help", false}};
   return opts;
 }
 
@@ -89,6 +89,7 @@ std::string problem_options_help() {
          "  --window L,R         sliding window, -1 = unbounded side\n"
          "  --softcap C          tanh soft-capping of scores (0 = off)\n"
          "  --alibi              ALiBi biases, slopes 2^(-8 (h + 1) / heads)\n"
+         "  --dropout P          dropout of the probabilities, 0 <= P < 1 (a fixed seed)\n"
          "  --backend B          auto | cpu | cpu_reference | cuda | cuda_sm80 | cuda_sm90\n"
          "  --threads N          CPU threads (0 = all cores)\n";
 }
@@ -150,6 +151,8 @@ Problem parse_problem(const Args& a, const Problem& defaults) {
   }
   p.softcap = a.real("softcap", 0);
   p.alibi = a.has("alibi");
+  p.dropout_p = a.real("dropout", 0);
+  if (!(p.dropout_p >= 0 && p.dropout_p < 1)) throw UsageError("--dropout: expects 0 <= P < 1");
   const int64_t threads = a.num("threads", 0);
   if (threads < 0 || threads > 4096) throw UsageError("--threads: " + std::to_string(threads) + " is outside 0..4096");
   p.threads = static_cast<int32_t>(threads);
@@ -194,6 +197,7 @@ std::string Problem::describe() const {
   if (window_left != -1 || window_right != -1) s << ", window (" << window_left << "," << window_right << ")";
   if (softcap > 0) s << ", softcap " << softcap;
   if (alibi) s << ", alibi";
+  if (dropout_p > 0) s << ", dropout " << dropout_p;
   return s.str();
 }
 
@@ -279,6 +283,8 @@ Buffers::Buffers(const Problem& p, bool with_grads, uint64_t seed) : p_(p) {
     }
     options.alibi_slopes = &alibi_slopes;
   }
+  options.dropout_p = p.dropout_p;
+  options.dropout_seed = 0x5eed;  // a fixed mask: runs are comparable and the spot check draws the same one
   options.backend = p.backend;
   options.num_threads = p.threads;
   size_t fws = 0, bws = 0;

@@ -39,6 +39,7 @@ struct Problem {
   int32_t window_left = -1, window_right = -1;
   double softcap = 0;
   bool alibi = false;  // ALiBi with the geometric slopes 2^(-8 (h + 1) / heads_q)
+  double dropout_p = 0;  // dropout of the probabilities (fixed seed)
   int32_t backend = FC_BACKEND_AUTO;
   int32_t threads = 0;
   bool on_gpu = false;

@@ -23,6 +23,7 @@
 
 #include "cpu/backward_tasks.hpp"
 #include "cpu/cpu_common.hpp"
+#include "cpu/dropout_bits.hpp"
 
 namespace flashcore {
 namespace cpu {
@@ -313,7 +314,7 @@ class BackwardTaskRunner {
       float* dropped = w_.dropped_probs.data() + r * kN;
       std::fill(dropped, dropped + kN, 0.f);
       for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
-        const uint64_t kept = dropout_keep_bits(p_.dropout, bh, m0 + r, j0 / 64);
+        const uint64_t kept = keep_bits_of_block(p_.dropout, bh, m0 + r, j0 / 64);
         const int64_t j_end = std::min(n0 + n_valid, (j0 / 64 + 1) * 64);
         for (int64_t j = j0; j < j_end; ++j) {
           if ((kept >> (j % 64)) & 1) dropped[j - n0] = prob[j - n0] * keep_scale;

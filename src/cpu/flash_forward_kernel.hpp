@@ -32,6 +32,7 @@
 
 #include "api/backends.hpp"
 #include "cpu/cpu_common.hpp"
+#include "cpu/dropout_bits.hpp"
 
 namespace flashcore {
 namespace cpu {
@@ -475,10 +476,14 @@ class ForwardTaskRunner {
     for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
       const int64_t bh = task.batch * p_.heads_q + at.head;
       for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
-        const uint64_t kept = dropout_keep_bits(p_.dropout, bh, at.q_row, j0 / 64);
-        const int64_t j_end = std::min(n0 + n_valid, (j0 / 64 + 1) * 64);
-        for (int64_t j = j0; j < j_end; ++j) {
-          if (!((kept >> (j % 64)) & 1)) s_t[(j - n0) * m_pad + r] = 0.f;
+        const int64_t block_start = j0 / 64 * 64, j_end = std::min(n0 + n_valid, block_start + 64);
+        // Columns j0 .. j_end - 1 of the block that are dropped; visited bit by bit, so a
+        // column-major tile is touched only where an entry is dropped (p of them).
+        const uint64_t in_tile = (j_end - block_start == 64 ? ~uint64_t(0) : (uint64_t(1) << (j_end - block_start)) - 1) &
+                                 ~((uint64_t(1) << (j0 - block_start)) - 1);
+        for (uint64_t dropped = ~keep_bits_of_block(p_.dropout, bh, at.q_row, j0 / 64) & in_tile; dropped;
+             dropped &= dropped - 1) {
+          s_t[(block_start + __builtin_ctzll(dropped) - n0) * m_pad + r] = 0.f;
         }
       }
     }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/dropout.hpp"
+#include "cpu/dropout_bits.hpp"
 
 namespace flashcore {
 namespace {
@@ -56,6 +57,8 @@ TEST(DropoutRng, ColumnGroupsMatchTheAccumulatorLayout) {
     for (int64_t i : {0, 1, 77}) {
       for (int64_t block : {0, 1, 9}) {
         const uint64_t bits = dropout_keep_bits(d, bh, i, block);
+        // The CPU kernels' vectorized form (AVX-512 where built) is the same function.
+        ASSERT_EQ(cpu::keep_bits_of_block(d, bh, i, block), bits) << bh << " " << i << " " << block;
         for (int64_t k = 0; k < 64; ++k) {
           ASSERT_EQ(((bits >> k) & 1) != 0, dropout_keeps(d, bh, i, block * 64 + k)) << bh << " " << i << " " << block << " " << k;
         }
