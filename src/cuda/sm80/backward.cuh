@@ -18,6 +18,11 @@
 //      run time from the device attribute). dK is scaled by softmax_scale on store.
 //   3. postprocess (default mode): dq = softmax_scale * dQ_accum, converted, with p.dq's strides.
 //
+// Dropout (p.dropout, kernels of their own on the portable tiles: backward_dkdv_kernel and
+// backward_dq_kernel with kDropout): the recomputed P is dropped with the forward's mask, dS =
+// P (Z dP - D) and dV = keep_scale * (P o kept)^T dO (backward_scores.cuh). D needs nothing new:
+// rowsum(dO * O) of the stored, dropped O is already sum_j P_j Z_j dP_j.
+//
 // Deterministic mode (p.deterministic): fp32 atomics would make dq depend on the arrival order,
 // so the main kernel skips them and stage 3 is backward_dq.cuh instead: one CTA per (query
 // block, query head, batch) recomputes P and dS for the key blocks in increasing order and
@@ -107,8 +112,10 @@ Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs
                       p.device_id, p, ws);
 }
 
-/** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel. */
-template <typename Element, int kHeadDim>
+/** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel.
+ *  kDropoutKernels: compile the dq kernel's dropout versions (the sm80 backward; the sm90 one,
+ *  which shares this stage, never sees a dropout call and leaves them out of its units). */
+template <typename Element, int kHeadDim, bool kDropoutKernels = false>
 Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& ws, cudaStream_t stream) {
   const int64_t stat_rows = p.total_q * p.heads_q;
   if (p.deterministic) {
@@ -119,6 +126,14 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
     if (dq_ctas == 0) return Status::ok();
     auto* kernel = p.has_alibi() ? backward_dq_kernel<Element, DqTraits, /*kAlibi=*/true>
                                  : backward_dq_kernel<Element, DqTraits>;
+    if (p.dropout.enabled()) {
+      if constexpr (kDropoutKernels) {
+        kernel = p.has_alibi() ? backward_dq_kernel<Element, DqTraits, /*kAlibi=*/true, /*kDropout=*/true>
+                               : backward_dq_kernel<Element, DqTraits, /*kAlibi=*/false, /*kDropout=*/true>;
+      } else {
+        return Status::unsupported("backward dq stage: dropout kernels are not compiled for this backend");
+      }
+    }
     const int smem_bytes = static_cast<int>(sizeof(DqSharedStorage<Element, DqTraits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("backward dq smem: ") + cudaGetErrorString(err));
@@ -133,8 +148,9 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
                       p.device_id, p, ws);
 }
 
-/** The three stages for one tile configuration (BackwardTraits<d> in production). */
-template <typename Element, typename Traits>
+/** The three stages for one tile configuration (BackwardTraits<d> in production; kDropout: the
+ *  dropout kernels, on DropoutBackwardTraits<d>). */
+template <typename Element, typename Traits, bool kDropout = false>
 Status launch_backward(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
   constexpr int kHeadDim = Traits::kHeadDim;
   const BackwardWorkspaceLayout layout = BackwardWorkspaceLayout::make(p, kHeadDim);
@@ -152,9 +168,15 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
   const int64_t main_ctas = num_key_blocks * p.heads_kv * p.batch;
   if (main_ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the sm80 backward grid");
   if (main_ctas > 0) {
-    auto* kernel = backward_dkdv_kernel<Element, Traits>;
-    if constexpr (std::is_same_v<Traits, BackwardTraits<Traits::kHeadDim>>) {
-      if (p.has_alibi()) kernel = backward_dkdv_kernel<Element, Traits, /*kAlibi=*/true>;
+    void (*kernel)(const BackwardParams, BackwardWorkspacePtrs, int) = nullptr;
+    if constexpr (kDropout) {
+      kernel = p.has_alibi() ? backward_dkdv_kernel<Element, Traits, /*kAlibi=*/true, /*kDropout=*/true>
+                             : backward_dkdv_kernel<Element, Traits, /*kAlibi=*/false, /*kDropout=*/true>;
+    } else {
+      kernel = backward_dkdv_kernel<Element, Traits>;
+      if constexpr (std::is_same_v<Traits, BackwardTraits<Traits::kHeadDim>>) {
+        if (p.has_alibi()) kernel = backward_dkdv_kernel<Element, Traits, /*kAlibi=*/true>;
+      }
     }
     const int smem_bytes = static_cast<int>(sizeof(MainSharedStorage<Element, Traits>));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -164,7 +186,7 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
       return s;
     }
   }
-  return launch_dq_stage<Element, kHeadDim>(p, ws, stream);
+  return launch_dq_stage<Element, kHeadDim, /*kDropoutKernels=*/true>(p, ws, stream);
 }
 
 }  // namespace bwd
@@ -173,6 +195,11 @@ template <typename Element, int kHeadDim>
 Status backward_run(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
   using PortableTraits = bwd::BackwardTraits<kHeadDim>;
   using LargeSmemTraits = typename bwd::LargeSmemBackwardTraits<kHeadDim>::type;
+  // Dropout (with or without ALiBi): its own tiles, two more dK/dV kernels per unit.
+  if (p.dropout.enabled()) {
+    using DropoutTraits = typename bwd::DropoutBackwardTraits<kHeadDim>::type;
+    return bwd::launch_backward<Element, DropoutTraits, /*kDropout=*/true>(p, workspace, workspace_bytes);
+  }
   // ALiBi calls take the portable configuration only: one more kernel per unit instead of two.
   if constexpr (!std::is_same_v<PortableTraits, LargeSmemTraits>) {
     if (p.has_alibi()) return bwd::launch_backward<Element, PortableTraits>(p, workspace, workspace_bytes);

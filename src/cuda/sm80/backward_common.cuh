@@ -104,6 +104,19 @@ struct LargeSmemBackwardTraits<256> {
   using type = BackwardTraitsBase<256, 64, 64, 2, 2, 2, 4, 64>;
 };
 
+/** Tiles of the dropout kernels (backward_dkdv_kernel<..., kDropout = true>): a lane's Philox
+ *  rounds need registers that d64's 128 x 128 tiles (32 x 64 S/dP warp tiles) do not have (the
+ *  dropout kernel spilled 184 bytes there, nvcc 13 sm_80), so d64 takes d128's shape: 64 x 128
+ *  tiles, 32 x 32 warp tiles (255 registers, no spills). Elsewhere the portable tiles. */
+template <int kHeadDim>
+struct DropoutBackwardTraits {
+  using type = BackwardTraits<kHeadDim>;
+};
+template <>
+struct DropoutBackwardTraits<64> {
+  using type = BackwardTraitsBase<64, 64, 128, 2, 2, 4, 4, 32>;
+};
+
 /** Tiles of the deterministic dQ kernel (backward_dq.cuh), which holds a dQ accumulator instead
  *  of dK/dV: at d=64 the main kernel's 128 x 128 tiles would spill there, so it uses 64 x 128. */
 template <int kHeadDim>

@@ -24,8 +24,9 @@ struct alignas(128) DqSharedStorage {
   float dsum[Traits::kBlockM];
 };
 
-/** kAlibi: the ALiBi version (a kernel of its own, as backward_dkdv_kernel's). */
-template <typename Element, typename Traits, bool kAlibi = false>
+/** kAlibi: the ALiBi version, kDropout: the dropout version (kernels of their own, as
+ *  backward_dkdv_kernel's). */
+template <typename Element, typename Traits, bool kAlibi = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_dq_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_query_blocks) {
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int head_dim = static_cast<int>(p.head_dim);
   const ScoreTransform tf = ScoreTransform::make(p);
   const float alibi_log2 = kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f;
+  const DropoutTile drop{&p.dropout, static_cast<uint32_t>(b * p.heads_q + h)};  // below 2^32 (validate.cpp)
 
   const int64_t q_off = offset_of(p.q, b, seq.q_start + m0, h);
   const int64_t do_off = offset_of(p.dout, b, seq.q_start + m0, h);
@@ -92,9 +94,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
     __syncthreads();
-    compute_p_and_ds<Element, Traits, /*kStoreP=*/false, kAlibi>(smem.q, smem.dout, smem.k, smem.v, smem.lse_log2,
-                                                         smem.dsum, tf, mask, m0, n0, nullptr, smem.ds, warp, lane,
-                                                         alibi_log2);
+    compute_p_and_ds<Element, Traits, /*kStoreP=*/false, kAlibi, kDropout>(smem.q, smem.dout, smem.k, smem.v,
+                                                                       smem.lse_log2, smem.dsum, tf, mask, m0, n0,
+                                                                       nullptr, smem.ds, warp, lane, alibi_log2, drop);
     __syncthreads();
     // dq += dS K: A = dS stored [m][n]; B = K stored [n][d] = [k][n], read transposed.
     warp_gemm<Element, Traits::kDqMTiles, Traits::kDqNTiles, kN / 16, false, true, kN, kD>(

@@ -54,8 +54,9 @@ __device__ __forceinline__ QueryBlockRange query_blocks_for_keys(const MaskInfo&
 
 /** kAlibi: the scores carry ALiBi biases (p.alibi_slopes); a kernel of its own, so that the
  *  bias's code does not change the register allocation of the common kernel (it made the d64
- *  kernel spill, 0 -> 16-60 bytes, when both shared one body). */
-template <typename Element, typename Traits, bool kAlibi = false>
+ *  kernel spill, 0 -> 16-60 bytes, when both shared one body). kDropout: P is dropped with
+ *  p.dropout (backward_scores.cuh) and dV scaled by keep_scale on store; a kernel of its own too. */
+template <typename Element, typename Traits, bool kAlibi = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_dkdv_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_key_blocks) {
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
@@ -147,10 +148,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int64_t h = query_head_of(it);
     const int64_t m0 = query_row0_of(it);
 
-    compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi>(smem.q[stage], smem.dout[stage], smem.k, smem.v,
-                                                        smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
-                                                        smem.p, smem.ds, warp, lane,
-                                                        kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f);
+    // Dropout's problem index b * heads_q + h: below 2^32 (validate.cpp).
+    const DropoutTile drop{&p.dropout, static_cast<uint32_t>(b * p.heads_q + h)};
+    compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout>(
+        smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
+        smem.p, smem.ds, warp, lane, kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f, drop);
     __syncthreads();  // (B) P and dS visible to every warp
 
     // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T read transposed from the [m][n] tiles,
@@ -210,11 +212,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     accumulate_dq();
   }
 
-  // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO, staged through the K/V tiles.
+  // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO (dropout: keep_scale * sum (P o
+  // kept)^T dO), staged through the K/V tiles.
   ptx::cp_async_wait<0>();
   __syncthreads();  // K/V no longer read (and their loads landed even when no iteration ran)
   store_fragments_to_smem<Element, kD>(dk_acc, p.softmax_scale, smem.k, kv_row_origin, kv_col_origin, lane);
-  store_fragments_to_smem<Element, kD>(dv_acc, 1.f, smem.v, kv_row_origin, kv_col_origin, lane);
+  store_fragments_to_smem<Element, kD>(dv_acc, kDropout ? p.dropout.keep_scale : 1.f, smem.v, kv_row_origin,
+                                       kv_col_origin, lane);
   __syncthreads();
   const int64_t dk_off = offset_of(p.dk, b, seq.k_start + n0, kv_head);
   const int64_t dv_off = offset_of(p.dv, b, seq.k_start + n0, kv_head);

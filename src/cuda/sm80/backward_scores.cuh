@@ -4,10 +4,19 @@
 // in registers (the S/dP warp layout of the traits), applying the causal/window mask and the
 // sequence bounds, and store P (optionally) and dS to shared memory as the element type.
 //
-// Relies on backward_common.cuh (warp_gemm, traits) and common/mask.hpp (MaskInfo).
+// Dropout (kDropout): O = sum_j P_j Z_j v_j with Z_j = keep_scale where entry j is kept and 0
+// where it is dropped (common/dropout.hpp), so dV = (P o Z)^T dO and dL/dP_j = Z_j dP_j, while
+// D = rowsum(dO o O) (the preprocess, on the stored, dropped O) is still sum_j P_j Z_j dP_j. So
+// dS = P (Z dP - D), and the P stored for dV is P where kept, 0 where dropped; the dK/dV kernel
+// multiplies dV by keep_scale once, on store. The mask comes from the same Philox calls as the
+// forward's: one per (row, 32 keys) of a lane's columns (dropout_fragment.hpp).
+//
+// Relies on backward_common.cuh (warp_gemm, traits), common/mask.hpp (MaskInfo) and
+// dropout_fragment.hpp.
 #pragma once
 
 #include "cuda/sm80/backward_common.cuh"
+#include "cuda/sm80/dropout_fragment.hpp"
 
 namespace flashcore::cuda::sm80::bwd {
 
@@ -22,19 +31,37 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/** The dropout of one backward tile (kDropout kernels): the call's parameters and the problem
+ *  index b * heads_q + h of the query head. */
+struct DropoutTile {
+  const DropoutParams* params;
+  uint32_t bh;
+};
+
 /** The element-wise part: p (holding S on entry) becomes P, ds (holding dP on entry) becomes dS.
- *  kSoftcap selects the tanh-capped transform, kMasked the per-element visibility test and kAlibi
- *  the ALiBi bias (alibi_log2 per unit of distance) at compile time, so the common path (no
- *  softcap, tile fully visible) stays lean. */
-template <typename Traits, bool kSoftcap, bool kMasked, bool kAlibi = false>
+ *  kSoftcap selects the tanh-capped transform, kMasked the per-element visibility test, kAlibi
+ *  the ALiBi bias (alibi_log2 per unit of distance) and kDropout the dropout mask (P stored as
+ *  P o Z / keep_scale, dS = P (Z dP - D), see the top comment) at compile time, so the common path
+ *  (no softcap, tile fully visible) stays lean. */
+template <typename Traits, bool kSoftcap, bool kMasked, bool kAlibi = false, bool kDropout = false>
 __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpFragments<Traits>& ds,
                                                    const float* lse_log2_rows, const float* dsum_rows,
                                                    const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
-                                                   int64_t n0, int warp, int lane, float alibi_log2 = 0.f) {
+                                                   int64_t n0, int warp, int lane, float alibi_log2 = 0.f,
+                                                   const DropoutTile& drop = {}) {
   const int group = lane >> 2;
   const int quad = lane & 3;
   const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
   const int col_origin = (warp % Traits::kSdpWarpsN) * Traits::kSdpWarpCols;
+  // Dropout: a warp's columns are whole 32-key halves of a 64-key block (one Philox call each,
+  // word nt % 4 for n-tile nt), or, 16 columns wide (d256), one half of such a half: the call of
+  // the 32 keys around them, of which this warp reads words 0-1 or 2-3 (the other warp of the
+  // pair computes the same call for the other two; the price of 16-column warp tiles).
+  static_assert(!kDropout || Traits::kSdpWarpCols % 32 == 0 || Traits::kSdpWarpCols == 16,
+                "dropout: warp columns are whole 32-key halves or 16 keys");
+  constexpr bool kHalfCall = Traits::kSdpWarpCols == 16;
+  const uint32_t key32 = static_cast<uint32_t>(n0 + col_origin) & ~31u;  // n0: a multiple of kBlockN >= 64
+  const int word0 = kHalfCall ? (col_origin & 16) >> 3 : 0;              // 0 or 2
 #pragma unroll
   for (int mt = 0; mt < Traits::kSdpMTiles; ++mt) {
 #pragma unroll
@@ -60,12 +87,31 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
           key_hi = static_cast<int>(hi < 0 ? 0 : (hi > Traits::kBlockN ? Traits::kBlockN : hi));
         }
       }
+      PhiloxWords words{};
 #pragma unroll
       for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
+        if constexpr (kDropout) {
+          if (nt % 4 == 0) {  // this row's draws of the next 32 keys, used right away
+            words = dropout_quad_words(*drop.params, drop.bh, static_cast<uint32_t>(m0 + row), key32 + 8 * nt, quad);
+          }
+        }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int e = half * 2 + j;
           const float s = p[mt][nt][e];
+          // dP (ds on entry), times Z under dropout: keep_scale when kept, 0 when dropped.
+          float dp = ds[mt][nt][e];
+          bool kept = true;
+          if constexpr (kDropout) {
+            uint32_t word;
+            if constexpr (kHalfCall) {
+              word = word0 == 0 ? words.w[nt] : words.w[2 + nt];
+            } else {
+              word = words.w[nt % 4];
+            }
+            kept = dropout_half_kept(word, j, drop.params->kept_threshold);
+            dp = kept ? dp * drop.params->keep_scale : 0.f;
+          }
           // The bias enters the exponent only: it is a constant of the score, so dS keeps its form.
           float bias_minus_lse = -lse_log2;
           if constexpr (kAlibi) {
@@ -77,11 +123,13 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
           if constexpr (kSoftcap) {
             const float t = tanhf(s * tf.tanh_arg_scale);
             prob = fast_exp2(t * tf.softcap_log2 + bias_minus_lse);
-            dscore = prob * (ds[mt][nt][e] - dsum) * (1.f - t * t);
+            dscore = prob * (dp - dsum) * (1.f - t * t);
           } else {
             prob = fast_exp2(s * tf.scale_log2 + bias_minus_lse);
-            dscore = prob * (ds[mt][nt][e] - dsum);
+            dscore = prob * (dp - dsum);
           }
+          // dV's weight: P o Z without keep_scale (applied to dV on store); dS above used all of P.
+          if constexpr (kDropout) prob = kept ? prob : 0.f;
           if constexpr (kMasked) {
             // Select (not multiply) so an inf/NaN computed for a masked entry cannot leak.
             const int col = col_origin + nt * 8 + quad * 2 + j;
@@ -103,13 +151,13 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
  *  Both GEMMs run before the element-wise step: computing P between them (to overlap the
  *  exponentials with the dP GEMM) was measured slower on an H100, since the extra live values
  *  made the d=64 and d=128 kernels spill. */
-template <typename Element, typename Traits, bool kStoreP, bool kAlibi>
+template <typename Element, typename Traits, bool kStoreP, bool kAlibi, bool kDropout = false>
 __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const Element* dout_tile,
                                                  const Element* k_tile, const Element* v_tile,
                                                  const float* lse_log2_rows, const float* dsum_rows,
                                                  const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
                                                  int64_t n0, Element* p_tile, Element* ds_tile, int warp, int lane,
-                                                 float alibi_log2) {
+                                                 float alibi_log2, const DropoutTile& drop = {}) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kKSteps = kD / 16;
   const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
@@ -127,22 +175,26 @@ __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const El
   const bool masked = !mask.tile_fully_visible(m0, m0 + Traits::kBlockM, n0, n0 + Traits::kBlockN);
   if constexpr (kAlibi) {  // every tile through the masked body (the bias is per element anyway)
     if (tf.softcap > 0.f) {
-      scores_to_p_and_ds<Traits, true, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane,
-                                                   alibi_log2);
+      scores_to_p_and_ds<Traits, true, true, true, kDropout>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp,
+                                                             lane, alibi_log2, drop);
     } else {
-      scores_to_p_and_ds<Traits, false, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane,
-                                                    alibi_log2);
+      scores_to_p_and_ds<Traits, false, true, true, kDropout>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp,
+                                                              lane, alibi_log2, drop);
     }
   } else if (tf.softcap > 0.f) {
     if (masked) {
-      scores_to_p_and_ds<Traits, true, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+      scores_to_p_and_ds<Traits, true, true, false, kDropout>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp,
+                                                              lane, 0.f, drop);
     } else {
-      scores_to_p_and_ds<Traits, true, false>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+      scores_to_p_and_ds<Traits, true, false, false, kDropout>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp,
+                                                               lane, 0.f, drop);
     }
   } else if (masked) {
-    scores_to_p_and_ds<Traits, false, true>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+    scores_to_p_and_ds<Traits, false, true, false, kDropout>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp,
+                                                             lane, 0.f, drop);
   } else {
-    scores_to_p_and_ds<Traits, false, false>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp, lane);
+    scores_to_p_and_ds<Traits, false, false, false, kDropout>(p, ds, lse_log2_rows, dsum_rows, tf, mask, m0, n0, warp,
+                                                              lane, 0.f, drop);
   }
   if constexpr (kStoreP) {
     store_fragments_to_smem<Element, Traits::kBlockN>(p, 1.f, p_tile, row_origin, col_origin, lane);

@@ -82,6 +82,17 @@
 // are computed on zero-filled Q and simply not stored. A block with no keys at all skips the loop
 // and writes out = 0, lse = -inf; so does any single row with an empty key range (sum 0).
 //
+// ---- Dropout (forward_kernel<..., kDropout = true>) ----------------------------------------------
+// After a row's probabilities are summed into l (every one of them: l and the lse ignore dropout),
+// drop_row zeroes the dropped ones before P is packed for the P V mma; the epilogue multiplies by
+// keep_scale / l instead of 1 / l. The mask is common/dropout.hpp's: a lane computes one Philox
+// call per (row, 32 keys) of each tile, whose eight draws are exactly that lane's columns there
+// (dropout_fragment.hpp). Only DropoutForwardTraits compile it (with and without ALiBi, and
+// paged): the default tiles with 16 rows per warp, which leave the Philox rounds registers;
+// forward_run never sends a dropout call to the small-grid configuration. Key groups would need
+// nothing more (the mask is a function of the key, and l, O merge linearly), but that kernel would
+// only add compile time for a latency-bound shape that training calls rarely have.
+//
 // ---- Epilogue -----------------------------------------------------------------------------------
 // O / l is rounded to the dtype and staged through this warp's own rows of the Q smem region, then
 // written with 16-byte stores predicated on row < seqlen_q and column < head_dim (head dims below
@@ -104,6 +115,7 @@
 #include "cuda/forward_scores.hpp"
 #include "cuda/programmatic_launch.hpp"
 #include "cuda/scoped_device.hpp"
+#include "cuda/sm80/dropout_fragment.hpp"
 #include "cuda/sm80/forward_trace.cuh"
 #include "cuda/sm80/tile_common.cuh"
 
@@ -193,6 +205,25 @@ struct DefaultForwardTraits<Element, 256> {
   // O alone is 128 registers at 16 rows per warp, so 8 warps of 16 rows; one CTA per SM. Here the
   // FA2 order (no P V overlap) measured faster: the loop is bound by smem bandwidth, not latency.
   using type = ForwardTraits<Element, 256, 128, 64, 8, false, 0, false>;
+};
+
+/** The configuration of dropout calls (forward_kernel<..., kDropout = true>). A lane's Philox
+ *  rounds (one call per row and 32 keys of a tile) need registers the default d64 / d128 tiles
+ *  (32 rows per warp) do not have: with them the dropout kernels spilled 268 / 80 bytes (nvcc 13,
+ *  sm_80; 116 / 44 without dropout), so they take 64-row blocks of 4 warps x 16 rows instead
+ *  (227 / 240 registers on sm_80, 233 / 254 on sm_90, no spills; two CTAs per SM as before). d256
+ *  already has 16-row warps. */
+template <typename Element, int kHeadDim>
+struct DropoutForwardTraits {
+  using type = typename DefaultForwardTraits<Element, kHeadDim>::type;
+};
+template <typename Element>
+struct DropoutForwardTraits<Element, 64> {
+  using type = ForwardTraits<Element, 64, 64, 64, 4, true>;
+};
+template <typename Element>
+struct DropoutForwardTraits<Element, 128> {
+  using type = ForwardTraits<Element, 128, 64, 32, 4, true>;
 };
 
 /** The default configuration with its K/V tiles placed through a page table. */
@@ -410,21 +441,60 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::
   }
 }
 
+/** Where a lane's dropout draws of one key tile come from (kDropout kernels; common/dropout.hpp,
+ *  dropout_fragment.hpp). params points into the kernel's parameters (the Philox key, offset and
+ *  threshold). */
+struct DropoutTile {
+  const DropoutParams* params;
+  uint32_t bh;    // b * heads_q + h
+  int first_row;  // this lane's row of m-tile 0 (in-sequence)
+  int n0;         // the tile's key 0, a multiple of kBlockN (itself a multiple of 32)
+  int quad;       // lane % 4
+};
+
+/** Dropout of one accumulator row (m-tile mt, half h) of P: entries whose draw is not kept
+ *  become 0. One Philox call per 32 keys, its four words consumed right away (word n of call u
+ *  holds the draws of n-tile 4u + n, low half the even column), so only they and the counter are
+ *  live for a moment. keep_scale is not applied here: the epilogue folds it into 1 / l. */
+template <class Traits>
+__device__ __forceinline__ void drop_row(float (&s)[Traits::kMTiles][Traits::kNTilesS][4], int mt, int h,
+                                         const DropoutTile& drop) {
+  static_assert(Traits::kBlockN % 32 == 0, "dropout draws cover whole 32-key halves of a tile");
+  const DropoutParams& d = *drop.params;
+  const uint32_t row = static_cast<uint32_t>(drop.first_row + mt * Traits::kMmaM + 8 * h);
+#pragma unroll
+  for (int u = 0; u < Traits::kNTilesS / 4; ++u) {
+    const PhiloxWords words =
+        dropout_quad_words(d, drop.bh, row, static_cast<uint32_t>(drop.n0 + 32 * u), drop.quad);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[mt][4 * u + n][2 * h + e];
+        x = dropout_half_kept(words.w[n], e, d.kept_threshold) ? x : 0.f;
+      }
+    }
+  }
+}
+
 /** One online-softmax step: updates the reference row max (lazily), the partial row sums, writes
  *  P (rounded, A-fragment form) and the factor alpha by which O must be rescaled. Returns whether
- *  any of this lane's rows moved its reference max (alpha != 1).
+ *  any of this lane's rows moved its reference max (alpha != 1). kDropout: the row sums take every
+ *  probability (l and the lse ignore dropout), then the dropped ones are zeroed before P is packed
+ *  for the P V product.
  *
  *  Lazy rescaling: the reference max only moves when a tile's max exceeds it by more than
  *  `rescale_threshold` (kRescaleThresholdLog2 in log2 units), so P <= 2^threshold and O needs
  *  rescaling only on those rare tiles. The result is exact either way: l and O always refer to the
  *  same reference max, which the epilogue uses for O / l and the lse. */
-template <class Traits>
+template <class Traits, bool kDropout = false>
 __device__ __forceinline__ bool online_softmax(float (&s)[Traits::kMTiles][Traits::kNTilesS][4],
                                                float (&row_max)[Traits::kMTiles][2],
                                                float (&row_sum)[Traits::kMTiles][2],
                                                float (&alpha)[Traits::kMTiles][2],
                                                uint32_t (&p)[Traits::kMTiles][Traits::kKStepsO][4],
-                                               float exp2_scale, float rescale_threshold) {
+                                               float exp2_scale, float rescale_threshold,
+                                               const DropoutTile& drop = {}) {
   using Ops = ElementOps<typename Traits::Element>;
   constexpr float kNegInf = -__builtin_huge_valf();
   bool any_raised = false;
@@ -467,6 +537,7 @@ __device__ __forceinline__ bool online_softmax(float (&s)[Traits::kMTiles][Trait
         }
       }
       row_sum[mt][h] = sum[0] + sum[1];
+      if constexpr (kDropout) drop_row<Traits>(s, mt, h, drop);
     }
 #pragma unroll
     for (int kk = 0; kk < Traits::kKStepsO; ++kk) {
@@ -616,8 +687,10 @@ __device__ __forceinline__ void merge_key_groups(
 // ---- the kernel ---------------------------------------------------------------------------------
 
 /** kAlibi: the scores carry ALiBi biases (p.alibi_slopes; only the transforming bodies are
- *  compiled). A kernel of its own, so that the common kernels keep their register allocation. */
-template <class Traits, bool kAlibi = false>
+ *  compiled). A kernel of its own, so that the common kernels keep their register allocation.
+ *  kDropout: P is dropped with p.dropout (drop_row) and the output scaled by keep_scale; also a
+ *  kernel of its own (the Philox rounds are ~60 integer instructions per 32 keys of a row). */
+template <class Traits, bool kAlibi = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     forward_kernel(const __grid_constant__ ForwardKernelArgs args) {
   using Element = typename Traits::Element;
@@ -805,6 +878,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     const LdmatrixLaneAddress<KVTile> v_address(0, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     const int lane_first_row = m0 + warp_row0 + lane_group;
     const float alibi_log2 = kAlibi ? -p.alibi_slope(batch, head) * kLog2e : 0.f;  // per unit of distance
+    // Dropout's problem index b * heads_q + h: below 2^32 (validate.cpp), so 32-bit math is exact.
+    const uint32_t dropout_bh =
+        kDropout ? static_cast<uint32_t>(batch_index) * static_cast<uint32_t>(args.heads_q) + static_cast<uint32_t>(head_index)
+                 : 0u;
 
     uint32_t q_frag[Traits::kQFragMTiles][Traits::kQFragKSteps][4];
     // Carried from one iteration to the next: P of the previous tile (its P V runs one iteration
@@ -862,8 +939,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         mask_scores<Traits>(s, mask, lane_first_row, n_block * kBlockN, lane_quad);
       }
       uint32_t p_next[kMTiles][kKStepsO][4];
-      const bool raised = online_softmax<Traits>(s, row_max, row_sum, alpha_prev, p_next,
-                                                 exp2_scale, args.rescale_threshold);
+      const bool raised = online_softmax<Traits, kDropout>(
+          s, row_max, row_sum, alpha_prev, p_next, exp2_scale, args.rescale_threshold,
+          DropoutTile{&p.dropout, dropout_bh, lane_first_row, n_block * kBlockN, lane_quad});
       if constexpr (Traits::kOverlapPV) {
         // O is still zero after the first tile: nothing to rescale.
         rescale_pending = kHasPrev && __any_sync(kFullWarpMask, raised);
@@ -949,7 +1027,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = quad_allreduce_sum(row_sum[mt][h]);
-      const float inv_total = total > 0.f ? 1.f / total : 0.f;
+      // Dropout: O = (sum_j P_j Z_j v_j) / l with Z_j = keep_scale on kept entries (drop_row left
+      // P_j or 0), so keep_scale joins 1 / l; l and the lse below saw every P_j.
+      const float numerator = kDropout ? p.dropout.keep_scale : 1.f;
+      const float inv_total = total > 0.f ? numerator / total : 0.f;
       const int block_row = warp_row0 + mt * Traits::kMmaM + lane_group + 8 * h;
       if (lse_row0 != nullptr && lane_quad == 0 && m0 + block_row < seqlen_q) {
         const float lse =
@@ -988,8 +1069,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
 // ---- host side ------------------------------------------------------------------------------------
 
-/** Launches the forward kernel configured by Traits (kAlibi: its ALiBi version) on p.stream. */
-template <class Traits, bool kAlibi = false>
+/** Launches the forward kernel configured by Traits (kAlibi: its ALiBi version, kDropout: its
+ *  dropout version) on p.stream. */
+template <class Traits, bool kAlibi = false, bool kDropout = false>
 Status launch_forward(const forward_params_t& p,
                       float rescale_threshold_log2 = kRescaleThresholdLog2) {
   const int64_t num_m_blocks = ceil_div<int64_t>(p.seqlen_q, Traits::kBlockM);
@@ -1014,7 +1096,7 @@ Status launch_forward(const forward_params_t& p,
   args.rescale_threshold = rescale_threshold_log2 / args.exp2_scale;
 
   ScopedDevice device(p.device_id);
-  auto* kernel = forward_kernel<Traits, kAlibi>;
+  auto* kernel = forward_kernel<Traits, kAlibi, kDropout>;
   constexpr int kDefaultSmemLimit = 48 * 1024;
   if (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err = cudaFuncSetAttribute(
@@ -1061,6 +1143,17 @@ template <typename Element, int kHeadDim>
 Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*workspace_bytes*/) {
   using DefaultTraits = typename DefaultForwardTraits<Element, kHeadDim>::type;
   using SmallTraits = typename SmallGridForwardTraits<Element, kHeadDim>::type;
+  // Dropout: DropoutForwardTraits only (the small-grid configuration is never taken for it), with
+  // ALiBi, paged K/V or neither: three more kernels per unit, so that calls without dropout keep
+  // theirs unchanged. Paged K/V with ALiBi is declined by sm80_supports.
+  if (p.dropout.enabled()) {
+    using DropoutTraits = typename DropoutForwardTraits<Element, kHeadDim>::type;
+    if (p.has_alibi()) return launch_forward<DropoutTraits, /*kAlibi=*/true, /*kDropout=*/true>(p);
+    if (p.is_paged()) {
+      return launch_forward<typename PagedForwardTraits<DropoutTraits>::type, /*kAlibi=*/false, /*kDropout=*/true>(p);
+    }
+    return launch_forward<DropoutTraits, /*kAlibi=*/false, /*kDropout=*/true>(p);
+  }
   // ALiBi: the default tiles only (one more kernel per unit); paged K/V with ALiBi is declined by
   // sm80_supports.
   if (p.has_alibi()) return launch_forward<DefaultTraits, /*kAlibi=*/true>(p);

@@ -39,6 +39,8 @@ constexpr int64_t kPagedPageMultiple = 256;
 // small-grid configuration's 32-row blocks only run when their grid fits two waves of CTAs,
 // so it stays far from the limit.
 constexpr int64_t kSmallestBlockM = 128;
+// The same for dropout calls: the smallest kBlockM of DropoutForwardTraits (forward.cuh).
+constexpr int64_t kSmallestDropoutBlockM = 64;
 
 bool dtype_compiled(DType dtype) {
   switch (dtype) {
@@ -88,7 +90,8 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
   if (p.seqlen_q > INT_MAX || p.seqlen_k > INT_MAX) {
     return reject(why, "sequence lengths above 2^31 - 1 are not supported");
   }
-  const int64_t m_blocks = (p.seqlen_q + kSmallestBlockM - 1) / kSmallestBlockM;
+  const int64_t block_m = p.dropout.enabled() ? kSmallestDropoutBlockM : kSmallestBlockM;
+  const int64_t m_blocks = (p.seqlen_q + block_m - 1) / block_m;
   if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
     return reject(why, "batch * heads_q * query blocks exceeds the grid limit");
   }
@@ -96,9 +99,6 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
   if (p.is_paged() && p.pages.page_size % kPagedPageMultiple != 0 && p.pages.per_seq > 1) {
     return reject(why, "paged k / v need a page_size that is a multiple of " + std::to_string(kPagedPageMultiple) +
                            " (got " + std::to_string(p.pages.page_size) + "; the CPU backends take any)");
-  }
-  if (p.dropout.enabled()) {
-    return reject(why, "dropout_p > 0 is not implemented on the GPU yet (the CPU backends take it)");
   }
   if (p.is_paged() && p.has_alibi()) {
     return reject(why, "alibi_slopes with paged k / v are not supported (the CPU backends take them)");
