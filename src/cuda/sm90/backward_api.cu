@@ -37,6 +37,10 @@ struct BackwardEntry {
 }  // namespace
 
 bool sm90_backward_supports(const BackwardParams& p, Status* why) {
+  if (p.dropout.enabled()) {
+    if (why != nullptr) *why = Status::unsupported("cuda_sm90: dropout_p > 0 runs on cuda_sm80 (the Hopper backward has no dropout)");
+    return false;
+  }
   if (!sm90_supports(p, why)) return false;  // dtype, device, q/k/v addressing
   // The kernel indexes rows, query steps (query blocks x GQA group) and the statistics
   // (heads_q x total_q, a TMA coordinate) in 32 bits.
