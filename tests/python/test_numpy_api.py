@@ -957,3 +957,44 @@ def test_error_flag_argument(rng):
     assert flag[0] == 0
     with pytest.raises(ValueError, match=r"^error_flag: must be an int32 array"):
         flashcore.attention_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, error_flag=np.zeros(1, np.float32))
+
+
+# ---- dropout with an explicit seed (attention_forward / attention_backward) ----------------------
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_with_an_explicit_seed(rng, backend, causal):
+    from attention_reference import dropout_keep_mask
+
+    p, seed, offset = 0.3, 2**40 + 12345, 7 << 33
+    q = rng.standard_normal((2, 50, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 70, 2, 16)).astype(np.float32) for _ in range(2))
+    out, lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=causal, backend=backend,
+                                           dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    plain, plain_lse = flashcore.attention_forward(q, k, v, return_lse=True, causal=causal, backend=backend)
+    np.testing.assert_array_equal(lse, plain_lse)  # the lse ignores dropout
+    window = (-1, -1)
+    for b in range(2):
+        ref, _ = _sequence_forward(q[b], k[b], v[b], 16 ** -0.5, causal, window, 0.0, np.float64, np.float64)
+        # Dropout on top of the reference: P's kept entries / (1 - p), recomputed from the lse.
+        kx, vx = np.repeat(k[b], 2, axis=1).astype(np.float64), np.repeat(v[b], 2, axis=1).astype(np.float64)
+        s = _scores(q[b].astype(np.float64), kx, 16 ** -0.5, 0.0)
+        s = np.where(allowed_keys(50, 70, causal, window)[None], s, -np.inf)
+        probs = np.exp(s - plain_lse[b][..., None].astype(np.float64))
+        keep = np.stack([dropout_keep_mask(p, seed, offset, b * 4 + h, 50, 70) for h in range(4)])
+        ref = np.einsum("hij,jhd->ihd", probs * keep / (1 - p), vx)
+        assert np.abs(out[b] - ref).max() / np.abs(ref).max() < 1e-5
+    assert np.abs(out - plain).max() > 0.05
+    # The backward with the same seed against finite differences of the forward in dv's direction:
+    # L = sum(out * dout) is linear in v, so dL/dv is exact for any step.
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    dq, dk, dv = flashcore.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend,
+                                              dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    direction = rng.standard_normal(v.shape).astype(np.float32)
+    moved = flashcore.attention_forward(q, k, v + direction, causal=causal, backend=backend,
+                                        dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    expected = float(((moved - out) * dout).astype(np.float64).sum())
+    assert abs(float((dv * direction).astype(np.float64).sum()) - expected) < 1e-3 * (1 + abs(expected))
+    with pytest.raises(ValueError, match="dropout_seed"):
+        flashcore.attention_forward(q, k, v, dropout_p=p, dropout_seed=-1)
