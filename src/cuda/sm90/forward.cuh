@@ -115,6 +115,19 @@
 // combines the splits into out and lse (forward_run). A split with no key block writes lse = -inf,
 // which the merge skips. Softcap, ALiBi and negative scales split on the score-transform tiles
 // (dispatch_split).
+//
+// ---- Dropout (ForwardTraits::kDropout) -----------------------------------------------------------
+// common/dropout.hpp's mask: after a key block's softmax summed its probabilities into l (every one
+// of them: l and the lse ignore dropout), drop_probabilities zeroes the dropped ones before P is
+// packed for the P V wgmma, and the epilogue multiplies by keep_scale / l (inverse_sum; split-KV
+// partials too, so the merge by lse stays exact). A thread makes one Philox call per (row, 32 keys)
+// of a block, whose eight draws are exactly its accumulator registers there (dropout_fragment.hpp);
+// the calls run while the previous block's P V is on the tensor cores. The counter takes the
+// block's key in the sequence, the row's token and b * heads_q + the row's query head, so split
+// ranges, packed GQA rows and varlen sequences draw what every other backend draws. Kernels of
+// their own (dispatch_dropout, dispatch_split): the two-consumer tiles with the score transforms,
+// plain, packed, split and packed split; no page boxes (forward_api.cu gathers such pages for
+// dropout calls) and no three-consumer or 80-key tiles.
 #pragma once
 
 #include <cuda.h>
@@ -143,6 +156,7 @@
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/tile_common.cuh"  // ElementOps::pack, quad reductions, fast_exp2
 #include "cuda/sm90/attention_views.hpp"
+#include "cuda/sm90/dropout_fragment.hpp"
 #include "cuda/sm90/forward_trace.cuh"
 #include "cuda/sm90/pack_gqa.hpp"
 #include "cuda/sm90/split_kv.hpp"
@@ -162,7 +176,7 @@ using sm80::quad_allreduce_sum;
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
           bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
-          bool kPackGqa_ = false, bool kSplitKv_ = false>
+          bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -234,6 +248,13 @@ struct ForwardTraits {
   // num_splits ranges, one work item each, and the epilogue writes fp32 O / l and the lse of its
   // range to the workspace for the merge. Kernels of their own, so the others keep their code.
   static constexpr bool kSplitKv = kSplitKv_;
+  // Dropout kernels (WithDropout, "Dropout" above): the dropped entries of P are zeroed after the
+  // row sums took them and before P is packed for the P V product, and the epilogue scales by
+  // keep_scale / l. Kernels of their own on the two-consumer tiles with the score transforms
+  // (dispatch_dropout, dispatch_split), so the others keep their code.
+  static constexpr bool kDropout = kDropout_;
+  static_assert(!kDropout || (kBlockN % 32 == 0 && !kPageBoxes && kConsumers == 2),
+                "dropout: whole 32-key halves per key block, rows or whole-block pages, 240-register consumers");
   static constexpr uint32_t kPageIdBytes = 4 * kMaxPageBoxes;
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
@@ -302,7 +323,14 @@ using WithPackedGqa = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN
 /** The same tile writing split-KV partials (ForwardTraits::kSplitKv). */
 template <class T>
 using WithSplitKv = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
-                                  T::kPingPong, T::kScoreTransforms, T::kPageBoxes, T::kPackGqa, /*kSplitKv=*/true>;
+                                  T::kPingPong, T::kScoreTransforms, T::kPageBoxes, T::kPackGqa, /*kSplitKv=*/true,
+                                  T::kDropout>;
+
+/** The same tile with dropout (ForwardTraits::kDropout). */
+template <class T>
+using WithDropout = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                  T::kPingPong, T::kScoreTransforms, T::kPageBoxes, T::kPackGqa, T::kSplitKv,
+                                  /*kDropout=*/true>;
 
 /** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
 constexpr int64_t kLongSeqlen = 4096;
@@ -325,6 +353,7 @@ struct ForwardConfigs<Element, 64> {
   using WideTurns = ForwardTraits<Element, 64, 128, 4, 3, /*kPingPong=*/true>;   // the same
   using Narrow = ForwardTraits<Element, 64, 128, 4, 2, /*kPingPong=*/false>;     // 2*16 + 4*32 + 16 KiB
   using SplitTile = Narrow;  // split-KV kernels (dispatch_split)
+  using DropoutTile = Narrow;  // dropout kernels (dispatch_dropout)
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
@@ -353,6 +382,7 @@ struct ForwardConfigs<Element, 128> {
   using Wide = ForwardTraits<Element, 128, 80, 2, 3>;    // 2*48 + 2*2*20 + 48 (O) KiB
   using Narrow = ForwardTraits<Element, 128, 128, 2>;  // 2*32 + 2*64 + 32 KiB
   using SplitTile = Narrow;  // split-KV kernels (dispatch_split)
+  using DropoutTile = Narrow;  // dropout kernels (dispatch_dropout)
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
@@ -367,6 +397,7 @@ template <typename Element>
 struct ForwardConfigs<Element, 256> {
   using Tile = ForwardTraits<Element, 256, 64, 2>;  // 64 + 2*64 + 2*16 (O) KiB
   using SplitTile = Tile;  // split-KV kernels (dispatch_split)
+  using DropoutTile = Tile;  // dropout kernels (dispatch_dropout)
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (pack_gqa_chosen(p, Tile::kBlockM, Tile::kBlockM)) return launch(TileChoice<WithPackedGqa<Tile>>{});
@@ -830,6 +861,18 @@ __device__ __forceinline__ void epilogue_barrier(int consumer) {
   ptx::named_barrier_sync(1 + T::kConsumers + consumer, T::kWarpgroupThreads);
 }
 
+/** The factor of a row's O in the epilogue: 1 / l, 0 for a row that saw no key. Dropout kernels:
+ *  O = (sum_j P_j Z_j v_j) / l with Z_j = keep_scale on kept entries (drop_probabilities left P_j
+ *  or 0), so keep_scale joins 1 / l; l and the lse saw every P_j. */
+template <class T>
+__device__ __forceinline__ float inverse_sum(const ForwardKernelArgs& args, float sum) {
+  if constexpr (T::kDropout) {
+    return sum > 0.f ? args.params.dropout.keep_scale / sum : 0.f;
+  } else {
+    return sum > 0.f ? 1.f / sum : 0.f;
+  }
+}
+
 /** The staged epilogue of one consumer: O / l rounded to 16 bits into its shared-memory box
  *  ([64 rows][128 bytes] per 64-column chunk, 128-byte swizzle: ptx::swizzled_box_offset), with
  *  one stmatrix per 16 x 16 block (a quarter of the store instructions of 4-byte st.shared: d256
@@ -850,7 +893,7 @@ __device__ __forceinline__ void store_o_staged(const ForwardKernelArgs& args, co
   uint8_t* buf = sm.o_ptr(consumer);
   float inv[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+  for (int r = 0; r < 2; ++r) inv[r] = inverse_sum<T>(args, sums[r]);
   // stmatrix: lane l supplies the row address of matrix m = l / 8 of each 16 x 16 block, which is
   // (column group j + m / 2, row half m % 2).
   const int lane = t % 32, m = lane / 8;
@@ -922,7 +965,7 @@ __device__ __forceinline__ void store_partial(const ForwardKernelArgs& args, con
       const int64_t row = row_base + 8 * r;
       const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
       dst[r] = row < out.rows ? args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim : nullptr;
-      inv[r] = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+      inv[r] = inverse_sum<T>(args, sums[r]);
       if (dst[r] != nullptr && quad == 0)
         args.part_lse[(seq * p.heads_q + head) * p.seqlen_q + token] = row_lse(args, st.max[r], sums[r]);
     }
@@ -944,7 +987,7 @@ __device__ __forceinline__ void store_partial(const ForwardKernelArgs& args, con
       const int64_t token = token_of<T>(args, row), head = head_of_row<T>(args, out, row);
       const int64_t seq = int64_t(out.split) * p.batch + out.batch;
       float* dst = args.part_o + ((seq * p.seqlen_q + token) * p.heads_q + head) * p.head_dim;
-      const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+      const float inv = inverse_sum<T>(args, sums[r]);
 #pragma unroll
       for (int j = 0; j < T::kHeadDim / 8; ++j) {
         const int col = 8 * j + 2 * quad;
@@ -993,7 +1036,7 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
     auto* dst_base = static_cast<typename T::Element*>(p.out.data);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+      const float inv = inverse_sum<T>(args, sums[r]);
       const int64_t row = row_base + 8 * r;
       if (row >= out.rows) continue;
       typename T::Element* dst =
@@ -1117,6 +1160,28 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
         for (int r = 0; r < 2; ++r) alibi.diagonal[r] = row_base + 8 * r + w.seq.seqlen_k - w.seq.seqlen_q;
       }
     }
+    // Dropout's counter words of this thread's two rows: the row's token and b * heads_q + its
+    // query head (pack-GQA kernels: each packed row's own; rows past seqlen_q draw too, unstored).
+    [[maybe_unused]] DropoutRows drop_rows{};
+    if constexpr (T::kDropout) {
+      const TileOutput here = tile_output(w);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = row_base + 8 * r;
+        drop_rows.row[r] = static_cast<uint32_t>(token_of<T>(args, row));
+        drop_rows.bh[r] = static_cast<uint32_t>(w.batch) * static_cast<uint32_t>(args.params.heads_q) +
+                          static_cast<uint32_t>(head_of_row<T>(args, here, row));
+      }
+    }
+    // After a key block's softmax (its row sums took every probability): its dropped entries of P
+    // become 0 before pack_probabilities; kRegs: the registers the softmax computed (kLeftHalf: the
+    // rest are 0 already). Runs while the previous block's P V is on the tensor cores.
+    auto drop = [&](auto regs, int n_block) {
+      if constexpr (T::kDropout) {
+        drop_probabilities<decltype(regs)::value>(s, args.params.dropout, drop_rows,
+                                                  static_cast<uint32_t>(n_block) * T::kBlockN, quad);
+      }
+    };
     const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
     RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
 
@@ -1159,6 +1224,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       } else {
         softmax_tile<T, false>(s, st, correction, args, rows, key0, quad, alibi);
       }
+      drop(std::integral_constant<int, T::kBlockN / 2>{}, n_block);
     };
 
     // Key block 0 of this tile, with the previous tile's last P V (if any) issued behind its
@@ -1192,6 +1258,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       // O is still zero: its correction is irrelevant
       if (left_half) {
         softmax_tile<T, true, true>(s, st, correction, args, rows, int64_t(n_first) * T::kBlockN, quad, alibi);
+        drop(std::integral_constant<int, T::kBlockN / 4>{}, n_first);
       } else {
         softmax(n_first);
       }
@@ -1619,6 +1686,28 @@ Status launch_for_transform(const forward_params_t& p) {
   }
 }
 
+/** Dropout calls with pages smaller than a key block: forward_api.cu gathers them first (the page-box
+ *  kernels have no dropout). */
+inline Status page_boxes_without_dropout() {
+  return Status::unsupported("cuda_sm90 forward: dropout with pages smaller than a key block needs them gathered");
+}
+
+/** The dropout kernel for an unsplit call: the bucket's two-consumer tile (DropoutTile; the
+ *  three-consumer tiles' 160 registers leave no room for the Philox rounds, and d128's 80-key one
+ *  would compute draws it does not use) with the score transforms compiled in, so that one kernel
+ *  serves the folded scale, softcap, ALiBi and negative scales alike; the GQA group packed where
+ *  the packed tiles pay on that tile, as plan_forward_split decides (never with ALiBi). Every route
+ *  applies the mask by the in-sequence row and key and the row's query head, so a split, a packed
+ *  row or a varlen sequence drops what common/dropout.hpp says. */
+template <class Tile, class Launch>
+Status dispatch_dropout(const forward_params_t& p, Launch&& launch) {
+  if (reads_page_boxes(p)) return page_boxes_without_dropout();
+  if (pack_gqa_chosen(p, Tile::kBlockM, Tile::kBlockM)) {
+    return launch(TileChoice<WithDropout<WithScoreTransforms<WithPackedGqa<Tile>>>>{});
+  }
+  return launch(TileChoice<WithDropout<WithScoreTransforms<Tile>>>{});
+}
+
 /** The split-KV kernel for p on a bucket's two-consumer tile (kSplitTileRows): with the page
  *  boxes where the pages need them (d64 / d128, folded scale only: forward_api.cu gathers the pages
  *  of other calls), or packing the GQA group where the plan packs; softcap, ALiBi and negative
@@ -1627,6 +1716,11 @@ template <class Tile, class Launch>
 Status dispatch_split(const forward_params_t& p, bool packed, Launch&& launch) {
   static_assert(Tile::kBlockM == kSplitTileRows && Tile::kBlockN == split_block_keys(Tile::kHeadDim),
                 "plan_forward_split's tile");
+  if (p.dropout.enabled()) {  // the dropout kernels carry the score transforms (dispatch_dropout)
+    if (reads_page_boxes(p)) return page_boxes_without_dropout();
+    if (packed) return launch(TileChoice<WithSplitKv<WithDropout<WithScoreTransforms<WithPackedGqa<Tile>>>>>{});
+    return launch(TileChoice<WithSplitKv<WithDropout<WithScoreTransforms<Tile>>>>{});
+  }
   if (resolve_score_scales(p).transform != ScoreTransform::kFoldedScale) {
     if (packed) return launch(TileChoice<WithSplitKv<WithScoreTransforms<WithPackedGqa<Tile>>>>{});
     return launch(TileChoice<WithSplitKv<WithScoreTransforms<Tile>>>{});
@@ -1673,6 +1767,10 @@ Status forward_run(const forward_params_t& p, void* workspace, size_t workspace_
     const Status s = dispatch_split<typename Configs::SplitTile>(
         p, plan.packed, [&](auto choice) { return launch_forward<typename decltype(choice)::type>(p, target); });
     return s.is_ok() ? merge_split(p, target) : s;
+  }
+  if (p.dropout.enabled()) {
+    return dispatch_dropout<typename Configs::DropoutTile>(
+        p, [&](auto choice) { return launch_forward<typename decltype(choice)::type>(p); });
   }
   return Configs::dispatch(p, [&](auto choice) { return launch_for_transform<typename decltype(choice)::type>(p); });
 }

@@ -74,19 +74,20 @@ bool box_pages_pay(const AttentionParams& p) {
 
 /** Whether the kernel reads p's pages in place (TMA boxes from the pages, no gather): one page per
  *  sequence (a KV cache row: a box reaching past it reads zeros); pages of whole key blocks; or
- *  pages that divide a key block, one box each (16, 32 or 64 keys, head_dim <= 128, no softcap,
- *  where box_pages_pay); the last two with no first slot, so that a box never spans two pages; and the
+ *  pages that divide a key block, one box each (16, 32 or 64 keys, head_dim <= 128, no softcap or
+ *  dropout, where box_pages_pay); the last two with no first slot, so that a box never spans two pages; and the
  *  pages TMA-addressable. Otherwise the pages are gathered into packed rows first
  *  (cuda/paged_gather.hpp). */
 bool reads_pages_in_place(const AttentionParams& p) {
   const KvPages& pg = p.pages;
   const bool whole_blocks = pg.page_size % kPagedBlockKeys == 0;
   // Pages that divide a block: by kernels of their own (sm90/forward.cuh, WithPageBoxes), compiled
-  // for the 128-key tiles (d64 / d128) and the plain softmax scale only; other such calls gather.
+  // for the 128-key tiles (d64 / d128), the plain softmax scale and no dropout only; other such
+  // calls gather.
   const bool page_boxes = pg.page_size >= kMinBoxPageKeys && kPagedBlockKeys % pg.page_size == 0 &&
                           compiled_head_dim_bucket(p.head_dim) <= kMaxBoxPagesHeadDim &&
-                          resolve_score_scales(p).transform == ScoreTransform::kFoldedScale && p.is_paged() &&
-                          box_pages_pay(p);
+                          resolve_score_scales(p).transform == ScoreTransform::kFoldedScale &&
+                          !p.dropout.enabled() && p.is_paged() && box_pages_pay(p);
   return p.is_paged() && (pg.per_seq == 1 || ((whole_blocks || page_boxes) && pg.first_slot == nullptr)) &&
          sm90::tma_addressable(p.k, false, pg.num_pages) && sm90::tma_addressable(p.v, false, pg.num_pages);
 }
@@ -114,7 +115,8 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   if (p.head_dim <= 0 || p.head_dim > kMaxHeadDim || p.head_dim % kHeadDimAlignment != 0) {
     return reject(why, "head_dim " + std::to_string(p.head_dim) + " must be a multiple of 8 and at most 256");
   }
-  if (p.dropout.enabled()) return reject(why, "dropout_p > 0 runs on cuda_sm80 (the Hopper kernels have no dropout)");
+  // Dropout runs in kernels of their own on every route (sm90/forward.cuh, "Dropout"); pages
+  // smaller than a key block are gathered for it (reads_pages_in_place).
   // ALiBi runs in the score-transform kernels; paged K/V with ALiBi is declined on GPUs.
   if (p.has_alibi() && p.is_paged()) return reject(why, "alibi_slopes with paged k / v are not supported");
   if (compiled_head_dim_bucket(p.head_dim) == 0) {
