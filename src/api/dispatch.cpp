@@ -51,6 +51,7 @@ SmallGrid sm80_small_grid_rule(const AttentionParams& p) {
   constexpr int64_t kSmallGridBlockM = 32;  // SmallGridForwardTraits' query rows per CTA
   const int bucket = cuda::compiled_head_dim_bucket(p.head_dim);
   if (bucket != 64 && bucket != 128) return SmallGrid::kNo;
+  if (p.dropout.enabled()) return SmallGrid::kNo;  // sm80 runs dropout on its dropout tiles, never the small grid
   const int64_t blocks = (p.seqlen_q + kSmallGridBlockM - 1) / kSmallGridBlockM * p.heads_q * p.batch;
   if (blocks > cuda::multiprocessor_count(p.device_id, 0) || !cuda::sm80_supports(p, nullptr)) return SmallGrid::kNo;
   const cuda::sm90::ForwardSplit split = cuda::sm90_forward_split_plan(p);
