@@ -53,7 +53,9 @@ class FcOptions(ctypes.Structure):
                 ("check_cu_seqlens", ctypes.c_int32), ("error_flag", ctypes.c_void_p),
                 ("reserved", ctypes.c_int32 * 4), ("block_table", ctypes.c_void_p),  # FC_ABI_VERSION 2
                 ("alibi_slopes", ctypes.c_void_p),  # FC_ABI_VERSION 3
-                ("sm_margin", ctypes.c_int32)]  # FC_ABI_VERSION 4
+                ("sm_margin", ctypes.c_int32),  # FC_ABI_VERSION 4
+                ("dropout_p", ctypes.c_double), ("dropout_seed", ctypes.c_uint64),  # FC_ABI_VERSION 5
+                ("dropout_offset", ctypes.c_uint64)]
 
 
 class FcKvArgs(ctypes.Structure):
@@ -66,7 +68,7 @@ class FcKvArgs(ctypes.Structure):
                 # FC_ABI_VERSION 2
                 ("rotary_cos", ctypes.POINTER(FcTensor)), ("rotary_sin", ctypes.POINTER(FcTensor)),
                 ("rotary_interleaved", ctypes.c_int32), ("cache_leftpad", ctypes.POINTER(FcTensor))]
-FC_ABI_VERSION = 4  # the C ABI these structures mirror
+FC_ABI_VERSION = 5  # the C ABI these structures mirror
 
 
 def fc_tensor(t):

@@ -133,6 +133,10 @@ def _seed_value(dropout_p, dropout_seed):
     reading it does not synchronize a GPU); 0 without dropout."""
     if not dropout_p:
         return 0
+    if (not isinstance(dropout_seed, Tensor) or dropout_seed.numel() != 1 or dropout_seed.is_floating_point()
+            or dropout_seed.is_complex() or dropout_seed.dtype == torch.bool):
+        raise ValueError("dropout_seed: a one-element integer tensor is required when dropout_p > 0, got "
+                         f"{dropout_seed!r}")
     return int(dropout_seed) % 2**64
 
 

@@ -305,6 +305,11 @@ Status apply_dropout(const fc_attention_options& opt, AttentionParams* p) {
   if (p->seqlen_q > UINT32_MAX || p->batch * p->heads_q > UINT32_MAX)
     return Status::invalid("dropout_p: needs seqlen_q and batch * heads_q below 2^32");
   p->dropout = make_dropout(opt.dropout_p, opt.dropout_seed, opt.dropout_offset);
+  // Keep probabilities are multiples of 2^-16: a p that rounds the keep probability to 0 would
+  // drop everything and scale nothing by an infinite or huge factor (0 x inf = NaN).
+  if (p->dropout.kept_threshold == 0)
+    return Status::invalid("dropout_p: " + std::to_string(opt.dropout_p) +
+                           " keeps nothing (keep probabilities are multiples of 2^-16: 1 - dropout_p must be >= 2^-17)");
   return Status::ok();
 }
 

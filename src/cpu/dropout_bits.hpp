@@ -16,8 +16,10 @@
 namespace flashcore {
 namespace cpu {
 
-/** dropout_keep_bits(d, bh, i, block): bit k for key column 64 * block + k of row i. */
-inline uint64_t keep_bits_of_block(const DropoutParams& d, int64_t bh, int64_t i, int64_t block) {
+/** dropout_keep_bits(d, bh, i, block): bit k for key column 64 * block + k of row i. static: its
+ *  body depends on the ISA a file is compiled for (the kernels' files are native, others not), so
+ *  each file keeps its own copy instead of the linker picking one. */
+static inline uint64_t keep_bits_of_block(const DropoutParams& d, int64_t bh, int64_t i, int64_t block) {
 #if defined(__AVX512F__) && defined(__BMI2__)
   // Lane L = 2t + u holds the call of counter word 0 = 8 * block + L.
   const __m512i lanes = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);

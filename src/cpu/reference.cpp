@@ -70,10 +70,11 @@ bool dropped(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t 
   return p.dropout.enabled() && !dropout_keeps(p.dropout, b * p.heads_q + h, i, j);
 }
 
-/** The factor of kept probabilities: 1 / (1 - dropout_p), computed in Real (1 without dropout). */
+/** The factor of kept probabilities: 1 / (1 - dropout_p) as every backend applies it (the float
+ *  make_dropout computes in double; 1 without dropout). */
 template <typename Real>
 Real keep_scale(const AttentionParams& p) {
-  return p.dropout.enabled() ? Real(1) / (Real(1) - static_cast<Real>(p.dropout.p)) : Real(1);
+  return p.dropout.enabled() ? static_cast<Real>(p.dropout.keep_scale) : Real(1);
 }
 
 template <typename Real>

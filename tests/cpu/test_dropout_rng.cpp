@@ -53,11 +53,13 @@ TEST(DropoutRng, ColumnGroupsMatchTheAccumulatorLayout) {
     EXPECT_EQ(dropout_column_group(j), static_cast<uint32_t>(block * 8 + t * 2 + n / 4)) << j;
   }
   const DropoutParams d = make_dropout(0.4, 99, 3);
-  for (int64_t bh : {0, 5}) {
-    for (int64_t i : {0, 1, 77}) {
-      for (int64_t block : {0, 1, 9}) {
+  // Up to the validated limits: b * heads_q + h below 2^32, rows below 2^32, keys below 2^29.
+  for (int64_t bh : {int64_t(0), int64_t(5), int64_t(0xFFFFFFF0)}) {
+    for (int64_t i : {int64_t(0), int64_t(1), int64_t(77), int64_t(0xFFFFFFFE)}) {
+      for (int64_t block : {int64_t(0), int64_t(1), int64_t(9), (int64_t(1) << 23) - 1}) {
         const uint64_t bits = dropout_keep_bits(d, bh, i, block);
-        // The CPU kernels' vectorized form (AVX-512 where built) is the same function.
+        // The CPU kernels' vectorized form (AVX-512 where built: this file is compiled natively
+        // like the kernels) is the same function.
         ASSERT_EQ(cpu::keep_bits_of_block(d, bh, i, block), bits) << bh << " " << i << " " << block;
         for (int64_t k = 0; k < 64; ++k) {
           ASSERT_EQ(((bits >> k) & 1) != 0, dropout_keeps(d, bh, i, block * 64 + k)) << bh << " " << i << " " << block << " " << k;

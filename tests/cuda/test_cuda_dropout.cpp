@@ -198,7 +198,8 @@ TEST(CudaDropout, PagedForward) {
   expect_forward(cases, FC_BACKEND_AUTO);
 }
 
-// AUTO takes dropout calls on any GPU (sm90 refuses them; sm80 must serve them, not error), also
+// AUTO takes dropout calls on any GPU (the Hopper forward on sm90, sm80 elsewhere and for every
+// backward; none may error), also
 // the seed shape B=1 H=8 S=512 d64, which without dropout runs on sm80's small-grid
 // configuration (or is weighed for it on Hopper) and with it must not lose the mask.
 TEST(CudaDropout, AutoBackend) {

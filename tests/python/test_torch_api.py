@@ -746,8 +746,16 @@ def test_dropout_varlen_and_packed_forms():
                                           for h in range(4)]))[None]  # problem b * heads_q + h
         ref = reference_attention(q[None, rows], k[None, keys], v[None, keys], causal=True, dropout=(0.25, keep))[0]
         assert relative_error(out[None, rows], ref) < FP32_RELATIVE_TOLERANCE, b
-    out.sum().backward()  # the varlen backward runs with the same seed
-    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    # The varlen backward drops what the forward dropped: out is linear in v for a fixed mask, so
+    # dv . direction is exactly the change of sum(out * dout) along it (the same seed again).
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    direction = torch.randn_like(v)
+    torch.manual_seed(5)
+    moved = flash_attn.flash_attn_varlen_func(q.detach(), k.detach(), (v + direction).detach(), cu_q, cu_k, 30, 35,
+                                              dropout_p=0.25, causal=True)
+    expected = ((moved - out.detach()) * dout).double().sum()
+    assert abs((v.grad * direction).double().sum() - expected) < 1e-3 * (1 + abs(expected))
     qkv = torch.randn(1, 30, 3, 2, 16)
     torch.manual_seed(6)
     packed = flash_attn.flash_attn_qkvpacked_func(qkv, dropout_p=0.5)
@@ -773,3 +781,16 @@ def test_dropout_custom_op_and_compile():
     plain = flash_attn.flash_attn_func(q0, k0, v0, causal=True)
     assert torch.isfinite(out).all() and relative_error(out, plain) > 0.05
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    # The compiled op with a fixed seed tensor: its forward and its backward give eager's bits, so the
+    # compiled backward draws the forward's mask.
+    seed = torch.tensor([99])
+    op = lambda q, k, v: torch.ops.flashcore.fwd(q, k, v, None, None, None, seed, 0, 0, 0.0, True, -1, -1, 0.0, 0,
+                                                 True, 0.3)[0]
+    leaves = [x.detach().clone().requires_grad_() for x in (q0, k0, v0)]
+    dout = torch.randn_like(q0)
+    eager_out, eager_grads = grads_of(op, leaves, dout)
+    compiled_out, compiled_grads = grads_of(torch.compile(op, fullgraph=True), leaves, dout)
+    assert torch.equal(eager_out, compiled_out)
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))
+    with pytest.raises(ValueError, match="dropout_seed: a one-element integer tensor"):
+        torch.ops.flashcore.fwd(q0, k0, v0, None, None, None, None, 0, 0, 0.0, True, -1, -1, 0.0, 0, False, 0.3)
