@@ -223,6 +223,10 @@ TEST_F(BadInput, Options) {
   expect_forward_error("dropout_p: 1.000000 is outside [0, 1)");
   opt.dropout_p = NAN;
   expect_forward_error("dropout_p: ");
+  opt.dropout_p = 0.99999999;  // below 1, but its keep probability rounds to 0 at 2^-16 steps
+  expect_forward_error("keeps nothing");
+  opt.dropout_p = 0.99999;  // keeps 1 / 65536: valid
+  ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
   opt.dropout_p = 0;
   opt.sm_margin = 1000;  // more than any GPU has: the grids keep one SM; CPU backends ignore it
   ASSERT_EQ(fc_attention_forward(&q, &k, &v, &out, &lse, &opt, nullptr, 0), FC_OK) << fc_last_error();
