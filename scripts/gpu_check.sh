@@ -6,7 +6,7 @@
 #
 # usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none] [--budget S]
 #                               [--filter GTEST_FILTER] [--bench-args "ARGS for bench/peers.py"]
-#                               [--pytest yes|no] [--decode yes|no] [--test-timeout S]
+#                               [--pytest yes|no] [--decode yes|no] [--dropout yes|no] [--test-timeout S]
 #
 # One call must finish inside the device tool's 10 minutes. The whole CUDA suite no longer does
 # with a benchmark beside it (the backward grids alone took ~330 s on an H100 in session 4, both
@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none]}
 shift
-BENCH=quick TESTS=all BUDGET=300 FILTER='*' BENCH_ARGS= PYTEST=yes DECODE=yes TEST_TIMEOUT=420
+BENCH=quick TESTS=all BUDGET=300 FILTER='*' BENCH_ARGS= PYTEST=yes DECODE=yes DROPOUT=no TEST_TIMEOUT=420
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) BENCH=$2; shift 2 ;;
@@ -32,6 +32,7 @@ while [ $# -gt 0 ]; do
     --bench-args) BENCH_ARGS=$2; shift 2 ;;
     --pytest) PYTEST=$2; shift 2 ;;
     --decode) DECODE=$2; shift 2 ;;
+    --dropout) DROPOUT=$2; shift 2 ;;
     --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
@@ -87,7 +88,7 @@ if [ "$TESTS" = all ]; then
   fi
   for tool in memcheck racecheck synccheck; do
     timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
-      --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*' >>"$OUTDIR/tests.log" 2>&1
+      --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*:CudaDropout.SeedAndOffsetSelectTheMask:CudaDropout.ZeroProbabilityIsNoDropout:CudaSm90Dropout.ZeroProbabilityIsNoDropout' >>"$OUTDIR/tests.log" 2>&1
     note "compute-sanitizer $tool: rc=$? ($(el))"
   done
   grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$OUTDIR/tests.log" | sort | uniq -c | head -10 | tee -a "$SUM"
@@ -118,5 +119,13 @@ if [ "$BENCH" != none ] && [ "$DECODE" = yes ]; then
   PYTHONUNBUFFERED=1 timeout 180 python3 bench/decode_bench.py --lib build-gpu/libflashcore.so >"$OUTDIR/decode.log" 2>&1
   note "decode bench: rc=$? ($(el))"
   tail -15 "$OUTDIR/decode.log" >>"$SUM"
+fi
+if [ "$DROPOUT" = yes ]; then
+  # Dropout against SDPA's FlashAttention-2 with dropout (cuDNN takes none), forward and fwd+bwd.
+  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
+    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/
+  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fcpkg timeout 240 python3 bench/dropout_bench.py >"$OUTDIR/dropout.log" 2>&1
+  note "dropout bench: rc=$? ($(el))"
+  cat "$OUTDIR/dropout.log" >>"$SUM"
 fi
 echo; echo "==================== SUMMARY ===================="; cat "$SUM"
