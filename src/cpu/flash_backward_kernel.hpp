@@ -312,6 +312,10 @@ class BackwardTaskRunner {
     for (int64_t r = 0; r < m_valid; ++r) {
       const float* prob = w_.probs.data() + r * kN;
       float* dropped = w_.dropped_probs.data() + r * kN;
+      if (kN == 64 && n0 % 64 == 0) {  // the shipped tiles: one 64-key block (keys past n_valid have P = 0)
+        scale_kept_row(prob, keep_bits_of_block(p_.dropout, bh, m0 + r, n0 / 64), keep_scale, dropped);
+        continue;
+      }
       std::fill(dropped, dropped + kN, 0.f);
       for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
         const uint64_t kept = keep_bits_of_block(p_.dropout, bh, m0 + r, j0 / 64);

@@ -473,6 +473,17 @@ class ForwardTaskRunner {
     const int64_t group = p_.group_size(), m_pad = bl.m_pad;
     float* s_t = w_.s_t.data();
     StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
+    if (n0 % 64 == 0 && n_valid <= 64 && m_pad % 16 == 0 && m_pad <= Config::kBlockRows) {
+      // The shipped tiles: one 64-key block per tile. Each row's keep bits, then every key's rows
+      // at once (padding rows keep their 0).
+      uint64_t kept[Config::kBlockRows];
+      for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
+        kept[r] = keep_bits_of_block(p_.dropout, task.batch * p_.heads_q + at.head, at.q_row, n0 / 64);
+      }
+      std::fill(kept + bl.rows, kept + m_pad, ~uint64_t(0));
+      zero_dropped_columns(s_t, m_pad, kept, n_valid);
+      return;
+    }
     for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
       const int64_t bh = task.batch * p_.heads_q + at.head;
       for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
