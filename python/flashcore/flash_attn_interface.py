@@ -137,7 +137,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     a q viewed from (batch, nheads, seqlen, headdim) storage gives such an out), or (out,
     softmax_lse, None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32.
     With the 'auto' backend a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
-    decode kernel, as flash_attn_with_kvcache over the same tensors would."""
+    decode kernel, as flash_attn_with_kvcache over the same tensors would. dropout_p in [0, 1): each
+    probability is kept with probability 1 - dropout_p and scaled by 1 / (1 - dropout_p), the mask drawn
+    from a seed that torch's default generator supplies (torch.manual_seed reproduces it) and reused by
+    the backward; the lse is unaffected."""
     dropout_p = _check_dropout(dropout_p, q)
     return _attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, deterministic, return_attn_probs, dropout_p)
