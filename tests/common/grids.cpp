@@ -219,6 +219,54 @@ std::vector<Case> grid_dropout(const GridOptions& g) {
   return v;
 }
 
+std::vector<Case> grid_dropout_matrix(const std::vector<int64_t>& dims, int64_t window_keys, int32_t window_left,
+                                      uint64_t first_offset) {
+  std::vector<Case> cases;
+  uint64_t offset = first_offset;
+  for (int32_t dtype : {FC_DTYPE_F16, FC_DTYPE_BF16}) {
+    for (int64_t dim : dims) {
+      for (bool causal : {false, true}) {
+        Case c;
+        c.batch = 2;
+        c.seqlen_q = causal ? 333 : 200;
+        c.seqlen_k = causal ? 200 : 333;
+        c.heads_q = 4;
+        c.heads_kv = 2;
+        c.head_dim = dim;
+        c.dtype = dtype;
+        c.causal = causal;
+        c.dropout_p = causal ? 0.5 : 0.17;
+        c.dropout_offset = offset++ << 33;
+        cases.push_back(c);
+      }
+      Case sc;  // softcap, two-sided window
+      sc.seqlen_q = 150;
+      sc.seqlen_k = window_keys;
+      sc.heads_q = sc.heads_kv = 2;
+      sc.head_dim = dim;
+      sc.dtype = dtype;
+      sc.softcap = 20;
+      sc.window_left = window_left;
+      sc.window_right = 9;
+      sc.dropout_p = 0.5;
+      sc.dropout_offset = offset++;
+      cases.push_back(sc);
+      Case al = sc;  // ALiBi, (batch, heads_q) slopes, causal, MQA
+      al.batch = 2;
+      al.softcap = 0;
+      al.window_left = al.window_right = -1;
+      al.causal = true;
+      al.heads_q = 4;
+      al.heads_kv = 1;
+      al.alibi = 2;
+      al.dropout_p = 0.17;
+      al.dropout_offset = offset++;
+      cases.push_back(al);
+    }
+  }
+  return cases;
+}
+
 std::vector<Case> grid_varlen(const GridOptions& g) {
   std::vector<Case> v;
   const std::vector<std::vector<int32_t>> qs = {{5, 0, 130, 64}, {1, 1, 1}, {200, 17}};

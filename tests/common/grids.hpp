@@ -35,6 +35,13 @@ std::vector<Case> grid_alibi(const GridOptions& g);
  *  query row, fully masked rows, varlen batches with empty sequences; head dims from g, odd ones
  *  included. */
 std::vector<Case> grid_dropout(const GridOptions& g);
+/** Dropout over every dtype x head dim of `dims`: GQA 4 / 2, 200 x 333 keys at p = 0.17 and causal
+ *  333 x 200 (rows before the first key) at p = 0.5; a softcap with a two-sided window (left
+ *  `window_left`, right 9) over 150 x `window_keys` at p = 0.5; ALiBi (batch, heads_q) slopes,
+ *  causal, MQA 4 / 1 at p = 0.17. Offsets count from first_offset (the causal-pair cases' past
+ *  2^32). */
+std::vector<Case> grid_dropout_matrix(const std::vector<int64_t>& dims, int64_t window_keys, int32_t window_left,
+                                      uint64_t first_offset);
 /** Fully masked rows, seqlen_k = 0, huge logits. */
 std::vector<Case> grid_edges(const GridOptions& g);
 

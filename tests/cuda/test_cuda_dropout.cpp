@@ -115,56 +115,10 @@ std::vector<Case> dropout_grid_cases() {
   return cases;
 }
 
-/** Every (dtype, dim) with p = 0.17 and 0.5, causal both ways, GQA, lengths off every tile
- *  (200 x 333 and 333 x 200: rows before the first key with the causal mask), and per dim one
- *  softcap + window and one ALiBi case (the kAlibi dropout kernels). */
-std::vector<Case> dropout_matrix_cases() {
-  std::vector<Case> cases;
-  uint64_t offset = 0;
-  for (int32_t dtype : {FC_DTYPE_F16, FC_DTYPE_BF16}) {
-    for (int64_t dim : {64, 128, 256, 72}) {
-      for (bool causal : {false, true}) {
-        Case c;
-        c.batch = 2;
-        c.seqlen_q = causal ? 333 : 200;
-        c.seqlen_k = causal ? 200 : 333;
-        c.heads_q = 4;
-        c.heads_kv = 2;
-        c.head_dim = dim;
-        c.dtype = dtype;
-        c.causal = causal;
-        c.dropout_p = causal ? 0.5 : 0.17;
-        c.dropout_offset = offset++ << 33;
-        cases.push_back(c);
-      }
-      Case sc;  // softcap, two-sided window
-      sc.batch = 1;
-      sc.seqlen_q = 150;
-      sc.seqlen_k = 270;
-      sc.heads_q = sc.heads_kv = 2;
-      sc.head_dim = dim;
-      sc.dtype = dtype;
-      sc.softcap = 20;
-      sc.window_left = 70;
-      sc.window_right = 9;
-      sc.dropout_p = 0.5;
-      sc.dropout_offset = offset++;
-      cases.push_back(sc);
-      Case al = sc;  // ALiBi, (batch, heads_q) slopes, causal, MQA
-      al.batch = 2;
-      al.softcap = 0;
-      al.window_left = al.window_right = -1;
-      al.causal = true;
-      al.heads_q = 4;
-      al.heads_kv = 1;
-      al.alibi = 2;
-      al.dropout_p = 0.17;
-      al.dropout_offset = offset++;
-      cases.push_back(al);
-    }
-  }
-  return cases;
-}
+/** grid_dropout_matrix over the buckets and the padded dim 72: every (dtype, dim) with causal both
+ *  ways, GQA, lengths off every tile, and per dim one softcap + window and one ALiBi case (the
+ *  kAlibi dropout kernels). */
+std::vector<Case> dropout_matrix_cases() { return grid_dropout_matrix({64, 128, 256, 72}, 270, 70, 0); }
 
 TEST(CudaDropout, ForwardMatchesTheReference) {
   REQUIRE_GPU();

@@ -122,54 +122,12 @@ TEST(CudaSm90Dropout, GridMatchesTheReference) {
   expect_forward(grid_cases(), FC_BACKEND_CUDA_SM90);
 }
 
-/** Every (dtype, dim) with causal both ways, GQA, lengths off every tile (sq > sk and sq < sk),
- *  several key blocks, and per dim a softcap + window case and an ALiBi case. */
+/** grid_dropout_matrix over the buckets and the padded dim 96: every (dtype, dim) with causal both
+ *  ways, GQA, lengths off every tile (sq > sk and sq < sk), and per dim a softcap + window case
+ *  over several 128-key blocks and an ALiBi case. */
 TEST(CudaSm90Dropout, MatrixMatchesTheReference) {
   REQUIRE_SM90();
-  std::vector<Case> cases;
-  uint64_t offset = 3;
-  for (int32_t dtype : {FC_DTYPE_F16, FC_DTYPE_BF16}) {
-    for (int64_t dim : {64, 128, 256, 96}) {
-      for (bool causal : {false, true}) {
-        Case c;
-        c.batch = 2;
-        c.seqlen_q = causal ? 333 : 200;
-        c.seqlen_k = causal ? 200 : 333;
-        c.heads_q = 4;
-        c.heads_kv = 2;
-        c.head_dim = dim;
-        c.dtype = dtype;
-        c.causal = causal;
-        c.dropout_p = causal ? 0.5 : 0.17;
-        c.dropout_offset = offset++ << 33;
-        cases.push_back(c);
-      }
-      Case sc;  // softcap, two-sided window
-      sc.seqlen_q = 150;
-      sc.seqlen_k = 700;
-      sc.heads_q = sc.heads_kv = 2;
-      sc.head_dim = dim;
-      sc.dtype = dtype;
-      sc.softcap = 20;
-      sc.window_left = 170;
-      sc.window_right = 9;
-      sc.dropout_p = 0.5;
-      sc.dropout_offset = offset++;
-      cases.push_back(sc);
-      Case al = sc;  // ALiBi, (batch, heads_q) slopes, causal, MQA
-      al.batch = 2;
-      al.softcap = 0;
-      al.window_left = al.window_right = -1;
-      al.causal = true;
-      al.heads_q = 4;
-      al.heads_kv = 1;
-      al.alibi = 2;
-      al.dropout_p = 0.17;
-      al.dropout_offset = offset++;
-      cases.push_back(al);
-    }
-  }
-  expect_forward(cases, FC_BACKEND_CUDA_SM90);
+  expect_forward(grid_dropout_matrix({64, 128, 256, 96}, 700, 170, 3), FC_BACKEND_CUDA_SM90);
 }
 
 // Few query tokens per KV head: the packed GQA tiles (group 4: a thread's two rows are tokens of
