@@ -228,7 +228,7 @@ class BackwardTaskRunner {
       probabilities</*kAlibi=*/false>(mask, m0, m_valid, n0, n_valid);
     }
     const bool dropout = p_.dropout.enabled();
-    if (dropout) drop_probabilities(m0, m_valid, n0, n_valid);
+    if (dropout) drop_probabilities(m0, m_valid, n0);
     PhaseTimer::lap(BackwardPhase::kSoftmax);
     add_key_grads(dout, dropout ? w_.dropped_probs.data() : probs, w_.dv_t.data());  // dV^T += dO^T (P * Z)
     // dP = dO V^T, then dS in place.
@@ -304,26 +304,15 @@ class BackwardTaskRunner {
   }
 
   /** dropped_probs = P * Z for the block's rows (common/dropout.hpp's mask; Z = 1 / (1 - p) where
-   *  kept, 0 where dropped). */
-  void drop_probabilities(int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid) {
+   *  kept, 0 where dropped). A key tile is one 64-key block: tasks start on KeySplit's aligned
+   *  chunks and step by kBlockKeys = 64. Keys past n_valid have P = 0. */
+  void drop_probabilities(int64_t m0, int64_t m_valid, int64_t n0) {
     constexpr int64_t kN = Config::kBlockKeys;
+    static_assert(kN == 64 && KeySplit::kKeyAlign % 64 == 0, "a key tile is one 64-key block of the mask");
     const int64_t bh = task_.batch * p_.heads_q + task_.head;
-    const float keep_scale = p_.dropout.keep_scale;
     for (int64_t r = 0; r < m_valid; ++r) {
-      const float* prob = w_.probs.data() + r * kN;
-      float* dropped = w_.dropped_probs.data() + r * kN;
-      if (kN == 64 && n0 % 64 == 0) {  // the shipped tiles: one 64-key block (keys past n_valid have P = 0)
-        scale_kept_row(prob, keep_bits_of_block(p_.dropout, bh, m0 + r, n0 / 64), keep_scale, dropped);
-        continue;
-      }
-      std::fill(dropped, dropped + kN, 0.f);
-      for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
-        const uint64_t kept = keep_bits_of_block(p_.dropout, bh, m0 + r, j0 / 64);
-        const int64_t j_end = std::min(n0 + n_valid, (j0 / 64 + 1) * 64);
-        for (int64_t j = j0; j < j_end; ++j) {
-          if ((kept >> (j % 64)) & 1) dropped[j - n0] = prob[j - n0] * keep_scale;
-        }
-      }
+      scale_kept_row(w_.probs.data() + r * kN, keep_bits_of_block(p_.dropout, bh, m0 + r, n0 / 64),
+                     p_.dropout.keep_scale, w_.dropped_probs.data() + r * kN);
     }
   }
 

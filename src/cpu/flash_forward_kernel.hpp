@@ -467,36 +467,22 @@ class ForwardTaskRunner {
   }
 
   /** Dropout (common/dropout.hpp): zeroes the dropped entries of P^T at keys [n0, n0 + n_valid)
-   *  after the softmax has summed them into l (the normalization and lse see every
-   *  probability); write_outputs applies the kept entries' 1 / (1 - p). */
+   *  after the softmax has summed them into l (the normalization and lse see every probability);
+   *  write_outputs applies the kept entries' 1 / (1 - p). Per 64-key block the tile touches: each
+   *  row's keep bits (shifted to the tile's first key there), then every key's rows at once
+   *  (zero_dropped_columns; padding rows keep their 0). */
   void drop_probabilities(const ForwardTask& task, const Block& bl, int64_t n0, int64_t n_valid) {
     const int64_t group = p_.group_size(), m_pad = bl.m_pad;
-    float* s_t = w_.s_t.data();
-    StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
-    if (n0 % 64 == 0 && n_valid <= 64 && m_pad % 16 == 0 && m_pad <= Config::kBlockRows) {
-      // The shipped tiles: one 64-key block per tile. Each row's keep bits, then every key's rows
-      // at once (padding rows keep their 0).
-      uint64_t kept[Config::kBlockRows];
+    uint64_t kept[Config::kBlockRows];
+    for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
+      const int64_t block = j0 / 64, shift = j0 - block * 64;
+      const int64_t keys = std::min(n0 + n_valid, (block + 1) * 64) - j0;
+      StackedRow at = StackedRow::first_of(bl.first_row, task.kv_head, group);
       for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
-        kept[r] = keep_bits_of_block(p_.dropout, task.batch * p_.heads_q + at.head, at.q_row, n0 / 64);
+        kept[r] = keep_bits_of_block(p_.dropout, task.batch * p_.heads_q + at.head, at.q_row, block) >> shift;
       }
       std::fill(kept + bl.rows, kept + m_pad, ~uint64_t(0));
-      zero_dropped_columns(s_t, m_pad, kept, n_valid);
-      return;
-    }
-    for (int64_t r = 0; r < bl.rows; ++r, at.advance(group, task.kv_head)) {
-      const int64_t bh = task.batch * p_.heads_q + at.head;
-      for (int64_t j0 = n0; j0 < n0 + n_valid; j0 = (j0 / 64 + 1) * 64) {
-        const int64_t block_start = j0 / 64 * 64, j_end = std::min(n0 + n_valid, block_start + 64);
-        // Columns j0 .. j_end - 1 of the block that are dropped; visited bit by bit, so a
-        // column-major tile is touched only where an entry is dropped (p of them).
-        const uint64_t in_tile = (j_end - block_start == 64 ? ~uint64_t(0) : (uint64_t(1) << (j_end - block_start)) - 1) &
-                                 ~((uint64_t(1) << (j0 - block_start)) - 1);
-        for (uint64_t dropped = ~keep_bits_of_block(p_.dropout, bh, at.q_row, j0 / 64) & in_tile; dropped;
-             dropped &= dropped - 1) {
-          s_t[(block_start + __builtin_ctzll(dropped) - n0) * m_pad + r] = 0.f;
-        }
-      }
+      zero_dropped_columns(w_.s_t.data() + (j0 - n0) * m_pad, m_pad, kept, keys);
     }
   }
 

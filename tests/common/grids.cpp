@@ -111,16 +111,35 @@ std::vector<Case> grid_masks(const GridOptions& g) {
   return v;
 }
 
+/** One row of the ALiBi and dropout grids: a dense shape with its mask, softcap, ALiBi and dropout. */
+struct MaskedShape {
+  int64_t batch, sq, sk, heads_q, heads_kv;
+  bool causal;
+  int32_t left, right;
+  double softcap;
+  int alibi;
+  double dropout_p = 0;  // the ALiBi grid leaves it out
+
+  Case to_case() const {
+    Case c;
+    c.batch = batch;
+    c.seqlen_q = sq;
+    c.seqlen_k = sk;
+    c.heads_q = heads_q;
+    c.heads_kv = heads_kv;
+    c.causal = causal;
+    c.window_left = left;
+    c.window_right = right;
+    c.softcap = softcap;
+    c.alibi = alibi;
+    c.dropout_p = dropout_p;
+    return c;
+  }
+};
+
 std::vector<Case> grid_alibi(const GridOptions& g) {
   std::vector<Case> v;
-  struct Shape {
-    int64_t batch, sq, sk, heads_q, heads_kv;
-    bool causal;
-    int32_t left, right;
-    double softcap;
-    int alibi;
-  };
-  const Shape shapes[] = {
+  const MaskedShape shapes[] = {
       {2, 200, 200, 4, 4, true, -1, -1, 0, 1},     // causal, square
       {2, 100, 300, 4, 2, false, -1, -1, 0, 2},    // keys on both sides of the diagonal, GQA, per batch
       {1, 300, 100, 2, 1, true, -1, -1, 0, 1},     // rows before the first key (fully masked)
@@ -130,18 +149,7 @@ std::vector<Case> grid_alibi(const GridOptions& g) {
       {1, 520, 700, 2, 2, false, -1, -1, 0, 1},    // unmasked, several key blocks
   };
   for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
-    const Shape& sh = shapes[i];
-    Case c;
-    c.batch = sh.batch;
-    c.seqlen_q = sh.sq;
-    c.seqlen_k = sh.sk;
-    c.heads_q = sh.heads_q;
-    c.heads_kv = sh.heads_kv;
-    c.causal = sh.causal;
-    c.window_left = sh.left;
-    c.window_right = sh.right;
-    c.softcap = sh.softcap;
-    c.alibi = sh.alibi;
+    Case c = shapes[i].to_case();
     c.head_dim = g.head_dims[i % g.head_dims.size()];
     c.dtype = g.dtypes[i % g.dtypes.size()];
     c.padded = i == 1;
@@ -164,15 +172,7 @@ std::vector<Case> grid_alibi(const GridOptions& g) {
 
 std::vector<Case> grid_dropout(const GridOptions& g) {
   std::vector<Case> v;
-  struct Shape {
-    int64_t batch, sq, sk, heads_q, heads_kv;
-    bool causal;
-    int32_t left, right;
-    double softcap;
-    int alibi;
-    double p;
-  };
-  const Shape shapes[] = {
+  const MaskedShape shapes[] = {
       {2, 200, 200, 4, 4, true, -1, -1, 0, 0, 0.17},   // causal, square
       {2, 100, 300, 4, 2, false, -1, -1, 0, 0, 0.5},   // GQA, keys past several 64-key blocks
       {1, 300, 100, 2, 1, true, -1, -1, 0, 0, 0.17},   // rows before the first key (fully masked)
@@ -184,19 +184,7 @@ std::vector<Case> grid_dropout(const GridOptions& g) {
   std::vector<int64_t> dims = g.head_dims;
   dims.insert(dims.end(), g.odd_head_dims.begin(), g.odd_head_dims.end());
   for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
-    const Shape& sh = shapes[i];
-    Case c;
-    c.batch = sh.batch;
-    c.seqlen_q = sh.sq;
-    c.seqlen_k = sh.sk;
-    c.heads_q = sh.heads_q;
-    c.heads_kv = sh.heads_kv;
-    c.causal = sh.causal;
-    c.window_left = sh.left;
-    c.window_right = sh.right;
-    c.softcap = sh.softcap;
-    c.alibi = sh.alibi;
-    c.dropout_p = sh.p;
+    Case c = shapes[i].to_case();
     c.dropout_seed += i;
     c.dropout_offset = i * 1000003ull << 20;  // offsets above 2^32 too
     c.head_dim = dims[i % dims.size()];

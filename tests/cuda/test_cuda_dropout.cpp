@@ -23,11 +23,14 @@
 #include "common/grids.hpp"
 #include "common/harness.hpp"
 #include "cuda/cuda_memory.hpp"
+#include "cuda/dropout_calls.hpp"
 #include "cuda/sm80/dropout_fragment.hpp"
 #include "flashcore/flashcore.hpp"
 
 namespace flashcore::testing {
 namespace {
+
+using namespace dropout_calls;
 
 bool have_gpu() { return fc_cuda_device_count() > 0 && fc_backend_available(FC_BACKEND_CUDA_SM80, 0); }
 
@@ -214,134 +217,6 @@ TEST(CudaDropout, DeterministicBackwardIsBitIdentical) {
 
 // ---- direct calls: the mask itself, seeds, p = 0 ------------------------------------------------
 
-uint16_t one_bits(int32_t dtype) { return dtype == FC_DTYPE_F16 ? 0x3C00 : 0x3F80; }
-
-float bits_to_float(uint16_t b, int32_t dtype) {
-  uint32_t u;
-  if (dtype == FC_DTYPE_BF16) {
-    u = static_cast<uint32_t>(b) << 16;
-  } else {  // fp16 -> fp32 (normals, zero and subnormals; no inf / NaN expected here)
-    const uint32_t sign = (b & 0x8000u) << 16, exp = (b >> 10) & 0x1F, man = b & 0x3FFu;
-    if (exp == 0) {
-      const float f = std::ldexp(static_cast<float>(man), -24);
-      return sign ? -f : f;
-    }
-    u = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_bits(float f, int32_t dtype) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (dtype == FC_DTYPE_BF16) return static_cast<uint16_t>(u >> 16);  // truncation: any value will do
-  // fp16 of a value in [-4, 4]: exponent rebiased, mantissa truncated.
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const int exp = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
-  if (exp <= 0) return static_cast<uint16_t>(sign);
-  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((u >> 13) & 0x3FFu));
-}
-
-/** A dense call's host tensors (16-bit patterns), (batch, seqlen, heads, head_dim) each. */
-struct DenseProblem {
-  int64_t batch = 2, sq = 1, sk = 1, heads_q = 2, heads_kv = 2, d = 64;
-  int32_t dtype = FC_DTYPE_F16;
-  std::vector<uint16_t> q, k, v, dout;
-
-  size_t q_elems() const { return static_cast<size_t>(batch * sq * heads_q * d); }
-  size_t k_elems() const { return static_cast<size_t>(batch * sk * heads_kv * d); }
-};
-
-struct DenseResult {
-  std::vector<uint16_t> out, dq, dk, dv;
-  std::vector<float> lse;
-  std::string error;  // non-empty when a call failed
-};
-
-/** Forward (and, when pr.dout is given, backward) on the GPU through the C ABI. */
-DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attention_options opt) {
-  DenseResult r;
-  const auto dt = static_cast<fc_dtype>(pr.dtype);
-  std::vector<void*> owned;
-  auto upload = [&](const std::vector<uint16_t>& host, size_t elems) {
-    void* dev = mem.alloc(elems * 2);
-    owned.push_back(dev);
-    if (!host.empty()) mem.upload(dev, host.data(), elems * 2);
-    return dev;
-  };
-  const bool backward = !pr.dout.empty();
-  void* q = upload(pr.q, pr.q_elems());
-  void* k = upload(pr.k, pr.k_elems());
-  void* v = upload(pr.v, pr.k_elems());
-  void* out = upload({}, pr.q_elems());
-  void* lse = mem.alloc(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq) * sizeof(float));
-  owned.push_back(lse);
-  fc_tensor tq = make_tensor(q, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tk = make_tensor(k, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tv = make_tensor(v, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor to = make_tensor(out, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tl = make_tensor(lse, FC_DTYPE_F32, {pr.batch, pr.heads_q, pr.sq}, FC_DEVICE_CUDA);
-  opt.stream = mem.stream();
-  auto finish = [&] {
-    for (void* p : owned) mem.release(p);
-    return r;
-  };
-  size_t ws_bytes = 0;
-  if (fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &ws_bytes) != FC_OK) {
-    r.error = fc_last_error();
-    return finish();
-  }
-  void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
-  if (ws) owned.push_back(ws);
-  if (fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, ws, ws_bytes) != FC_OK) {
-    r.error = fc_last_error();
-    return finish();
-  }
-  r.out.resize(pr.q_elems());
-  mem.download(r.out.data(), out, pr.q_elems() * 2);
-  r.lse.resize(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq));
-  mem.download(r.lse.data(), lse, r.lse.size() * sizeof(float));
-  if (backward) {
-    void* dout = upload(pr.dout, pr.q_elems());
-    void* dq = upload({}, pr.q_elems());
-    void* dk = upload({}, pr.k_elems());
-    void* dv = upload({}, pr.k_elems());
-    fc_tensor tdo = make_tensor(dout, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-    fc_tensor tdq = make_tensor(dq, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-    fc_tensor tdk = make_tensor(dk, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-    fc_tensor tdv = make_tensor(dv, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-    size_t bws_bytes = 0;
-    if (fc_attention_backward_workspace(&tq, &tk, &tv, &opt, &bws_bytes) != FC_OK) {
-      r.error = fc_last_error();
-      return finish();
-    }
-    void* bws = bws_bytes ? mem.alloc(bws_bytes) : nullptr;
-    if (bws) owned.push_back(bws);
-    if (fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, bws, bws_bytes) != FC_OK) {
-      r.error = fc_last_error();
-      return finish();
-    }
-    r.dq.resize(pr.q_elems());
-    r.dk.resize(pr.k_elems());
-    r.dv.resize(pr.k_elems());
-    mem.download(r.dq.data(), dq, pr.q_elems() * 2);
-    mem.download(r.dk.data(), dk, pr.k_elems() * 2);
-    mem.download(r.dv.data(), dv, pr.k_elems() * 2);
-  }
-  return finish();
-}
-
-fc_attention_options dropout_options(fc_backend backend, double p, uint64_t seed, uint64_t offset) {
-  fc_attention_options opt{};
-  opt.backend = backend;
-  opt.dropout_p = p;
-  opt.dropout_seed = seed;
-  opt.dropout_offset = offset;
-  return opt;
-}
-
 // q = 0: every visible probability of a row is the same, 1 / (visible keys). v_j = e_j: out_i's
 // column j is P_ij Z_ij, so it is nonzero exactly where entry (i, j) is visible and kept (kept:
 // keep_scale / visible, never 0 in fp16 / bf16). dout_i = e_i (seqlen_q <= head_dim): dv_j's
@@ -429,34 +304,6 @@ TEST(CudaDropout, KernelsDrawTheRulesMask) {
   }
 }
 
-DenseProblem random_problem(int64_t d, int32_t dtype, uint64_t seed) {
-  DenseProblem pr;
-  pr.batch = 2;
-  pr.sq = 150;
-  pr.sk = 230;
-  pr.heads_q = 4;
-  pr.heads_kv = 2;
-  pr.d = d;
-  pr.dtype = dtype;
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  auto fill = [&](std::vector<uint16_t>& t, size_t n) {
-    t.resize(n);
-    for (auto& x : t) x = float_to_bits(u(rng), dtype);
-  };
-  fill(pr.q, pr.q_elems());
-  fill(pr.k, pr.k_elems());
-  fill(pr.v, pr.k_elems());
-  fill(pr.dout, pr.q_elems());
-  return pr;
-}
-
-size_t count_different(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  size_t n = 0;
-  for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
-  return n;
-}
-
 // The mask follows the seed and the offset: another seed or offset changes (nearly) every output
 // element, the same ones give the same bits, and the output is far from the one without dropout
 // while the lse is the lse without dropout.
@@ -464,7 +311,7 @@ TEST(CudaDropout, SeedAndOffsetSelectTheMask) {
   REQUIRE_GPU();
   CudaMemory mem;
   for (int64_t dim : {64, 128, 256}) {
-    const DenseProblem pr = random_problem(dim, FC_DTYPE_BF16, 42 + dim);
+    const DenseProblem pr = random_problem(dim, FC_DTYPE_BF16, 42 + dim, 150, 230, 4, 2, 2, /*with_dout=*/true);
     const DenseResult base = run_dense(mem, pr, dropout_options(FC_BACKEND_CUDA_SM80, 0.5, 7, 0));
     const DenseResult again = run_dense(mem, pr, dropout_options(FC_BACKEND_CUDA_SM80, 0.5, 7, 0));
     const DenseResult seed = run_dense(mem, pr, dropout_options(FC_BACKEND_CUDA_SM80, 0.5, 8, 0));
@@ -495,7 +342,7 @@ TEST(CudaDropout, ZeroProbabilityIsNoDropout) {
   for (fc_backend backend : {FC_BACKEND_CUDA_SM80, FC_BACKEND_AUTO}) {
     for (int64_t dim : {64, 128, 256}) {
       for (int32_t dtype : {FC_DTYPE_F16, FC_DTYPE_BF16}) {
-        const DenseProblem pr = random_problem(dim, dtype, 9 + dim);
+        const DenseProblem pr = random_problem(dim, dtype, 9 + dim, 150, 230, 4, 2, 2, /*with_dout=*/true);
         fc_attention_options plain = dropout_options(backend, 0, 0, 0);
         fc_attention_options seeded = dropout_options(backend, 0, 0xabcdefull, 99ull << 40);
         plain.deterministic = seeded.deterministic = 1;

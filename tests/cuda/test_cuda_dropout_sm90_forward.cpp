@@ -25,11 +25,14 @@
 #include "common/grids.hpp"
 #include "common/harness.hpp"
 #include "cuda/cuda_memory.hpp"
+#include "cuda/dropout_calls.hpp"
 #include "cuda/sm90/dropout_fragment.hpp"
 #include "flashcore/flashcore.hpp"
 
 namespace flashcore::testing {
 namespace {
+
+using namespace dropout_calls;
 
 bool have_sm90() { return fc_cuda_device_count() > 0 && fc_backend_available(FC_BACKEND_CUDA_SM90, 0); }
 
@@ -235,89 +238,6 @@ TEST(CudaSm90Dropout, PagedMatchesTheReference) {
 
 // ---- direct calls: the mask itself, seeds, p = 0, AUTO ------------------------------------------
 
-uint16_t one_bits(int32_t dtype) { return dtype == FC_DTYPE_F16 ? 0x3C00 : 0x3F80; }
-
-uint16_t float_to_bits(float f, int32_t dtype) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (dtype == FC_DTYPE_BF16) return static_cast<uint16_t>(u >> 16);  // truncation: any value will do
-  // fp16 of a value in [-4, 4]: exponent rebiased, mantissa truncated.
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const int exp = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
-  if (exp <= 0) return static_cast<uint16_t>(sign);
-  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((u >> 13) & 0x3FFu));
-}
-
-/** A dense call's host tensors (16-bit patterns), (batch, seqlen, heads, head_dim) each. */
-struct DenseProblem {
-  int64_t batch = 2, sq = 1, sk = 1, heads_q = 2, heads_kv = 2, d = 64;
-  int32_t dtype = FC_DTYPE_F16;
-  std::vector<uint16_t> q, k, v;
-
-  size_t q_elems() const { return static_cast<size_t>(batch * sq * heads_q * d); }
-  size_t k_elems() const { return static_cast<size_t>(batch * sk * heads_kv * d); }
-};
-
-struct DenseResult {
-  std::vector<uint16_t> out;
-  std::vector<float> lse;
-  std::string error;  // non-empty when a call failed
-};
-
-/** A forward on the GPU through the C ABI, with the workspace it asks for (split-KV partials). */
-DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attention_options opt) {
-  DenseResult r;
-  const auto dt = static_cast<fc_dtype>(pr.dtype);
-  std::vector<void*> owned;
-  auto upload = [&](const std::vector<uint16_t>& host, size_t elems) {
-    void* dev = mem.alloc(elems * 2);
-    owned.push_back(dev);
-    if (!host.empty()) mem.upload(dev, host.data(), elems * 2);
-    return dev;
-  };
-  void* q = upload(pr.q, pr.q_elems());
-  void* k = upload(pr.k, pr.k_elems());
-  void* v = upload(pr.v, pr.k_elems());
-  void* out = upload({}, pr.q_elems());
-  void* lse = mem.alloc(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq) * sizeof(float));
-  owned.push_back(lse);
-  fc_tensor tq = make_tensor(q, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tk = make_tensor(k, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tv = make_tensor(v, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor to = make_tensor(out, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tl = make_tensor(lse, FC_DTYPE_F32, {pr.batch, pr.heads_q, pr.sq}, FC_DEVICE_CUDA);
-  opt.stream = mem.stream();
-  auto finish = [&] {
-    for (void* p : owned) mem.release(p);
-    return r;
-  };
-  size_t ws_bytes = 0;
-  if (fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &ws_bytes) != FC_OK) {
-    r.error = fc_last_error();
-    return finish();
-  }
-  void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
-  if (ws) owned.push_back(ws);
-  if (fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, ws, ws_bytes) != FC_OK) {
-    r.error = fc_last_error();
-    return finish();
-  }
-  r.out.resize(pr.q_elems());
-  mem.download(r.out.data(), out, pr.q_elems() * 2);
-  r.lse.resize(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq));
-  mem.download(r.lse.data(), lse, r.lse.size() * sizeof(float));
-  return finish();
-}
-
-fc_attention_options dropout_options(fc_backend backend, double p, uint64_t seed, uint64_t offset) {
-  fc_attention_options opt{};
-  opt.backend = backend;
-  opt.dropout_p = p;
-  opt.dropout_seed = seed;
-  opt.dropout_offset = offset;
-  return opt;
-}
-
 // q = 0: every visible probability of a row is the same, 1 / (visible keys). v_j = e_j (of every KV
 // head): out_i's column j is P_ij Z_ij, nonzero exactly where entry (i, j) is visible and kept
 // (keep_scale / visible, never 0 in fp16 / bf16). Compared element for element with dropout_keeps
@@ -386,15 +306,7 @@ TEST(CudaSm90Dropout, KernelsDrawTheRulesMask) {
             int checked = 0;
             for (int64_t j = 0; j < pr.sk && checked < 4; ++j) {
               if (!dropout_keeps(d, 0, 0, j)) continue;
-              const uint16_t bits = r.out[at(0, 0, 0, j, pr.sq, pr.heads_q)];
-              uint32_t u = dtype == FC_DTYPE_BF16 ? uint32_t(bits) << 16 : 0;
-              float f = 0;
-              if (dtype == FC_DTYPE_BF16) {
-                std::memcpy(&f, &u, 4);
-              } else {
-                const int e = (bits >> 10) & 0x1F;
-                f = e == 0 ? std::ldexp(float(bits & 0x3FF), -24) : std::ldexp(1.f + float(bits & 0x3FF) / 1024.f, e - 15);
-              }
+              const float f = bits_to_float(r.out[at(0, 0, 0, j, pr.sq, pr.heads_q)], dtype);
               EXPECT_NEAR(f, expected, expected * 1e-2) << what << " j " << j;
               ++checked;
             }
@@ -403,34 +315,6 @@ TEST(CudaSm90Dropout, KernelsDrawTheRulesMask) {
       }
     }
   }
-}
-
-DenseProblem random_problem(int64_t d, int32_t dtype, uint64_t seed, int64_t sq = 150, int64_t sk = 230,
-                            int64_t heads_q = 4, int64_t heads_kv = 2, int64_t batch = 2) {
-  DenseProblem pr;
-  pr.batch = batch;
-  pr.sq = sq;
-  pr.sk = sk;
-  pr.heads_q = heads_q;
-  pr.heads_kv = heads_kv;
-  pr.d = d;
-  pr.dtype = dtype;
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  auto fill = [&](std::vector<uint16_t>& t, size_t n) {
-    t.resize(n);
-    for (auto& x : t) x = float_to_bits(u(rng), dtype);
-  };
-  fill(pr.q, pr.q_elems());
-  fill(pr.k, pr.k_elems());
-  fill(pr.v, pr.k_elems());
-  return pr;
-}
-
-size_t count_different(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  size_t n = 0;
-  for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
-  return n;
 }
 
 // The same seed and offset give the same bits (plain, packed and split routes; a split's merge
