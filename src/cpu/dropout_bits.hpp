@@ -2,7 +2,7 @@
 // row keep their probability, as the bits of a uint64. With AVX-512 the eight Philox4x32-10 calls
 // of a 64-key block run side by side, one per 64-bit lane (their 32-bit words in the low halves,
 // where vpmuludq multiplies), and two permutes put the 64 draws in column order for two 16-bit
-// compares: ~9 ns a block on the development EPYC against ~147 ns for one call after another (at
+// compares: ~10 ns a block on the development EPYC against ~147 ns for one call after another (at
 // d64 the scalar calls took three quarters of a dropout forward's time). The loop is bound by
 // throughput, not latency: interleaving two blocks' calls gained nothing.
 #pragma once
