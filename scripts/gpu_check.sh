@@ -124,7 +124,7 @@ if [ "$DROPOUT" = yes ]; then
   # Dropout against SDPA's FlashAttention-2 with dropout (cuDNN takes none), forward and fwd+bwd.
   rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
     && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/
-  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fcpkg timeout 240 python3 bench/dropout_bench.py >"$OUTDIR/dropout.log" 2>&1
+  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fcpkg timeout 300 python3 bench/dropout_bench.py >"$OUTDIR/dropout.log" 2>&1
   note "dropout bench: rc=$? ($(el))"
   cat "$OUTDIR/dropout.log" >>"$SUM"
 fi
