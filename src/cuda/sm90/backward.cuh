@@ -117,6 +117,7 @@
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/backward.cuh"
 #include "cuda/sm90/attention_views.hpp"
+#include "cuda/sm90/backward_dropout.cuh"
 #include "cuda/sm90/backward_trace.cuh"
 #include "cuda/sm90/tail_rows.cuh"
 #include "cuda/sm90/tensor_map.hpp"
@@ -212,6 +213,19 @@ struct BackwardTraits {
   static constexpr int kBarriers = 3 + 3 * kStages;
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + kAlign;  // + base align
 
+  // Dropout kernels only: the step's keep bits (backward_dropout.cuh), one 64-key mask per
+  // consumer (keys split) or one that consumer 1 writes for both (role split). Outside the layout
+  // above, so the kernels without dropout keep theirs: in the kAlign bytes before the aligned base
+  // where the base's padding left that many (d256's plan has no room past its barriers for a mask
+  // plus the whole alignment slack), else after the barriers; kDropoutSmemBytes covers either case
+  // (a padding below kDropoutBytes leaves at least kDropoutBytes past the barriers).
+  static constexpr int kDropoutMasks = kSplitRoles ? 1 : kConsumers;
+  static constexpr uint32_t kDropoutMaskBytes = DropoutMaskLayout<kBlockM>::kBytes;
+  static constexpr uint32_t kDropoutBytes = kDropoutMasks * kDropoutMaskBytes;
+  static constexpr uint32_t kDropoutOffset = (kBarrierOffset + 8 * kBarriers + 127) / 128 * 128;
+  static constexpr uint32_t kDropoutSmemBytes =
+      kDropoutOffset + (2 * kDropoutBytes > kAlign ? 2 * kDropoutBytes : kAlign);
+
   // The epilogue: each consumer stages its dK and dV (16-bit, 64 keys x kColsPerConsumer) in
   // buffers the steps are done with once both consumers finished the tile's last step, as
   // [64 keys][128 bytes] boxes per 64-column chunk, and stores them by TMA; dK's chunks, then
@@ -235,6 +249,8 @@ struct BackwardTraits {
                 "tiles stay 1024-aligned");
   static_assert(kDqCols % kDqBoxCols == 0, "whole dQ boxes per piece");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one sm_90 block");
+  static_assert(kDropoutSmemBytes <= 227 * 1024, "shared memory of one sm_90 block (dropout kernels)");
+  static_assert(kDropoutMaskBytes % 128 == 0, "each dropout mask 128-aligned (8-byte loads)");
 };
 
 /** Per-bucket configuration. d64 / d128: 192 KiB of shared memory (32 of them the dQ staging);
@@ -600,17 +616,77 @@ struct AlibiStep<true> {
   }
 };
 
+/** Dropout of one step (DropoutStep<true>, in the kernels instantiated with kDropout): this
+ *  thread's keep bits (gather_keep_bits: bit i for accumulator register i) and keep_scale.
+ *  DropoutStep<false> is empty: the kernels without dropout carry nothing for it. */
+template <bool kDropout, int kRows>
+struct DropoutStep {};
+template <int kRows>
+struct DropoutStep<true, kRows> {
+  uint32_t bits[kRows / 64];
+  float keep_scale;
+
+  __device__ __forceinline__ bool kept(int i) const { return register_kept(bits, i); }
+  /** Z dP: dP times keep_scale where register i is kept, 0 where dropped. */
+  __device__ __forceinline__ float scale_grad(float dp, int i) const { return kept(i) ? dp * keep_scale : 0.f; }
+};
+
+/** The CTA's keep-bit masks (kernels with kDropout; see BackwardTraits::kDropoutSmemBytes):
+ *  before the aligned base where its padding holds them, else after the barriers. */
+template <class T>
+__device__ __forceinline__ uint32_t* dropout_masks(const BackwardSmem<T>& sm) {
+  extern __shared__ uint8_t smem_raw[];  // the kernel's dynamic shared memory (one start)
+  uint8_t* masks = sm.base - smem_raw >= static_cast<ptrdiff_t>(T::kDropoutBytes) ? sm.base - T::kDropoutBytes
+                                                                                  : sm.base + T::kDropoutOffset;
+  return reinterpret_cast<uint32_t*>(masks);
+}
+
+/** This thread's keep bits of the step from its warpgroup's published mask. */
+template <class T, bool kDropout>
+__device__ __forceinline__ DropoutStep<kDropout, T::kBlockM> read_dropout_step(const BackwardParams& p,
+                                                                              const uint32_t* mask,
+                                                                              int key_local, int quad) {
+  DropoutStep<kDropout, T::kBlockM> d;
+  if constexpr (kDropout) {
+    gather_keep_bits<T::kBlockM>(mask, key_local, quad, d.bits);
+    d.keep_scale = p.dropout.keep_scale;
+  }
+  return d;
+}
+
+/** Every keep bit of a step's 64 keys (64-key block `block` of the sequence) x kRows queries from
+ *  m0 into the warpgroup's mask, each Philox call once (DropoutMaskLayout's items of thread t).
+ *  The caller publishes the stores with a barrier of the threads that read them. */
+template <int kRows>
+__device__ __forceinline__ void write_dropout_mask(uint32_t* mask, const DropoutParams& d, uint32_t bh, int m0,
+                                                   uint32_t block, int t) {
+  using L = DropoutMaskLayout<kRows>;
+#pragma unroll
+  for (int k = 0; k < L::kItemsPerThread; ++k) {
+    const int q = L::item_row(t, k), half = L::item_half(t, k);
+    mask[L::word(half, q)] = dropout_half_row_bits(d, bh, static_cast<uint32_t>(m0 + q), block, half);
+  }
+}
+
+/** The problem index of dropout's counter (common/dropout.hpp): sequence (or batch entry) times
+ *  heads_q plus the step's query head; below 2^32 (validate.cpp). */
+__device__ __forceinline__ uint32_t dropout_problem(const BackwardParams& p, const KeyBlockWork& w, int step) {
+  return static_cast<uint32_t>(w.batch) * static_cast<uint32_t>(p.heads_q) + static_cast<uint32_t>(w.head_of(step));
+}
+
 /** P^T = exp2(S^T * scale * log2e - lse_log2[query]) from S^T (element-wise, accumulator
  *  layout: register i of this thread is key `key_row0 + 8 * ((i % 4) / 2)` and query
  *  `m0 + 8 * (i / 4) + 2 * quad + i % 2`), rounded to 16 bits as RS A fragments in `pa`. `s` is
  *  left holding what dS^T = s (dP^T - D) needs: P^T, or P^T (1 - t^2) under softcap (the factor
  *  needs S^T, which is gone afterwards). Masked entries select 0 (not multiply), so an inf/NaN
- *  computed for one cannot leak. */
-template <class T, bool kSoftcap, bool kMasked, bool kAlibi>
+ *  computed for one cannot leak. kDropout: `pa` (dV's weight) is P^T o kept, keep_scale left to
+ *  dV's store; `s` keeps every probability (dS = P (Z dP - D)). */
+template <class T, bool kSoftcap, bool kMasked, bool kAlibi, bool kDropout = false>
 __device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], uint32_t (&pa)[T::kBlockM / 16][4],
                                               const float* lse, const sm80::bwd::ScoreTransform& tf,
                                               const TileMask& mask, int m0, int key_row0, int quad,
-                                              AlibiStep<kAlibi> alibi) {
+                                              AlibiStep<kAlibi> alibi,
+                                              const DropoutStep<kDropout, T::kBlockM>& drop = {}) {
 #pragma unroll
   for (int j = 0; j < T::kBlockM / 8; ++j) {
     const int col = 8 * j + 2 * quad;
@@ -633,6 +709,7 @@ __device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], uint32
       }
       if constexpr (kMasked) prob[r] = mask.visible(key_row0 + 8 * (r / 2), m0 + col + e) ? prob[r] : 0.f;
       s[i] = kSoftcap ? prob[r] * grad_factor : prob[r];
+      if constexpr (kDropout) prob[r] = drop.kept(i) ? prob[r] : 0.f;
     }
     // Registers 4j .. 4j + 3 are A-fragment registers 2 (j % 2) and 2 (j % 2) + 1 of k-slice j / 2.
     using Element = typename T::Element;
@@ -642,10 +719,11 @@ __device__ __forceinline__ void probabilities(float (&s)[T::kBlockM / 2], uint32
 }
 
 /** dS^T = X^T (dP^T - D) in place, X^T as `probabilities` left it in registers. Same layout;
- *  masked entries select 0. */
-template <class T, bool kMasked>
+ *  masked entries select 0. kDropout: dS^T = X^T (Z dP^T - D). */
+template <class T, bool kMasked, bool kDropout = false>
 __device__ __forceinline__ void grads(float (&dp)[T::kBlockM / 2], const float (&x)[T::kBlockM / 2],
-                                      const float* dsum, const TileMask& mask, int m0, int key_row0, int quad) {
+                                      const float* dsum, const TileMask& mask, int m0, int key_row0, int quad,
+                                      const DropoutStep<kDropout, T::kBlockM>& drop = {}) {
 #pragma unroll
   for (int j = 0; j < T::kBlockM / 8; ++j) {
     const int col = 8 * j + 2 * quad;
@@ -654,20 +732,24 @@ __device__ __forceinline__ void grads(float (&dp)[T::kBlockM / 2], const float (
     for (int r = 0; r < 4; ++r) {
       const int i = 4 * j + r;
       const int e = r % 2;
-      const float dscore = x[i] * (dp[i] - (e == 0 ? d.x : d.y));
+      float dpz = dp[i];
+      if constexpr (kDropout) dpz = drop.scale_grad(dpz, i);
+      const float dscore = x[i] * (dpz - (e == 0 ? d.x : d.y));
       dp[i] = kMasked ? (mask.visible(key_row0 + 8 * (r / 2), m0 + col + e) ? dscore : 0.f) : dscore;
     }
   }
 }
 
 /** P^T and dS^T from S^T and dP^T in place, in one pass (the d64 schedule; same layout and
- *  masking as `probabilities`). */
-template <class T, bool kSoftcap, bool kMasked, bool kAlibi>
+ *  masking as `probabilities`). kDropout: `s` becomes P^T o kept (dV's weight), dS^T = P^T (Z dP^T
+ *  - D). */
+template <class T, bool kSoftcap, bool kMasked, bool kAlibi, bool kDropout = false>
 __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 2], float (&dp)[T::kBlockM / 2],
                                                         const float* lse, const float* dsum,
                                                         const sm80::bwd::ScoreTransform& tf, const TileMask& mask,
                                                         int m0, int key_row0, int quad,
-                                                        AlibiStep<kAlibi> alibi) {
+                                                        AlibiStep<kAlibi> alibi,
+                                                        const DropoutStep<kDropout, T::kBlockM>& drop = {}) {
 #pragma unroll
   for (int j = 0; j < T::kBlockM / 8; ++j) {
     const int col = 8 * j + 2 * quad;
@@ -680,14 +762,20 @@ __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 
       float lse_log2 = e == 0 ? l.x : l.y;
       if constexpr (kAlibi) lse_log2 -= alibi.bias(i);  // the bias enters the exponent only
       const float dsum_row = e == 0 ? d.x : d.y;
+      [[maybe_unused]] bool kept = true;
+      float dpz = dp[i];
+      if constexpr (kDropout) {
+        kept = drop.kept(i);
+        dpz = kept ? dpz * drop.keep_scale : 0.f;
+      }
       float prob, dscore;
       if constexpr (kSoftcap) {
         const float t = tanhf(s[i] * tf.tanh_arg_scale);
         prob = sm80::bwd::fast_exp2(t * tf.softcap_log2 - lse_log2);
-        dscore = prob * (dp[i] - dsum_row) * (1.f - t * t);
+        dscore = prob * (dpz - dsum_row) * (1.f - t * t);
       } else {
         prob = sm80::bwd::fast_exp2(s[i] * tf.scale_log2 - lse_log2);
-        dscore = prob * (dp[i] - dsum_row);
+        dscore = prob * (dpz - dsum_row);
       }
       if constexpr (kMasked) {
         // Select (not multiply) so an inf/NaN computed for a masked entry cannot leak.
@@ -695,6 +783,7 @@ __device__ __forceinline__ void probabilities_and_grads(float (&s)[T::kBlockM / 
         prob = visible ? prob : 0.f;
         dscore = visible ? dscore : 0.f;
       }
+      if constexpr (kDropout) prob = kept ? prob : 0.f;  // dS above used all of P
       s[i] = prob;
       dp[i] = dscore;
     }
@@ -755,10 +844,11 @@ __device__ __forceinline__ void store_key_tile(const uint32_t (&a)[T::kBlockM / 
  *  consumer 0 stored (P^T, times (1 - t^2) under softcap; 16-bit, as the dtype-precision backward
  *  rounds P). Masked entries have X = 0 there, and dS^T = 0 by a select on it, with no mask here:
  *  dP^T of keys past a varlen sequence (V rows there are not zeroed) and D of queries past it (dO
- *  rows of the tail) may be NaN. */
-template <class T>
+ *  rows of the tail) may be NaN. kDropout: dS^T = X^T (Z dP^T - D), Z from the step's mask. */
+template <class T, bool kDropout = false>
 __device__ __forceinline__ void grads_from_tile(float (&dp)[T::kBlockM / 2], const uint8_t* x_tile, const float* dsum,
-                                                int key_row, int quad) {
+                                                int key_row, int quad,
+                                                const DropoutStep<kDropout, T::kBlockM>& drop = {}) {
 #pragma unroll
   for (int k = 0; k < T::kBlockM / 16; ++k) {
 #pragma unroll
@@ -767,8 +857,13 @@ __device__ __forceinline__ void grads_from_tile(float (&dp)[T::kBlockM / 2], con
       const float2 x = sm80::bwd::unpack_pair<typename T::Element>(bits);
       const int i = 8 * k + 2 * r;  // accumulator index of the pair's first element
       const int col = 8 * (i / 4) + 2 * quad;
-      dp[i] = x.x == 0.f ? 0.f : x.x * (dp[i] - dsum[col]);
-      dp[i + 1] = x.y == 0.f ? 0.f : x.y * (dp[i + 1] - dsum[col + 1]);
+      float dp0 = dp[i], dp1 = dp[i + 1];
+      if constexpr (kDropout) {
+        dp0 = drop.scale_grad(dp0, i);
+        dp1 = drop.scale_grad(dp1, i + 1);
+      }
+      dp[i] = x.x == 0.f ? 0.f : x.x * (dp0 - dsum[col]);
+      dp[i + 1] = x.y == 0.f ? 0.f : x.y * (dp1 - dsum[col + 1]);
     }
   }
 }
@@ -875,8 +970,9 @@ __device__ __forceinline__ void flush_dq_piece(const BackwardKernelArgs& args, c
 }
 
 /** Epilogue: this consumer's dK = softmax_scale * sum dS^T Q and dV = sum P^T dO (64 keys from
- *  key_row0, head-dim columns from col0), column pairs as 4-byte stores. */
-template <class T>
+ *  key_row0, head-dim columns from col0), column pairs as 4-byte stores. kDropout: dV summed
+ *  (P^T o kept) dO, so it is multiplied by keep_scale here, once. */
+template <class T, bool kDropout = false>
 __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBlockWork& w,
                                             const float (&dk)[T::kColsPerConsumer / 2],
                                             const float (&dv)[T::kColsPerConsumer / 2], int key_row0, int col0,
@@ -898,7 +994,12 @@ __device__ __forceinline__ void store_dk_dv(const BackwardParams& p, const KeyBl
       if (col >= p.head_dim) continue;
       const int i = 4 * j + 2 * half;
       *reinterpret_cast<uint32_t*>(dk_row + col) = pack_pair<Element>(dk[i] * p.softmax_scale, dk[i + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(dv_row + col) = pack_pair<Element>(dv[i], dv[i + 1]);
+      if constexpr (kDropout) {
+        const float ks = p.dropout.keep_scale;
+        *reinterpret_cast<uint32_t*>(dv_row + col) = pack_pair<Element>(dv[i] * ks, dv[i + 1] * ks);
+      } else {
+        *reinterpret_cast<uint32_t*>(dv_row + col) = pack_pair<Element>(dv[i], dv[i + 1]);
+      }
     }
   }
 }
@@ -920,8 +1021,9 @@ constexpr uint32_t kConsumersBarrier = 1;
  *    next tile's first step may write any of the buffers.
  *  The role split's consumers reach the consumer barrier from different code: its non-.aligned
  *  form. Replaces 4-byte stores from registers (8 rows x 16 bytes per warp instruction), which
- *  took ~18% of a tile at S = 512, d64 and d128 (session 14's trace; docs/PERF.md). */
-template <class T>
+ *  took ~18% of a tile at S = 512, d64 and d128 (session 14's trace; docs/PERF.md).
+ *  kDropout: dV is multiplied by keep_scale (see store_dk_dv). */
+template <class T, bool kDropout = false>
 __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                                    const KeyBlockWork& w, const float (&dk)[T::kColsPerConsumer / 2],
                                                    const float (&dv)[T::kColsPerConsumer / 2], int consumer, int t) {
@@ -940,7 +1042,7 @@ __device__ __forceinline__ void store_dk_dv_staged(const BackwardKernelArgs& arg
     for (int c = c0; c < c0 + T::kGradChunksPerRound; ++c) {
       const bool is_dk = c < kChunksPerGrad;
       const float(&acc)[T::kColsPerConsumer / 2] = is_dk ? dk : dv;
-      const float factor = is_dk ? scale : 1.f;
+      const float factor = is_dk ? scale : (kDropout ? args.params.dropout.keep_scale : 1.f);
       const int chunk = is_dk ? c : c - kChunksPerGrad;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -985,15 +1087,15 @@ __device__ __forceinline__ bool dk_dv_by_tma(const BackwardKernelArgs& args, con
 
 /** This consumer's dK and dV of the tile to memory: staged and stored by TMA where dk_dv_by_tma
  *  allows, else from registers (rows from key_row0, columns from col0). */
-template <class T>
+template <class T, bool kDropout = false>
 __device__ __forceinline__ void store_tile_grads(const BackwardKernelArgs& args, const BackwardSmem<T>& sm,
                                                  const KeyBlockWork& w, const float (&dk)[T::kColsPerConsumer / 2],
                                                  const float (&dv)[T::kColsPerConsumer / 2], int consumer, int t,
                                                  int key_row0, int col0, int quad) {
   if (dk_dv_by_tma<T>(args, w)) {
-    store_dk_dv_staged<T>(args, sm, w, dk, dv, consumer, t);
+    store_dk_dv_staged<T, kDropout>(args, sm, w, dk, dv, consumer, t);
   } else {
-    store_dk_dv<T>(args.params, w, dk, dv, key_row0, col0, quad);
+    store_dk_dv<T, kDropout>(args.params, w, dk, dv, key_row0, col0, quad);
   }
 }
 
@@ -1060,8 +1162,12 @@ __device__ __forceinline__ void finish_step(const BackwardKernelArgs& args, cons
 /** One consumer warpgroup when the block is shared by keys: its 64 keys through every query
  *  step, then dK and dV to memory. kWithDq is a template parameter, not a run-time flag: a wgmma
  *  under a run-time branch made ptxas serialize every wgmma of the loop and spill ~680 bytes
- *  (d128). */
-template <class T, bool kWithDq, bool kCarryDk, bool kAlibi>
+ *  (d128). kDropout: each step's keep bits of this consumer's 64 keys are drawn into its mask under
+ *  the step's S^T and dP^T wgmmas (backward_dropout.cuh), after the dQ flush (drawn before it,
+ *  beside the flush's values, the d128 kernels spilled ~100 bytes more), published by a warpgroup
+ *  barrier and gathered into one register per 64 queries at once; the mask is rewritten only
+ *  after the step's dS barrier, which every thread passes after its gather. */
+template <class T, bool kWithDq, bool kCarryDk, bool kAlibi, bool kDropout = false>
 __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                         const TileCursor& at, int consumer, [[maybe_unused]] int& trace_events) {
   [[maybe_unused]] const int role = 1 + consumer;  // trace role
@@ -1073,6 +1179,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   const int wg_key0 = w.n0 + consumer * T::kKeysPerConsumer;
   const sm80::bwd::ScoreTransform tf = sm80::bwd::ScoreTransform::make(p);
   const bool softcap = tf.softcap > 0.f;
+  [[maybe_unused]] uint32_t* drop_mask = nullptr;  // this consumer's keep-bit mask (kDropout)
+  if constexpr (kDropout) drop_mask = dropout_masks<T>(sm) + consumer * (T::kDropoutMaskBytes / 4);
 
   // Two schedules of a step. kDvUnderDs (64 queries per step): S^T and dP^T are two wgmma
   // groups; P^T is computed while dP^T still runs and dV += P^T dO is issued before dS^T is
@@ -1122,6 +1230,14 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
     ptx::wgmma_commit_group();
     // The previous step's dQ piece, staged in shared memory, goes out under S^T and dP^T.
     if (kWithDq && step > 0 && dq_by_tma<T>(w, step - 1)) flush_dq_piece<T>(args, sm, w, step - 1, consumer, t);
+    if constexpr (kDropout) {
+      // This step's keep bits, also under S^T and dP^T.
+      write_dropout_mask<T::kBlockM>(drop_mask, p.dropout, dropout_problem(p, w, step), m0,
+                                     static_cast<uint32_t>(wg_key0 / T::kKeysPerConsumer), t);
+      ptx::named_barrier_sync(warpgroup_barrier(consumer), T::kWarpgroupThreads);
+    }
+    // This thread's bits, one register per 64 queries from here to dS^T.
+    const auto drop = read_dropout_step<T, kDropout>(p, drop_mask, key_row - consumer * T::kKeysPerConsumer, quad);
     if constexpr (kDvUnderDs) {
       // P^T while dP^T still runs, then dV += P^T dO under dS^T's element-wise part.
       ptx::wgmma_wait_group<1>();
@@ -1129,8 +1245,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       retire_carried_dk(step);
       BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
-        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi>(s, pa, lse, tf, mask, m0,
-                                                                                     key_row0, quad, alibi);
+        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi, kDropout>(
+            s, pa, lse, tf, mask, m0, key_row0, quad, alibi, drop);
       });
       ptx::wgmma_fence();
       issue_from_registers<T>(dv, pa, sm.do_addr(stage), 0);
@@ -1139,9 +1255,9 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       ptx::wgmma_wait_group<1>();  // dP^T (dV may still run)
       ptx::wgmma_fence_operands(dp);
       if (masked) {
-        grads<T, true>(dp, s, dsum, mask, m0, key_row0, quad);
+        grads<T, true, kDropout>(dp, s, dsum, mask, m0, key_row0, quad, drop);
       } else {
-        grads<T, false>(dp, s, dsum, mask, m0, key_row0, quad);
+        grads<T, false, kDropout>(dp, s, dsum, mask, m0, key_row0, quad, drop);
       }
     } else {
       ptx::wgmma_wait_group<0>();
@@ -1150,8 +1266,8 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
       retire_carried_dk(step);
       BWD_TRACE(trace_events, role, kSReady, step);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
-        probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi>(
-            s, dp, lse, dsum, tf, mask, m0, key_row0, quad, alibi);
+        probabilities_and_grads<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi, kDropout>(
+            s, dp, lse, dsum, tf, mask, m0, key_row0, quad, alibi, drop);
       });
     }
     pack_a_fragments<T>(dp, dsa);
@@ -1178,7 +1294,7 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
   if (kWithDq && w.steps > 0 && dq_by_tma<T>(w, w.steps - 1)) {
     flush_dq_piece<T>(args, sm, w, w.steps - 1, consumer, t);
   }
-  store_tile_grads<T>(args, sm, w, dk, dv, consumer, t, key_row0, 0, quad);
+  store_tile_grads<T, kDropout>(args, sm, w, dk, dv, consumer, t, key_row0, 0, quad);
   BWD_TRACE(trace_events, role, kTileEnd, 0);
 }
 
@@ -1194,11 +1310,17 @@ __device__ void consume(const BackwardKernelArgs& args, const BackwardSmem<T>& s
  *  per step (the non-.aligned barrier forms: each role meets them from its own code); neither
  *  side can arrive twice ahead, because each waits on the other's barrier of the step before. The P and dS tiles are double-buffered by step parity: a consumer writes a
  *  buffer at step i + 2 only after a barrier the other consumer reaches once its step-i wgmmas
- *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2). */
-template <class T, bool kWithDq, int kConsumer, bool kAlibi>
+ *  completed (consumer 0: barrier 3 of step i + 1; consumer 1: barrier 2 of step i + 2).
+ *  kDropout: consumer 1, which would otherwise wait for P^T, draws the step's keep bits into the
+ *  mask right after issuing dP^T and arrives on barrier 6, on which consumer 0 syncs before it
+ *  forms P^T: consumer 0 keeps P^T o kept for dV (registers and the P tile) and stores the whole
+ *  X^T into the dS tile; consumer 1 reads Z from the mask for dS^T (its own warps' bits, ordered by
+ *  barrier 2). Consumer 1 rewrites the mask only after barrier 3, which consumer 0 reaches after
+ *  reading it, and cannot arrive on barrier 6 twice ahead for the same reason. */
+template <class T, bool kWithDq, int kConsumer, bool kAlibi, bool kDropout = false>
 __device__ void consume_split_roles(const BackwardKernelArgs& args, const BackwardSmem<T>& sm, const KeyBlockWork& w,
                                     const TileCursor& at, int& trace_events) {
-  constexpr uint32_t kPReady = 2, kDsReady = 3;
+  constexpr uint32_t kPReady = 2, kDsReady = 3, kMaskReady = 6;
   constexpr int consumer = kConsumer;  // a template parameter: no wgmma under a run-time branch
   const BackwardParams& p = args.params;
   const int t = static_cast<int>(ptx::thread_in_warpgroup());
@@ -1208,6 +1330,8 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
   const int col0 = consumer * T::kColsPerConsumer;
   const sm80::bwd::ScoreTransform tf = sm80::bwd::ScoreTransform::make(p);
   const bool softcap = tf.softcap > 0.f;
+  [[maybe_unused]] uint32_t* drop_mask = nullptr;  // the keep-bit mask consumer 1 writes (kDropout)
+  if constexpr (kDropout) drop_mask = dropout_masks<T>(sm);
 
   float dv[T::kColsPerConsumer / 2], dk[T::kColsPerConsumer / 2];
 #pragma unroll
@@ -1228,6 +1352,11 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       issue_scores_t<T>(x, sm.v_addr(), sm.do_addr(stage), 0);
     }
     ptx::wgmma_commit_group();
+    if constexpr (kDropout && consumer == 1) {
+      write_dropout_mask<T::kBlockM>(drop_mask, p.dropout, dropout_problem(p, w, step), m0,
+                                     static_cast<uint32_t>(w.n0 / T::kBlockN), t);
+      ptx::barrier_arrive_any(kMaskReady, T::kConsumerThreads);
+    }
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(x);
 
@@ -1237,12 +1366,14 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       const bool masked = kAlibi || !w.mask(p).tile_fully_visible(m0, m0 + T::kBlockM, w.n0, w.n0 + T::kBlockN);
       const TileMask mask = TileMask::make(w.mask(p));
       const auto alibi = AlibiStep<kAlibi>::make(p, w, step, m0, key_row0, quad);
+      if constexpr (kDropout) ptx::barrier_sync_any(kMaskReady, T::kConsumerThreads);  // the step's keep bits
+      const auto drop = read_dropout_step<T, kDropout>(p, drop_mask, key_row, quad);
       with_score_variant(softcap, masked, [&](auto kSoftcap, auto kMasked) {
-        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi>(x, pa, lse, tf, mask, m0,
-                                                                                     key_row0, quad, alibi);
+        probabilities<T, decltype(kSoftcap)::value, decltype(kMasked)::value, kAlibi, kDropout>(
+            x, pa, lse, tf, mask, m0, key_row0, quad, alibi, drop);
       });
       store_key_tile<T>(pa, sm.p_ptr(buf), key_row, quad);
-      if (softcap) {  // x = P^T (1 - t^2)
+      if (kDropout || softcap) {  // x = P^T (1 - t^2), or (dropout) P^T where pa is P^T o kept
         uint32_t pc[T::kBlockM / 16][4];
         pack_a_fragments<T>(x, pc);
         store_key_tile<T>(pc, sm.ds_ptr(buf), key_row, quad);
@@ -1261,7 +1392,8 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
       ptx::wgmma_fence_operands(dv);
     } else {
       ptx::barrier_sync_any(kPReady, T::kConsumerThreads);
-      grads_from_tile<T>(x, sm.ds_ptr(buf), sm.dsum(stage) + stat_shift, key_row, quad);
+      grads_from_tile<T, kDropout>(x, sm.ds_ptr(buf), sm.dsum(stage) + stat_shift, key_row, quad,
+                                   read_dropout_step<T, kDropout>(p, drop_mask, key_row, quad));
       uint32_t dsa[T::kBlockM / 16][4];
       pack_a_fragments<T>(x, dsa);
       store_key_tile<T>(dsa, sm.ds_ptr(buf), key_row, quad);
@@ -1273,14 +1405,15 @@ __device__ void consume_split_roles(const BackwardKernelArgs& args, const Backwa
     finish_step<T, kWithDq, false>(args, sm, w, at, step, 0, col0, consumer, pa, dv, dk,  // pa: unused
                                    trace_events);
   }
-  store_tile_grads<T>(args, sm, w, dk, dv, consumer, t, key_row0, col0, quad);
+  store_tile_grads<T, kDropout>(args, sm, w, dk, dv, consumer, t, key_row0, col0, quad);
 }
 
 /** kWithDq: false in deterministic mode, where dq is recomputed by the sm80 dq kernel instead of
  *  accumulated here with atomics. */
 /** kAlibi: the scores carry ALiBi biases (p.alibi_slopes): a kernel of its own, so that the
- *  kernels without them keep their code and registers. */
-template <class T, bool kWithDq, bool kAlibi = false>
+ *  kernels without them keep their code and registers. kDropout likewise (p.dropout; launched
+ *  with T::kDropoutSmemBytes of shared memory for the keep-bit masks). */
+template <class T, bool kWithDq, bool kAlibi = false, bool kDropout = false>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_constant__ BackwardKernelArgs args) {
   extern __shared__ uint8_t smem_raw[];
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
@@ -1342,17 +1475,17 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
     if constexpr (T::kSplitRoles) {
       if (warpgroup == 1) {
         for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-          consume_split_roles<T, kWithDq, 0, kAlibi>(args, sm, w, at, trace_events);
+          consume_split_roles<T, kWithDq, 0, kAlibi, kDropout>(args, sm, w, at, trace_events);
         });
       } else {
         for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-          consume_split_roles<T, kWithDq, 1, kAlibi>(args, sm, w, at, trace_events);
+          consume_split_roles<T, kWithDq, 1, kAlibi, kDropout>(args, sm, w, at, trace_events);
         });
       }
     } else {
       const int consumer = static_cast<int>(warpgroup) - 1;
       for_each_tile([&](const KeyBlockWork& w, const TileCursor& at) {
-        consume<T, kWithDq, T::kCarryDk && kWithDq, kAlibi>(args, sm, w, at, consumer, trace_events);
+        consume<T, kWithDq, T::kCarryDk && kWithDq, kAlibi, kDropout>(args, sm, w, at, consumer, trace_events);
       });
     }
     // The last dQ reductions and dK / dV stores complete before the CTA (and its shared memory)
@@ -1437,7 +1570,16 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   }
   auto* kernel = ws.dq_accum != nullptr ? backward_kernel<T, true> : backward_kernel<T, false>;
   if (p.has_alibi()) kernel = ws.dq_accum != nullptr ? backward_kernel<T, true, true> : backward_kernel<T, false, true>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  uint32_t smem_bytes = T::kSmemBytes;
+  if (p.dropout.enabled()) {  // kernels of their own (with or without ALiBi), and their masks
+    if (p.has_alibi()) {
+      kernel = ws.dq_accum != nullptr ? backward_kernel<T, true, true, true> : backward_kernel<T, false, true, true>;
+    } else {
+      kernel = ws.dq_accum != nullptr ? backward_kernel<T, true, false, true> : backward_kernel<T, false, false, true>;
+    }
+    smem_bytes = T::kDropoutSmemBytes;
+  }
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) {
     return Status::cuda(std::string("cuda_sm90 backward: cannot reserve shared memory: ") + cudaGetErrorString(err));
   }
@@ -1447,7 +1589,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   // S = 512: 139 -> 179 TFLOP/s). Otherwise one CTA per tile.
   const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
   const int64_t grid = persistent_grid(p) ? std::min<int64_t>(ctas, sm_count) : ctas;
-  err = launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(T::kThreads), T::kSmemBytes, stream,
+  err = launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(T::kThreads), smem_bytes, stream,
                       supports_programmatic_launch(p.device_id), args);
   if (err != cudaSuccess) return Status::cuda(std::string("cuda_sm90 backward launch failed: ") + cudaGetErrorString(err));
   return Status::ok();
@@ -1468,7 +1610,9 @@ Status backward_run(const backward_params_t& p, void* workspace, size_t workspac
   Status s = sm80::bwd::launch_preprocess<Element, kHeadDim>(p, ws, stream);
   if (!s.is_ok()) return s;
   if (!(s = launch_main<T>(p, ws, stream)).is_ok()) return s;
-  return sm80::bwd::launch_dq_stage<Element, kHeadDim>(p, ws, stream);
+  // Deterministic dropout calls recompute dq in sm80's dq kernel, whose dropout versions draw the
+  // same mask (common/dropout.hpp); the other stage-3 kernels are untouched by dropout.
+  return sm80::bwd::launch_dq_stage<Element, kHeadDim, /*kDropoutKernels=*/true>(p, ws, stream);
 }
 
 }  // namespace flashcore::cuda::sm90

@@ -37,11 +37,17 @@ struct BackwardEntry {
 }  // namespace
 
 bool sm90_backward_supports(const BackwardParams& p, Status* why) {
+  // Dropout needs no rule of its own: every tile configuration has kDropout kernels
+  // (backward.cuh), which draw the mask of common/dropout.hpp whatever backend ran the forward. So
+  // the checks shared with the forward see the call without it: whether the Hopper forward takes
+  // dropout (its kernels, its paged routes) does not decide where the backward runs.
   if (p.dropout.enabled()) {
-    if (why != nullptr) *why = Status::unsupported("cuda_sm90: dropout_p > 0 runs on cuda_sm80 (the Hopper backward has no dropout)");
+    BackwardParams shared = p;
+    shared.dropout = DropoutParams{};
+    if (!sm90_supports(shared, why)) return false;  // dtype, device, q/k/v addressing
+  } else if (!sm90_supports(p, why)) {
     return false;
   }
-  if (!sm90_supports(p, why)) return false;  // dtype, device, q/k/v addressing
   // The kernel indexes rows, query steps (query blocks x GQA group) and the statistics
   // (heads_q x total_q, a TMA coordinate) in 32 bits.
   constexpr int64_t kMaxBlockM = 128;
