@@ -117,6 +117,13 @@ FC_HOST_DEVICE void gather_keep_bits(const uint32_t* mask, int key_local, int qu
     const uint32_t nibble = (even & 1u) | ((odd & 1u) << 1) | ((even >> 6) & 4u) | ((odd >> 5) & 8u);
     bits[j / 8] |= nibble << (4 * (j % 8));
   }
+#if defined(__CUDA_ARCH__)
+  // Opaque words: otherwise the compiler keeps the partial ORs above and tests each register's
+  // bit in the smallest one holding it, several registers live (and spilled) through P^T and dS^T
+  // instead of one.
+#pragma unroll
+  for (int k = 0; k < kRows / 64; ++k) asm volatile("" : "+r"(bits[k]));
+#endif
 }
 
 /** Whether accumulator register i is kept, from gather_keep_bits' words. */
