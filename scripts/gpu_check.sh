@@ -88,7 +88,7 @@ if [ "$TESTS" = all ]; then
   fi
   for tool in memcheck racecheck synccheck; do
     timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
-      --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*:CudaDropout.SeedAndOffsetSelectTheMask:CudaDropout.ZeroProbabilityIsNoDropout:CudaSm90Dropout.ZeroProbabilityIsNoDropout' >>"$OUTDIR/tests.log" 2>&1
+      --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*:CudaDropout.SeedAndOffsetSelectTheMask:CudaDropout.ZeroProbabilityIsNoDropout:CudaSm90Dropout.ZeroProbabilityIsNoDropout:CudaDropoutSm90Backward.BackwardDrawsTheRulesMask' >>"$OUTDIR/tests.log" 2>&1
     note "compute-sanitizer $tool: rc=$? ($(el))"
   done
   grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$OUTDIR/tests.log" | sort | uniq -c | head -10 | tee -a "$SUM"

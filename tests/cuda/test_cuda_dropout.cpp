@@ -1,6 +1,5 @@
-// Dropout on the portable GPU kernels (cuda_sm80; the Hopper forward has its own tests in
-// test_cuda_dropout_sm90_forward.cpp, and the Hopper backward refuses dropout, so AUTO runs every
-// dropout backward here): forward and backward against the fp64 reference with the same seed and offset
+// Dropout on the portable GPU kernels (cuda_sm80; the Hopper kernels have their own tests in
+// test_cuda_dropout_sm90_forward.cpp and test_cuda_dropout_sm90_backward.cpp): forward and backward against the fp64 reference with the same seed and offset
 // (TESTING.md's tolerance rule), through every configuration a dropout call can reach (head-dim
 // buckets 64 / 128 / 256 and a padded dim, fp16 / bf16, causal both ways, windows, softcap, ALiBi,
 // GQA / MQA, varlen, paged K/V, lengths off every tile size, the deterministic backward), plus
