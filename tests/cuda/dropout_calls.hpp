@@ -1,6 +1,7 @@
 // Direct calls of the GPU dropout tests (test_cuda_dropout*.cpp): small dense problems as 16-bit
-// host patterns, one forward (and backward, when dout is given) through the C ABI, and the
-// conversions the tests read results with. Shared so the backends' tests call the library alike.
+// host patterns, one forward (and backward, when dout is given; or several backwards, on other
+// backends, of one forward) through the C ABI, and the conversions the tests read results with.
+// Shared so the backends' tests call the library alike.
 #pragma once
 
 #include <cmath>
@@ -62,9 +63,16 @@ struct DenseResult {
   std::string error;  // non-empty when a call failed
 };
 
-/** Forward (and, when pr.dout is given, backward) on the GPU through the C ABI. */
-inline DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attention_options opt) {
-  DenseResult r;
+/** The forward on opt.backend, then (when pr.dout is given) one backward per entry of
+ *  backward_backends on that forward's out and lse, on the GPU through the C ABI: every backward
+ *  sees the same O, so backends compare on one forward. Result i holds the forward's out / lse and
+ *  backward i's dq / dk / dv, or its error (a failed forward's error is every result's); with no
+ *  dout or no backends, one result: the forward alone. opt's other fields (causal, deterministic,
+ *  dropout, ...) go to every call. */
+inline std::vector<DenseResult> run_dense_backwards(CudaMemory& mem, const DenseProblem& pr, fc_attention_options opt,
+                                                    const std::vector<fc_backend>& backward_backends) {
+  const bool backward = !pr.dout.empty() && !backward_backends.empty();
+  std::vector<DenseResult> results(backward ? backward_backends.size() : 1);
   const auto dt = static_cast<fc_dtype>(pr.dtype);
   std::vector<void*> owned;
   auto upload = [&](const std::vector<uint16_t>& host, size_t elems) {
@@ -73,7 +81,14 @@ inline DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attenti
     if (!host.empty()) mem.upload(dev, host.data(), elems * 2);
     return dev;
   };
-  const bool backward = !pr.dout.empty();
+  auto finish = [&] {
+    for (void* p : owned) mem.release(p);
+    return results;
+  };
+  auto fail = [&](const std::string& error) {
+    for (DenseResult& r : results) r.error = error;
+    return finish();
+  };
   void* q = upload(pr.q, pr.q_elems());
   void* k = upload(pr.k, pr.k_elems());
   void* v = upload(pr.v, pr.k_elems());
@@ -86,44 +101,42 @@ inline DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attenti
   fc_tensor to = make_tensor(out, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
   fc_tensor tl = make_tensor(lse, FC_DTYPE_F32, {pr.batch, pr.heads_q, pr.sq}, FC_DEVICE_CUDA);
   opt.stream = mem.stream();
-  auto finish = [&] {
-    for (void* p : owned) mem.release(p);
-    return r;
-  };
   size_t ws_bytes = 0;
-  if (fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &ws_bytes) != FC_OK) {
-    r.error = fc_last_error();
-    return finish();
-  }
+  if (fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &ws_bytes) != FC_OK) return fail(fc_last_error());
   void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
   if (ws) owned.push_back(ws);
-  if (fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, ws, ws_bytes) != FC_OK) {
-    r.error = fc_last_error();
-    return finish();
+  if (fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, ws, ws_bytes) != FC_OK) return fail(fc_last_error());
+  DenseResult& first = results.front();
+  first.out.resize(pr.q_elems());
+  mem.download(first.out.data(), out, pr.q_elems() * 2);
+  first.lse.resize(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq));
+  mem.download(first.lse.data(), lse, first.lse.size() * sizeof(float));
+  for (size_t b = 1; b < results.size(); ++b) {
+    results[b].out = first.out;
+    results[b].lse = first.lse;
   }
-  r.out.resize(pr.q_elems());
-  mem.download(r.out.data(), out, pr.q_elems() * 2);
-  r.lse.resize(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq));
-  mem.download(r.lse.data(), lse, r.lse.size() * sizeof(float));
-  if (backward) {
-    void* dout = upload(pr.dout, pr.q_elems());
+  if (!backward) return finish();
+  void* dout = upload(pr.dout, pr.q_elems());
+  fc_tensor tdo = make_tensor(dout, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
+  for (size_t b = 0; b < backward_backends.size(); ++b) {
+    DenseResult& r = results[b];
+    opt.backend = backward_backends[b];
     void* dq = upload({}, pr.q_elems());
     void* dk = upload({}, pr.k_elems());
     void* dv = upload({}, pr.k_elems());
-    fc_tensor tdo = make_tensor(dout, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
     fc_tensor tdq = make_tensor(dq, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
     fc_tensor tdk = make_tensor(dk, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
     fc_tensor tdv = make_tensor(dv, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
     size_t bws_bytes = 0;
     if (fc_attention_backward_workspace(&tq, &tk, &tv, &opt, &bws_bytes) != FC_OK) {
       r.error = fc_last_error();
-      return finish();
+      continue;
     }
     void* bws = bws_bytes ? mem.alloc(bws_bytes) : nullptr;
     if (bws) owned.push_back(bws);
     if (fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, bws, bws_bytes) != FC_OK) {
       r.error = fc_last_error();
-      return finish();
+      continue;
     }
     r.dq.resize(pr.q_elems());
     r.dk.resize(pr.k_elems());
@@ -133,6 +146,11 @@ inline DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attenti
     mem.download(r.dv.data(), dv, pr.k_elems() * 2);
   }
   return finish();
+}
+
+/** Forward (and, when pr.dout is given, backward) on opt.backend on the GPU through the C ABI. */
+inline DenseResult run_dense(CudaMemory& mem, const DenseProblem& pr, fc_attention_options opt) {
+  return run_dense_backwards(mem, pr, opt, {static_cast<fc_backend>(opt.backend)}).front();
 }
 
 inline fc_attention_options dropout_options(fc_backend backend, double p, uint64_t seed, uint64_t offset) {

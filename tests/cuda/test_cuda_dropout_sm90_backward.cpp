@@ -12,8 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -21,11 +19,14 @@
 #include "common/grids.hpp"
 #include "common/harness.hpp"
 #include "cuda/cuda_memory.hpp"
+#include "cuda/dropout_calls.hpp"
 #include "cuda/sm90/backward_dropout.cuh"
 #include "flashcore/flashcore.hpp"
 
 namespace flashcore::testing {
 namespace {
+
+using namespace dropout_calls;
 
 bool have_hopper() {
   return fc_cuda_device_count() > 0 && fc_backend_available(FC_BACKEND_CUDA_SM90, 0) &&
@@ -293,126 +294,7 @@ TEST(CudaDropoutSm90Backward, DeterministicIsBitIdentical) {
   }
 }
 
-// ---- direct calls: forward on cuda_sm80, backward on cuda_sm90 ----------------------------------
-
-uint16_t one_bits(int32_t dtype) { return dtype == FC_DTYPE_F16 ? 0x3C00 : 0x3F80; }
-
-uint16_t float_to_bits(float f, int32_t dtype) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (dtype == FC_DTYPE_BF16) return static_cast<uint16_t>(u >> 16);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const int exp = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
-  if (exp <= 0) return static_cast<uint16_t>(sign);
-  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((u >> 13) & 0x3FFu));
-}
-
-float bits_to_float(uint16_t b, int32_t dtype) {
-  uint32_t u;
-  if (dtype == FC_DTYPE_BF16) {
-    u = static_cast<uint32_t>(b) << 16;
-  } else {
-    const uint32_t sign = (b & 0x8000u) << 16, exp = (b >> 10) & 0x1F, man = b & 0x3FFu;
-    if (exp == 0) {
-      const float f = std::ldexp(static_cast<float>(man), -24);
-      return sign ? -f : f;
-    }
-    u = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-struct DenseProblem {
-  int64_t batch = 2, sq = 1, sk = 1, heads_q = 2, heads_kv = 2, d = 64;
-  int32_t dtype = FC_DTYPE_F16;
-  std::vector<uint16_t> q, k, v, dout;
-  size_t q_elems() const { return static_cast<size_t>(batch * sq * heads_q * d); }
-  size_t k_elems() const { return static_cast<size_t>(batch * sk * heads_kv * d); }
-};
-
-struct DenseGrads {
-  std::vector<uint16_t> dq, dk, dv;
-  std::string error;
-};
-
-/** The forward on `forward_backend`, then each of `backward_backends` on its out / lse (one
- *  forward: every backward sees the same O). */
-std::vector<DenseGrads> run_split(CudaMemory& mem, const DenseProblem& pr, fc_attention_options opt,
-                                  fc_backend forward_backend, const std::vector<fc_backend>& backward_backends) {
-  std::vector<DenseGrads> results(backward_backends.size());
-  const auto dt = static_cast<fc_dtype>(pr.dtype);
-  std::vector<void*> owned;
-  auto upload = [&](const std::vector<uint16_t>& host, size_t elems) {
-    void* dev = mem.alloc(elems * 2);
-    owned.push_back(dev);
-    if (!host.empty()) mem.upload(dev, host.data(), elems * 2);
-    return dev;
-  };
-  auto fail = [&](const std::string& e) {
-    for (auto& r : results) r.error = e;
-    for (void* p : owned) mem.release(p);
-    return results;
-  };
-  void* q = upload(pr.q, pr.q_elems());
-  void* k = upload(pr.k, pr.k_elems());
-  void* v = upload(pr.v, pr.k_elems());
-  void* out = upload({}, pr.q_elems());
-  void* dout = upload(pr.dout, pr.q_elems());
-  void* lse = mem.alloc(static_cast<size_t>(pr.batch * pr.heads_q * pr.sq) * sizeof(float));
-  owned.push_back(lse);
-  fc_tensor tq = make_tensor(q, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tk = make_tensor(k, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tv = make_tensor(v, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor to = make_tensor(out, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tdo = make_tensor(dout, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-  fc_tensor tl = make_tensor(lse, FC_DTYPE_F32, {pr.batch, pr.heads_q, pr.sq}, FC_DEVICE_CUDA);
-  opt.stream = mem.stream();
-  opt.backend = forward_backend;
-  size_t ws_bytes = 0;
-  if (fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &ws_bytes) != FC_OK) return fail(fc_last_error());
-  void* ws = ws_bytes ? mem.alloc(ws_bytes) : nullptr;
-  if (ws) owned.push_back(ws);
-  if (fc_attention_forward(&tq, &tk, &tv, &to, &tl, &opt, ws, ws_bytes) != FC_OK) return fail(fc_last_error());
-  for (size_t b = 0; b < backward_backends.size(); ++b) {
-    DenseGrads& r = results[b];
-    opt.backend = backward_backends[b];
-    void* dq = upload({}, pr.q_elems());
-    void* dk = upload({}, pr.k_elems());
-    void* dv = upload({}, pr.k_elems());
-    fc_tensor tdq = make_tensor(dq, dt, {pr.batch, pr.sq, pr.heads_q, pr.d}, FC_DEVICE_CUDA);
-    fc_tensor tdk = make_tensor(dk, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-    fc_tensor tdv = make_tensor(dv, dt, {pr.batch, pr.sk, pr.heads_kv, pr.d}, FC_DEVICE_CUDA);
-    size_t bws_bytes = 0;
-    if (fc_attention_backward_workspace(&tq, &tk, &tv, &opt, &bws_bytes) != FC_OK) {
-      r.error = fc_last_error();
-      continue;
-    }
-    void* bws = bws_bytes ? mem.alloc(bws_bytes) : nullptr;
-    if (bws) owned.push_back(bws);
-    if (fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &opt, bws, bws_bytes) != FC_OK) {
-      r.error = fc_last_error();
-      continue;
-    }
-    r.dq.resize(pr.q_elems());
-    r.dk.resize(pr.k_elems());
-    r.dv.resize(pr.k_elems());
-    mem.download(r.dq.data(), dq, pr.q_elems() * 2);
-    mem.download(r.dk.data(), dk, pr.k_elems() * 2);
-    mem.download(r.dv.data(), dv, pr.k_elems() * 2);
-  }
-  for (void* p : owned) mem.release(p);
-  return results;
-}
-
-fc_attention_options dropout_options(double p, uint64_t seed, uint64_t offset) {
-  fc_attention_options opt{};
-  opt.dropout_p = p;
-  opt.dropout_seed = seed;
-  opt.dropout_offset = offset;
-  return opt;
-}
+// ---- direct calls (dropout_calls.hpp): forward on cuda_sm80, backward on cuda_sm90 --------------
 
 // q = 0: every visible probability of a row is 1 / (visible keys). dout of query head h, row i =
 // e_(g * sq + i) with g = h's index in its GQA group (sq * group <= head_dim): column g * sq + i
@@ -452,10 +334,10 @@ TEST(CudaDropoutSm90Backward, BackwardDrawsTheRulesMask) {
               for (int64_t j = 0; j < pr.sk; ++j) pr.v[at(b, j, h, j % pr.d, pr.sk, pr.heads_kv)] = one_bits(dtype);
             }
           }
-          fc_attention_options opt = dropout_options(p, 0xbeefull + dim, 77ull << 32);
+          fc_attention_options opt = dropout_options(FC_BACKEND_CUDA_SM80, p, 0xbeefull + dim, 77ull << 32);
           opt.causal = causal;
           opt.deterministic = deterministic;
-          const std::vector<DenseGrads> r = run_split(mem, pr, opt, FC_BACKEND_CUDA_SM80, {FC_BACKEND_CUDA_SM90});
+          const std::vector<DenseResult> r = run_dense_backwards(mem, pr, opt, {FC_BACKEND_CUDA_SM90});
           ASSERT_TRUE(r[0].error.empty()) << r[0].error;
           const DropoutParams d = make_dropout(p, opt.dropout_seed, opt.dropout_offset);
           int64_t visible = 0, kept = 0, wrong = 0;
@@ -502,28 +384,6 @@ TEST(CudaDropoutSm90Backward, BackwardDrawsTheRulesMask) {
   }
 }
 
-DenseProblem random_problem(int64_t d, int32_t dtype, int64_t heads_kv, uint64_t seed) {
-  DenseProblem pr;
-  pr.batch = 2;
-  pr.sq = 190;
-  pr.sk = 301;
-  pr.heads_q = 4;
-  pr.heads_kv = heads_kv;
-  pr.d = d;
-  pr.dtype = dtype;
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  auto fill = [&](std::vector<uint16_t>& t, size_t n) {
-    t.resize(n);
-    for (auto& x : t) x = float_to_bits(u(rng), dtype);
-  };
-  fill(pr.q, pr.q_elems());
-  fill(pr.k, pr.k_elems());
-  fill(pr.v, pr.k_elems());
-  fill(pr.dout, pr.q_elems());
-  return pr;
-}
-
 /** max |a - b| over max |b| (16-bit patterns). */
 double relative_max_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int32_t dtype) {
   double diff = 0, scale = 0;
@@ -545,10 +405,11 @@ TEST(CudaDropoutSm90Backward, AgreesWithSm80) {
     const double tol = dtype == FC_DTYPE_F16 ? 1e-2 : 3e-2;
     for (int64_t dim : {64, 128, 256, 96}) {
       for (bool causal : {false, true}) {
-        const DenseProblem pr = random_problem(dim, dtype, causal ? 1 : 2, 31 + dim);
-        fc_attention_options opt = dropout_options(0.3, 1234 + dim, 5);
+        const DenseProblem pr =
+            random_problem(dim, dtype, 31 + dim, 190, 301, 4, causal ? 1 : 2, 2, /*with_dout=*/true);
+        fc_attention_options opt = dropout_options(FC_BACKEND_CUDA_SM80, 0.3, 1234 + dim, 5);
         opt.causal = causal;
-        const auto r = run_split(mem, pr, opt, FC_BACKEND_CUDA_SM80, {FC_BACKEND_CUDA_SM90, FC_BACKEND_CUDA_SM80});
+        const auto r = run_dense_backwards(mem, pr, opt, {FC_BACKEND_CUDA_SM90, FC_BACKEND_CUDA_SM80});
         ASSERT_TRUE(r[0].error.empty() && r[1].error.empty()) << r[0].error << r[1].error;
         const std::string what = std::string(dtype == FC_DTYPE_F16 ? "fp16" : "bf16") + " d" + std::to_string(dim) +
                                  (causal ? " causal" : "");
@@ -556,7 +417,8 @@ TEST(CudaDropoutSm90Backward, AgreesWithSm80) {
         EXPECT_LT(relative_max_difference(r[0].dk, r[1].dk, dtype), tol) << what << " dk";
         EXPECT_LT(relative_max_difference(r[0].dv, r[1].dv, dtype), tol) << what << " dv";
         // Without dropout (the same forward would differ too: its own run, its own O).
-        const auto none = run_split(mem, pr, dropout_options(0, 0, 0), FC_BACKEND_CUDA_SM80, {FC_BACKEND_CUDA_SM90});
+        const auto none =
+            run_dense_backwards(mem, pr, dropout_options(FC_BACKEND_CUDA_SM80, 0, 0, 0), {FC_BACKEND_CUDA_SM90});
         ASSERT_TRUE(none[0].error.empty()) << none[0].error;
         EXPECT_GT(relative_max_difference(r[0].dv, none[0].dv, dtype), 0.1) << what << ": dropout changes dv";
       }
@@ -571,13 +433,13 @@ TEST(CudaDropoutSm90Backward, ZeroProbabilityIsNoDropout) {
   CudaMemory mem;
   for (int64_t dim : {64, 128, 256}) {
     for (int32_t dtype : {FC_DTYPE_F16, FC_DTYPE_BF16}) {
-      const DenseProblem pr = random_problem(dim, dtype, 2, 9 + dim);
-      fc_attention_options plain = dropout_options(0, 0, 0);
-      fc_attention_options seeded = dropout_options(0, 0xabcdefull, 99ull << 40);
+      const DenseProblem pr = random_problem(dim, dtype, 9 + dim, 190, 301, 4, 2, 2, /*with_dout=*/true);
+      fc_attention_options plain = dropout_options(FC_BACKEND_CUDA_SM80, 0, 0, 0);
+      fc_attention_options seeded = dropout_options(FC_BACKEND_CUDA_SM80, 0, 0xabcdefull, 99ull << 40);
       plain.deterministic = seeded.deterministic = 1;
       plain.causal = seeded.causal = dim == 128;
-      const auto a = run_split(mem, pr, plain, FC_BACKEND_CUDA_SM80, {FC_BACKEND_CUDA_SM90});
-      const auto b = run_split(mem, pr, seeded, FC_BACKEND_CUDA_SM80, {FC_BACKEND_CUDA_SM90});
+      const auto a = run_dense_backwards(mem, pr, plain, {FC_BACKEND_CUDA_SM90});
+      const auto b = run_dense_backwards(mem, pr, seeded, {FC_BACKEND_CUDA_SM90});
       ASSERT_TRUE(a[0].error.empty() && b[0].error.empty()) << a[0].error << b[0].error;
       EXPECT_EQ(a[0].dq, b[0].dq) << "d" << dim;
       EXPECT_EQ(a[0].dk, b[0].dk) << "d" << dim;
