@@ -8,6 +8,7 @@ shows both the price of the mask and what the Hopper kernels gain over the porta
 
 usage: PYTHONPATH=<package> python3 bench/dropout_bench.py [--p 0.1] [--dtype bf16]
        [--cells 64:2048:0,128:4096:1,...]   (head_dim:seqlen:causal; 16k tokens, model dim 2048)
+       [--impls "fc drop,fc80 drop,FA2 drop"] (a subset of the columns; fc drop and FA2 drop give the ratio)
 """
 import argparse
 import os
@@ -47,6 +48,7 @@ def main():
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--cells", default=DEFAULT_CELLS)
+    ap.add_argument("--impls", default="", help="comma-separated column names to time (default: all)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     B = torch.nn.attention.SDPBackend
@@ -59,6 +61,12 @@ def main():
         ("FA2 none", lambda *x: sdpa(B.FLASH_ATTENTION, *x, 0.0)),
         ("effic drop", lambda *x: sdpa(B.EFFICIENT_ATTENTION, *x, args.p)),
     ]
+    if args.impls:
+        wanted = [x.strip() for x in args.impls.split(",")]
+        unknown = set(wanted) - {name for name, _ in impls}
+        if unknown:
+            ap.error(f"--impls: unknown column(s) {sorted(unknown)}")
+        impls = [(name, fn) for name, fn in impls if name in wanted]
     print(f"# {torch.cuda.get_device_name()}, {args.dtype}, dropout_p {args.p}; TFLOP/s (fwd+bwd counts 3.5x the "
           f"forward's FLOPs), CUDA events around calls back to back")
     print("cell                 " + "".join(f"{name:>22}" for name, _ in impls) + "   drop fc/FA2 (fwd, fwd+bwd)")
@@ -77,7 +85,7 @@ def main():
                 print(f"#   {name} at {cell}: {type(e).__name__}: {str(e)[:120]}")
         cells = "".join(f"{'-':>22}" if r is None else f"{r[0]:>10.1f} / {r[1]:>9.1f}" for r in rates.values())
         ratio = ""
-        if rates["fc drop"] and rates["FA2 drop"]:
+        if rates.get("fc drop") and rates.get("FA2 drop"):
             ratio = f"   {rates['fc drop'][0] / rates['FA2 drop'][0]:.2f}x, {rates['fc drop'][1] / rates['FA2 drop'][1]:.2f}x"
         print(f"d{head_dim:<3} S{seqlen:<6} {'causal' if causal else 'full  '}  {cells}{ratio}", flush=True)
 

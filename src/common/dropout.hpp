@@ -28,6 +28,10 @@
 
 namespace flashcore {
 
+// Philox4x32-10's multipliers and key increments (Salmon et al.).
+constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
+
 /** One call's dropout, as the backends see it (AttentionParams::dropout). */
 struct DropoutParams {
   float p = 0.f;                 // probability of dropping; 0 = off
@@ -35,9 +39,25 @@ struct DropoutParams {
   uint32_t kept_threshold = 0;   // a 16-bit draw below this keeps the entry (round((1 - p) * 65536))
   uint32_t key0 = 0, key1 = 0;   // Philox key: seed low word, seed high word + offset high word
   uint32_t offset_lo = 0;        // counter word 3
+  // Derived for the GPU kernels, which read these from their parameters (uniform registers and
+  // constant operands) instead of computing them per call:
+  // - kept_below_hi = kept_threshold * 65536 - 1: draw e of a word is kept when the word shifted so
+  //   the draw is its high half (word << 16, or the word itself) is <= this; one compare per draw,
+  //   no mask or shift of the word (kept_threshold 65536 gives 0xFFFFFFFF: every draw kept);
+  // - round_keys[r] = the Philox key of round r, (key0 + r W0, key1 + r W1): 20 additions saved
+  //   per call, and no key registers to keep live (philox4x32_10_rounds).
+  uint32_t kept_below_hi = 0;
+  uint32_t round_keys[10][2] = {};
+  // Pads the derived fields to 96 bytes, a multiple of 16: the kernels' argument structs hold
+  // AttentionParams (which ends with this struct) before fields of their own, and ptxas vectorizes
+  // parameter loads by their alignment. Fields shifted by 84 bytes compiled the d64 Hopper
+  // forward kernels WITHOUT dropout to +2-3% instructions; shifted by 96, to the same SASS.
+  uint32_t alignment_pad[3] = {};
 
   FC_HOST_DEVICE bool enabled() const { return p > 0.f; }
 };
+
+static_assert(sizeof(DropoutParams) == 24 + 96, "the derived fields' 96 bytes keep later kernel arguments aligned");
 
 /** The Philox key and threshold of (p, seed, offset); p in [0, 1). */
 inline DropoutParams make_dropout(double p, uint64_t seed, uint64_t offset) {
@@ -50,6 +70,16 @@ inline DropoutParams make_dropout(double p, uint64_t seed, uint64_t offset) {
   d.key0 = static_cast<uint32_t>(seed);
   d.key1 = static_cast<uint32_t>(seed >> 32) + static_cast<uint32_t>(offset >> 32);
   d.offset_lo = static_cast<uint32_t>(offset);
+  // kept_threshold is >= 1 here for any p < 1 - 2^-17; a threshold of 0 ("keeps nothing") is
+  // refused by validation before a kernel could read the wrapped value.
+  d.kept_below_hi = static_cast<uint32_t>((static_cast<uint64_t>(d.kept_threshold) << 16) - 1u);
+  uint32_t k0 = d.key0, k1 = d.key1;
+  for (int r = 0; r < 10; ++r) {
+    d.round_keys[r][0] = k0;
+    d.round_keys[r][1] = k1;
+    k0 += kPhiloxWeyl0;
+    k1 += kPhiloxWeyl1;
+  }
   return d;
 }
 
@@ -68,29 +98,50 @@ FC_HOST_DEVICE void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) 
   hi = static_cast<uint32_t>(prod >> 32);
 #endif
 }
+/** One Philox round on the counter words under the round's key (k0, k1). */
+FC_HOST_DEVICE void one_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0, uint32_t k1) {
+  uint32_t hi0, lo0, hi1, lo1;
+  mulhilo(kPhiloxMul0, c0, hi0, lo0);
+  mulhilo(kPhiloxMul1, c2, hi1, lo1);
+  const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+  c0 = n0;
+  c1 = lo1;
+  c2 = n2;
+  c3 = lo0;
+}
 }  // namespace philox_detail
 
 /** Philox4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1). */
 FC_HOST_DEVICE PhiloxWords philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
                                          uint32_t k1) {
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    philox_detail::mulhilo(kMul0, c0, hi0, lo0);
-    philox_detail::mulhilo(kMul1, c2, hi1, lo1);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += kWeyl0;
-    k1 += kWeyl1;
+  for (int r = 0; r < 10; ++r) {
+    philox_detail::one_round(c0, c1, c2, c3, k0, k1);
+    k0 += kPhiloxWeyl0;
+    k1 += kPhiloxWeyl1;
   }
   return {{c0, c1, c2, c3}};
+}
+
+/** philox4x32_10 with its ten rounds' keys given (DropoutParams::round_keys): the GPU kernels'
+ *  form. Read from a kernel's parameters, each key is a constant operand of the round's XOR, so
+ *  a call is its 20 multiplies and 20 three-way XORs and holds no key registers. */
+FC_HOST_DEVICE PhiloxWords philox4x32_10_rounds(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                                const uint32_t (&round_keys)[10][2]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int r = 0; r < 10; ++r) philox_detail::one_round(c0, c1, c2, c3, round_keys[r][0], round_keys[r][1]);
+  return {{c0, c1, c2, c3}};
+}
+
+/** Whether draw e (0: the low 16 bits, 1: the high) of a Philox word keeps its entry:
+ *  draw < kept_threshold, as one 32-bit compare against kept_below_hi (the draw moved to the
+ *  high half; the bits below it cannot lift it past kept_threshold * 65536 - 1). */
+FC_HOST_DEVICE bool dropout_draw_kept(uint32_t word, int e, const DropoutParams& d) {
+  return (e == 0 ? word << 16 : word) <= d.kept_below_hi;
 }
 
 /** Counter word 0 of the call that serves key column j (see the file comment). */

@@ -47,6 +47,36 @@ TEST(DropoutRng, ParametersFromProbability) {
 // One Philox call serves the columns one accumulator thread holds in a row: 8n + 2t + {0, 1} for
 // n = 4u .. 4u + 3 of a 64-key block, and dropout_keep_bits (the CPU form) agrees with the
 // per-entry rule everywhere.
+// The GPU kernels' forms: the rounds' keys precomputed (philox4x32_10_rounds with
+// DropoutParams::round_keys) and one compare per draw against kept_below_hi (dropout_draw_kept)
+// must give the rule's draws and decisions, for every 16-bit draw and threshold edge.
+TEST(DropoutRng, KernelFormsAreTheRule) {
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<uint32_t>(state >> 32);
+  };
+  for (int i = 0; i < 2000; ++i) {
+    const uint64_t seed = (static_cast<uint64_t>(next()) << 32) | next();
+    const uint64_t offset = (static_cast<uint64_t>(next()) << 32) | next();
+    const DropoutParams d = make_dropout(0.3, seed, offset);
+    const uint32_t c0 = next(), c1 = next(), c2 = next();
+    const PhiloxWords a = philox4x32_10(c0, c1, c2, d.offset_lo, d.key0, d.key1);
+    const PhiloxWords b = philox4x32_10_rounds(c0, c1, c2, d.offset_lo, d.round_keys);
+    for (int w = 0; w < 4; ++w) ASSERT_EQ(a.w[w], b.w[w]) << "call " << i << " word " << w;
+  }
+  for (double p : {1e-6, 1.0 / 65536, 0.1, 0.5, 0.9, 1.0 - 2.0 / 65536, 1.0 - 1.0 / 65536}) {
+    const DropoutParams d = make_dropout(p, 7, 0);
+    ASSERT_GE(d.kept_threshold, 1u);
+    for (uint32_t draw = 0; draw < 65536; ++draw) {
+      const uint32_t other = next() & 0xFFFFu;  // the word's other half must not matter
+      const bool kept = draw < d.kept_threshold;
+      ASSERT_EQ(dropout_draw_kept((other << 16) | draw, 0, d), kept) << "p " << p << " draw " << draw;
+      ASSERT_EQ(dropout_draw_kept((draw << 16) | other, 1, d), kept) << "p " << p << " draw " << draw;
+    }
+  }
+}
+
 TEST(DropoutRng, ColumnGroupsMatchTheAccumulatorLayout) {
   for (int64_t j = 0; j < 64 * 5; ++j) {
     const int64_t block = j / 64, n = (j % 64) / 8, t = (j % 8) / 2;

@@ -92,7 +92,8 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
       for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
         if constexpr (kDropout) {
           if (nt % 4 == 0) {  // this row's draws of the next 32 keys, used right away
-            words = dropout_quad_words(*drop.params, drop.bh, static_cast<uint32_t>(m0 + row), key32 + 8 * nt, quad);
+            words = dropout_quad_words_keyed(*drop.params, drop.bh, static_cast<uint32_t>(m0 + row), key32 + 8 * nt,
+                                             quad);
           }
         }
 #pragma unroll
@@ -109,7 +110,7 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
             } else {
               word = words.w[nt % 4];
             }
-            kept = dropout_half_kept(word, j, drop.params->kept_threshold);
+            kept = dropout_half_kept(word, j, *drop.params);
             dp = kept ? dp * drop.params->keep_scale : 0.f;
           }
           // The bias enters the exponent only: it is a constant of the score, so dS keeps its form.

@@ -28,13 +28,21 @@ FC_HOST_DEVICE uint32_t dropout_quad_group(uint32_t key32, int quad) {
  *  quad `quad` over keys key32 .. key32 + 31: word n belongs to n-tile key32 / 8 + n. */
 FC_HOST_DEVICE PhiloxWords dropout_quad_words(const DropoutParams& d, uint32_t bh, uint32_t row, uint32_t key32,
                                               int quad) {
+  return philox4x32_10_rounds(dropout_quad_group(key32, quad), row, bh, d.offset_lo, d.round_keys);
+}
+
+/** dropout_quad_words with the rounds' keys computed in the call from key0 / key1 (20 more
+ *  additions): for kernels where ptxas, given the 20 keys as parameters, keeps them in registers
+ *  across a loop and spills (the d128 dK / dV kernels with ALiBi: 48 -> 152 bytes). */
+FC_HOST_DEVICE PhiloxWords dropout_quad_words_keyed(const DropoutParams& d, uint32_t bh, uint32_t row, uint32_t key32,
+                                                    int quad) {
   return philox4x32_10(dropout_quad_group(key32, quad), row, bh, d.offset_lo, d.key0, d.key1);
 }
 
 /** Whether the column of 16-bit half e (0: the lane's even column, 1: the odd one) of a word is
- *  kept. A 32-bit compare, so kept_threshold = 65536 (keep all) and 0 (keep none) need no case. */
-FC_HOST_DEVICE bool dropout_half_kept(uint32_t word, int e, uint32_t kept_threshold) {
-  return (e == 0 ? (word & 0xFFFFu) : (word >> 16)) < kept_threshold;
+ *  kept (common/dropout.hpp's one-compare form). */
+FC_HOST_DEVICE bool dropout_half_kept(uint32_t word, int e, const DropoutParams& d) {
+  return dropout_draw_kept(word, e, d);
 }
 
 }  // namespace flashcore::cuda::sm80

@@ -55,8 +55,8 @@ struct DropoutMaskLayout {
 
 /** The keep bits of keys 32 half .. 32 half + 31 of 64-key block `block` for query row `row` of
  *  problem bh: bit k for key 32 half + k of the block. Four Philox calls (t = 0..3), each
- *  serving keys 8 (4 half + w) + 2t + e from half e of word w. A 32-bit compare per draw, so
- *  kept_threshold = 65536 (keep all) needs no case. */
+ *  serving keys 8 (4 half + w) + 2t + e from half e of word w. One 32-bit compare per draw
+ *  (dropout_draw_kept), so kept_threshold = 65536 (keep all) needs no case. */
 FC_HOST_DEVICE uint32_t dropout_half_row_bits(const DropoutParams& d, uint32_t bh, uint32_t row, uint32_t block,
                                               int half) {
   uint32_t bits = 0;
@@ -66,22 +66,17 @@ FC_HOST_DEVICE uint32_t dropout_half_row_bits(const DropoutParams& d, uint32_t b
 #pragma unroll 1
 #endif
   for (uint32_t t = 0; t < 4; ++t) {
-    uint32_t key0 = d.key0, key1 = d.key1;
-#if defined(__CUDA_ARCH__)
-    // Opaque per call: otherwise the compiler hoists the ten rounds' keys (20 values, invariant
-    // over the kernel) out of every loop and keeps them in registers the whole kernel.
-    asm volatile("mov.b32 %0, %0;" : "+r"(key0));
-    asm volatile("mov.b32 %0, %0;" : "+r"(key1));
-#endif
-    const PhiloxWords r =
-        philox4x32_10((block << 3) | (t << 1) | static_cast<uint32_t>(half), row, bh, d.offset_lo, key0, key1);
+    // The rounds' keys come from the kernel's parameters (constant operands; computed per call
+    // from key0 / key1 they were 20 additions, or 20 registers when the compiler hoisted them).
+    const PhiloxWords r = philox4x32_10_rounds((block << 3) | (t << 1) | static_cast<uint32_t>(half), row, bh,
+                                               d.offset_lo, d.round_keys);
     uint32_t call_bits = 0;  // keys 8w + {0, 1}, moved to 8w + 2t + {0, 1} below
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
     for (int w = 0; w < 4; ++w) {
-      call_bits |= static_cast<uint32_t>((r.w[w] & 0xFFFFu) < d.kept_threshold) << (8 * w);
-      call_bits |= static_cast<uint32_t>((r.w[w] >> 16) < d.kept_threshold) << (8 * w + 1);
+      call_bits |= static_cast<uint32_t>(dropout_draw_kept(r.w[w], 0, d)) << (8 * w);
+      call_bits |= static_cast<uint32_t>(dropout_draw_kept(r.w[w], 1, d)) << (8 * w + 1);
     }
     bits |= call_bits << (2 * t);
   }

@@ -40,8 +40,8 @@ struct DropoutRows {
 /** Zeroes the dropped entries of P in a thread's accumulator layout (s: kBlockN / 2 registers of
  *  one key block whose first key is key0, a multiple of 32) for the registers below kRegs (a
  *  multiple of 16: whole 32-key halves). One Philox call per (row, 32 keys), its four words used
- *  at once, so only they and the counter are live for a moment. A 32-bit compare against
- *  kept_threshold, so p with a threshold of 0 or 65536 needs no case. */
+ *  at once, so only they and the counter are live for a moment. One 32-bit compare per
+ *  draw (dropout_draw_kept), so a threshold of 65536 needs no case. */
 template <int kRegs, int kBlockRegs>
 FC_HOST_DEVICE void drop_probabilities(float (&s)[kBlockRegs], const DropoutParams& d, const DropoutRows& rows,
                                        uint32_t key0, int quad) {
@@ -64,7 +64,7 @@ FC_HOST_DEVICE void drop_probabilities(float (&s)[kBlockRegs], const DropoutPara
 #endif
         for (int e = 0; e < 2; ++e) {
           float& x = s[dropout_register(u, n, r, e)];
-          x = sm80::dropout_half_kept(words.w[n], e, d.kept_threshold) ? x : 0.f;
+          x = sm80::dropout_half_kept(words.w[n], e, d) ? x : 0.f;
         }
       }
     }
