@@ -60,10 +60,12 @@ struct DropoutMaskLayout {
 FC_HOST_DEVICE uint32_t dropout_half_row_bits(const DropoutParams& d, uint32_t bh, uint32_t row, uint32_t block,
                                               int half) {
   uint32_t bits = 0;
-  // One call at a time: unrolled, ptxas interleaves the four independent calls' state (~10
-  // registers each) beside the accumulators in flight and spills.
+  // The four calls unrolled, so their rounds interleave (one call's 10 dependent multiply-XOR
+  // rounds alone leave the issue slots idle): +1-3% on a training step with dropout (docs/PERF.md
+  // session 45). With the keys computed per call they spilled; with the rounds' keys as
+  // parameters only the d128 ALiBi kernels spill a few bytes more (4 -> 12, 144 -> 148).
 #if defined(__CUDA_ARCH__)
-#pragma unroll 1
+#pragma unroll
 #endif
   for (uint32_t t = 0; t < 4; ++t) {
     // The rounds' keys come from the kernel's parameters (constant operands; computed per call
