@@ -92,13 +92,19 @@ TEST(CudaDropoutSm90Backward, MaskMappingIsTheRule) {
       }
     }
   }
-  // The threshold's ends: p = 0 keeps every draw (kept_threshold 65536 is never enabled(), but the
-  // helper must still keep all), and a threshold of 0 none.
-  DropoutParams all = make_dropout(0.5, 1, 2);
-  all.kept_threshold = 65536;
+  // The thresholds' ends: 65536 (p below 2^-17) keeps every draw; 1 (p = 1 - 2^-16, the largest
+  // p a call may pass) only draws of 0, bit for bit as the rule. Thresholds come from make_dropout
+  // only (kept_below_hi and the rounds' keys derive there; a threshold of 0 is refused by validation).
+  const DropoutParams all = make_dropout(1e-9, 1, 2);
+  ASSERT_EQ(all.kept_threshold, 65536u);
   EXPECT_EQ(cuda::sm90::dropout_half_row_bits(all, 3, 4, 5, 1), 0xFFFFFFFFu);
-  all.kept_threshold = 0;
-  EXPECT_EQ(cuda::sm90::dropout_half_row_bits(all, 3, 4, 5, 0), 0u);
+  const DropoutParams one = make_dropout(1.0 - 1.0 / 65536, 1, 2);
+  ASSERT_EQ(one.kept_threshold, 1u);
+  for (int half = 0; half < 2; ++half) {
+    uint32_t rule = 0;
+    for (int k = 0; k < 32; ++k) rule |= static_cast<uint32_t>(dropout_keeps(one, 3, 4, 5 * 64 + 32 * half + k)) << k;
+    EXPECT_EQ(cuda::sm90::dropout_half_row_bits(one, 3, 4, 5, half), rule) << "half " << half;
+  }
 }
 
 // ---- against the reference ----------------------------------------------------------------------

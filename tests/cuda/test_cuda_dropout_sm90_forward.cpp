@@ -81,15 +81,16 @@ TEST(CudaSm90DropoutFragment, RegistersDrawTheRule) {
     for (uint32_t key0 : {0u, 64u, 448u, (1u << 28) + 64u}) expect_block_mapping<32, 32>(d, rows, key0);
     expect_block_mapping<32, 64>(d, rows, 256u);
   }
-  // p with thresholds 65536 (keep all) and 0 (keep none).
+  // The thresholds' ends: 65536 keeps all (p below 2^-17); 1 (p = 1 - 2^-16, the largest p a call
+  // may pass) keeps only draws of 0. A threshold of 0 is refused by validation, so no kernel meets
+  // it; thresholds come from make_dropout only (kept_below_hi and the rounds' keys derive there).
   float s[64];
   for (float& x : s) x = 1.f;
   cuda::sm90::drop_probabilities<64>(s, make_dropout(1e-9, 1, 2), same, 0, 1);
   for (float x : s) EXPECT_EQ(x, 1.f);
-  DropoutParams none = make_dropout(0.5, 1, 2);
-  none.kept_threshold = 0;
-  cuda::sm90::drop_probabilities<64>(s, none, same, 0, 1);
-  for (float x : s) EXPECT_EQ(x, 0.f);
+  const DropoutParams one = make_dropout(1.0 - 1.0 / 65536, 1, 2);
+  ASSERT_EQ(one.kept_threshold, 1u);
+  for (const cuda::sm90::DropoutRows& rows : {same, packed}) expect_block_mapping<64, 64>(one, rows, 128u);
 }
 
 // ---- against the reference ----------------------------------------------------------------------
