@@ -1313,6 +1313,12 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   v.heads_q = 2;
   v.head_dim = 64;
   cases.push_back(v);
+  // d256 with softcap: the Hopper backward's role split stores X^T = P^T (1 - t^2) into the dS
+  // tile for consumer 1, the path its held-back d256 dropout kernels share (backward_api.cu).
+  Case capped = cases[2];
+  capped.softcap = 30.f;
+  capped.seqlen_q = 200;  // four query steps per GQA head: both dS buffers are reused
+  cases.push_back(capped);
   uint64_t seed = 9;
   const bool sm90 = fc_backend_available(FC_BACKEND_CUDA_SM90, 0);
   for (const Case& c : cases) {
