@@ -32,7 +32,9 @@ namespace flashcore {
 constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
 
-/** One call's dropout, as the backends see it (AttentionParams::dropout). */
+/** One call's dropout, as the backends see it (AttentionParams::dropout). Made by make_dropout
+ *  only: the derived fields below follow from the others, so setting one field by hand leaves the
+ *  kernels' copies stale. */
 struct DropoutParams {
   float p = 0.f;                 // probability of dropping; 0 = off
   float keep_scale = 1.f;        // 1 / (1 - p)
