@@ -255,6 +255,17 @@ std::vector<Case> grid_dropout_matrix(const std::vector<int64_t>& dims, int64_t 
   return cases;
 }
 
+Case dropout_repeat_case() {
+  Case c;
+  c.varlen_q = {130, 77, 256};
+  c.varlen_k = {300, 77, 129};
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  c.causal = true;
+  c.dropout_p = 0.5;
+  return c;
+}
+
 std::vector<Case> grid_varlen(const GridOptions& g) {
   std::vector<Case> v;
   const std::vector<std::vector<int32_t>> qs = {{5, 0, 130, 64}, {1, 1, 1}, {200, 17}};

@@ -42,6 +42,9 @@ std::vector<Case> grid_dropout(const GridOptions& g);
  *  2^32). */
 std::vector<Case> grid_dropout_matrix(const std::vector<int64_t>& dims, int64_t window_keys, int32_t window_left,
                                       uint64_t first_offset);
+/** The dropout repeat tests' case (head_dim left to the caller): causal varlen, GQA 4 / 2,
+ *  sequences of 130 x 300, 77 x 77 and 256 x 129 at p = 0.5. */
+Case dropout_repeat_case();
 /** Fully masked rows, seqlen_k = 0, huge logits. */
 std::vector<Case> grid_edges(const GridOptions& g);
 

@@ -52,7 +52,7 @@ TEST(CudaDropoutFragment, LaneDrawsAreTheRule) {
           for (int n = 0; n < 4; ++n) {
             for (int e = 0; e < 2; ++e) {
               const int64_t key = key32 + 8 * n + 2 * quad + e;
-              ASSERT_EQ(cuda::sm80::dropout_half_kept(words.w[n], e, d),
+              ASSERT_EQ(dropout_draw_kept(words.w[n], e, d),
                         dropout_keeps(d, bh, row, key))
                   << "bh " << bh << " row " << row << " key " << key;
             }
@@ -67,7 +67,7 @@ TEST(CudaDropoutFragment, LaneDrawsAreTheRule) {
     const PhiloxWords words = cuda::sm80::dropout_quad_words(d, 3, 7, far + 32, quad);
     for (int n = 0; n < 4; ++n)
       for (int e = 0; e < 2; ++e)
-        EXPECT_EQ(cuda::sm80::dropout_half_kept(words.w[n], e, d),
+        EXPECT_EQ(dropout_draw_kept(words.w[n], e, d),
                   dropout_keeps(d, 3, 7, far + 32 + 8 * n + 2 * quad + e));
   }
   // The threshold's ends: 65536 keeps every draw (p below 2^-17); 1 keeps only a draw of 0,
@@ -75,12 +75,12 @@ TEST(CudaDropoutFragment, LaneDrawsAreTheRule) {
   const DropoutParams all = make_dropout(1e-6, 1, 0), one = make_dropout(1.0 - 1.0 / 65536, 1, 0);
   ASSERT_EQ(all.kept_threshold, 65536u);
   ASSERT_EQ(one.kept_threshold, 1u);
-  EXPECT_TRUE(cuda::sm80::dropout_half_kept(0xFFFFFFFFu, 0, all));
-  EXPECT_TRUE(cuda::sm80::dropout_half_kept(0xFFFFFFFFu, 1, all));
-  EXPECT_TRUE(cuda::sm80::dropout_half_kept(0xFFFF0000u, 0, one));
-  EXPECT_TRUE(cuda::sm80::dropout_half_kept(0x0000FFFFu, 1, one));
-  EXPECT_FALSE(cuda::sm80::dropout_half_kept(0x00000001u, 0, one));
-  EXPECT_FALSE(cuda::sm80::dropout_half_kept(0x00010000u, 1, one));
+  EXPECT_TRUE(dropout_draw_kept(0xFFFFFFFFu, 0, all));
+  EXPECT_TRUE(dropout_draw_kept(0xFFFFFFFFu, 1, all));
+  EXPECT_TRUE(dropout_draw_kept(0xFFFF0000u, 0, one));
+  EXPECT_TRUE(dropout_draw_kept(0x0000FFFFu, 1, one));
+  EXPECT_FALSE(dropout_draw_kept(0x00000001u, 0, one));
+  EXPECT_FALSE(dropout_draw_kept(0x00010000u, 1, one));
 }
 
 // ---- against the reference ----------------------------------------------------------------------
@@ -205,13 +205,7 @@ TEST(CudaDropout, AutoBackend) {
 TEST(CudaDropout, DeterministicBackwardIsBitIdentical) {
   REQUIRE_GPU();
   CudaMemory mem;
-  Case c;
-  c.varlen_q = {130, 77, 256};
-  c.varlen_k = {300, 77, 129};
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.causal = true;
-  c.dropout_p = 0.5;
+  Case c = dropout_repeat_case();
   c.deterministic = true;
   for (int64_t dim : {64, 128, 256}) {
     c.head_dim = dim;

@@ -195,57 +195,18 @@ void expect_backward(const std::vector<Case>& cases, bool deterministic) {
   }
 }
 
-/** Every head-dim bucket (64, 128, 256) and a padded one (72; 40 in bf16), fp16 and bf16, causal
- *  both ways with lengths off every tile (rows before the first key), GQA and MQA (dk / dv summed
- *  over the group), softcap with a two-sided window, ALiBi (the kAlibi dropout kernels), varlen
- *  with empty sequences, one query row, p = 0.9. */
+/** grid_dropout_matrix over every head-dim bucket (64, 128, 256) and the padded dims 72 and 40,
+ *  fp16 and bf16 (causal both ways with lengths off every tile, rows before the first key; GQA and
+ *  MQA, dk / dv summed over the group; softcap with a two-sided window; ALiBi, the kAlibi dropout
+ *  kernels), plus per dtype and dim varlen with empty sequences, and one query row at p = 0.9. */
 std::vector<Case> sm90_dropout_cases() {
-  std::vector<Case> cases;
-  uint64_t offset = 0;
+  std::vector<Case> cases = grid_dropout_matrix({64, 128, 256, 72, 40}, 270, 70, 0);
+  uint64_t offset = cases.size();
   for (int32_t dtype : {FC_DTYPE_F16, FC_DTYPE_BF16}) {
-    for (int64_t dim : {int64_t{64}, int64_t{128}, int64_t{256}, dtype == FC_DTYPE_F16 ? int64_t{72} : int64_t{40}}) {
-      for (bool causal : {false, true}) {
-        Case c;
-        c.batch = 2;
-        c.seqlen_q = causal ? 333 : 200;
-        c.seqlen_k = causal ? 200 : 333;
-        c.heads_q = 4;
-        c.heads_kv = causal ? 1 : 2;
-        c.head_dim = dim;
-        c.dtype = dtype;
-        c.causal = causal;
-        c.dropout_p = causal ? 0.5 : 0.17;
-        c.dropout_offset = offset++ << 33;
-        cases.push_back(c);
-      }
-      Case sc;  // softcap, two-sided window
-      sc.batch = 1;
-      sc.seqlen_q = 150;
-      sc.seqlen_k = 270;
-      sc.heads_q = sc.heads_kv = 2;
-      sc.head_dim = dim;
-      sc.dtype = dtype;
-      sc.softcap = 20;
-      sc.window_left = 70;
-      sc.window_right = 9;
-      sc.dropout_p = 0.5;
-      sc.dropout_offset = offset++;
-      cases.push_back(sc);
-      Case al = sc;  // ALiBi, (batch, heads_q) slopes, causal, GQA
-      al.batch = 2;
-      al.softcap = 0;
-      al.window_left = al.window_right = -1;
-      al.causal = true;
-      al.heads_q = 4;
-      al.heads_kv = 2;
-      al.alibi = 2;
-      al.dropout_p = 0.17;
-      al.dropout_offset = offset++;
-      cases.push_back(al);
+    for (int64_t dim : {64, 128, 256, 72, 40}) {
       Case vl;  // varlen with empty sequences, sequences off the tiles
       vl.varlen_q = {5, 0, 130, 64, 200};
       vl.varlen_k = {7, 33, 0, 200, 129};
-      vl.batch = static_cast<int64_t>(vl.varlen_q.size());
       vl.heads_q = 4;
       vl.heads_kv = 2;
       vl.head_dim = dim;
@@ -298,19 +259,14 @@ TEST(CudaDropoutSm90Backward, DropoutGrid) {
 TEST(CudaDropoutSm90Backward, DeterministicIsBitIdentical) {
   REQUIRE_HOPPER();
   CudaMemory mem;
-  Case c;
-  c.varlen_q = {130, 77, 256};
-  c.varlen_k = {300, 77, 129};
-  c.batch = 3;
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.causal = true;
-  c.dropout_p = 0.5;
+  Case c = dropout_repeat_case();
   c.deterministic = true;
   for (int64_t dim : {64, 128, 256}) {
     c.head_dim = dim;
     std::string why;
-    if (hopper_serves_dropout_dim(dim)) ASSERT_TRUE(sm90_backward_serves(c, &why)) << why;
+    if (hopper_serves_dropout_dim(dim)) {
+      ASSERT_TRUE(sm90_backward_serves(c, &why)) << why;
+    }
     EXPECT_TRUE(repeat_is_bit_identical(c, FC_BACKEND_AUTO, mem, 10, true, &why)) << "d" << dim << ": " << why;
   }
 }

@@ -357,13 +357,7 @@ TEST(CudaSm90Dropout, SeedsRepeatsAndLse) {
     }
   }
   // The harness's repeat check too (varlen, causal, GQA: packed rows past sequences).
-  Case c;
-  c.varlen_q = {130, 77, 256};
-  c.varlen_k = {300, 77, 129};
-  c.heads_q = 4;
-  c.heads_kv = 2;
-  c.causal = true;
-  c.dropout_p = 0.5;
+  Case c = dropout_repeat_case();
   for (int64_t dim : {64, 128, 256}) {
     c.head_dim = dim;
     std::string why;

@@ -110,7 +110,7 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
             } else {
               word = words.w[nt % 4];
             }
-            kept = dropout_half_kept(word, j, *drop.params);
+            kept = dropout_draw_kept(word, j, *drop.params);
             dp = kept ? dp * drop.params->keep_scale : 0.f;
           }
           // The bias enters the exponent only: it is a constant of the score, so dS keeps its form.

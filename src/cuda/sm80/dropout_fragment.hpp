@@ -39,10 +39,4 @@ FC_HOST_DEVICE PhiloxWords dropout_quad_words_keyed(const DropoutParams& d, uint
   return philox4x32_10(dropout_quad_group(key32, quad), row, bh, d.offset_lo, d.key0, d.key1);
 }
 
-/** Whether the column of 16-bit half e (0: the lane's even column, 1: the odd one) of a word is
- *  kept (common/dropout.hpp's one-compare form). */
-FC_HOST_DEVICE bool dropout_half_kept(uint32_t word, int e, const DropoutParams& d) {
-  return dropout_draw_kept(word, e, d);
-}
-
 }  // namespace flashcore::cuda::sm80

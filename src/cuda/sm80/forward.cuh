@@ -471,7 +471,7 @@ __device__ __forceinline__ void drop_row(float (&s)[Traits::kMTiles][Traits::kNT
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[mt][4 * u + n][2 * h + e];
-        x = dropout_half_kept(words.w[n], e, d) ? x : 0.f;
+        x = dropout_draw_kept(words.w[n], e, d) ? x : 0.f;
       }
     }
   }

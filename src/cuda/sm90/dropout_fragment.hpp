@@ -64,7 +64,7 @@ FC_HOST_DEVICE void drop_probabilities(float (&s)[kBlockRegs], const DropoutPara
 #endif
         for (int e = 0; e < 2; ++e) {
           float& x = s[dropout_register(u, n, r, e)];
-          x = sm80::dropout_half_kept(words.w[n], e, d) ? x : 0.f;
+          x = dropout_draw_kept(words.w[n], e, d) ? x : 0.f;
         }
       }
     }
