@@ -154,8 +154,7 @@ typedef struct fc_attention_options {
    *  in src/common/dropout.hpp), the same on every backend, tile shape and thread count: a backward
    *  given the forward's seed and offset drops the same entries. Keep probabilities are multiples
    *  of 2^-16 (a dropout_p whose keep probability rounds to 0 is an error). Served by cpu_reference, cpu_flash,
-   *  cuda_sm80 and cuda_sm90 (its backward up to head_dim 128: FC_BACKEND_AUTO runs d256 dropout
-   *  backwards on cuda_sm80); not by fc_attention_kvcache. Calls need seqlen_k < 2^29 and batch * heads_q < 2^32. */
+   *  cuda_sm80 and cuda_sm90 (forward and backward); not by fc_attention_kvcache. Calls need seqlen_k < 2^29 and batch * heads_q < 2^32. */
   double dropout_p;
   uint64_t dropout_seed;
   uint64_t dropout_offset;

@@ -6,7 +6,7 @@ Same function names, argument names, defaults, shapes and semantics as flash_att
     torch.compile and CUDA-graph support;
   - numpy arrays and other DLPack arrays go through flashcore._dlpack_api (forward only).
 dropout_p works on torch tensors, forward and backward, on the CPU backends and on the GPU (the
-Hopper kernels, whose backward takes head_dim <= 128, and the portable sm80 ones): the mask's seed comes from
+Hopper kernels and the portable sm80 ones): the mask's seed comes from
 torch's default generator (torch.manual_seed reproduces it), and a call with dropout cannot be
 captured in a CUDA graph (the seed is drawn on the host).
 What flash_attn offers and flashcore does not raise NotImplementedError: dropout_p != 0 on numpy /

@@ -544,7 +544,7 @@ def test_cuda_cu_seqlens_checked_on_request(monkeypatch):
     assert int(flag.item()) == 0
 
 
-# ---- dropout (AUTO: the Hopper kernels where they run; d256 backwards on the portable kernels) ----
+# ---- dropout (AUTO: the Hopper kernels where they run, forward and backward) ---------------------
 
 import numpy as np  # noqa: E402
 from attention_reference import dropout_keep_mask  # noqa: E402

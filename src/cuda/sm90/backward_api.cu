@@ -42,20 +42,9 @@ bool sm90_backward_supports(const BackwardParams& p, Status* why) {
   // the checks shared with the forward see the call without it: whether the Hopper forward takes
   // dropout (its kernels, its paged routes) does not decide where the backward runs.
   if (p.dropout.enabled()) {
-    // Held back: the d256 (role-split) dropout kernels. compute-sanitizer racecheck reported
-    // hazards in them on an H200 (session 45: consumer 1's read of the dS tile in grads_from_tile
-    // against the store_key_tile writes, every step; the kernels without dropout and the d64 / d128
-    // dropout kernels: none), which their barriers do not explain. Their results matched the
-    // reference in every test, but until a GPU session settles whether the report is real, d256
-    // dropout backwards run on cuda_sm80 (docs/DESIGN.md, "Dropout").
-    if (compiled_head_dim_bucket(p.head_dim) > 128) {
-      if (why != nullptr) {
-        *why = Status::unsupported(
-            "cuda_sm90: dropout_p > 0 with head_dim > 128 runs on cuda_sm80 (the Hopper backward's d256 dropout "
-            "kernels are held back after a compute-sanitizer racecheck report)");
-      }
-      return false;
-    }
+    // The d256 (role-split) dropout kernels run too. compute-sanitizer racecheck reports hazards in
+    // them that PTX's barrier semantics rule out (docs/DESIGN.md, "Dropout": a RAW reported across
+    // a barrier.sync of both sides, session 46), so their racecheck case is kept apart.
     BackwardParams shared = p;
     shared.dropout = DropoutParams{};
     if (!sm90_supports(shared, why)) return false;  // dtype, device, q/k/v addressing
