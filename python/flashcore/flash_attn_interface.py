@@ -13,12 +13,8 @@ What flash_attn offers and flashcore does not raise NotImplementedError: dropout
 DLPack arrays (flashcore.attention_forward takes an explicit seed) or with a block_table; on a GPU
 a head_dim that is not a multiple of 8 in flash_attn_with_kvcache and in a paged (block_table)
 flash_attn_varlen_func call, and in any call on other DLPack arrays (the dense and varlen calls
-on torch tensors pad it to the next multiple of 8 and cut the output back, as flash_attn does),
-alibi_slopes in a paged block_table call of
-flash_attn_varlen_func past 16 query rows per KV head (the CPU takes it; decoding calls run on the
-decode kernel, which does too), and a flash_attn_with_kvcache call with alibi_slopes
-whose query rows (heads x seqlen_q) need more than 65535 blocks of 16 (chunk seqlen_q).
-alibi_slopes works everywhere else, forward and backward.
+on torch tensors pad it to the next multiple of 8 and cut the output back, as flash_attn does).
+alibi_slopes works everywhere, forward and backward, paged calls included.
 Paged caches: flash_attn_with_kvcache
 (with rotary_cos / rotary_sin and cache_leftpad, all inside the library call) and
 flash_attn_varlen_func's block_table (forward). return_attn_probs returns
@@ -177,10 +173,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v are paged
     caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in pages
     block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page size on
-    Hopper and on the CPU, multiples of 256 on other GPUs); with alibi_slopes only where the
-    backend serves ALiBi over pages (NotImplementedError otherwise). Decoding calls (at most 16
-    query rows per KV head: max_seqlen_q x the GQA group) run on the decode kernel, which takes
-    any page size and ALiBi."""
+    Hopper and on the CPU, multiples of 256 on other GPUs), alibi_slopes included. Decoding calls
+    (at most 16 query rows per KV head: max_seqlen_q x the GQA group) run on the decode kernel,
+    which takes any page size."""
     dropout_p = _check_dropout(dropout_p, q, block_table)
     if block_table is None:
         return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

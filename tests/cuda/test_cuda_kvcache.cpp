@@ -449,29 +449,40 @@ TEST(CudaKvCache, PrefillRoute) {
   }
 }
 
-/** ALiBi slopes on the decode kernel, with and without splits; a call with many query rows, which
- *  the forward-kernel route would take without slopes, stays on the decode kernel with them. */
+/** ALiBi slopes on the decode kernel, with and without splits; calls with many query rows on the
+ *  forward-kernel route, over contiguous and paged caches and with left padding (the bias counts
+ *  keys from the first one after the padding, as the decode kernel does). */
 TEST(CudaKvCache, Alibi) {
   REQUIRE_GPU();
   uint64_t seed = 3000;
   for (int32_t dt : {FC_DTYPE_F16, FC_DTYPE_BF16})
     for (int64_t hd : {int64_t(64), int64_t(128), int64_t(256)}) expect_cases(alibi_cases(dt, hd), {1, 4, 0}, seed += 50);
   std::vector<KvCase> long_chunks;
-  for (int64_t page : {int64_t(0), int64_t(16)}) {
+  for (int64_t page : {int64_t(0), int64_t(16), int64_t(256)}) {
     KvCase c = prefill_case({0, 100, 300}, page);
-    c.dtype = FC_DTYPE_BF16;
-    c.head_dim = 128;
-    c.alibi = 2;
+    c.dtype = page == 16 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+    c.head_dim = page == 256 ? 64 : 128;
+    c.alibi = page == 16 ? 1 : 2;
     long_chunks.push_back(c);
+    if (page == 0) {
+      KvCase pad = c;  // left padding and rows through cache_batch_idx, with a window
+      pad.leftpad = {3, 0, 40};
+      pad.batch_idx = true;
+      pad.window_left = 90;
+      pad.window_right = 0;
+      long_chunks.push_back(pad);
+    }
   }
-  expect_cases(long_chunks, {0}, 4000);
+  expect_cases(long_chunks, {0, 3}, 4000);
+  // The route is taken: its prefix sums need a workspace where the decode kernel without splits
+  // needs none.
   CudaMemory mem;
   KvCase c = long_chunks[0];
   c.num_splits = 1;
   KvProblem pr(c, mem, 5);
-  size_t bytes = 1;
+  size_t bytes = 0;
   ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &bytes), FC_OK) << fc_last_error();
-  EXPECT_EQ(bytes, 0u) << "an ALiBi call asked for the forward route's workspace";
+  EXPECT_GT(bytes, 0u) << "an ALiBi call with many query rows stayed on the decode kernel";
 }
 
 TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {

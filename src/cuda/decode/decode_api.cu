@@ -364,15 +364,15 @@ bool kvcache_supports(const KvCacheParams& p, Status* why) {
   cudaGetLastError();
   // (The decode kernel's row chunks bound its grid; the prefill route's forward grid has its own.)
   const bool decode_grid_fits = p.heads_kv * row_chunks(p) <= HeuristicTraits::kMaxGridYZ || decode::prefill_route_applies(p);
-  if (!decode_grid_fits && p.has_alibi()) {  // ALiBi calls never take the forward-kernel route
-    *why = Status::unsupported("alibi_slopes: KV-cache calls with ALiBi run on the decode kernel, whose grid takes "
-                               "at most " + std::to_string(HeuristicTraits::kMaxGridYZ) + " blocks of " +
+  if (!decode_grid_fits) {  // the forward-kernel route declined a call too large for the decode kernel
+    *why = Status::unsupported("q: this KV-cache call runs on the decode kernel, whose grid takes at most " +
+                               std::to_string(HeuristicTraits::kMaxGridYZ) + " blocks of " +
                                std::to_string(DecodeTraits::kRows) + " query rows (heads_kv x heads_q / heads_kv x "
                                "seqlen_q rows make " + std::to_string(p.heads_kv * row_chunks(p)) +
                                " here); split seqlen_q into smaller chunks");
     return false;
   }
-  if (p.batch > HeuristicTraits::kMaxGridYZ || !decode_grid_fits ||
+  if (p.batch > HeuristicTraits::kMaxGridYZ ||
       p.heads_kv + p.heads_q > HeuristicTraits::kMaxGridYZ || p.seqlen_new > INT32_MAX || p.seqlen_q > INT32_MAX) {
     *why = Status::unsupported("q: batch or heads exceed the CUDA grid limits (65535) of the KV-cache kernels");
     return false;

@@ -148,8 +148,7 @@ bool dense_call(const KvCacheParams& p) {
 }
 
 /** The same call as a forward: dense (dense_call), else a varlen forward over paged K/V
- *  (api/kvcache_forward_view.hpp) on the route's arrays. The route declines ALiBi
- *  (prefill_route_applies), so the slopes it carries are null. */
+ *  (api/kvcache_forward_view.hpp) on the route's arrays, ALiBi slopes included. */
 AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
   AttentionParams f = kvcache_as_forward(p, {a.cu_q, a.cu_k, a.identity});
   if (dense_call(p)) {  // q, out, lse as given; cache row b holds sequence b's seqlen_k keys
@@ -221,10 +220,8 @@ bool prefill_route_applies(const KvCacheParams& p) {
   const int64_t rows = p.group_size() * p.seqlen_q;  // per KV head
   if (rows < R::kMinPackedRows || p.seqlen_q > INT_MAX) return false;  // below both rules
   if (p.q_cu_seqlens != nullptr) return false;  // a varlen forward's view: it came from the forward
-  // The forward kernels decline ALiBi with paged K/V, which is how the route hands them the cache:
-  // ALiBi calls stay on the decode kernel, correct at any seqlen_q and slower from a few hundred
-  // query rows per KV head on.
-  if (p.has_alibi()) return false;
+  // (ALiBi calls take it too: the forward kernels add the bias over paged K/V, by the key's place in
+  // its sequence after cache_leftpad, as the decode kernel does; they never pack the GQA group.)
   // cu_seqlens_k is int32: every sequence's keys together must fit it.
   if (p.capacity() > INT_MAX || p.batch * p.capacity() > INT_MAX) return false;
   const int64_t blocks = (p.seqlen_q + R::kLargestCtaRows - 1) / R::kLargestCtaRows;

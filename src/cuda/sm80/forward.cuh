@@ -1145,7 +1145,7 @@ Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*work
   using SmallTraits = typename SmallGridForwardTraits<Element, kHeadDim>::type;
   // Dropout: DropoutForwardTraits only (the small-grid configuration is never taken for it), with
   // ALiBi, paged K/V or neither: three more kernels per unit, so that calls without dropout keep
-  // theirs unchanged. Paged K/V with ALiBi is declined by sm80_supports.
+  // theirs unchanged. Paged K/V with both ALiBi and dropout is declined by sm80_supports.
   if (p.dropout.enabled()) {
     using DropoutTraits = typename DropoutForwardTraits<Element, kHeadDim>::type;
     if (p.has_alibi()) return launch_forward<DropoutTraits, /*kAlibi=*/true, /*kDropout=*/true>(p);
@@ -1154,10 +1154,13 @@ Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*work
     }
     return launch_forward<DropoutTraits, /*kAlibi=*/false, /*kDropout=*/true>(p);
   }
-  // ALiBi: the default tiles only (one more kernel per unit); paged K/V with ALiBi is declined by
-  // sm80_supports.
-  if (p.has_alibi()) return launch_forward<DefaultTraits, /*kAlibi=*/true>(p);
-  if (p.is_paged()) return launch_forward<typename PagedForwardTraits<DefaultTraits>::type>(p);
+  // ALiBi: the default tiles, read through the pages where K/V are paged (two more kernels per
+  // unit). The bias counts keys inside the sequence, whatever page holds them.
+  using PagedTraits = typename PagedForwardTraits<DefaultTraits>::type;
+  if (p.has_alibi()) {
+    return p.is_paged() ? launch_forward<PagedTraits, /*kAlibi=*/true>(p) : launch_forward<DefaultTraits, /*kAlibi=*/true>(p);
+  }
+  if (p.is_paged()) return launch_forward<PagedTraits>(p);
   if constexpr (kSmallGridPathEnabled && !std::is_void_v<SmallTraits>) {
     if (prefer_small_grid<SmallTraits>(p)) return launch_forward<SmallTraits>(p);
   }

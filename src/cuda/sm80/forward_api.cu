@@ -100,8 +100,9 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
     return reject(why, "paged k / v need a page_size that is a multiple of " + std::to_string(kPagedPageMultiple) +
                            " (got " + std::to_string(p.pages.page_size) + "; the CPU backends take any)");
   }
-  if (p.is_paged() && p.has_alibi()) {
-    return reject(why, "alibi_slopes with paged k / v are not supported (the CPU backends take them)");
+  if (p.is_paged() && p.has_alibi() && p.dropout.enabled()) {
+    return reject(why, "alibi_slopes with paged k / v and dropout_p > 0 together are not supported (cuda_sm90 and "
+                       "the CPU backends take them)");
   }
   const int capability = compute_capability(p.device_id);
   if (capability < kMinComputeCapability) {

@@ -117,8 +117,8 @@ bool sm90_supports(const AttentionParams& p, Status* why) {
   }
   // Dropout runs in kernels of their own on every route (sm90/forward.cuh, "Dropout"); pages
   // smaller than a key block are gathered for it (reads_pages_in_place).
-  // ALiBi runs in the score-transform kernels; paged K/V with ALiBi is declined on GPUs.
-  if (p.has_alibi() && p.is_paged()) return reject(why, "alibi_slopes with paged k / v are not supported");
+  // ALiBi runs in the score-transform kernels, paged K/V too (pages smaller than a key block are
+  // gathered for it, as for softcap: reads_pages_in_place).
   if (compiled_head_dim_bucket(p.head_dim) == 0) {
     return reject(why, "no compiled head-dim bucket holds head_dim " + std::to_string(p.head_dim) +
                            " (FLASHCORE_HEAD_DIMS)");
