@@ -22,7 +22,10 @@ slopes = torch.rand(HQ, device="cuda", dtype=torch.float32) * 0.1
 
 
 def rate(fn, flops):
-    return events_rate(fn, flops, calls=10)
+    try:
+        return events_rate(fn, flops, calls=10)
+    except NotImplementedError:  # a tree from before session 46: ALiBi over pages declined
+        return float("nan")
 
 
 def as_pages(cache, page):

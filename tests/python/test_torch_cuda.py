@@ -278,9 +278,11 @@ def test_varlen_nan_past_the_sequences_reaches_nothing(backend, d):
         torch.testing.assert_close(b[:used], a[:used], rtol=0, atol=0 if name != "dq" else 2e-2)
 
 
+@pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("page_size", [256, 512])
-def test_varlen_paged_kv_matches_packed(page_size):
-    # flash_attn_varlen_func with block_table (forward only): paged caches on the sm80 kernels
+def test_varlen_paged_kv_matches_packed(page_size, alibi):
+    # flash_attn_varlen_func with block_table (forward only), with and without ALiBi slopes: the
+    # bias counts keys inside each sequence, whichever page holds them
     lengths_q, lengths_k = [100, 1, 700], [1000, 300, 700]
     cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
@@ -298,9 +300,14 @@ def test_varlen_paged_kv_matches_packed(page_size):
             start = int(cu_k[b])
             k_pages[table[b, c], : rows.stop - rows.start] = k[start + rows.start: start + rows.stop]
             v_pages[table[b, c], : rows.stop - rows.start] = v[start + rows.start: start + rows.stop]
+    slopes = torch.rand(len(lengths_k), 8, device=DEVICE) * 0.2 if alibi else None
     out = flash_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                            causal=True, block_table=table.to(torch.int32))
-    packed = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+                                            causal=True, block_table=table.to(torch.int32), alibi_slopes=slopes)
+    packed = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                               alibi_slopes=slopes)
+    assert not alibi or not torch.equal(out, flash_attn.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True, block_table=table)), \
+        "the slopes changed nothing"
     torch.testing.assert_close(out, packed, rtol=0, atol=2e-2)
     with pytest.raises(NotImplementedError, match=r"^block_table: paged K/V is forward only"):
         flash_attn.flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, max(lengths_q),
