@@ -113,7 +113,7 @@ def _wait(requests):
         work.wait()
 
 
-def _check(q, k, v, causal, layout="contiguous"):
+def _check(q, k, v, causal, layout="contiguous", window=(-1, -1), softcap=0.0):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D torch tensor (batch, seqlen_shard, heads, head_dim)")
@@ -129,6 +129,14 @@ def _check(q, k, v, causal, layout="contiguous"):
     if layout == "zigzag" and (q.shape[1] != k.shape[1] or q.shape[1] % 2 != 0):
         raise ValueError(f"layout: zigzag needs query and key shards of one even length, got "
                          f"{q.shape[1]} and {k.shape[1]}")
+    if (not isinstance(window, (tuple, list)) or len(window) != 2 or
+            any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+        raise ValueError(f"window_size: expected (left, right) ints >= -1 (-1: unbounded), got {window!r}")
+    if tuple(window) != (-1, -1) and q.shape[1] != k.shape[1]:
+        raise ValueError(f"k: a ring with a sliding window needs query and key shards of one length, got "
+                         f"{q.shape[1]} and {k.shape[1]}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0: none), got {softcap!r}")
 
 
 def _step_blocks(layout, causal, rank, source, q_len, k_len):
@@ -149,16 +157,63 @@ def _step_blocks(layout, causal, rank, source, q_len, k_len):
     return [(slice(q_len // 2, None), everything, False)]
 
 
-def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin):
+def _segments(layout, rank, world, length):
+    """A shard's runs of consecutive tokens: [(first local row, first global position, length)]."""
+    if layout == "contiguous":
+        return [(0, rank * length, length)]
+    chunk = length // 2
+    return [(0, rank * chunk, chunk), (chunk, (2 * world - 1 - rank) * chunk, chunk)]
+
+
+def _window_blocks(layout, rank, source, world, length, window):
+    """_step_blocks for a ring with a sliding window (causal included as its right side 0), where
+    the shard-local mask is not the global one: [(query rows, key rows, False, (left, right))] per
+    pair of runs of consecutive tokens that sees anything. Global: key position - query position
+    in [-left, right]. A run pair trimmed to the rows that see some key and the keys some row sees
+    has the window (left + e, right - e) in the kernel's bottom-right-aligned mask, e = the key
+    run's end - the query run's end (both >= 0 after the trim; -1 stays unbounded)."""
+    INF = float("inf")
+    left, right = (INF if w < 0 else w for w in window)
+    blocks = []
+    for q_row, q0, q_len in _segments(layout, rank, world, length):
+        for k_row, k0, k_len in _segments(layout, source, world, length):
+            q1, k1 = q0 + q_len, k0 + k_len
+            # keys no query sees, queries that see no key (before either trim: the two are independent)
+            ks, ke = max(k0, q0 - left), min(k1, q1 + right)
+            qs, qe = max(q0, k0 - right), min(q1, k1 + left)
+            if ks >= ke or qs >= qe:
+                continue
+            e = ke - qe
+            kernel_window = (-1 if left == INF else int(left + e), -1 if right == INF else int(right - e))
+            rows = slice(q_row + int(qs - q0), q_row + int(qe - q0))
+            keys = slice(k_row + int(ks - k0), k_row + int(ke - k0))
+            blocks.append((rows, keys, False, kernel_window))
+    return blocks
+
+
+def _blocks(layout, causal, window, rank, source, world, q_len, k_len):
+    """What a step computes, [(query rows, key rows, causal, (window left, right))]."""
+    if tuple(window) == (-1, -1):
+        return [b + ((-1, -1),) for b in _step_blocks(layout, causal, rank, source, q_len, k_len)]
+    return _window_blocks(layout, rank, source, world, q_len, (window[0], 0 if causal else window[1]))
+
+
+def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin, window=(-1, -1),
+                  softcap=0.0):
     out_acc = lse_acc = None
+    if tuple(window) != (-1, -1):  # the steps' blocks need not cover every row: start from "no keys"
+        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
     kv = (k, v)
     for step in range(ring.world):
         launch = ring.shift_after_next_launch(kv) if step + 1 < ring.world else None
         pending = None
         source = (ring.rank - step) % ring.world
-        for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, q.shape[1], k.shape[1]):
+        for rows, keys, block_causal, (left, right) in _blocks(layout, causal, window, ring.rank, source, ring.world,
+                                                               q.shape[1], k.shape[1]):
             out, lse = _forward_impl(q[:, rows], kv[0][:, keys], kv[1][:, keys], None, None, None, 0, 0, scale,
-                                     block_causal, -1, -1, 0.0, backend, deterministic, sm_margin=sm_margin)
+                                     block_causal, left, right, softcap, backend, deterministic,
+                                     sm_margin=sm_margin)
             if launch is not None and pending is None:
                 pending = launch()
             if out_acc is None:  # the first step (the own shard) covers every row: nothing to merge with
@@ -173,7 +228,8 @@ def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, 
     return out_acc.to(q.dtype), lse_acc
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend, deterministic, sm_margin):
+def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend, deterministic, sm_margin,
+                   window=(-1, -1), softcap=0.0):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -185,10 +241,11 @@ def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend
         launch_kv = ring.shift_after_next_launch(kv) if step + 1 < ring.world else None
         pending_kv = None
         source = (ring.rank - step) % ring.world
-        for rows, keys, block_causal in _step_blocks(layout, causal, ring.rank, source, q.shape[1], k.shape[1]):
+        for rows, keys, block_causal, (left, right) in _blocks(layout, causal, window, ring.rank, source,
+                                                               ring.world, q.shape[1], k.shape[1]):
             dq_s, dk_s, dv_s = _backward_impl(dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys],
                                               out[:, rows], lse[:, :, rows].contiguous(), None, None, None, 0, 0,
-                                              scale, block_causal, -1, -1, 0.0, backend, deterministic,
+                                              scale, block_causal, left, right, softcap, backend, deterministic,
                                               sm_margin=sm_margin)
             if launch_kv is not None and pending_kv is None:
                 pending_kv = launch_kv()
@@ -228,10 +285,11 @@ def _sm_margin(sm_margin, q, ring):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin):
-        out, lse = _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin)
+    def forward(ctx, q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin, window, softcap):
+        out, lse = _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin, window,
+                                 softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (ring, scale, causal, layout, backend, deterministic, sm_margin)
+        ctx.settings = (ring, scale, causal, layout, backend, deterministic, sm_margin, window, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -260,7 +318,8 @@ def zigzag_unshard(shards, dim=1):
 
 
 def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, deterministic=False,
-                         return_lse=False, layout="contiguous", backend="auto", sm_margin=None):
+                         return_lse=False, layout="contiguous", backend="auto", sm_margin=None,
+                         window_size=(-1, -1), softcap=0.0):
     """Exact attention over a sequence whose shards live on the ranks of `group` (default: the
     default process group), differentiable in q, k, v.
 
@@ -271,17 +330,21 @@ def ring_flash_attn_func(q, k, v, group=None, softmax_scale=None, causal=False, 
     and one late), which gives every rank the same work under a causal mask. GQA / MQA as in
     flash_attn_func. ``causal`` masks across the whole sequence (query and key shards of one
     length). Returns this rank's out (the shape and dtype of q), and with ``return_lse`` also its
-    lse (batch, heads_q, seqlen_shard) in float32 over the whole sequence's keys. Softcap,
-    sliding windows and ALiBi are not supported here. ``sm_margin``: SMs each attention call
+    lse (batch, heads_q, seqlen_shard) in float32 over the whole sequence's keys.
+    ``window_size`` (left, right) and ``softcap`` as in flash_attn_func, over the whole sequence
+    (a window needs query and key shards of one length; with ``causal`` its right side is 0): a
+    step computes only the runs of tokens the window leaves visible, so a window shorter than a
+    shard skips most steps' work. ALiBi is not supported here. ``sm_margin``: SMs each attention call
     leaves free for the communication running beside it (fc_attention_options.sm_margin; the
     Hopper kernels' grids hold one CTA per SM, and one that waits for an SM the NCCL kernel holds
     delays the whole call); None = DEFAULT_SM_MARGIN on GPUs with more than one rank, else 0."""
     _check_sm_margin(sm_margin)
     if not dist.is_initialized():
         raise RuntimeError("group: torch.distributed is not initialized (init_process_group first)")
-    _check(q, k, v, causal, layout)
+    _check(q, k, v, causal, layout, window_size, softcap)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     ring = _Ring(group)
     out, lse = _RingAttention.apply(q, k, v, ring, resolve_scale(softmax_scale), bool(causal), layout,
-                                    backend_id(backend), bool(deterministic), _sm_margin(sm_margin, q, ring))
+                                    backend_id(backend), bool(deterministic), _sm_margin(sm_margin, q, ring),
+                                    tuple(int(w) for w in window_size), float(softcap))
     return (out, lse) if return_lse else out

@@ -24,14 +24,25 @@ FP32_RELATIVE_TOLERANCE = 1e-5
 BF16_RELATIVE_TOLERANCE = 2e-2  # ring vs one call: merges in fp32, rounding of out once either way
 
 
-def reference(q, k, v, causal):
-    """float64 dense attention over the whole sequence, differentiable; (out, lse)."""
+def reference(q, k, v, causal, window=(-1, -1), softcap=0.0):
+    """float64 dense attention over the whole sequence, differentiable; (out, lse). window
+    (left, right) over positions of one sequence (query and key lengths equal), -1 unbounded;
+    causal sets its right side to 0."""
     group = q.shape[2] // k.shape[2]
     q, k, v = (x.double() for x in (q, k, v))
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * q.shape[-1] ** -0.5
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1).to(s.device), -1e30)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window[0], 0 if causal else window[1]
+    offset = torch.arange(k.shape[1])[None, :] - torch.arange(q.shape[1])[:, None]  # key - query position
+    hidden = torch.zeros(offset.shape, dtype=torch.bool)
+    if right >= 0:
+        hidden |= offset > right
+    if left >= 0:
+        hidden |= offset < -left
+    if hidden.any():
+        s = s.masked_fill(hidden.to(s.device), -1e30)
     return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), v), torch.logsumexp(s, dim=-1)
 
 
@@ -39,10 +50,22 @@ def relative_error(actual, expected):
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-# (causal, heads_q, heads_kv, shard length, head_dim, layout)
+# (causal, heads_q, heads_kv, shard length, head_dim, layout[, window_size, softcap])
 CASES = [(False, 4, 4, 24, 32, "contiguous"), (True, 4, 4, 24, 32, "contiguous"), (True, 6, 2, 17, 64, "contiguous"),
          (False, 2, 1, 9, 64, "contiguous"), (True, 4, 4, 24, 32, "zigzag"), (True, 6, 2, 18, 64, "zigzag"),
          (False, 4, 2, 10, 32, "zigzag")]
+# Sliding windows (shorter and longer than a shard, one-sided and two-sided, the diagonal and one
+# key ahead) and softcap: a window's steps compute trimmed runs of tokens whose local window
+# differs from the global one.
+WINDOW_CASES = [(True, 4, 4, 24, 32, "contiguous", (10, -1), 0.0), (True, 6, 2, 18, 64, "zigzag", (20, 0), 5.0),
+                (False, 4, 2, 10, 32, "zigzag", (7, 3), 0.0), (False, 4, 4, 24, 32, "contiguous", (30, 50), 2.0),
+                (True, 4, 4, 24, 32, "contiguous", (-1, -1), 3.0), (False, 2, 1, 9, 64, "contiguous", (0, 1), 0.0),
+                (False, 4, 2, 12, 32, "zigzag", (-1, 4), 0.0)]
+
+
+def expand(case):
+    """A case with its window_size and softcap (none by default)."""
+    return tuple(case) + ((-1, -1), 0.0)[len(case) - 6:]
 
 
 def shard_of(x, rank, world, shard, layout, dim=1):
@@ -54,31 +77,33 @@ def shard_of(x, rank, world, shard, layout, dim=1):
     return x.narrow(dim, rank * shard, shard)
 
 
-def _check_rank(rank, world, device, dtype, group=None, cases=CASES):
+def _check_rank(rank, world, device, dtype, group=None, cases=CASES + WINDOW_CASES):
     from flashcore.ring_attention import ring_flash_attn_func
 
     import flashcore
 
-    for causal, heads_q, heads_kv, shard, dim, layout in cases:
+    for causal, heads_q, heads_kv, shard, dim, layout, window, softcap in map(expand, cases):
         gen = torch.Generator().manual_seed(1000 + shard)  # the same tensors on every rank
         make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
         q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
         dout = torch.randn(q.shape, generator=gen)
         mine = lambda x, dim=1: shard_of(x, rank, world, shard, layout, dim)
         local = [mine(x).to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
-        out, lse = ring_flash_attn_func(*local, group=group, causal=causal, return_lse=True, layout=layout)
+        out, lse = ring_flash_attn_func(*local, group=group, causal=causal, return_lse=True, layout=layout,
+                                        window_size=window, softcap=softcap)
         out.backward(mine(dout).to(device=device, dtype=dtype))
-        what = f"rank {rank}/{world} {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
+        what = (f"rank {rank}/{world} {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim} "
+                f"window {window} softcap {softcap}")
         if dtype == torch.float32:
             full = [x.clone().requires_grad_() for x in (q, k, v)]
-            ref_out, ref_lse = reference(*full, causal)
+            ref_out, ref_lse = reference(*full, causal, window, softcap)
             ref_grads = torch.autograd.grad(ref_out, full, dout.double())
             checks = [("out", out, mine(ref_out)), ("lse", lse, mine(ref_lse, 2))]
             checks += [(name, t.grad, mine(g)) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
             tolerance = FP32_RELATIVE_TOLERANCE
         else:
             full = [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
-            ref_out = flashcore.flash_attn_func(*full, causal=causal)
+            ref_out = flashcore.flash_attn_func(*full, causal=causal, window_size=window, softcap=softcap)
             ref_grads = torch.autograd.grad(ref_out, full, dout.to(device=device, dtype=dtype))
             checks = [("out", out, mine(ref_out))]
             checks += [(name, t.grad, mine(g)) for name, t, g in zip(("dq", "dk", "dv"), local, ref_grads)]
@@ -142,7 +167,7 @@ class ThreadRing:
         return lambda: self.shift(tensors)
 
 
-def _thread_ring(world, shards, dout, causal, layout):
+def _thread_ring(world, shards, dout, causal, layout, window=(-1, -1), softcap=0.0):
     """Runs every rank's forward and backward as threads; returns [(out, lse, dq, dk, dv)]."""
     from flashcore import ring_attention
     from flashcore._dlpack_api import backend_id
@@ -157,8 +182,9 @@ def _thread_ring(world, shards, dout, causal, layout):
             # a GPU ring's calls leave SMs to its messages (sm_margin); the results must not change
             margin = 7 if q.is_cuda else 0
             settings = (0.0, causal, layout, backend_id("auto"), False, margin)
-            out, lse = ring_attention._ring_forward(q, k, v, ring, *settings)
-            results[r] = (out, lse) + ring_attention._ring_backward(dout[r], q, k, v, out, lse, ring, *settings)
+            out, lse = ring_attention._ring_forward(q, k, v, ring, *settings, window, softcap)
+            results[r] = (out, lse) + ring_attention._ring_backward(dout[r], q, k, v, out, lse, ring, *settings,
+                                                                   window, softcap)
         except Exception as e:  # re-raised by the caller
             errors.append(e)
 
@@ -184,27 +210,30 @@ def test_ring_steps_in_threads(device, world):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     from flashcore.ring_attention import zigzag_unshard
 
-    for causal, heads_q, heads_kv, shard, dim, layout in CASES + [(True, 8, 2, 130, 128, "zigzag")]:
+    extra = [(True, 8, 2, 130, 128, "zigzag"), (True, 8, 2, 130, 128, "zigzag", (100, 0), 10.0)]
+    for causal, heads_q, heads_kv, shard, dim, layout, window, softcap in map(expand, CASES + WINDOW_CASES + extra):
         gen = torch.Generator().manual_seed(2000 + shard)
         make = lambda heads: torch.randn(2, world * shard, heads, dim, generator=gen)
         q, k, v = make(heads_q), make(heads_kv), make(heads_kv)
         dout = torch.randn(q.shape, generator=gen)
         cut = lambda x, r: shard_of(x, r, world, shard, layout).to(device=device, dtype=dtype)
         shards = [tuple(cut(x, r) for x in (q, k, v)) for r in range(world)]
-        results = _thread_ring(world, shards, [cut(dout, r) for r in range(world)], causal, layout)
+        results = _thread_ring(world, shards, [cut(dout, r) for r in range(world)], causal, layout, window, softcap)
         whole = zigzag_unshard if layout == "zigzag" else (lambda parts, dim: torch.cat(parts, dim=dim))
         got = [whole([res[i].float().cpu() for res in results], dim=2 if i == 1 else 1) for i in range(5)]
         if dtype == torch.float32:
             full = [x.clone().requires_grad_() for x in (q, k, v)]
-            ref_out, ref_lse = reference(*full, causal)
+            ref_out, ref_lse = reference(*full, causal, window, softcap)
             want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout.double())]
             tolerance = FP32_RELATIVE_TOLERANCE
         else:
             full = [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
-            ref_out, ref_lse = flashcore.flash_attn_func(*full, causal=causal, return_attn_probs=True)[:2]
+            ref_out, ref_lse = flashcore.flash_attn_func(*full, causal=causal, window_size=window, softcap=softcap,
+                                                         return_attn_probs=True)[:2]
             want = [ref_out, ref_lse, *torch.autograd.grad(ref_out, full, dout.to(device=device, dtype=dtype))]
             tolerance = BF16_RELATIVE_TOLERANCE
-        what = f"{world} threads on {device}, {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim}"
+        what = (f"{world} threads on {device}, {layout} causal={causal} heads {heads_q}/{heads_kv} shard {shard} d {dim} "
+                f"window {window} softcap {softcap}")
         for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
             err = relative_error(g, w.cpu())
             assert err <= tolerance, f"{what}: {name} relative error {err:.3g} > {tolerance}"
@@ -236,5 +265,12 @@ def test_errors_name_the_argument():
         _check(torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), True, "zigzag")
     with pytest.raises(ValueError, match="^layout: expected"):
         _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), True, "striped")
+    with pytest.raises(ValueError, match=r"^window_size: expected \(left, right\) ints >= -1"):
+        _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), False, window=(-2, 0))
+    with pytest.raises(ValueError, match="^k: a ring with a sliding window needs"):
+        _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), False, window=(3, 3))
+    for bad in (-1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match="^softcap: expected a finite float"):
+            _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), False, softcap=bad)
     with pytest.raises(ValueError, match="^v: shape"):
         _check(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 1, 8), False)
