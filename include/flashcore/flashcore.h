@@ -122,7 +122,7 @@ typedef struct fc_attention_options {
    *  cuda_sm80 reads the pages in place and takes page sizes that are multiples of 256 (as
    *  flash_attn; any with one page per sequence); cuda_sm90 takes any page size: it reads pages of
    *  128k keys, one page per sequence, and pages of 16 / 32 / 64 keys (head_dim <= 128, no
-   *  softcap; pages of 16 where the copy below would cost more) in place, and first gathers other
+   *  softcap, ALiBi or dropout; pages of 16 where the copy below would cost more) in place, and first gathers other
    *  pages into packed rows in the workspace, 2 x batch x max_seqlen_k rows (above 4 GiB of it,
    *  pages of 256k keys go to cuda_sm80 under FC_BACKEND_AUTO); the CPU backends take any. Page ids in GPU
    *  memory are trusted like cu_seqlens: a wrong one never makes a kernel read outside k/v (it
@@ -132,9 +132,9 @@ typedef struct fc_attention_options {
    *  heads_q) on q's device. The score of query i and key j (positions inside their sequence) gets
    *  the bias -slope[b, h] * |i + seqlen_k - seqlen_q - j| after softmax_scale and softcap, in
    *  forward and backward (lse includes it). Served by cpu_reference, cpu_flash, cuda_sm80 and
-   *  cuda_sm90, not by paged K/V on a GPU; fc_attention_kvcache takes them too (seqlen_k there
-   *  is the sequence's keys after the append; on a GPU such calls run on the decode kernel, whose
-   *  grid takes heads_q x seqlen_q rows up to 65535 blocks of 16 rows per call). CPU slopes must
+   *  cuda_sm90, paged K/V included (cuda_sm80 declines ALiBi with dropout over pages);
+   *  fc_attention_kvcache takes them too (seqlen_k there is the sequence's keys after the append,
+   *  key j counted from the first after cache_leftpad). CPU slopes must
    *  be finite; CUDA slopes are trusted (a NaN slope gives NaN rows). NULL = no bias. */
   const fc_tensor* alibi_slopes;
   /** Since FC_ABI_VERSION 4. CUDA: SMs the call leaves to work running beside it (FlashAttention-3's

@@ -249,7 +249,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     GPT-NeoX pairs). cache_leftpad (batch,) int32, contiguous caches: sequence b's tokens sit at
     slots cache_leftpad[b] .. cache_seqlens[b] - 1 of its row. alibi_slopes float32 (nheads) or
     (batch, nheads): ALiBi, key j at distance |i + seqlen_k - seqlen_q - j| from query i, seqlen_k
-    counting the appended keys (on a GPU such calls run on the decode kernel: chunk long prefills)."""
+    counting the appended keys."""
     _check_unsupported_kvcache(cache_leftpad, block_table)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (to append into the caches) or neither")

@@ -21,6 +21,8 @@ Usage (every rank calls it with its own shards and the same group):
     out = ring_flash_attn_func(q_shard, k_shard, v_shard, causal=True, layout="zigzag")  # autograd works
 """
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -130,12 +132,12 @@ def _check(q, k, v, causal, layout="contiguous", window=(-1, -1), softcap=0.0):
         raise ValueError(f"layout: zigzag needs query and key shards of one even length, got "
                          f"{q.shape[1]} and {k.shape[1]}")
     if (not isinstance(window, (tuple, list)) or len(window) != 2 or
-            any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+            any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)):
         raise ValueError(f"window_size: expected (left, right) ints >= -1 (-1: unbounded), got {window!r}")
     if tuple(window) != (-1, -1) and q.shape[1] != k.shape[1]:
         raise ValueError(f"k: a ring with a sliding window needs query and key shards of one length, got "
                          f"{q.shape[1]} and {k.shape[1]}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < float("inf"):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 <= softcap < float("inf"):
         raise ValueError(f"softcap: expected a finite float >= 0 (0: none), got {softcap!r}")
 
 
@@ -173,7 +175,9 @@ def _window_blocks(layout, rank, source, world, length, window):
     has the window (left + e, right - e) in the kernel's bottom-right-aligned mask, e = the key
     run's end - the query run's end (both >= 0 after the trim; -1 stays unbounded)."""
     INF = float("inf")
-    left, right = (INF if w < 0 else w for w in window)
+    # A side as long as the whole sequence masks nothing: unbounded (the kernel window, side + e with
+    # |e| up to the sequence, then stays far inside the C ABI's int32).
+    left, right = (INF if w < 0 or w >= world * length else w for w in window)
     blocks = []
     for q_row, q0, q_len in _segments(layout, rank, world, length):
         for k_row, k0, k_len in _segments(layout, source, world, length):
@@ -203,7 +207,8 @@ def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, 
     out_acc = lse_acc = None
     if tuple(window) != (-1, -1):  # the steps' blocks need not cover every row: start from "no keys"
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+        lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32,
+                             device=q.device)
     kv = (k, v)
     for step in range(ring.world):
         launch = ring.shift_after_next_launch(kv) if step + 1 < ring.world else None

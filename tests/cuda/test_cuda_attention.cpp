@@ -783,7 +783,7 @@ TEST(CudaDecodeRoute, FewQueryRows) {
 // sequences without a query or without keys, sequences of 1-4 tokens (16 rows per KV head) whose
 // masks align to their own last key, packed K/V and pages of 16, 256 and 5 keys, head dims 64
 // (read in head pairs), 96 (padded), 128 and 256, GQA / MQA, causal, windows, softcap, ALiBi
-// (packed and over 5-key pages, which the forward kernels decline and the route serves), NaN rows
+// (packed and over 5-key pages, which the portable forward declines and the route serves), NaN rows
 // past the packed sequences, split-KV over long keys with the combine skipping the sequences
 // without a query, a backward from its lse, repeat runs bit-identical, chained calls ordered (each
 // call's out the next one's q: cu_seqlens_q and q are read after the wait); and the rule: taken
@@ -807,7 +807,7 @@ TEST(CudaDecodeRoute, VarlenFewQueryRows) {
         c.window_left = 100;
         c.window_right = 0;
       }
-      c.alibi = (page == 0 && d != 64) || page == 5 ? 2 : 0;  // (over pages: the route only)
+      c.alibi = (page == 0 && d != 64) || page == 5 ? 2 : 0;
       cases.push_back(c);
     }
   Case split;  // GQA 32 / 8 over long keys: split-KV, and a combine that skips sequence 1
@@ -1342,7 +1342,7 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   v.head_dim = 64;
   cases.push_back(v);
   // d256 with softcap: the Hopper backward's role split stores X^T = P^T (1 - t^2) into the dS
-  // tile for consumer 1, the path its held-back d256 dropout kernels share (backward_api.cu).
+  // tile for consumer 1, the path its d256 dropout kernels share (docs/DESIGN.md, "Dropout").
   Case capped = cases[2];
   capped.softcap = 30.f;
   capped.seqlen_q = 200;  // four query steps per GQA head: both dS buffers are reused

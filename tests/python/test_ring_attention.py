@@ -55,12 +55,12 @@ CASES = [(False, 4, 4, 24, 32, "contiguous"), (True, 4, 4, 24, 32, "contiguous")
          (False, 2, 1, 9, 64, "contiguous"), (True, 4, 4, 24, 32, "zigzag"), (True, 6, 2, 18, 64, "zigzag"),
          (False, 4, 2, 10, 32, "zigzag")]
 # Sliding windows (shorter and longer than a shard, one-sided and two-sided, the diagonal and one
-# key ahead) and softcap: a window's steps compute trimmed runs of tokens whose local window
-# differs from the global one.
+# key ahead, one side past int32 once shifted) and softcap: a window's steps compute trimmed runs of
+# tokens whose local window differs from the global one.
 WINDOW_CASES = [(True, 4, 4, 24, 32, "contiguous", (10, -1), 0.0), (True, 6, 2, 18, 64, "zigzag", (20, 0), 5.0),
                 (False, 4, 2, 10, 32, "zigzag", (7, 3), 0.0), (False, 4, 4, 24, 32, "contiguous", (30, 50), 2.0),
                 (True, 4, 4, 24, 32, "contiguous", (-1, -1), 3.0), (False, 2, 1, 9, 64, "contiguous", (0, 1), 0.0),
-                (False, 4, 2, 12, 32, "zigzag", (-1, 4), 0.0)]
+                (False, 4, 2, 12, 32, "zigzag", (-1, 4), 0.0), (True, 4, 4, 24, 32, "zigzag", (2**31 - 5, -1), 0.0)]
 
 
 def expand(case):
