@@ -115,6 +115,9 @@ def _wait(requests):
         work.wait()
 
 
+NO_WINDOW = (-1, -1)  # window_size's "unbounded on both sides"
+
+
 def _check(q, k, v, causal, layout="contiguous", window=(-1, -1), softcap=0.0):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -134,7 +137,7 @@ def _check(q, k, v, causal, layout="contiguous", window=(-1, -1), softcap=0.0):
     if (not isinstance(window, (tuple, list)) or len(window) != 2 or
             any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)):
         raise ValueError(f"window_size: expected (left, right) ints >= -1 (-1: unbounded), got {window!r}")
-    if tuple(window) != (-1, -1) and q.shape[1] != k.shape[1]:
+    if tuple(window) != NO_WINDOW and q.shape[1] != k.shape[1]:
         raise ValueError(f"k: a ring with a sliding window needs query and key shards of one length, got "
                          f"{q.shape[1]} and {k.shape[1]}")
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 <= softcap < float("inf"):
@@ -142,21 +145,21 @@ def _check(q, k, v, causal, layout="contiguous", window=(-1, -1), softcap=0.0):
 
 
 def _step_blocks(layout, causal, rank, source, q_len, k_len):
-    """What one step computes: [(query rows, key rows, causal)] of this rank's shard against the
-    shard of rank `source`. Zigzag shards are chunks (rank, 2W - 1 - rank) of 2W: against an
+    """What one step computes without a window: [(query rows, key rows, causal, NO_WINDOW)] of
+    this rank's shard against the shard of rank `source`. Zigzag shards are chunks (rank, 2W - 1 - rank) of 2W: against an
     earlier rank's shard only its first chunk is visible (to every query), against a later one
     only the late query chunk sees anything (all of it), and the own shard is causal as one
     sequence; so every step but the first costs the same on every rank."""
     everything = slice(None)
     if not causal:
-        return [(everything, everything, False)]
+        return [(everything, everything, False, NO_WINDOW)]
     if source == rank:
-        return [(everything, everything, True)]
+        return [(everything, everything, True, NO_WINDOW)]
     if layout == "contiguous":
-        return [(everything, everything, False)] if source < rank else []
+        return [(everything, everything, False, NO_WINDOW)] if source < rank else []
     if source < rank:
-        return [(everything, slice(0, k_len // 2), False)]
-    return [(slice(q_len // 2, None), everything, False)]
+        return [(everything, slice(0, k_len // 2), False, NO_WINDOW)]
+    return [(slice(q_len // 2, None), everything, False, NO_WINDOW)]
 
 
 def _segments(layout, rank, world, length):
@@ -197,15 +200,15 @@ def _window_blocks(layout, rank, source, world, length, window):
 
 def _blocks(layout, causal, window, rank, source, world, q_len, k_len):
     """What a step computes, [(query rows, key rows, causal, (window left, right))]."""
-    if tuple(window) == (-1, -1):
-        return [b + ((-1, -1),) for b in _step_blocks(layout, causal, rank, source, q_len, k_len)]
+    if tuple(window) == NO_WINDOW:
+        return _step_blocks(layout, causal, rank, source, q_len, k_len)
     return _window_blocks(layout, rank, source, world, q_len, (window[0], 0 if causal else window[1]))
 
 
 def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin, window=(-1, -1),
                   softcap=0.0):
     out_acc = lse_acc = None
-    if tuple(window) != (-1, -1):  # the steps' blocks need not cover every row: start from "no keys"
+    if tuple(window) != NO_WINDOW:  # the steps' blocks need not cover every row: start from "no keys"
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32,
                              device=q.device)

@@ -1148,10 +1148,7 @@ Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*work
   // theirs unchanged. Paged K/V with both ALiBi and dropout is declined by sm80_supports.
   if (p.dropout.enabled()) {
     using DropoutTraits = typename DropoutForwardTraits<Element, kHeadDim>::type;
-    if (p.has_alibi()) {
-      if (p.is_paged()) return Status::unsupported("cuda_sm80: alibi_slopes with paged k / v and dropout_p > 0");
-      return launch_forward<DropoutTraits, /*kAlibi=*/true, /*kDropout=*/true>(p);
-    }
+    if (p.has_alibi()) return launch_forward<DropoutTraits, /*kAlibi=*/true, /*kDropout=*/true>(p);
     if (p.is_paged()) {
       return launch_forward<typename PagedForwardTraits<DropoutTraits>::type, /*kAlibi=*/false, /*kDropout=*/true>(p);
     }
