@@ -46,6 +46,7 @@ Status prepare_kvcache(const fc_kvcache_args* a, const fc_attention_options* o, 
   Status s = validate_kvcache(a, o, p);
   if (!s.is_ok()) return s;
   if (!(s = choose(p->device_type, p->device_id, o, b)).is_ok()) return s;
+  p->portable_kernels = o != nullptr && o->backend == FC_BACKEND_CUDA_SM80;
   // Device kind, dtype, 16-byte alignment and head_dim rules shared with the forward path.
   AttentionParams shape_only;
   shape_only.dtype = p->dtype;

@@ -79,6 +79,9 @@ struct KvCacheParams {
   int64_t window_right = -1;
 
   int num_splits = 0;             // 0 = backend heuristic
+  // The caller chose cuda_sm80 (not auto): only the portable kernels run, so the route for many
+  // query rows takes sm80's forward even on a Hopper GPU (a comparison, and sm80's route tested there).
+  bool portable_kernels = false;
   // Set only in the CUDA decode kernel's view of a call (cuda/decode/head_pairs.hpp): heads_kv,
   // head_dim and the caches' head strides then describe pairs of adjacent KV heads read as one
   // row of twice the width, while q, out, lse and split partials keep their per-head shapes of

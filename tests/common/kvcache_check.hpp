@@ -52,6 +52,7 @@ struct KvCase {
   bool rotary_fp32 = false;  // tables in float32 (else in the case's dtype)
   bool empty_append = false;  // seqlen_new == 0 but k_new / v_new given (zero tokens, null data)
   int alibi = 0;  // ALiBi slopes: 0 none, 1 (heads_q), 2 (batch, heads_q); random, some negative
+  int32_t backend = FC_BACKEND_AUTO;  // fc_attention_options.backend (CUDA: auto or cuda_sm80)
 
   /** flash_attn's rule for q's rotary positions: a window side as wide as the cache is unbounded;
    *  a causal mask or what stays bounded puts each query at its own position. */
@@ -75,6 +76,7 @@ struct KvCase {
     if (rotary_half > 0)
       s << " rotary" << 2 * rotary_half << (rotary_interleaved ? " interleaved" : " neox") << (rotary_fp32 ? " f32" : "");
     if (alibi > 0) s << (alibi == 1 ? " alibi(heads)" : " alibi(batch, heads)");
+    if (backend != FC_BACKEND_AUTO) s << " " << fc_backend_name(backend);
     return s.str();
   }
 };
@@ -258,6 +260,7 @@ struct KvProblem {
     }
     opt.stream = mem.stream();
     opt.sm_margin = c.sm_margin;
+    opt.backend = c.backend;
   }
 
   /** Runs the call with a workspace of the size the library asks for. */

@@ -452,6 +452,15 @@ TEST(CudaKvCache, PrefillRoute) {
 /** ALiBi slopes on the decode kernel, with and without splits; calls with many query rows on the
  *  forward-kernel route, over contiguous and paged caches and with left padding (the bias counts
  *  keys from the first one after the padding, as the decode kernel does). */
+/** c (a contiguous prefill_case) with left padding, rows through cache_batch_idx and a window. */
+KvCase left_padded(KvCase c) {
+  c.leftpad = {3, 0, 40};
+  c.batch_idx = true;
+  c.window_left = 90;
+  c.window_right = 0;
+  return c;
+}
+
 TEST(CudaKvCache, Alibi) {
   REQUIRE_GPU();
   uint64_t seed = 3000;
@@ -464,14 +473,7 @@ TEST(CudaKvCache, Alibi) {
     c.head_dim = page == 256 ? 64 : 128;
     c.alibi = page == 16 ? 1 : 2;
     long_chunks.push_back(c);
-    if (page == 0) {
-      KvCase pad = c;  // left padding and rows through cache_batch_idx, with a window
-      pad.leftpad = {3, 0, 40};
-      pad.batch_idx = true;
-      pad.window_left = 90;
-      pad.window_right = 0;
-      long_chunks.push_back(pad);
-    }
+    if (page == 0) long_chunks.push_back(left_padded(c));
   }
   expect_cases(long_chunks, {0, 3}, 4000);
   // The route is taken: its prefix sums need a workspace where the decode kernel without splits
@@ -483,6 +485,48 @@ TEST(CudaKvCache, Alibi) {
   size_t bytes = 0;
   ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &bytes), FC_OK) << fc_last_error();
   EXPECT_GT(bytes, 0u) << "an ALiBi call with many query rows stayed on the decode kernel";
+}
+
+// backend cuda_sm80 asks for the portable kernels only: calls with many query rows run sm80's
+// forward on the route (contiguous caches, with cache_leftpad and ALiBi; 256-key pages) or the
+// decode kernel (pages sm80's forward does not read) even on a Hopper GPU, where auto takes the
+// Hopper forward. So sm80's route is checked on every GPU the tests run on.
+TEST(CudaKvCache, PortableKernelsOnRequest) {
+  REQUIRE_GPU();
+  std::vector<KvCase> cases;
+  for (int64_t page : {int64_t(0), int64_t(16), int64_t(256)}) {
+    KvCase c = prefill_case({0, 100, 300}, page);
+    c.backend = FC_BACKEND_CUDA_SM80;
+    c.dtype = page == 16 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+    c.head_dim = page == 256 ? 64 : 128;
+    cases.push_back(c);
+    KvCase a = c;
+    a.alibi = page == 16 ? 1 : 2;
+    cases.push_back(a);
+    if (page == 0) {
+      cases.push_back(left_padded(a));
+      KvCase capped = c;  // no append, softcap
+      capped.seqlen_new = 0;
+      capped.softcap = 12;
+      capped.dtype = FC_DTYPE_F16;
+      cases.push_back(capped);
+    }
+  }
+  expect_cases(cases, {0, 3}, 5000);
+  if (!fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) return;
+  // On Hopper, auto gathers the 16-key pages of an ALiBi call for its forward (a workspace of
+  // the keys); the portable kernels leave such a call on the decode kernel, unsplit: none.
+  CudaMemory mem;
+  KvCase c = cases[5];
+  ASSERT_TRUE(c.page_size == 16 && c.alibi == 1) << c.name();
+  c.num_splits = 1;
+  size_t portable = 1, automatic = 0;
+  KvProblem pr(c, mem, 7);
+  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &portable), FC_OK) << fc_last_error();
+  pr.opt.backend = FC_BACKEND_AUTO;
+  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &automatic), FC_OK) << fc_last_error();
+  EXPECT_EQ(portable, 0u);
+  EXPECT_GT(automatic, 0u);
 }
 
 TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {

@@ -169,11 +169,14 @@ AttentionParams forward_params(const KvCacheParams& p, const RouteArrays& a) {
  *  allocated per call. */
 constexpr size_t kMaxRouteGatherBytes = size_t(1) << 30;
 
-/** Whether the Hopper forward takes f: the GPU and the call suit it (sm90_supports), q and out are
- *  contiguous across the batch (their packed views have no gap between sequences), as its varlen
- *  TMA maps of q and out assume, and pages it cannot read in place need at most kMaxRouteGatherBytes
- *  of gather workspace (a copy of batch x capacity keys, O(N) next to the attention). */
-bool hopper_takes(const AttentionParams& f) {
+/** Whether the Hopper forward takes f, the forward view of p: the caller did not ask for the
+ *  portable kernels (KvCacheParams::portable_kernels), the GPU and the call suit it
+ *  (sm90_supports), q and out are contiguous across the batch (their packed views have no gap
+ *  between sequences), as its varlen TMA maps of q and out assume, and pages it cannot read in
+ *  place need at most kMaxRouteGatherBytes of gather workspace (a copy of batch x capacity keys,
+ *  O(N) next to the attention). */
+bool hopper_takes(const KvCacheParams& p, const AttentionParams& f) {
+  if (p.portable_kernels) return false;
   const bool rows_packed = !f.is_varlen() || f.batch == 1 || (f.q.batch_stride == 0 && f.out.batch_stride == 0);
   return rows_packed && sm90_supports(f, nullptr) &&
          sm90_forward_required_workspace(f) <= kMaxRouteGatherBytes;
@@ -231,7 +234,7 @@ bool prefill_route_applies(const KvCacheParams& p) {
   // The forward kernels' own rules (sm80: pages of 256k keys; sm90: any, gathered where they are
   // smaller than a key block), before anything is launched.
   const AttentionParams f = rule_params(p);
-  const bool hopper = hopper_takes(f);
+  const bool hopper = hopper_takes(p, f);
   // The Hopper forward's split-KV multiplies its tiles (sm90/split_kv.hpp).
   const sm90::ForwardSplit split = hopper ? sm90_forward_split_plan(f) : sm90::ForwardSplit{};
   const int splits = split.splits;
@@ -260,7 +263,7 @@ bool decode_kernel_suits(const KvCacheParams& p) {
   // head's keys once per query head, in a tile per (sequence, head) holding one row.
   if (p.q_cu_seqlens != nullptr) return one_pass;
   const AttentionParams f = rule_params(p);
-  const bool hopper_packs = hopper_takes(f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
+  const bool hopper_packs = hopper_takes(p, f) && sm90::pack_gqa_chosen(f, R::kLargestCtaRows, R::kLargestCtaRows);
   if (!one_pass) return hopper_packs && !prefill_route_applies(p);
   constexpr int kDefaultSms = 132;
   const int64_t tiles = hopper_packs ? p.batch * p.heads_kv * ((rows + R::kLargestCtaRows - 1) / R::kLargestCtaRows)
@@ -268,11 +271,11 @@ bool decode_kernel_suits(const KvCacheParams& p) {
   return tiles < multiprocessor_count(p.device_id, kDefaultSms);
 }
 
-bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(shape_params(p)); }
+bool prefill_route_on_hopper(const KvCacheParams& p) { return hopper_takes(p, shape_params(p)); }
 
 size_t prefill_route_workspace(const KvCacheParams& p) {
   const AttentionParams f = shape_params(p);
-  return arrays_bytes(p) + (hopper_takes(f) ? sm90_forward_workspace(f) : 0);
+  return arrays_bytes(p) + (hopper_takes(p, f) ? sm90_forward_workspace(f) : 0);
 }
 
 Status run_prefill_route(const KvCacheParams& p, bool on_hopper, void* workspace) {
