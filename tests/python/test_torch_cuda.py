@@ -430,6 +430,32 @@ def test_kvcache_forward_route_splits_and_full_caches(softcap):
         assert_within_rule(out, ref, same, dtype, FWD_FACTOR, f"num_splits={splits}")
 
 
+def test_kvcache_portable_backend_takes_the_route():
+    """Many query rows per KV head with backend cuda_sm80: the KV-cache call's route runs sm80's
+    forward (auto takes the Hopper forward on Hopper), here with ALiBi and cache_leftpad. Both
+    against the fp64 reference on each sequence's keys from its left padding on."""
+    dtype = torch.bfloat16
+    q = torch.randn(2, 96, 16, 128, device=DEVICE, dtype=dtype)
+    k_cache, v_cache = (torch.randn(2, 1024, 4, 128, device=DEVICE, dtype=dtype) for _ in range(2))
+    lengths, pads = [600, 1000], [7, 0]
+    slopes = torch.rand(16, device=DEVICE) * 0.2
+    for backend in ("cuda_sm80", "auto"):
+        flashcore.set_default_backend(backend)
+        try:
+            out = flash_attn.flash_attn_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+                cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=DEVICE), causal=True,
+                alibi_slopes=slopes)
+        finally:
+            flashcore.set_default_backend("auto")
+        for b in range(2):
+            keys = slice(pads[b], lengths[b])
+            args = (q[b:b + 1], k_cache[b:b + 1, keys], v_cache[b:b + 1, keys])
+            ref = reference_attention(*args, causal=True, alibi_slopes=slopes)
+            same = reference_attention(*args, causal=True, alibi_slopes=slopes, dtype=dtype)
+            assert_within_rule(out[b:b + 1], ref, same, dtype, FWD_FACTOR, f"{backend}, sequence {b}")
+
+
 def test_cuda_graph_capture_and_replay():
     shape = (2, 256, 4, 64)
     static = [torch.randn(shape, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]
