@@ -68,7 +68,10 @@ if [ -n "$SO" ]; then
   note "sass: $(grep -E '^(HMMA|HGMMA|UTMALDG|LDSM|LDGSTS|LDL|STL) ' /tmp/sass_summary.txt | tr '\n' ' ')"
 fi
 
-# 3. Tests.
+# 3. Tests. After the smoke, three jobs share the GPU at once (none of them times anything): the
+#    CUDA suite (then the sm90 primitives), compute-sanitizer's three tools one after another on
+#    the small cases, and pytest. One after another they took ~8 minutes of a 10-minute call with
+#    a broad filter (session 47); side by side the call lasts as long as the longest job.
 if [ "$TESTS" = all ]; then
   # Smoke first: the small cases of every backend, briefly. A pipeline that deadlocks shows up
   # here in a minute instead of eating every later step's timeout.
@@ -78,6 +81,19 @@ if [ "$TESTS" = all ]; then
     note "SMOKE TEST HUNG (CudaSanitizerSmall, 60 s): stopping; see tests.log"; tail -5 "$OUTDIR/tests.log" | tee -a "$SUM"; exit 1
   fi
   note "smoke (small cases): rc=$rc ($(el))"
+  JOBS=$(mktemp -d)
+  # Python package from the same build (no second compile): the .py files plus the built _C.
+  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
+    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/ 2>/dev/null
+  if [ "$PYTEST" = yes ]; then
+    ( PYTHONPATH=/tmp/fcpkg timeout 300 python3 -m pytest -q -x tests/python >"$OUTDIR/pytest.log" 2>&1
+      echo "pytest (torch + CUDA): rc=$? ($(el)) $(tail -1 "$OUTDIR/pytest.log")" >"$JOBS/pytest" ) &
+  fi
+  ( for tool in memcheck racecheck synccheck; do
+      timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
+        --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*:CudaDropout.SeedAndOffsetSelectTheMask:CudaDropout.ZeroProbabilityIsNoDropout:CudaSm90Dropout.ZeroProbabilityIsNoDropout:CudaDropoutSm90Backward.BackwardDrawsTheRulesMask' >>"$JOBS/sanitizers.log" 2>&1
+      echo "compute-sanitizer $tool: rc=$? ($(el))" >>"$JOBS/sanitizers"
+    done ) &
   # timeouts: a hung kernel (e.g. a pipeline barrier never completing) must not eat the whole call
   timeout "$TEST_TIMEOUT" build-gpu/tests/flashcore_cuda_tests --gtest_filter="$FILTER" >>"$OUTDIR/tests.log" 2>&1
   note "cuda tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
@@ -86,19 +102,12 @@ if [ "$TESTS" = all ]; then
     timeout 60 build-gpu/tests/cuda/sm90/flashcore_sm90_primitive_tests >>"$OUTDIR/tests.log" 2>&1
     note "sm90 primitive tests: rc=$? ($(el)) $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tail -1)"
   fi
-  for tool in memcheck racecheck synccheck; do
-    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
-      --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*:CudaDropout.SeedAndOffsetSelectTheMask:CudaDropout.ZeroProbabilityIsNoDropout:CudaSm90Dropout.ZeroProbabilityIsNoDropout:CudaDropoutSm90Backward.BackwardDrawsTheRulesMask' >>"$OUTDIR/tests.log" 2>&1
-    note "compute-sanitizer $tool: rc=$? ($(el))"
-  done
-  grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$OUTDIR/tests.log" | sort | uniq -c | head -10 | tee -a "$SUM"
-  # Python package from the same build (no second compile): the .py files plus the built _C.
-  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
-    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/ 2>/dev/null
-  if [ "$PYTEST" = yes ]; then
-    PYTHONPATH=/tmp/fcpkg timeout 240 python3 -m pytest -q -x tests/python >"$OUTDIR/pytest.log" 2>&1
-    note "pytest (torch + CUDA): rc=$? ($(el)) $(tail -1 "$OUTDIR/pytest.log")"
-  fi
+  wait
+  cat "$JOBS/sanitizers" | tee -a "$SUM"
+  cat "$JOBS/sanitizers.log" >>"$OUTDIR/tests.log"
+  grep -E "ERROR SUMMARY|Invalid|Race|hazard" "$JOBS/sanitizers.log" | sort | uniq -c | head -10 | tee -a "$SUM"
+  [ -f "$JOBS/pytest" ] && cat "$JOBS/pytest" | tee -a "$SUM"
+  rm -rf "$JOBS"
 fi
 
 # 4. The demo.
