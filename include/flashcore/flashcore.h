@@ -261,10 +261,11 @@ FC_API fc_status fc_attention_backward(const fc_tensor* dout, const fc_tensor* q
  *                rotary_dim / 2) (GPT-NeoX). Every position must be a row of the tables. q itself is
  *                not modified: CUDA calls rotate it into the workspace.
  * Options: softmax_scale, causal, window, softcap, alibi_slopes, stream, num_threads as usual;
- * backend auto, cpu_flash or cpu_reference (both run the CPU decode path) or cuda_sm80 (the portable
- * kernels only: calls with many query rows then run sm80's forward even on a Hopper GPU, where auto
- * takes the Hopper forward; cuda_sm90 is refused: the CUDA path picks its kernels itself); cu_seqlens_*, block_table and error_flag
- * must be null (this call's table and flag are fields of fc_kvcache_args). Values inside cache_seqlens / block_table on the GPU are checked on the
+ * backend auto, cpu_flash or cpu_reference (both run the CPU decode path) or cuda_sm80 (the
+ * portable kernels only, as on an Ampere GPU: calls with many query rows run sm80's forward where
+ * it takes them, else the decode kernel, even on a Hopper GPU where auto takes the Hopper forward;
+ * cuda_sm90 is refused: the CUDA path picks its kernels itself); cu_seqlens_*, block_table and
+ * error_flag must be null (this call's table and flag are fields of fc_kvcache_args). Values inside cache_seqlens / block_table on the GPU are checked on the
  * device: a sequence whose length exceeds its capacity, whose page id is out of range, whose
  * cache_leftpad is outside 0..cache_seqlens or whose rotary positions pass the tables' rows is not
  * read or written out of bounds; its output rows are set to NaN and *error_flag (when given, int32

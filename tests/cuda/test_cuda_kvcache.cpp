@@ -449,9 +449,6 @@ TEST(CudaKvCache, PrefillRoute) {
   }
 }
 
-/** ALiBi slopes on the decode kernel, with and without splits; calls with many query rows on the
- *  forward-kernel route, over contiguous and paged caches and with left padding (the bias counts
- *  keys from the first one after the padding, as the decode kernel does). */
 /** c (a contiguous prefill_case) with left padding, rows through cache_batch_idx and a window. */
 KvCase left_padded(KvCase c) {
   c.leftpad = {3, 0, 40};
@@ -460,6 +457,10 @@ KvCase left_padded(KvCase c) {
   c.window_right = 0;
   return c;
 }
+
+/** ALiBi slopes on the decode kernel, with and without splits; calls with many query rows on the
+ *  forward-kernel route, over contiguous and paged caches and with left padding (the bias counts
+ *  keys from the first one after the padding, as the decode kernel does). */
 
 TEST(CudaKvCache, Alibi) {
   REQUIRE_GPU();
@@ -513,20 +514,26 @@ TEST(CudaKvCache, PortableKernelsOnRequest) {
     }
   }
   expect_cases(cases, {0, 3}, 5000);
-  if (!fc_backend_available(FC_BACKEND_CUDA_SM90, 0)) return;
-  // On Hopper, auto gathers the 16-key pages of an ALiBi call for its forward (a workspace of
-  // the keys); the portable kernels leave such a call on the decode kernel, unsplit: none.
+  // Which kernels took them, read from the workspace of an unsplit call: the route's arrays (its
+  // prefix sums) where sm80's forward takes the call; none on the decode kernel, unsplit. On
+  // Hopper, auto also gathers the 16-key pages of an ALiBi call for its forward, where the
+  // portable kernels leave that call on the decode kernel.
   CudaMemory mem;
-  KvCase c = cases[5];
-  ASSERT_TRUE(c.page_size == 16 && c.alibi == 1) << c.name();
-  c.num_splits = 1;
-  size_t portable = 1, automatic = 0;
-  KvProblem pr(c, mem, 7);
-  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &portable), FC_OK) << fc_last_error();
-  pr.opt.backend = FC_BACKEND_AUTO;
-  ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &automatic), FC_OK) << fc_last_error();
-  EXPECT_EQ(portable, 0u);
-  EXPECT_GT(automatic, 0u);
+  const bool hopper = fc_backend_available(FC_BACKEND_CUDA_SM90, 0);
+  for (KvCase c : cases) {
+    c.num_splits = 1;
+    size_t portable = 0, automatic = 0;
+    KvProblem pr(c, mem, 7);
+    ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &portable), FC_OK) << fc_last_error();
+    pr.opt.backend = FC_BACKEND_AUTO;
+    ASSERT_EQ(fc_attention_kvcache_workspace(&pr.args, &pr.opt, &automatic), FC_OK) << fc_last_error();
+    if (c.page_size == 16) {
+      EXPECT_EQ(portable, 0u) << c.name() << ": not on the decode kernel";
+      if (hopper && c.alibi > 0) EXPECT_GT(automatic, 0u) << c.name() << ": auto did not gather the pages";
+    } else {
+      EXPECT_GT(portable, 0u) << c.name() << ": not on sm80's forward route";
+    }
+  }
 }
 
 TEST(CudaKvCache, PrefillRouteDeviceSideChecks) {

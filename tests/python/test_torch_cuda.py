@@ -433,11 +433,13 @@ def test_kvcache_forward_route_splits_and_full_caches(softcap):
 def test_kvcache_portable_backend_takes_the_route():
     """Many query rows per KV head with backend cuda_sm80: the KV-cache call's route runs sm80's
     forward (auto takes the Hopper forward on Hopper), here with ALiBi and cache_leftpad. Both
-    against the fp64 reference on each sequence's keys from its left padding on."""
+    against the fp64 reference on each sequence's keys from its left padding on. The shape takes
+    the route (prefill_route.cu: 1024 rows per KV head, 2 x 4 x 16 x 2 query blocks >= the SMs);
+    CudaKvCache.PortableKernelsOnRequest checks from the workspace which kernels took a call."""
     dtype = torch.bfloat16
-    q = torch.randn(2, 96, 16, 128, device=DEVICE, dtype=dtype)
-    k_cache, v_cache = (torch.randn(2, 1024, 4, 128, device=DEVICE, dtype=dtype) for _ in range(2))
-    lengths, pads = [600, 1000], [7, 0]
+    q = torch.randn(4, 256, 16, 128, device=DEVICE, dtype=dtype)
+    k_cache, v_cache = (torch.randn(4, 1024, 4, 128, device=DEVICE, dtype=dtype) for _ in range(2))
+    lengths, pads = [600, 1000, 800, 1024], [7, 0, 3, 100]
     slopes = torch.rand(16, device=DEVICE) * 0.2
     for backend in ("cuda_sm80", "auto"):
         flashcore.set_default_backend(backend)
@@ -448,7 +450,7 @@ def test_kvcache_portable_backend_takes_the_route():
                 alibi_slopes=slopes)
         finally:
             flashcore.set_default_backend("auto")
-        for b in range(2):
+        for b in range(4):
             keys = slice(pads[b], lengths[b])
             args = (q[b:b + 1], k_cache[b:b + 1, keys], v_cache[b:b + 1, keys])
             ref = reference_attention(*args, causal=True, alibi_slopes=slopes)
