@@ -184,7 +184,9 @@ Status check_disjoint(const fc_tensor* a, const Extent& ea, const char* an, cons
   return Status::ok();
 }
 
-// Check of a cu_seqlens array in host memory (batch + 1 contiguous entries).
+// Check of a cu_seqlens array in host memory (batch + 1 contiguous entries): the array's own rules
+// first, then max_seqlen against the lengths it gives, so that a broken array is named as such
+// (a decrease makes a later "length" look long).
 Status check_cu_seqlens_values(const int32_t* v, const char* name, int64_t batch, int64_t total,
                                int64_t max_seqlen, const char* max_name) {
   if (v[0] != 0)
@@ -195,16 +197,19 @@ Status check_cu_seqlens_values(const int32_t* v, const char* name, int64_t batch
       return Status::invalid(std::string(name) + ": decreases at index " + std::to_string(b + 1) + " (" +
                              std::to_string(a) + " -> " + std::to_string(c) + "; it must be non-decreasing)");
     }
-    if (c - a > max_seqlen) {
-      return Status::invalid(std::string(max_name) + ": " + std::to_string(max_seqlen) +
-                             " is smaller than sequence " + std::to_string(b) + "'s length " +
-                             std::to_string(c - a) + " given by " + name);
-    }
   }
   const int64_t last = v[batch];
   if (last > total) {
     return Status::invalid(std::string(name) + ": last entry " + std::to_string(last) +
                            " exceeds the packed tensor's " + std::to_string(total) + " rows");
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = int64_t(v[b + 1]) - v[b];
+    if (length > max_seqlen) {
+      return Status::invalid(std::string(max_name) + ": " + std::to_string(max_seqlen) +
+                             " is smaller than sequence " + std::to_string(b) + "'s length " +
+                             std::to_string(length) + " given by " + name);
+    }
   }
   return Status::ok();
 }

@@ -365,7 +365,12 @@ TEST_F(BadVarlen, CuSeqlens) {
   expect_error("cu_seqlens_q: starts at 1");
   cq = {0, 6, 4};
   expect_error("cu_seqlens_q: decreases at index 2");
+  // The array's own rules come before max_seqlen's: a decrease or an overlong last entry is
+  // named as such even where it also makes a length longer than max_seqlen.
+  cq = {0, 10, 4};
+  expect_error("cu_seqlens_q: decreases at index 2");
   cq = {0, 4, 11};
+  expect_error("cu_seqlens_q: last entry 11 exceeds the packed tensor's 10 rows");
   opt.max_seqlen_q = 7;
   expect_error("cu_seqlens_q: last entry 11 exceeds the packed tensor's 10 rows");
   cq = {0, 4, 10};
