@@ -58,6 +58,10 @@ if ! cmake --build build-gpu -j 16 >>"$OUTDIR/build.log" 2>&1; then
   note "BUILD FAILED ($(el)); tail of build.log:"; grep -E "error|Error" "$OUTDIR/build.log" | head -30 | tee -a "$SUM"; exit 1
 fi
 note "build ok ($(el)); spills: $(grep -c 'bytes spill stores' "$OUTDIR/build.log") kernels reported, $(grep -E '[1-9][0-9]* bytes spill stores' "$OUTDIR/build.log" | wc -l) with spills"
+# The Python package for pytest and the benchmarks, from the same build (no second compile): the
+# .py files plus the built _C.
+rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
+  && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/ 2>/dev/null
 
 # 2. SASS instruction mix of the kernels (HMMA = tensor-core mma.sync).
 SO=$(ls build-gpu/libflashcore.so 2>/dev/null)
@@ -81,9 +85,6 @@ if [ "$TESTS" = all ]; then
     note "SMOKE TEST HUNG (CudaSanitizerSmall, 60 s): stopping; see tests.log"; tail -5 "$OUTDIR/tests.log" | tee -a "$SUM"; exit 1
   fi
   note "smoke (small cases): rc=$rc ($(el))"
-  # Python package from the same build (no second compile): the .py files plus the built _C.
-  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
-    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/ 2>/dev/null
   # Each job notes its own result lines in the summary as it finishes, so a call cut off at its
   # limit still reports what completed. The sanitizers' timeouts allow for the shared GPU.
   if [ "$PYTEST" = yes ]; then
@@ -113,8 +114,6 @@ timeout 60 build-gpu/flashcore run >>"$SUM" 2>&1 || note "flashcore run FAILED"
 
 # 5. Benchmark against the peers (same process).
 if [ "$BENCH" != none ]; then
-  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
-    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/
   Q=; [ "$BENCH" = quick ] && Q=--quick
   PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fcpkg timeout $((BUDGET + 60)) python3 bench/peers.py "$OUTDIR" $Q --budget "$BUDGET" $BENCH_ARGS \
     >"$OUTDIR/bench.log" 2>&1
@@ -129,8 +128,6 @@ if [ "$BENCH" != none ] && [ "$DECODE" = yes ]; then
 fi
 if [ "$DROPOUT" = yes ]; then
   # Dropout against SDPA's FlashAttention-2 with dropout (cuDNN takes none), forward and fwd+bwd.
-  rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
-    && cp build-gpu/python/_C*.so /tmp/fcpkg/flashcore/
   PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/fcpkg timeout 300 python3 bench/dropout_bench.py >"$OUTDIR/dropout.log" 2>&1
   note "dropout bench: rc=$? ($(el))"
   cat "$OUTDIR/dropout.log" >>"$SUM"

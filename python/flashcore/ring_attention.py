@@ -118,7 +118,7 @@ def _wait(requests):
 NO_WINDOW = (-1, -1)  # window_size's "unbounded on both sides"
 
 
-def _check(q, k, v, causal, layout="contiguous", window=(-1, -1), softcap=0.0):
+def _check(q, k, v, causal, layout="contiguous", window=NO_WINDOW, softcap=0.0):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D torch tensor (batch, seqlen_shard, heads, head_dim)")
@@ -199,16 +199,16 @@ def _window_blocks(layout, rank, source, world, length, window):
 
 
 def _blocks(layout, causal, window, rank, source, world, q_len, k_len):
-    """What a step computes, [(query rows, key rows, causal, (window left, right))]."""
-    if tuple(window) == NO_WINDOW:
+    """What a step computes, [(query rows, key rows, causal, (window left, right))]; window is the
+    (left, right) tuple ring_flash_attn_func normalized."""
+    if window == NO_WINDOW:
         return _step_blocks(layout, causal, rank, source, q_len, k_len)
     return _window_blocks(layout, rank, source, world, q_len, (window[0], 0 if causal else window[1]))
 
 
-def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin, window=(-1, -1),
-                  softcap=0.0):
+def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, sm_margin, window, softcap):
     out_acc = lse_acc = None
-    if tuple(window) != NO_WINDOW:  # the steps' blocks need not cover every row: start from "no keys"
+    if window != NO_WINDOW:  # the steps' blocks need not cover every row: start from "no keys"
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32,
                              device=q.device)
@@ -237,7 +237,7 @@ def _ring_forward(q, k, v, ring, scale, causal, layout, backend, deterministic, 
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring, scale, causal, layout, backend, deterministic, sm_margin,
-                   window=(-1, -1), softcap=0.0):
+                   window, softcap):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),

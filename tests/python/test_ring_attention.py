@@ -20,6 +20,8 @@ if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 mp = pytest.importorskip("torch.multiprocessing")
 
+from attention_reference import allowed_keys  # noqa: E402  (the mask rule of every Python test)
+
 FP32_RELATIVE_TOLERANCE = 1e-5
 BF16_RELATIVE_TOLERANCE = 2e-2  # ring vs one call: merges in fp32, rounding of out once either way
 
@@ -34,13 +36,7 @@ def reference(q, k, v, causal, window=(-1, -1), softcap=0.0):
     s = torch.einsum("bihd,bjhd->bhij", q, k) * q.shape[-1] ** -0.5
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    left, right = window[0], 0 if causal else window[1]
-    offset = torch.arange(k.shape[1])[None, :] - torch.arange(q.shape[1])[:, None]  # key - query position
-    hidden = torch.zeros(offset.shape, dtype=torch.bool)
-    if right >= 0:
-        hidden |= offset > right
-    if left >= 0:
-        hidden |= offset < -left
+    hidden = ~torch.from_numpy(allowed_keys(q.shape[1], k.shape[1], causal, window))
     if hidden.any():
         s = s.masked_fill(hidden.to(s.device), -1e30)
     return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), v), torch.logsumexp(s, dim=-1)
