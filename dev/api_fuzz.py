@@ -1,17 +1,33 @@
-"""Randomized differential fuzz of flashcore's CPU backends (a development tool, not a test: session 47
-ran ~71,000 iterations with it and found one misleading cu_seqlens error message, since fixed).
+"""Randomized differential fuzz of flashcore's backends through the Python API (a development tool,
+not a test). On the CPU (the default, `--device cpu`; session 47 ran ~71,000 iterations as
+dev/cpu_fuzz.py and found one misleading cu_seqlens error message, since fixed) it exercises
+cpu_flash and cpu_reference (the fp64 oracle), plus auto three times in ten; with `--device cuda`
+(a GPU machine) cuda_sm80 and auto, plus cuda_sm90 on a CC 9.0 device, at least two of them
+per iteration.
 
-cpu_flash and cpu_reference (the fp64 oracle) are both compared with an independent float64
-plain-torch implementation written here (dense, varlen, paged varlen, KV cache with append /
-rotary / leftpad / cache_batch_idx / paged caches, ALiBi, softcap, windows, dropout through the
-test suite's numpy replica of the Philox mask), plus cpu_flash vs cpu_reference directly.
+Every backend is compared with an independent float64 plain-torch implementation written here
+(dense, varlen, paged varlen, KV cache with append / rotary / leftpad / cache_batch_idx / paged
+caches, ALiBi, softcap, windows, dropout through the test suite's numpy replica of the Philox
+mask); the CPU run thereby also compares cpu_flash with cpu_reference.
 Tolerance (tests' rule): max|X - truth| <= F * max|X_same - truth| + atol, X_same = a naive
 same-precision computation (fp32 math, P rounded to the dtype), atol = 2 roundings at the
 truth's magnitude; fp32 additionally passes with a relative (norm) error <= 1e-5.
 
-Usage: PYTHONPATH=<package> nice -n 10 python3 dev/cpu_fuzz.py [--minutes M] [--seed S]
-       [--repro SEED] [--modes dense,varlen,paged,kvcache,invalid]
-Failures go to /tmp/fz_failures.jsonl (one JSON object per failure, with the iteration seed).
+CUDA mode: inputs are drawn on the CPU exactly as in CPU mode and moved to the GPU for the call;
+the truth stays on the CPU (fp64 / fp32, 8 threads) and results come back with .cpu(). Only fp16
+and bf16 are drawn (the CUDA backends take no fp32), sequences reach ~1100 tokens (multi-tile
+paths; a larger work cap keeps the truth within seconds), paged and KV-cache calls take head dims
+that are multiples of 8 (the library pads only the dense and varlen calls), and invalid inputs
+are limited to the ones the library checks on the host (values inside CUDA index tensors are
+checked by the kernels, not reported as errors). A documented refusal of one backend (REFUSALS)
+skips that backend for the iteration and is counted as skip:<backend>:<reason>. Each iteration
+ends with torch.cuda.synchronize(), so an asynchronous fault is charged to its seed; one that
+leaves the CUDA context unusable stops the run.
+
+Usage: PYTHONPATH=<package> nice -n 10 python3 dev/api_fuzz.py [--device cpu|cuda] [--minutes M]
+       [--seed S] [--repro SEED] [--modes dense,varlen,paged,kvcache,invalid] [--out FILE]
+Failures go to --out (default /tmp/fz_failures.jsonl; one JSON object per failure, with the
+iteration seed: `--repro SEED` with the same --device replays it).
 """
 
 import argparse
@@ -19,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 import traceback
@@ -37,9 +54,107 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FAIL_LOG = "/tmp/fz_failures.jsonl"
 CUR = [None]
 
+# Where the library's tensors live; main() switches these for --device cuda (setup_cuda).
+DEVICE = "cpu"
+GPU_BACKENDS = []  # cuda mode: "cuda_sm80", "cuda_sm90" on a CC 9.0 device, "auto"
+# Bound on a case's sum(len_q x len_k) x heads_q x head_dim, what the float64 truth costs.
+WORK_CAP = 3e7
+# CUDA mode only: also bound sum(len_q x len_k) x heads_q, the size of the truth's materialized
+# (heads, len_q, len_k) fp64 score matrices and of the numpy dropout mask (~0.26 us an entry).
+PAIR_CAP = 1e7
+LONG_LEN = 1100  # CUDA mode: the longest sequence pick_len draws
+TRUTH_THREADS = 1  # torch threads of the truth computation (8 in CUDA mode)
+
 
 class Failure(Exception):
     pass
+
+
+def on_cuda():
+    return DEVICE == "cuda"
+
+
+def dev(x):
+    """x on the device the library is fuzzed on (the same tensor in CPU mode)."""
+    return x.to(DEVICE) if on_cuda() and torch.is_tensor(x) else x
+
+
+def host(x):
+    """x on the CPU, where the truth and the comparisons are (the same tensor in CPU mode)."""
+    return x.cpu() if on_cuda() and torch.is_tensor(x) else x
+
+
+def reset_threads():
+    torch.set_num_threads(TRUTH_THREADS)
+
+
+# ---- documented refusals of the CUDA backends ---------------------------------------------------
+# A backend that cannot serve a valid call says so with FC_ERROR_UNSUPPORTED (NotImplementedError
+# in Python). Those below are refusals by design, found in the code: the backend is skipped for the
+# iteration and counted as skip:<backend>:<reason>. Any other NotImplementedError stays a failure:
+#  - validate_for_backend (src/api/validate.cpp): "q: dtype float32 is not supported by backend"
+#    and "q: head_dim N is not a multiple of 8": never drawn here (fp16 / bf16 only; the dense and
+#    varlen torch calls pad the head_dim in Python, paged and KV-cache calls get multiples of 8),
+#    so seeing one is a bug. The same for "backend: X is not available" (GPU_BACKENDS keeps only
+#    what backend_available says), for the launch-time guards behind a *_supports function
+#    ("cuda_sm90 forward: pages of N ...", "... GQA group cannot be packed", "cuda_sm80 forward:
+#    ... grid limit", "backward dq stage: dropout kernels are not compiled") and for Python's own
+#    refusals (dropout or autograd with a block_table, cache_leftpad with pages: not drawn).
+#  - sm80_supports (src/cuda/sm80/forward_api.cu), also what AUTO runs where sm90 cannot: pages of
+#    several per sequence whose size is not a multiple of 256 (flash_attn's rule; the paged mode
+#    draws small pages for the CPU and sm90), ALiBi with paged K/V and dropout together (not
+#    drawn: paged calls have no dropout); head_dim above 256 / over 2^31 rows: not drawn.
+#  - sm90_supports / sm90_backward_supports (src/cuda/sm90/forward_api.cu, backward_api.cu), only
+#    when cuda_sm90 is named (AUTO then takes sm80): q / k / v / dout strides TMA cannot describe,
+#    out / dk / dv without even strides (the layouts drawn here keep strides multiples of 8, so
+#    not expected), a page gather above 4 GiB, 32-bit row indexing of the backward.
+#  - the KV-cache entry (src/api/kvcache_api.cpp, src/cuda/decode/decode_api.cu): cuda_sm90 serves
+#    none (kept out of the KV-cache mode's backends), shared memory the GPU does not offer, the
+#    decode kernel's grid limits.
+#  - build-dependent on every backend: a dtype or head-dim bucket not compiled in
+#    (FLASHCORE_DTYPES / FLASHCORE_HEAD_DIMS).
+# (pattern, backends it may come from, short reason)
+REFUSALS = [
+    (r"\(FLASHCORE_(DTYPES|HEAD_DIMS)\)", ("cuda_sm80", "cuda_sm90", "auto"), "not_compiled"),
+    (r"^cuda_sm80: paged k / v need a page_size that is a multiple of 256", ("cuda_sm80", "auto"), "page_size"),
+    (r"^cuda_sm80: alibi_slopes with paged k / v and dropout_p > 0", ("cuda_sm80", "auto"), "paged_alibi_dropout"),
+    (r"^cuda_sm90: q, k and v need 16-byte aligned data", ("cuda_sm90",), "tma_strides"),
+    (r"^cuda_sm90: out needs 4-byte aligned data", ("cuda_sm90",), "out_strides"),
+    (r"^cuda_sm90: dout needs 16-byte aligned data", ("cuda_sm90",), "dout_strides"),
+    (r"^cuda_sm90: d[kv] needs 4-byte aligned data", ("cuda_sm90",), "dkdv_strides"),
+    (r"^cuda_sm90: paged k / v would need \d+ bytes of workspace to gather", ("cuda_sm90",), "gather_4GiB"),
+    (r"^cuda_sm90: the backward indexes heads_q \* total_q rows in 32 bits", ("cuda_sm90",), "bwd_32bit"),
+    (r"^backend: cuda_sm90 does not serve the KV-cache entry points", ("cuda_sm90",), "kvcache"),
+    (r"^q: head_dim \d+: the CUDA KV-cache kernel needs \d+ bytes of shared memory", ("cuda_sm80", "auto"), "smem"),
+    (r"^q: this KV-cache call runs on the decode kernel, whose grid", ("cuda_sm80", "auto"), "decode_grid"),
+    (r"^q: batch or heads exceed the CUDA grid limits", ("cuda_sm80", "auto"), "grid"),
+]
+
+
+def skip_refusal(cfg, backend, e):
+    """True (and the skip recorded in cfg) when e is one of REFUSALS from `backend` in CUDA mode;
+    False otherwise: the caller re-raises, so everything else stays a failure."""
+    if not on_cuda() or not isinstance(e, NotImplementedError):
+        return False
+    msg = str(e)
+    for pattern, backends, reason in REFUSALS:
+        if backend in backends and re.search(pattern, msg):
+            cfg.setdefault("skips", []).append(f"skip:{backend}:{reason}")
+            return True
+    return False
+
+
+def pick_backends(r, kvcache=False):
+    """The backends of one iteration. CPU: cpu_flash and cpu_reference, plus auto three times in
+    ten. CUDA: at least two of GPU_BACKENDS (the KV-cache entry refuses cuda_sm90 by design)."""
+    u = r.random()
+    if not on_cuda():
+        return ("cpu_flash", "cpu_reference", "auto") if u < 0.3 else ("cpu_flash", "cpu_reference")
+    names = [b for b in GPU_BACKENDS if not (kvcache and b == "cuda_sm90")]
+    if len(names) <= 2 or u >= 0.5:
+        return tuple(names)
+    two = r.sample(names, 2)
+    return tuple(b for b in names if b in two)
 
 
 # ---- independent float64 torch reference --------------------------------------------------------
@@ -176,11 +291,15 @@ def check(name, actual, truth, same, dtype, factor=2.0, floor=0.0):
 HEAD_DIMS = list(range(8, 257, 8)) + [36, 60, 100, 20, 44, 4, 12]
 
 
-def pick_head_dim(r):
+def pick_head_dim(r, mult8=False):
+    """mult8: rounded up to a multiple of 8 (CUDA paged and KV-cache calls: the library pads only
+    the dense and varlen torch calls, the others refuse such head dims by design)."""
     if r.random() < 0.2:
-        return r.choice([36, 60, 100, 20, 44, 4, 12])
-    return r.choice([8, 16, 24, 32, 40, 48, 64, 64, 72, 80, 96, 128, 128, 160, 192, 256, 256]
-                    + list(range(8, 257, 8)))
+        d = r.choice([36, 60, 100, 20, 44, 4, 12])
+    else:
+        d = r.choice([8, 16, 24, 32, 40, 48, 64, 64, 72, 80, 96, 128, 128, 160, 192, 256, 256]
+                     + list(range(8, 257, 8)))
+    return -(-d // 8) * 8 if mult8 else d
 
 
 def pick_len(r, hi=300):
@@ -193,7 +312,19 @@ def pick_len(r, hi=300):
         return r.randint(2, 20)
     if u < 0.8:
         return r.randint(20, 130)
+    if on_cuda() and r.random() < 0.5:
+        return r.randint(hi, LONG_LEN)  # many query / key tiles, split-KV
     return r.randint(130, hi)
+
+
+def fit_lengths(lens_q, lens_k, hq, d):
+    """CUDA mode: lens_q and lens_k halved together until the truth's cost fits WORK_CAP and
+    PAIR_CAP (after the head-count and head-dim cuts, which stop at head_dim 8). Equal lengths stay
+    equal, so dense cases keep one length per batch. CPU mode: unchanged."""
+    pairs = lambda: sum(a * b for a, b in zip(lens_q, lens_k))
+    while on_cuda() and (pairs() * hq * d > WORK_CAP or pairs() * hq > PAIR_CAP):
+        lens_q, lens_k = [(x + 1) // 2 for x in lens_q], [(x + 1) // 2 for x in lens_k]
+    return lens_q, lens_k
 
 
 def pick_window(r, sk):
@@ -213,7 +344,7 @@ def pick_window(r, sk):
 
 def pick_common(r, hq, batch, dtype_name=None):
     c = {}
-    c["dtype"] = dtype_name or r.choice(["fp32", "fp16", "bf16"])
+    c["dtype"] = dtype_name or r.choice(["fp16", "bf16"] if on_cuda() else ["fp32", "fp16", "bf16"])
     c["causal"] = r.random() < 0.35
     c["softcap"] = 0.0 if r.random() < 0.65 else r.choice([0.5, 1.0, 5.0, 30.0, r.uniform(0.2, 50)])
     u = r.random()
@@ -260,15 +391,21 @@ def restride(x, r, kind=None):
         base = x.permute(order).contiguous()
         inv = [order.index(i) for i in range(x.dim())]
         return base.permute(inv), None, "perm"
-    pads = [r.randint(0, 2) for _ in range(x.dim() - 1)] + [r.choice([0, 0, 1, 8])]
-    base = torch.full([n + p for n, p in zip(x.shape, pads)], float("nan"), dtype=x.dtype)
+    # The CUDA backends need strides of 8 elements (16 bytes; a documented error otherwise): pad
+    # the last dimension by multiples of 8 there.
+    pads = [r.randint(0, 2) for _ in range(x.dim() - 1)] + [r.choice([0, 0, 8, 16] if on_cuda() else [0, 0, 1, 8])]
+    base = torch.full([n + p for n, p in zip(x.shape, pads)], float("nan"), dtype=x.dtype, device=x.device)
     view = base[tuple(slice(0, n) for n in x.shape)]
     view.copy_(x)
     return view, base, "pad"
 
 
 def set_threads(r):
-    torch.set_num_threads(2 if r.random() < 0.25 else 1)
+    """Threads of a CPU backend's call. The CUDA backends take none: there the draw is made (the
+    random stream keeps its shape) and the truth's thread count stays."""
+    n = 2 if r.random() < 0.25 else 1
+    if not on_cuda():
+        torch.set_num_threads(n)
 
 
 def drawn_seed(seed):
@@ -295,15 +432,16 @@ def attention_case(r, g, mode):
         lens_q = [pick_len(r, 200) for _ in range(batch)]
         lens_k = [x if r.random() < 0.3 else pick_len(r, 200) for x in lens_q]
     work = sum(a * b for a, b in zip(lens_q, lens_k)) * hq * d
-    if work > 3e7 and r.random() < 0.5:
+    if work > WORK_CAP and r.random() < 0.5:
         hq = hkv
         if c["alibi"]:
             sh = c["alibi"][1]
             c["alibi"] = ("shape", [hq] if len(sh) == 1 else [batch, hq], c["alibi"][2], c["alibi"][3])
         work = sum(a * b for a, b in zip(lens_q, lens_k)) * hq * d
-    while work > 3e7 and d > 8:
+    while work > WORK_CAP and d > 8:
         d = max(8, d // 2 // 8 * 8)
         work = sum(a * b for a, b in zip(lens_q, lens_k)) * hq * d
+    lens_q, lens_k = fit_lengths(lens_q, lens_k, hq, d)
     window = pick_window(r, max(lens_k) if lens_k else 0)
     dropout = 0.0 if r.random() < 0.7 else r.choice([0.1, 0.17, 0.5, 0.9, r.uniform(0.01, 0.95)])
     backward = r.random() < 0.6
@@ -342,32 +480,38 @@ def attention_case(r, g, mode):
         cfg["max_seqlen"] = (mq, mk)
     call_seed = r.randint(0, 10**6)
     results = {}
-    for backend in (("cpu_flash", "cpu_reference", "auto") if r.random() < 0.3 else ("cpu_flash", "cpu_reference")):
+    for backend in pick_backends(r):
         fc.set_default_backend(backend)
         if backend != "cpu_reference":
             set_threads(r)
         else:
-            torch.set_num_threads(1)
-        leaves = [restride(x, r)[0].requires_grad_(backward) for x in (q, k, v)]
-        dout_b = restride(dout, r)[0]
+            reset_threads()
+        # CUDA mode: each layout is made on the device (a copy of a CPU layout would be contiguous)
+        leaves = [restride(dev(x), r)[0].requires_grad_(backward) for x in (q, k, v)]
+        dout_b = restride(dev(dout), r)[0]
         kw = dict(dropout_p=dropout, softmax_scale=c["scale"], causal=c["causal"], window_size=window,
-                  softcap=c["softcap"], alibi_slopes=slopes, return_attn_probs=True, deterministic=deterministic)
+                  softcap=c["softcap"], alibi_slopes=dev(slopes), return_attn_probs=True, deterministic=deterministic)
         torch.manual_seed(call_seed)
-        if mode == "dense":
-            if packed == "qkv":
-                qkv = torch.stack(leaves, dim=2)
-                out, lse, _ = fc.flash_attn_qkvpacked_func(qkv, **kw)
-            elif packed == "kv":
-                out, lse, _ = fc.flash_attn_kvpacked_func(leaves[0], torch.stack(leaves[1:], dim=2), **kw)
+        try:
+            if mode == "dense":
+                if packed == "qkv":
+                    qkv = torch.stack(leaves, dim=2)
+                    out, lse, _ = fc.flash_attn_qkvpacked_func(qkv, **kw)
+                elif packed == "kv":
+                    out, lse, _ = fc.flash_attn_kvpacked_func(leaves[0], torch.stack(leaves[1:], dim=2), **kw)
+                else:
+                    out, lse, _ = fc.flash_attn_func(*leaves, **kw)
             else:
-                out, lse, _ = fc.flash_attn_func(*leaves, **kw)
-        else:
-            out, lse, _ = fc.flash_attn_varlen_func(*leaves, cu_q, cu_k, mq, mk, **kw)
-        grads = None
-        if backward:
-            grads = torch.autograd.grad(out, leaves, dout_b)
-        results[backend] = (out.detach(), lse.detach(), grads)
-    torch.set_num_threads(1)
+                out, lse, _ = fc.flash_attn_varlen_func(*leaves, dev(cu_q), dev(cu_k), mq, mk, **kw)
+            grads = None
+            if backward:
+                grads = tuple(host(x) for x in torch.autograd.grad(out, leaves, dout_b))
+        except NotImplementedError as e:
+            if not skip_refusal(cfg, backend, e):
+                raise
+            continue
+        results[backend] = (host(out.detach()), host(lse.detach()), grads)
+    reset_threads()
     fc.set_default_backend("auto")
     mask_seed = drawn_seed(call_seed) if dropout else None
 
@@ -469,14 +613,18 @@ def paged_case(r, g):
     batch = r.randint(1, 3)
     hkv = r.choice([1, 2, 3])
     hq = hkv * r.choice([1, 2, 4])
-    d = pick_head_dim(r)
+    d = pick_head_dim(r, mult8=on_cuda())
     c = pick_common(r, hq, batch)
     dtype = DTYPES[c["dtype"]]
-    page = r.choice([1, 2, 3, 7, 8, 16, 31, 32, 64, r.randint(1, 64)])
+    # CUDA: also whole key blocks (sm90 reads them in place) and multiples of 256 (sm80 takes
+    # several pages per sequence only of those; smaller ones are gathered on sm90).
+    page = r.choice([1, 2, 3, 7, 8, 16, 31, 32, 64, r.randint(1, 64)]
+                    + ([16, 32, 64, 128, 256, 256, 512, 512] if on_cuda() else []))
     lens_q = [pick_len(r, 150) for _ in range(batch)]
     lens_k = [pick_len(r, 250) for _ in range(batch)]
-    while sum(a * b for a, b in zip(lens_q, lens_k)) * hq * d > 3e7 and d > 8:
+    while sum(a * b for a, b in zip(lens_q, lens_k)) * hq * d > WORK_CAP and d > 8:
         d = max(8, d // 2 // 8 * 8)
+    lens_q, lens_k = fit_lengths(lens_q, lens_k, hq, d)
     pages_per_seq = max(1, max(-(-x // page) for x in lens_k)) + r.randint(0, 2)
     num_pages = batch * pages_per_seq + r.randint(0, 3)
     window = pick_window(r, max(lens_k))
@@ -495,18 +643,25 @@ def paged_case(r, g):
     cu_k = torch.tensor([0] + list(np.cumsum(lens_k)), dtype=torch.int32)
     mq, mk = max(lens_q), max(lens_k)
     results = {}
-    for backend in (("cpu_flash", "cpu_reference", "auto") if r.random() < 0.3 else ("cpu_flash", "cpu_reference")):
+    for backend in pick_backends(r):
         fc.set_default_backend(backend)
         if backend != "cpu_reference":
             set_threads(r)
-        kp_c, vp_c = kp.clone(), vp.clone()
-        out, lse, _ = fc.flash_attn_varlen_func(restride(q, r)[0], kp_c, vp_c, cu_q, cu_k, mq, mk, softmax_scale=c["scale"],
-                                                causal=c["causal"], window_size=window, softcap=c["softcap"],
-                                                alibi_slopes=slopes, return_attn_probs=True, block_table=table)
-        torch.set_num_threads(1)
-        if not (torch.equal(kp_c, kp) and torch.equal(vp_c, vp)):
+        kp_c, vp_c = dev(kp).clone(), dev(vp).clone()
+        try:
+            out, lse, _ = fc.flash_attn_varlen_func(restride(dev(q), r)[0], kp_c, vp_c, dev(cu_q), dev(cu_k), mq, mk,
+                                                    softmax_scale=c["scale"], causal=c["causal"], window_size=window,
+                                                    softcap=c["softcap"], alibi_slopes=dev(slopes),
+                                                    return_attn_probs=True, block_table=dev(table))
+        except NotImplementedError as e:
+            if not skip_refusal(cfg, backend, e):
+                raise
+            continue
+        finally:
+            reset_threads()
+        if not (torch.equal(host(kp_c), kp) and torch.equal(host(vp_c), vp)):
             raise Failure(f"{backend}: paged forward modified k/v pages")
-        results[backend] = (out, lse)
+        results[backend] = (host(out), host(lse))
     fc.set_default_backend("auto")
     scale = c["scale"] if c["scale"] is not None else d ** -0.5
     outs64, lses64, outs32, lses32 = [], [], [], []
@@ -556,7 +711,7 @@ def kvcache_case(r, g):
     batch = r.randint(1, 3)
     hkv = r.choice([1, 2, 3, 4])
     hq = hkv * r.choice([1, 1, 2, 4, 8])
-    d = pick_head_dim(r)
+    d = pick_head_dim(r, mult8=on_cuda())
     c = pick_common(r, hq, batch)
     dtype = DTYPES[c["dtype"]]
     u = r.random()
@@ -566,8 +721,9 @@ def kvcache_case(r, g):
     if r.random() < 0.2 and append:
         sn = r.randint(20, 80)
     paged = r.random() < 0.4
-    page = r.choice([1, 2, 5, 8, 16, 32, 64, r.randint(1, 64)]) if paged else None
-    want_cap = r.randint(max(1, sn), max(sn, 1) + r.choice([5, 40, 150, 300]))
+    page = r.choice([1, 2, 5, 8, 16, 32, 64, r.randint(1, 64)] + ([128, 256] if on_cuda() else [])) if paged else None
+    # CUDA: long caches too (split-KV, the forward-kernel route's many key blocks)
+    want_cap = r.randint(max(1, sn), max(sn, 1) + r.choice([5, 40, 150, 300] + ([1100, 2000] if on_cuda() else [])))
     if paged:
         pages_per_seq = -(-want_cap // page)
         cap = pages_per_seq * page
@@ -578,7 +734,7 @@ def kvcache_case(r, g):
     bc = batch + (r.randint(0, 3) if use_bidx else 0)
     leftpad_on = (not paged) and r.random() < 0.25
     seqlens_none = (not append) and r.random() < 0.2
-    while batch * hq * sq * cap * d > 3e7 and d > 8:
+    while batch * hq * sq * cap * d > WORK_CAP and d > 8:
         d = max(8, d // 2 // 8 * 8)
     rotary = append and r.random() < 0.4
     num_splits = r.choice([0, 1, 3])
@@ -638,29 +794,36 @@ def kvcache_case(r, g):
         else:
             cs_arg = torch.tensor(lens, dtype=torch.int32 if u < 0.8 else torch.int64)
     results = {}
-    for backend in (("cpu_flash", "cpu_reference", "auto") if r.random() < 0.3 else ("cpu_flash", "cpu_reference")):
+    for backend in pick_backends(r, kvcache=True):
         fc.set_default_backend(backend)
         if backend != "cpu_reference":
             set_threads(r)
-        kc_c, kbase, kkind = restride(kc, r, r.choice(["same", "pad"]))
-        vc_c, vbase, vkind = restride(vc, r, r.choice(["same", "pad"]))
+        kc_c, kbase, kkind = restride(dev(kc), r, r.choice(["same", "pad"]))
+        vc_c, vbase, vkind = restride(dev(vc), r, r.choice(["same", "pad"]))
         cfg.setdefault("cache_layouts", []).append((kkind, vkind))
-        q_b = restride(q, r)[0]
-        kn_b = restride(kn, r)[0] if kn is not None else None
-        vn_b = restride(vn, r)[0] if vn is not None else None
-        out, lse = fc.flash_attn_with_kvcache(
-            q_b, kc_c, vc_c, kn_b, vn_b, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cs_arg, cache_batch_idx=bidx,
-            cache_leftpad=leftpad, block_table=table, softmax_scale=c["scale"], causal=c["causal"],
-            window_size=window, softcap=c["softcap"], rotary_interleaved=interleaved, alibi_slopes=slopes,
-            num_splits=num_splits, return_softmax_lse=True)
-        torch.set_num_threads(1)
-        for base, view in ((kbase, kc_c), (vbase, vc_c)):
+        q_b = restride(dev(q), r)[0]
+        kn_b = restride(dev(kn), r)[0] if kn is not None else None
+        vn_b = restride(dev(vn), r)[0] if vn is not None else None
+        try:
+            out, lse = fc.flash_attn_with_kvcache(
+                q_b, kc_c, vc_c, kn_b, vn_b, rotary_cos=dev(cos), rotary_sin=dev(sin), cache_seqlens=dev(cs_arg),
+                cache_batch_idx=dev(bidx), cache_leftpad=dev(leftpad), block_table=dev(table), softmax_scale=c["scale"],
+                causal=c["causal"], window_size=window, softcap=c["softcap"], rotary_interleaved=interleaved,
+                alibi_slopes=dev(slopes), num_splits=num_splits, return_softmax_lse=True)
+        except NotImplementedError as e:
+            if not skip_refusal(cfg, backend, e):
+                raise
+            continue
+        finally:
+            reset_threads()
+        # (CUDA: the caches' bases and views are compared as CPU copies)
+        for base, view in ((host(kbase), kc_c), (host(vbase), vc_c)):
             if base is not None:
                 outside = torch.ones(base.shape, dtype=torch.bool)
                 outside[tuple(slice(0, n) for n in view.shape)] = False
                 if not torch.isnan(base[outside]).all():
                     raise Failure(f"{backend}: wrote outside the strided cache view")
-        results[backend] = (out, lse, kc_c, vc_c)
+        results[backend] = (host(out), host(lse), host(kc_c), host(vc_c))
     fc.set_default_backend("auto")
     # reference append (exact unless rotary)
     kn_w = kn
@@ -729,16 +892,37 @@ def kvcache_case(r, g):
 # ---- invalid inputs ---------------------------------------------------------------------------
 
 
+def choose_invalid(r, options, cuda_only):
+    """r.choice over options, entries (expect, overrides[, tag]); returns (expect, overrides) with
+    the tensors on the fuzzed device. Tag "value": the error comes from values inside a tensor,
+    which the library reads on the host only for CPU tensors (CUDA ones are the kernels' to guard:
+    NaN rows, error_flag), so CUDA mode leaves it out. cuda_only: (expect, overrides) added in CUDA
+    mode, their tensors placed as given (a CPU tensor there is the point of the case). The CPU
+    list keeps its order, so a CPU seed draws the case it drew before."""
+    if on_cuda():
+        options = [o for o in options if o[2:] != ("value",)] + [o + ("as_given",) for o in cuda_only]
+    choice = r.choice(options)
+    expect, over = choice[0], choice[1]
+    if choice[2:] != ("as_given",):
+        over = {kk: dev(vv) for kk, vv in over.items()}
+    return expect, over
+
+
 def invalid_case(r, g):
     """One random invalid call. Must raise ValueError / NotImplementedError / TypeError naming the
     expected argument and leave caller buffers (out / lse / caches) untouched."""
-    dtype = DTYPES[r.choice(["fp32", "fp16", "bf16"])]
-    backend = r.choice(["cpu_flash", "cpu_reference"])
-    b, sq, sk, hq, hkv, d = r.randint(1, 3), r.randint(1, 40), r.randint(1, 40), 4, 2, r.choice([16, 36, 64])
+    cuda = on_cuda()
+    dtype = DTYPES[r.choice(["fp16", "bf16"] if cuda else ["fp32", "fp16", "bf16"])]
+    backend = r.choice(GPU_BACKENDS if cuda else ["cpu_flash", "cpu_reference"])
+    # On the GPU a head dim that is not a multiple of 8 makes q itself invalid (its row stride), and
+    # the library rightly names q first: the cases below each break one other argument.
+    b, sq, sk, hq, hkv, d = r.randint(1, 3), r.randint(1, 40), r.randint(1, 40), 4, 2, r.choice([16, 40 if cuda else 36, 64])
     q = randn((b, sq, hq, d), dtype, g)
     k = randn((b, sk, hkv, d), dtype, g)
     v = randn((b, sk, hkv, d), dtype, g)
     kind = r.choice(["fwd", "fwd", "varlen", "kvcache", "kvcache", "kvcache"])
+    if kind == "kvcache" and backend == "cuda_sm90":
+        backend = "auto"  # the KV-cache entry refuses cuda_sm90 (its own case below)
     cfg = dict(mode="invalid", kind=kind, dtype=str(dtype), backend=backend, shape=(b, sq, sk, hq, hkv, d))
     CUR[0] = cfg
     if kind == "fwd":
@@ -758,21 +942,45 @@ def invalid_case(r, g):
             ("dropout_p", dict(dropout_p=0.99999999)),
             ("alibi_slopes", dict(alibi_slopes=torch.ones(hq + 1))),
             ("alibi_slopes", dict(alibi_slopes=torch.ones(b + 1, hq))),
-            ("alibi_slopes", dict(alibi_slopes=torch.full((hq,), float("nan")))),
-            ("alibi_slopes", dict(alibi_slopes=torch.full((hq,), float("inf")))),
+            ("alibi_slopes", dict(alibi_slopes=torch.full((hq,), float("nan"))), "value"),
+            ("alibi_slopes", dict(alibi_slopes=torch.full((hq,), float("inf"))), "value"),
             ("alibi_slopes", dict(alibi_slopes=torch.ones(hq, dtype=torch.float16))),
             ("out", dict(out=torch.zeros((b, sq, hq, d + 1), dtype=dtype))),
             ("out", dict(out=torch.zeros((b, sq, hq, d), dtype=torch.float32 if dtype != torch.float32 else torch.float16))),
-            ("lse", dict(lse=torch.zeros((b, sq, hq), dtype=torch.float32))),
+            ("lse", dict(lse=torch.zeros((b, sq, hq + 1), dtype=torch.float32))),  # (b, sq, hq) is right at sq = hq
             ("q", dict(q=q.double())),
         ]
-        expect, over = r.choice(options)
+        cuda_only = []
+        if cuda:
+            # the CUDA backends' own rules (validate_for_backend): fp16 / bf16 only, head dims that
+            # are multiples of 8 (attention_forward does not pad them), strides of 8 elements; and
+            # every tensor on q's device
+            def on_device(x, width):  # x's values in a row of `width` elements (NaN after them)
+                base = torch.full(x.shape[:-1] + (width,), float("nan"), dtype=x.dtype, device=DEVICE)
+                view = base[..., :x.shape[-1]]
+                view.copy_(x)
+                return view
+            # head_dim d + 3 in rows of a multiple of 8 (and an out like them): the strides pass,
+            # so the head_dim rule is the one that answers
+            d3, w3 = d + 3, -(-(d + 3) // 8) * 8
+            odd = [on_device(randn(shape, dtype, g), w3) for shape in
+                   ((b, sq, hq, d3), (b, sk, hkv, d3), (b, sk, hkv, d3), (b, sq, hq, d3))]
+            cuda_only = [
+                ("q", dict(q=dev(q.float()), k=dev(k.float()), v=dev(v.float()))),
+                ("q", dict(q=odd[0], k=odd[1], v=odd[2], out=odd[3])),
+                ("q", dict(q=on_device(q, d + 1))),  # a row stride that is not a multiple of 8
+                ("k", dict(k=k.clone())),  # a CPU tensor beside a CUDA q
+            ]
+        expect, over = choose_invalid(r, options, cuda_only)
         cfg["case"] = expect + " " + repr({kk: (tuple(vv.shape), str(vv.dtype)) if torch.is_tensor(vv) else vv
                                           for kk, vv in over.items()})
+        if cuda:
+            cfg["case"] += " " + repr({kk: str(vv.device) for kk, vv in over.items() if torch.is_tensor(vv)})
+        q, k, v = dev(q), dev(k), dev(v)
         args = dict(q=q, k=k, v=v)
         args.update({kk: vv for kk, vv in over.items() if kk in ("q", "k", "v")})
         out = over.get("out", torch.full_like(args["q"], 7.0))
-        lse = over.get("lse", torch.full((b, hq, sq), 7.0))
+        lse = over.get("lse", torch.full((b, hq, sq), 7.0, device=DEVICE))
         out0, lse0 = out.clone(), lse.clone()
         kw = {kk: vv for kk, vv in over.items() if kk not in ("q", "k", "v", "out", "lse")}
         try:
@@ -805,8 +1013,9 @@ def invalid_case(r, g):
         options.append(("max_seqlen_q", "maxq", cu))
         options.append(("max_seqlen_k", "maxk", cu))
         expect, which, cu_bad = r.choice(options)
-        good = torch.tensor(cu, dtype=torch.int32)
-        badt = torch.tensor(cu_bad, dtype=torch.int32)
+        good = dev(torch.tensor(cu, dtype=torch.int32))
+        badt = dev(torch.tensor(cu_bad, dtype=torch.int32))
+        qv, kv_ = dev(qv), dev(kv_)
         cu_q = badt if which == "q" else good
         cu_k = badt if which == "k" else good
         mq = 1000 if which != "maxq" else max(lens) - 1
@@ -815,10 +1024,12 @@ def invalid_case(r, g):
             return None
         cfg["case"] = f"{expect} cu={cu_bad} lens={lens}"
         out = torch.full_like(qv, 7.0)
-        lse = torch.full((hq, tot + 2), 7.0)
+        lse = torch.full((hq, tot + 2), 7.0, device=DEVICE)
         try:
+            # CUDA cu_seqlens are trusted unless check_cu_seqlens asks for the host copy and check
+            # (as flash_attn; a training step must not synchronize): the call that has the rules
             fc.attention_forward(qv, kv_, kv_, out=out, lse=lse, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                 max_seqlen_q=mq, max_seqlen_k=mk, backend=backend)
+                                 max_seqlen_q=mq, max_seqlen_k=mk, backend=backend, check_cu_seqlens=cuda)
         except (ValueError, NotImplementedError, TypeError) as e:
             msg = str(e)
             cfg["message"] = msg
@@ -847,44 +1058,61 @@ def invalid_case(r, g):
     lens = [r.randint(0, cap - sn) for _ in range(b)]
     bad_b = r.randrange(b)
     opts = []
+    # ("value": checked on the host for CPU tensors only, see choose_invalid)
     L = list(lens); L[bad_b] = cap - sn + 1
-    opts.append(("cache_seqlens", dict(cache_seqlens=torch.tensor(L, dtype=torch.int32))))
+    opts.append(("cache_seqlens", dict(cache_seqlens=torch.tensor(L, dtype=torch.int32)), "value"))
     L = list(lens); L[bad_b] = -1
-    opts.append(("cache_seqlens", dict(cache_seqlens=torch.tensor(L, dtype=torch.int32))))
+    opts.append(("cache_seqlens", dict(cache_seqlens=torch.tensor(L, dtype=torch.int32)), "value"))
     L = list(lens); L[bad_b] = 2**40
-    opts.append(("cache_seqlens", dict(cache_seqlens=torch.tensor(L, dtype=torch.int64))))
+    opts.append(("cache_seqlens", dict(cache_seqlens=torch.tensor(L, dtype=torch.int64)), "value"))
     opts.append(("k", dict(k=randn((b, sn, hkv + 1, d), dtype, g), v=randn((b, sn, hkv + 1, d), dtype, g))))
     opts.append(("v", dict(v=randn((b, sn + 1, hkv, d), dtype, g))))
     opts.append(("k", dict(v=None)))
-    opts.append(("alibi_slopes", dict(alibi_slopes=torch.full((hq,), float("nan")))))
+    opts.append(("alibi_slopes", dict(alibi_slopes=torch.full((hq,), float("nan"))), "value"))
     opts.append(("alibi_slopes", dict(alibi_slopes=torch.ones(hq - 1))))
     opts.append(("window", dict(window_size=(-3, 0))))
     opts.append(("softcap", dict(softcap=-2.0)))
-    opts.append(("rotary_cos", dict(rotary_cos=torch.ones(max(lens) + sn - 1, 4), rotary_sin=torch.ones(max(lens) + sn - 1, 4))))
+    rows = max(lens) + sn - 1  # too few for cache_seqlens' positions
+    opts.append(("rotary_cos", dict(rotary_cos=torch.ones(rows, 4), rotary_sin=torch.ones(rows, 4)), "value"))
     opts.append(("rotary_cos", dict(rotary_cos=torch.ones(cap + 5, d // 2 + 1), rotary_sin=torch.ones(cap + 5, d // 2 + 1))))
     opts.append(("rotary_cos", dict(rotary_cos=torch.ones(cap + 5, 4))))
     opts.append(("num_splits", dict(num_splits=-1)))
     if paged:
         used = (lens[bad_b] + sn - 1) // page  # last page the sequence uses (unused entries are ignored, as flash_attn)
         T = table.clone(); T[bad_b, used] = kc.shape[0]
-        opts.append(("block_table", dict(block_table=T)))
+        opts.append(("block_table", dict(block_table=T), "value"))
         T = table.clone(); T[bad_b, r.randint(0, used)] = -1
-        opts.append(("block_table", dict(block_table=T)))
+        opts.append(("block_table", dict(block_table=T), "value"))
         opts.append(("cache_leftpad", dict(cache_leftpad=torch.zeros(b, dtype=torch.int32))))
     else:
-        opts.append(("cache_batch_idx", dict(cache_batch_idx=torch.tensor([0] * (b - 1) + [b], dtype=torch.int32))))
-        opts.append(("cache_batch_idx", dict(cache_batch_idx=torch.tensor([-1] + [0] * (b - 1), dtype=torch.int32))))
+        opts.append(("cache_batch_idx", dict(cache_batch_idx=torch.tensor([0] * (b - 1) + [b], dtype=torch.int32)),
+                     "value"))
+        opts.append(("cache_batch_idx", dict(cache_batch_idx=torch.tensor([-1] + [0] * (b - 1), dtype=torch.int32)),
+                     "value"))
         LP = [0] * b; LP[bad_b] = lens[bad_b] + 1
-        opts.append(("cache_leftpad", dict(cache_leftpad=torch.tensor(LP, dtype=torch.int32))))
+        opts.append(("cache_leftpad", dict(cache_leftpad=torch.tensor(LP, dtype=torch.int32)), "value"))
         LP = [0] * b; LP[bad_b] = -1
-        opts.append(("cache_leftpad", dict(cache_leftpad=torch.tensor(LP, dtype=torch.int32))))
-    expect, over = r.choice(opts)
+        opts.append(("cache_leftpad", dict(cache_leftpad=torch.tensor(LP, dtype=torch.int32)), "value"))
+    cuda_only = []
+    if cuda:
+        d3 = d + 3  # not a multiple of 8: the KV-cache call does not pad (appending into a copy would be lost)
+        cuda_only = [
+            ("q", {kk: dev(randn(x.shape[:-1] + (d3,), dtype, g)) for kk, x in
+                   (("q", q), ("k_cache", kc), ("v_cache", vc), ("k", kn), ("v", vn))}),
+            ("k_cache", dict(k_cache=kc.clone())),  # a CPU cache beside a CUDA q
+        ]
+        if "cuda_sm90" in GPU_BACKENDS:
+            cuda_only.append(("backend", dict(_backend="cuda_sm90")))  # serves no KV-cache call
+    expect, over = choose_invalid(r, opts, cuda_only)
     cfg["case"] = expect + " " + repr({kk: (tuple(vv.shape), vv.flatten()[:6].tolist()) if torch.is_tensor(vv) else vv
                                       for kk, vv in over.items()})
     kw = dict(k=kn, v=vn, cache_seqlens=torch.tensor(lens, dtype=torch.int32), block_table=table)
+    kw = {kk: dev(vv) for kk, vv in kw.items()}
     kw.update(over)
     if expect == "num_splits":
         pass
+    cfg["backend"] = backend = kw.pop("_backend", backend)
+    q, kc, vc = kw.pop("q", dev(q)), kw.pop("k_cache", dev(kc)), kw.pop("v_cache", dev(vc))
     kc0, vc0 = kc.clone(), vc.clone()
     fc.set_default_backend(backend)
     try:
@@ -920,7 +1148,10 @@ def run_one(seed, mode=None):
     r = random.Random(seed)
     mode = mode or r.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
     g = torch.Generator().manual_seed(seed)
-    return mode, MODES[mode](r, g)
+    cfg = MODES[mode](r, g)
+    if on_cuda():
+        torch.cuda.synchronize()  # an asynchronous fault surfaces here, charged to this seed
+    return mode, cfg
 
 
 def summarize(cfg):
@@ -961,17 +1192,66 @@ def summarize(cfg):
         keys.append(f"kvcache:splits{cfg['num_splits']}")
         if cfg["seqlen_new"]:
             keys.append("kvcache:append")
+    if on_cuda():
+        longest = max(cfg.get("lens_q", []) + cfg.get("lens_k", []) + [cfg.get("capacity", 0)])
+        if longest > 300:
+            keys.append(m + ":long")
+        if cfg.get("page"):  # which page sizes each CUDA backend read in place (see REFUSALS)
+            page = cfg["page"]
+            kind = "x256" if page % 256 == 0 else "x128" if page % 128 == 0 else "small"
+            keys.append(f"{m}:pages_{kind}")
+    keys.extend(cfg.get("skips", ()))
     return keys
+
+
+def setup_cuda():
+    """CUDA mode's settings, or an exit with the reason when this machine cannot run it."""
+    global DEVICE, WORK_CAP, TRUTH_THREADS
+    if not torch.cuda.is_available():
+        sys.exit("api_fuzz: --device cuda: no CUDA device (torch.cuda.is_available() is False)")
+    index = torch.cuda.current_device()
+    if not fc.backend_available("cuda_sm80", index):
+        sys.exit(f"api_fuzz: --device cuda: no CUDA device flashcore can use (cuda_sm80 is not available on "
+                 f"cuda:{index}: a build without CUDA or a GPU older than sm_80)\n" + fc.build_info())
+    DEVICE = "cuda"
+    GPU_BACKENDS[:] = ["cuda_sm80"]
+    if torch.cuda.get_device_capability(index) == (9, 0):
+        if fc.backend_available("cuda_sm90", index):
+            GPU_BACKENDS.append("cuda_sm90")
+        else:
+            print("note: a CC 9.0 device, but cuda_sm90 is not compiled into this build", flush=True)
+    GPU_BACKENDS.append("auto")
+    # The float64 truth of cases with ~1100-token sequences: the GPU machine has 16 cores
+    WORK_CAP = 2e8
+    TRUTH_THREADS = min(8, os.cpu_count() or 1)
+    reset_threads()
+    print(f"cuda:{index}: {fc.cuda_device_description(index)}; backends {', '.join(GPU_BACKENDS)}", flush=True)
+
+
+def cuda_usable():
+    """Whether the CUDA context still runs work: a fault such as an illegal memory access is
+    sticky, and every later call would fail with it."""
+    try:
+        torch.cuda.synchronize()
+        return (torch.ones(1, device=DEVICE) + 1).item() == 2.0
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the library's tensors live: cpu (cpu_flash, cpu_reference, auto) or cuda "
+                         "(cuda_sm80, cuda_sm90 on CC 9.0, auto)")
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--repro", type=int, default=None)
     ap.add_argument("--modes", default=None)
     ap.add_argument("--max-iters", type=int, default=10**9)
+    ap.add_argument("--out", default=FAIL_LOG, help="failure log, one JSON object per line (appended)")
     a = ap.parse_args()
+    if a.device == "cuda":
+        setup_cuda()
     if a.modes:
         for m in list(WEIGHTS):
             if m not in a.modes.split(","):
@@ -988,6 +1268,12 @@ def main():
     start = time.time()
     counts, fails = {}, 0
     it = 0
+
+    def summary():
+        print(f"iterations {it}, failures {fails}, {time.time() - start:.0f}s")
+        for kk in sorted(counts):
+            print(f"  {kk}: {counts[kk]}")
+
     while time.time() - start < a.minutes * 60 and it < a.max_iters:
         seed = a.seed + it
         it += 1
@@ -999,18 +1285,23 @@ def main():
         except Exception as e:  # noqa: BLE001
             fails += 1
             kind = "Failure" if isinstance(e, Failure) else type(e).__name__
-            rec = dict(seed=seed, kind=kind, error=str(e)[:600], cfg=CUR[0])
+            rec = dict(seed=seed, device=a.device, kind=kind, error=str(e)[:600], cfg=CUR[0])
             if not isinstance(e, Failure):
                 rec["trace"] = traceback.format_exc()[-1500:]
             # recover the config by replaying the random choices is not possible mid-way; log seed
-            with open(FAIL_LOG, "a") as f:
+            with open(a.out, "a") as f:
                 f.write(json.dumps(rec, default=str) + "\n")
             print(f"[{it}] seed {seed} FAIL {kind}: {str(e)[:300]}", flush=True)
+            # a failure mid-loop leaves a backend and a thread count behind
+            fc.set_default_backend("auto")
+            reset_threads()
+            if on_cuda() and not cuda_usable():
+                summary()
+                sys.exit(f"api_fuzz: the CUDA context is unusable after seed {seed} ({kind}: {str(e)[:200]}); "
+                         f"stopped (logged to {a.out}). Replay it in a fresh process: --device cuda --repro {seed}")
         if it % 25 == 0:
             print(f"[{it}] {time.time() - start:.0f}s fails={fails}", flush=True)
-    print(f"iterations {it}, failures {fails}, {time.time() - start:.0f}s")
-    for kk in sorted(counts):
-        print(f"  {kk}: {counts[kk]}")
+    summary()
 
 
 if __name__ == "__main__":
