@@ -2,11 +2,12 @@
 # Everything a GPU machine should check, in one call: build with all cores, the CUDA test suite,
 # compute-sanitizer (memcheck, racecheck, synccheck) on the small cases, the Python tests with
 # torch, the SASS instruction mix, the `flashcore run` demo, and the benchmark against the
-# PyTorch SDPA peers in one process. Logs go to OUTDIR (at most 10 files); a summary prints last.
+# PyTorch SDPA peers in one process. Logs go to OUTDIR (at most 11 files); a summary prints last.
 #
 # usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none] [--budget S]
 #                               [--filter GTEST_FILTER] [--bench-args "ARGS for bench/peers.py"]
 #                               [--pytest yes|no] [--decode yes|no] [--dropout yes|no] [--test-timeout S]
+#                               [--fuzz MINUTES]
 #
 # One call must finish inside the device tool's 10 minutes. The whole CUDA suite no longer does
 # with a benchmark beside it (the backward grids alone took ~330 s on an H100 in session 4, both
@@ -22,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR [--bench quick|full|none] [--tests all|none]}
 shift
-BENCH=quick TESTS=all BUDGET=300 FILTER='*' BENCH_ARGS= PYTEST=yes DECODE=yes DROPOUT=no TEST_TIMEOUT=420
+BENCH=quick TESTS=all BUDGET=300 FILTER='*' BENCH_ARGS= PYTEST=yes DECODE=yes DROPOUT=no TEST_TIMEOUT=420 FUZZ=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) BENCH=$2; shift 2 ;;
@@ -34,6 +35,7 @@ while [ $# -gt 0 ]; do
     --decode) DECODE=$2; shift 2 ;;
     --dropout) DROPOUT=$2; shift 2 ;;
     --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
+    --fuzz) FUZZ=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -90,6 +92,15 @@ if [ "$TESTS" = all ]; then
   if [ "$PYTEST" = yes ]; then
     ( PYTHONPATH=/tmp/fcpkg timeout 300 python3 -m pytest -q -x tests/python >"$OUTDIR/pytest.log" 2>&1
       note "pytest (torch + CUDA): rc=$? ($(el)) $(tail -1 "$OUTDIR/pytest.log")" ) &
+  fi
+  # --fuzz M: dev/api_fuzz.py on the CUDA backends for M minutes beside the tests, from a seed of
+  # its own each call (in fuzz.log; a failure's line names its seed for --repro).
+  if [ "$FUZZ" != 0 ]; then
+    ( seed=$(( $(date +%s) % 100000 * 1000 ))
+      PYTHONPATH=/tmp/fcpkg timeout $(( FUZZ * 60 + 120 )) python3 dev/api_fuzz.py --device cuda --minutes "$FUZZ" \
+        --seed $seed --out /tmp/fuzz_failures.jsonl >"$OUTDIR/fuzz.log" 2>&1
+      note "api fuzz (cuda, $FUZZ min, seed $seed): rc=$? ($(el)) $(grep -E '^iterations' "$OUTDIR/fuzz.log")"
+      grep -E ' FAIL ' "$OUTDIR/fuzz.log" | head -5 | cut -c1-300 | tee -a "$SUM" ) &
   fi
   : >"$OUTDIR/sanitizers.log"
   ( for tool in memcheck racecheck synccheck; do
