@@ -459,6 +459,16 @@ def attention_case(r, g, mode):
     extra_q = r.randint(0, 3) if mode == "varlen" else 0
     extra_k = r.randint(0, 3) if mode == "varlen" else 0
     cfg["extra_rows"] = (extra_q, extra_k)
+    if mode == "varlen":  # the packed varlen entry points: qkv takes the query lengths for the keys
+        u = r.random()
+        pairs = sum(a * a for a in lens_q)
+        if hq == hkv and u < 0.12 and pairs * hq * d <= WORK_CAP and (not on_cuda() or pairs * hq <= PAIR_CAP):
+            lens_k, extra_k = list(lens_q), extra_q
+            cfg["lens_k"], cfg["extra_rows"] = lens_k, (extra_q, extra_k)
+            packed = "qkv"
+        elif u >= 0.85:
+            packed = "kv"
+        cfg["packed"] = packed
     cu_dtype = torch.int32 if r.random() < 0.8 else torch.int64
     if mode == "dense":
         q = randn((batch, lens_q[0], hq, d), dtype, g, s)
@@ -502,7 +512,14 @@ def attention_case(r, g, mode):
                 else:
                     out, lse, _ = fc.flash_attn_func(*leaves, **kw)
             else:
-                out, lse, _ = fc.flash_attn_varlen_func(*leaves, dev(cu_q), dev(cu_k), mq, mk, **kw)
+                if packed == "qkv":  # (total, 3, heads, d); one cu_seqlens and max_seqlen for both
+                    out, lse, _ = fc.flash_attn_varlen_qkvpacked_func(torch.stack(leaves, dim=1), dev(cu_q),
+                                                                      max(mq, mk), **kw)
+                elif packed == "kv":  # kv (total_k, 2, heads_kv, d)
+                    out, lse, _ = fc.flash_attn_varlen_kvpacked_func(leaves[0], torch.stack(leaves[1:], dim=1),
+                                                                     dev(cu_q), dev(cu_k), mq, mk, **kw)
+                else:
+                    out, lse, _ = fc.flash_attn_varlen_func(*leaves, dev(cu_q), dev(cu_k), mq, mk, **kw)
             grads = None
             if backward:
                 grads = tuple(host(x) for x in torch.autograd.grad(out, leaves, dout_b))
