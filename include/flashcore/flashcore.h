@@ -190,7 +190,9 @@ FC_API int32_t fc_cuda_device_count(void);
 FC_API fc_status fc_cuda_device_describe(int32_t device_id, char* buffer, size_t size);
 
 /** Scratch memory (bytes, on the tensors' device) that fc_attention_forward needs for these
- *  arguments. Validates like the call itself. */
+ *  arguments. Validates like the call itself. A workspace given to a CUDA call (non-NULL with
+ *  workspace_bytes > 0; here and in fc_attention_backward and fc_attention_kvcache) must be
+ *  16-byte aligned, as cudaMalloc's are: the kernels store 16-byte vectors there. */
 FC_API fc_status fc_attention_forward_workspace(const fc_tensor* q, const fc_tensor* k,
                                                 const fc_tensor* v,
                                                 const fc_attention_options* options,

@@ -64,14 +64,10 @@ SmallGrid sm80_small_grid_rule(const AttentionParams& p) {
 
 bool sm80_small_grid_preferred(const AttentionParams& p) { return sm80_small_grid_rule(p) == SmallGrid::kYes; }
 
-Status check_workspace(size_t needed, void* workspace, size_t workspace_bytes) {
-  if (needed == 0) return Status::ok();
-  if (workspace == nullptr || workspace_bytes < needed) {
-    return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
-                           std::to_string(needed) + " needed (query it with the *_workspace function)");
-  }
-  return Status::ok();
-}
+namespace {
+constexpr const char* kForwardQuery = "fc_attention_forward_workspace";
+constexpr const char* kBackwardQuery = "fc_attention_backward_workspace";
+}  // namespace
 
 template <typename Args>
 Status backend_checks(const AttentionParams& p, const Args& a, fc_backend backend, bool backward);
@@ -197,8 +193,9 @@ static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend
 /** A CUDA backend's run: its workspace checked, then the caller's device-side cu_seqlens check
  *  (error_flag; a kernel on the stream, so only for calls that passed every host check). */
 template <class Params, class Kernel>
-static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t workspace_bytes, Kernel kernel) {
-  Status s = check_workspace(needed, workspace, workspace_bytes);
+static Status run_cuda(const Params& p, size_t needed, void* workspace, size_t workspace_bytes, Kernel kernel,
+                       const char* query) {
+  Status s = check_workspace(needed, workspace, workspace_bytes, query);
   if (s.is_ok()) s = cuda::check_cu_seqlens_on_device(p);
   return s.is_ok() ? kernel(p, workspace, workspace_bytes) : s;
 }
@@ -235,6 +232,20 @@ bool forward_takes_decode_route(const ForwardArgs& a) {
   return prepare(a, /*workspace_query=*/true, &p, &b).is_ok() && takes_decode_route(p, a, b, &kv);
 }
 
+Status check_workspace(size_t needed, const void* workspace, size_t workspace_bytes, const char* query) {
+  constexpr uintptr_t kAlignment = 16;
+  if (workspace != nullptr && workspace_bytes > 0 && reinterpret_cast<uintptr_t>(workspace) % kAlignment != 0) {
+    return Status::invalid("workspace: its address must be " + std::to_string(kAlignment) +
+                           "-byte aligned (the kernels store 16-byte vectors there)");
+  }
+  if (needed == 0) return Status::ok();
+  if (workspace == nullptr || workspace_bytes < needed) {
+    return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
+                           std::to_string(needed) + " needed (query it with " + query + ")");
+  }
+  return Status::ok();
+}
+
 Status forward_workspace(const ForwardArgs& a, size_t* bytes) {
   AttentionParams p;
   fc_backend b;
@@ -256,6 +267,8 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
   fc_backend b;
   Status s = prepare(a, false, &p, &b);
   if (!s.is_ok()) return s;
+  // (Every CUDA path below may use a workspace it is given: its alignment first.)
+  if (is_cuda_backend(b) && !(s = check_workspace(0, workspace, workspace_bytes, kForwardQuery)).is_ok()) return s;
   KvCacheParams kv;
   if (takes_decode_route(p, a, b, &kv)) {
     if (!is_cuda_backend(b)) return cpu::kvcache_forward(kv);
@@ -267,7 +280,7 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
       return cuda::kvcache_forward(kv, workspace, workspace_bytes);
     }
     // Without the route's workspace the forward kernels run the call, where they serve it.
-    if (!backend_kernels_serve(p, b).is_ok()) return check_workspace(needed, workspace, workspace_bytes);
+    if (!backend_kernels_serve(p, b).is_ok()) return check_workspace(needed, workspace, workspace_bytes, kForwardQuery);
   }
   // AUTO moved the call off sm80's small grid for sm90's split-KV: without the partials' workspace
   // sm90 would run it whole, where the small grid is faster.
@@ -280,9 +293,10 @@ Status run_forward(const ForwardArgs& a, void* workspace, size_t workspace_bytes
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_forward(p);
     case FC_BACKEND_CPU_FLASH: return cpu::flash_forward(p);
     case FC_BACKEND_CUDA_SM80:
-      return run_cuda(p, cuda::sm80_forward_workspace(p), workspace, workspace_bytes, cuda::sm80_forward);
+      return run_cuda(p, cuda::sm80_forward_workspace(p), workspace, workspace_bytes, cuda::sm80_forward, kForwardQuery);
     case FC_BACKEND_CUDA_SM90:
-      return run_cuda(p, cuda::sm90_forward_required_workspace(p), workspace, workspace_bytes, cuda::sm90_forward);
+      return run_cuda(p, cuda::sm90_forward_required_workspace(p), workspace, workspace_bytes, cuda::sm90_forward,
+                      kForwardQuery);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run forward");
   }
 }
@@ -307,9 +321,11 @@ Status run_backward(const BackwardArgs& a, void* workspace, size_t workspace_byt
     case FC_BACKEND_CPU_REFERENCE: return cpu::reference_backward(p);
     case FC_BACKEND_CPU_FLASH: return cpu::flash_backward(p);
     case FC_BACKEND_CUDA_SM80:
-      return run_cuda(p, cuda::sm80_backward_workspace(p), workspace, workspace_bytes, cuda::sm80_backward);
+      return run_cuda(p, cuda::sm80_backward_workspace(p), workspace, workspace_bytes, cuda::sm80_backward,
+                      kBackwardQuery);
     case FC_BACKEND_CUDA_SM90:
-      return run_cuda(p, cuda::sm90_backward_workspace(p), workspace, workspace_bytes, cuda::sm90_backward);
+      return run_cuda(p, cuda::sm90_backward_workspace(p), workspace, workspace_bytes, cuda::sm90_backward,
+                      kBackwardQuery);
     default: return Status::unsupported(std::string("backend: ") + fc_backend_name(b) + " cannot run backward");
   }
 }

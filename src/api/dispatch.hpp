@@ -21,6 +21,11 @@ Status choose_backend(const BackwardParams& p, fc_backend requested, fc_backend*
  *  `flashcore run`'s backend line. */
 bool forward_takes_decode_route(const ForwardArgs& args);
 
+/** A CUDA call's workspace: a given one (non-NULL, bytes > 0) 16-byte aligned, since the kernels
+ *  store 16-byte vectors and fp32 partials there; at least `needed` bytes where the call needs
+ *  any. `query` names the function that reports the size, for the message. */
+Status check_workspace(size_t needed, const void* workspace, size_t workspace_bytes, const char* query);
+
 Status forward_workspace(const ForwardArgs& args, size_t* bytes);
 Status run_forward(const ForwardArgs& args, void* workspace, size_t workspace_bytes);
 Status backward_workspace(const BackwardArgs& args, size_t* bytes);

@@ -63,14 +63,6 @@ Status prepare_kvcache(const fc_kvcache_args* a, const fc_attention_options* o, 
   return Status::ok();
 }
 
-Status check_workspace(size_t needed, void* workspace, size_t bytes) {
-  if (needed == 0) return Status::ok();
-  if (workspace == nullptr || bytes < needed)
-    return Status::invalid("workspace: " + std::to_string(bytes) + " bytes given, " + std::to_string(needed) +
-                           " needed (query it with fc_attention_kvcache_workspace)");
-  return Status::ok();
-}
-
 Status merge(const fc_tensor* op, const fc_tensor* lp, const fc_tensor* out, const fc_tensor* lse,
              const fc_attention_options* o) {
   MergeParams p;
@@ -124,7 +116,9 @@ FC_API fc_status fc_attention_kvcache(const fc_kvcache_args* args, const fc_atte
       }
       return cpu::kvcache_forward(p);
     }
-    if (!(s = check_workspace(cuda::kvcache_workspace(p), workspace, workspace_bytes)).is_ok()) return s;
+    if (!(s = check_workspace(cuda::kvcache_workspace(p), workspace, workspace_bytes, "fc_attention_kvcache_workspace"))
+             .is_ok())
+      return s;
     return cuda::kvcache_forward(p, workspace, workspace_bytes);
   });
 }

@@ -718,6 +718,78 @@ fc_tensor device_tensor(void* data, fc_dtype dtype, std::initializer_list<int64_
   return flashcore::make_tensor(data, dtype, shape, FC_DEVICE_CUDA);
 }
 
+// A workspace given to a CUDA call must be 16-byte aligned (the kernels store 16-byte vectors
+// there): a misaligned one is refused, naming the workspace, before anything runs, in the
+// forward (whether or not the call needs one), the backward and the KV-cache call; out stays as
+// it was. The same calls with an aligned workspace run.
+TEST(CudaWorkspace, MisalignedIsAClearError) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
+  CudaMemory mem;
+  constexpr int64_t kB = 1, kS = 64, kH = 2, kD = 64;
+  const size_t elems = kB * kS * kH * kD, bytes = elems * 2;
+  const std::vector<uint8_t> zeros(bytes, 0), poison(bytes, 0xff);
+  void* buffers[8];
+  for (void*& b : buffers) {
+    b = mem.alloc(bytes);
+    mem.upload(b, zeros.data(), bytes);
+  }
+  void* lse = mem.alloc(kB * kH * kS * sizeof(float));
+  void* lens = mem.alloc(sizeof(int32_t));
+  const int32_t len = kS;
+  mem.upload(lens, &len, sizeof(int32_t));
+  const fc_tensor tq = device_tensor(buffers[0], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  const fc_tensor tk = device_tensor(buffers[1], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  const fc_tensor tv = device_tensor(buffers[2], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  fc_tensor to = device_tensor(buffers[3], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  fc_tensor tl = flashcore::make_tensor(lse, FC_DTYPE_F32, {kB, kH, kS}, FC_DEVICE_CUDA);
+  const fc_tensor tdo = device_tensor(buffers[4], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  fc_tensor tdq = device_tensor(buffers[5], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  fc_tensor tdk = device_tensor(buffers[6], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  fc_tensor tdv = device_tensor(buffers[7], FC_DTYPE_BF16, {kB, kS, kH, kD});
+  const fc_tensor tlens = flashcore::make_tensor(lens, FC_DTYPE_I32, {kB}, FC_DEVICE_CUDA);
+  fc_attention_options o{};
+  o.backend = FC_BACKEND_CUDA_SM80;
+  o.stream = mem.stream();
+  size_t fwd_bytes = 0, bwd_bytes = 0, kv_bytes = 0;
+  ASSERT_EQ(fc_attention_forward_workspace(&tq, &tk, &tv, &o, &fwd_bytes), FC_OK) << fc_last_error();
+  ASSERT_EQ(fc_attention_backward_workspace(&tq, &tk, &tv, &o, &bwd_bytes), FC_OK) << fc_last_error();
+  fc_kvcache_args kv{};
+  kv.q = &tq;
+  kv.k_cache = &tk;
+  kv.v_cache = &tv;
+  kv.cache_seqlens = &tlens;
+  kv.out = &to;
+  ASSERT_EQ(fc_attention_kvcache_workspace(&kv, &o, &kv_bytes), FC_OK) << fc_last_error();
+  const size_t ws_bytes = std::max({fwd_bytes, bwd_bytes, kv_bytes, size_t(256)});
+  char* ws = static_cast<char*>(mem.alloc(ws_bytes + 16));
+  auto out_now = [&](void* buffer) {
+    std::vector<uint8_t> h(bytes);
+    mem.download(h.data(), buffer, bytes);
+    return h;
+  };
+  auto expect_refused = [&](fc_status st, const char* what, void* output) {
+    EXPECT_EQ(st, FC_ERROR_INVALID_ARGUMENT) << what;
+    EXPECT_NE(std::string(fc_last_error()).find("workspace: its address must be 16-byte aligned"), std::string::npos)
+        << what << ": " << fc_last_error();
+    EXPECT_EQ(out_now(output), poison) << what << " wrote its output";
+  };
+  mem.upload(buffers[3], poison.data(), bytes);
+  expect_refused(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &o, ws + 4, ws_bytes), "forward", buffers[3]);
+  expect_refused(fc_attention_kvcache(&kv, &o, ws + 8, ws_bytes), "kvcache", buffers[3]);
+  EXPECT_EQ(fc_attention_forward(&tq, &tk, &tv, &to, &tl, &o, ws, ws_bytes), FC_OK) << fc_last_error();
+  EXPECT_EQ(out_now(buffers[3]), zeros) << "zero inputs give out = 0";
+  mem.upload(buffers[5], poison.data(), bytes);
+  expect_refused(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &o, ws + 4, ws_bytes),
+                 "backward", buffers[5]);
+  EXPECT_EQ(fc_attention_backward(&tdo, &tq, &tk, &tv, &to, &tl, &tdq, &tdk, &tdv, &o, ws, ws_bytes), FC_OK)
+      << fc_last_error();
+  EXPECT_EQ(out_now(buffers[5]), zeros) << "zero inputs give dq = 0";
+  mem.release(ws);
+  for (void* b : buffers) mem.release(b);
+  mem.release(lse);
+  mem.release(lens);
+}
+
 // AUTO's decode route (api/dispatch.cpp): dense forwards with a few query rows per KV head run on
 // the decode kernel, with every semantic the forward kernels keep: masks aligned to the bottom
 // right (rows that see no key: out 0, lse -inf), windows, softcap, ALiBi, GQA / MQA, padded
