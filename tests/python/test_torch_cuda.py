@@ -545,6 +545,20 @@ def test_dlpack_api_with_explicit_stream():
     torch.testing.assert_close(out, flash_attn.flash_attn_func(q, k, v), rtol=0, atol=0)
 
 
+def test_misaligned_workspace_is_a_clear_error():
+    """A workspace given to a CUDA call must be 16-byte aligned: a slice of a buffer 4 bytes in is
+    refused, naming the workspace, and out is left as it was; the aligned buffer runs."""
+    q, k, v = (torch.randn(1, 64, 2, 64, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    buffer = torch.empty(4096 + 16, device=DEVICE, dtype=torch.uint8)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match=r"^workspace: its address must be 16-byte aligned"):
+        flashcore.attention_forward(q, k, v, out=out, workspace=buffer[4:4100], backend="cuda_sm80")
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all()), "a rejected call wrote its output"
+    flashcore.attention_forward(q, k, v, out=out, workspace=buffer[:4096], backend="cuda_sm80")
+    torch.testing.assert_close(out, flashcore.attention_forward(q, k, v, backend="cuda_sm80"), rtol=0, atol=0)
+
+
 def test_cuda_cu_seqlens_checked_on_request(monkeypatch):
     """CUDA cu_seqlens are trusted unless asked: with check_cu_seqlens (or the environment
     switch) bad values raise the CPU path's ValueError and nothing is written."""
