@@ -3,6 +3,7 @@
 #include "api/dispatch.hpp"
 
 #include <climits>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
