@@ -6,7 +6,9 @@ torch.compile and CUDA graphs) or numpy arrays (CPU backend). Framework-neutral 
 DLPack array and an explicit stream: ``attention_forward`` / ``attention_backward``. Inference:
 ``flash_attn_with_kvcache`` (decode against contiguous or paged KV caches, appending in place)
 and ``merge_partials`` (combine attention over disjoint key sets). Context parallel across the
-ranks of a torch.distributed group: ``flashcore.ring_attention.ring_flash_attn_func``.
+ranks of a torch.distributed group: ``flashcore.ring_attention.ring_flash_attn_func``. Padded
+batches to and from the varlen calls' packed tokens: ``flashcore.bert_padding`` (flash_attn's
+``unpad_input`` / ``pad_input``).
 
 The compiled part is the extension ``flashcore._C`` (the C ABI in include/flashcore/flashcore.h).
 torch is never imported by flashcore itself: the torch integration (flashcore._torch) loads
