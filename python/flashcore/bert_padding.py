@@ -9,8 +9,9 @@ with cu_seqlens. ``unpad_input`` packs, ``pad_input`` scatters the result back:
                                        max_seqlen, max_seqlen, causal=True)
     out = pad_input(out_unpad, indices, batch, seqlen)
 
-Plain torch indexing, so autograd, torch.compile and any device work as for other torch ops. This
-module imports torch; ``import flashcore`` does not load it.
+Plain torch indexing, so autograd and any device work as for other torch ops; unpad_input's sizes
+depend on the mask's values (nonzero, the longest row), which breaks a torch.compile graph there,
+as flash_attn's does. This module imports torch; ``import flashcore`` does not load it.
 """
 
 import torch
