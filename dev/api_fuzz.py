@@ -609,6 +609,15 @@ def attention_case(r, g, mode):
         base = 2 * eps32 * dd * mx(dout) * mx(v)
         floors = {"dq": base * abs(scale) * mx(k) * 4, "dk": base * abs(scale) * mx(q) * 4,
                   "dv": 2 * eps32 * mx(dout) * 4}
+        # The backward recomputes P = exp(s - lse) in fp32 from scores whose absolute rounding grows
+        # with their size, so P, and every gradient, carry a relative error of a few eps32 x the
+        # size of the scores that carry weight, which the lse measures (ALiBi biases make it reach
+        # max|slope| x the distance to the nearest key): the floors scale with it, as lse_floor does
+        # for the lse (an fp32 limit of the algorithm that flash_attn's kernels share; session 47
+        # measured it on cpu_flash, session 48's CPU run drew it again at slopes up to 4).
+        lse_fin = lse64.detach()[torch.isfinite(lse64.detach())]
+        reach = lse_fin.abs().max().item() if lse_fin.numel() else 0.0
+        floors = {name: value * (1.0 + reach) for name, value in floors.items()}
         g64 = torch.autograd.grad(out64, (q64, k64, v64), sel_q(dout).double(), allow_unused=True)
         g64 = [torch.zeros_like(x) if gg is None else gg for gg, x in zip(g64, (q64, k64, v64))]
         if mode == "dense":
