@@ -144,6 +144,23 @@ def skip_refusal(cfg, backend, e):
     return False
 
 
+class BackendCall:
+    """Around one backend's call in an iteration: a documented refusal (skip_refusal) is swallowed
+    and `refused` set, so the caller skips that backend; any other error propagates. The truth's
+    thread count is restored either way."""
+
+    def __init__(self, cfg, backend):
+        self.cfg, self.backend, self.refused = cfg, backend, False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        reset_threads()
+        self.refused = isinstance(error, NotImplementedError) and skip_refusal(self.cfg, self.backend, error)
+        return self.refused
+
+
 def pick_backends(r, kvcache=False):
     """The backends of one iteration. CPU: cpu_flash and cpu_reference, plus auto three times in
     ten. CUDA: at least two of GPU_BACKENDS (the KV-cache entry refuses cuda_sm90 by design)."""
@@ -502,7 +519,7 @@ def attention_case(r, g, mode):
         kw = dict(dropout_p=dropout, softmax_scale=c["scale"], causal=c["causal"], window_size=window,
                   softcap=c["softcap"], alibi_slopes=dev(slopes), return_attn_probs=True, deterministic=deterministic)
         torch.manual_seed(call_seed)
-        try:
+        with BackendCall(cfg, backend) as call:
             if mode == "dense":
                 if packed == "qkv":
                     qkv = torch.stack(leaves, dim=2)
@@ -523,9 +540,7 @@ def attention_case(r, g, mode):
             grads = None
             if backward:
                 grads = tuple(host(x) for x in torch.autograd.grad(out, leaves, dout_b))
-        except NotImplementedError as e:
-            if not skip_refusal(cfg, backend, e):
-                raise
+        if call.refused:
             continue
         results[backend] = (host(out.detach()), host(lse.detach()), grads)
     reset_threads()
@@ -674,17 +689,13 @@ def paged_case(r, g):
         if backend != "cpu_reference":
             set_threads(r)
         kp_c, vp_c = dev(kp).clone(), dev(vp).clone()
-        try:
+        with BackendCall(cfg, backend) as call:
             out, lse, _ = fc.flash_attn_varlen_func(restride(dev(q), r)[0], kp_c, vp_c, dev(cu_q), dev(cu_k), mq, mk,
                                                     softmax_scale=c["scale"], causal=c["causal"], window_size=window,
                                                     softcap=c["softcap"], alibi_slopes=dev(slopes),
                                                     return_attn_probs=True, block_table=dev(table))
-        except NotImplementedError as e:
-            if not skip_refusal(cfg, backend, e):
-                raise
+        if call.refused:
             continue
-        finally:
-            reset_threads()
         if not (torch.equal(host(kp_c), kp) and torch.equal(host(vp_c), vp)):
             raise Failure(f"{backend}: paged forward modified k/v pages")
         results[backend] = (host(out), host(lse))
@@ -861,18 +872,14 @@ def kvcache_case(r, g):
         q_b = restride(dev(q), r)[0]
         kn_b = restride(dev(kn), r)[0] if kn is not None else None
         vn_b = restride(dev(vn), r)[0] if vn is not None else None
-        try:
+        with BackendCall(cfg, backend) as call:
             out, lse = fc.flash_attn_with_kvcache(
                 q_b, kc_c, vc_c, kn_b, vn_b, rotary_cos=dev(cos), rotary_sin=dev(sin), cache_seqlens=dev(cs_arg),
                 cache_batch_idx=dev(bidx), cache_leftpad=dev(leftpad), block_table=dev(table), softmax_scale=c["scale"],
                 causal=c["causal"], window_size=window, softcap=c["softcap"], rotary_interleaved=interleaved,
                 alibi_slopes=dev(slopes), num_splits=num_splits, return_softmax_lse=True)
-        except NotImplementedError as e:
-            if not skip_refusal(cfg, backend, e):
-                raise
+        if call.refused:
             continue
-        finally:
-            reset_threads()
         # (CUDA: the caches' bases and views are compared as CPU copies)
         for base, view in ((host(kbase), kc_c), (host(vbase), vc_c)):
             if base is not None:
