@@ -172,8 +172,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with softmax_lse
     (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v are paged
     caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in pages
-    block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page size on
-    Hopper and on the CPU, multiples of 256 on other GPUs), alibi_slopes included. Decoding calls
+    block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page size:
+    other GPUs than Hopper read pages of a multiple of 256 keys in place and first gather smaller
+    ones into the call's workspace), alibi_slopes included. Decoding calls
     (at most 16 query rows per KV head: max_seqlen_q x the GQA group) run on the decode kernel,
     which takes any page size."""
     dropout_p = _check_dropout(dropout_p, q, block_table)

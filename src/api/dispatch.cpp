@@ -183,8 +183,8 @@ static Status prepare(const Args& a, bool workspace_query, Params* p, fc_backend
   if (!(s = backend_checks(*p, a, *backend, kBackward)).is_ok()) return s;
   const Status served = backend_kernels_serve(*p, *backend);
   if constexpr (!kBackward) {
-    // A forward AUTO hands to the decode path needs only that path: e.g. pages of a size the
-    // portable forward declines (not a multiple of 256) on a GPU without the Hopper forward.
+    // A forward AUTO hands to the decode path needs only that path: e.g. pages the portable
+    // forward would gather into more than 4 GiB on a GPU without the Hopper forward.
     KvCacheParams kv;
     if (!served.is_ok() && takes_decode_route(*p, a, *backend, &kv)) return Status::ok();
   }

@@ -552,11 +552,14 @@ TEST_P(CudaForward, SmMarginKeepsTheBits) {
 INSTANTIATE_TEST_SUITE_P(Backends, CudaForward,
                          ::testing::Values(FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90), backend_label);
 
+// sm80 reads pages of a multiple of 256 keys in place and gathers the others (1, 16, 48 keys)
+// into packed rows in the workspace first; one page per sequence (2048) is read in place too.
 TEST(CudaPagedKv, Sm80AndAutoAgainstTheReference) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
   GridOptions g = cuda_grid();
   g.head_dims = {64, 128, 256};
-  for (fc_backend b : {FC_BACKEND_CUDA_SM80, FC_BACKEND_AUTO}) expect_forward(grid_paged(g, {256, 512}), b);
+  expect_forward(grid_paged(g, {1, 16, 48, 256, 512, 2048}), FC_BACKEND_CUDA_SM80);
+  expect_forward(grid_paged(g, {16, 256}), FC_BACKEND_AUTO);
 }
 
 // Pages of 1 and 8 keys are gathered into packed rows; pages that divide a key block (16, 32, 64:
@@ -579,8 +582,9 @@ std::vector<Case> paged_alibi_cases(const GridOptions& g, const std::vector<int6
 
 // ALiBi over paged K/V: the bias counts keys inside each sequence, whichever page holds them. On
 // Hopper: pages gathered (1, 16: the page-box kernels take no score transform), read in place
-// (128, one page per sequence), and through AUTO; on sm80 its 256-key pages, and its clear refusal
-// of ALiBi with dropout over pages.
+// (128, one page per sequence), and through AUTO; on sm80 pages gathered (16) and read in place
+// (256, 512), its clear refusal of ALiBi with dropout over pages it reads in place, and the same
+// call over gathered pages (a packed call then) against the reference.
 TEST(CudaPagedKv, AlibiAgainstTheReference) {
   REQUIRE_GPU();
   GridOptions g = cuda_grid();
@@ -590,28 +594,80 @@ TEST(CudaPagedKv, AlibiAgainstTheReference) {
     expect_forward(paged_alibi_cases(g, {64, 256}), FC_BACKEND_AUTO);
   }
   if (fc_backend_available(FC_BACKEND_CUDA_SM80, 0)) {
-    expect_forward(paged_alibi_cases(g, {256, 512}), FC_BACKEND_CUDA_SM80);
+    expect_forward(paged_alibi_cases(g, {16, 256, 512}), FC_BACKEND_CUDA_SM80);
     Case c = paged_alibi_cases(g, {256})[0];
     c.dropout_p = 0.2;
     CudaMemory mem;
     const CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, 4);
     EXPECT_NE(r.status_error.find("alibi_slopes with paged k / v and dropout_p"), std::string::npos) << r.status_error;
+    Case gathered = paged_alibi_cases(g, {16})[0];
+    gathered.dropout_p = 0.2;
+    const CheckResult rg = check_forward(gathered, FC_BACKEND_CUDA_SM80, mem, 5);
+    EXPECT_TRUE(rg.ok && rg.status_error.empty()) << rg.summary() << rg.status_error;
   }
 }
 
-TEST(CudaPagedKv, Sm80PageSizeRuleIsAClearError) {
+// Pages sm80 gathers (paged_gather.hpp) cost workspace: the query reports it (none for pages read
+// in place), and a call given less is refused, naming the workspace, with out left as it was.
+TEST(CudaPagedKv, Sm80GatherWorkspace) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
   CudaMemory mem;
-  Case c;
-  c.varlen_q = {5, 9};
-  c.varlen_k = {40, 9};
-  c.heads_q = 2;
-  c.heads_kv = 1;
-  c.page_size = 16;
-  CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, 3);
-  EXPECT_NE(r.status_error.find("cuda_sm80: paged k / v need a page_size that is a multiple of 256"),
-            std::string::npos)
-      << r.status_error;
+  constexpr int64_t kHeads = 2, kDim = 64, kTotalQ = 14, kPages = 8;
+  const std::vector<int32_t> cu = {0, 5, 14}, cu_keys = {0, 40, 49};
+  auto run = [&](int64_t page_size, bool query_only, size_t give_less, size_t* bytes) -> fc_status {
+    const size_t q_bytes = kTotalQ * kHeads * kDim * 2, kv_bytes = kPages * page_size * kHeads * kDim * 2;
+    void* q = mem.alloc(q_bytes);
+    void* k = mem.alloc(kv_bytes);
+    void* out = mem.alloc(q_bytes);
+    void* cq = mem.alloc(3 * sizeof(int32_t));
+    void* ck = mem.alloc(3 * sizeof(int32_t));
+    const int64_t per_seq = (40 + page_size - 1) / page_size;
+    std::vector<int32_t> table_host(size_t(2 * per_seq));
+    for (size_t i = 0; i < table_host.size(); ++i) table_host[i] = int32_t(i % kPages);
+    void* table = mem.alloc(table_host.size() * sizeof(int32_t));
+    const std::vector<uint8_t> zeros(q_bytes, 0), poison(q_bytes, 0xff);
+    mem.upload(q, zeros.data(), q_bytes);
+    std::vector<uint8_t> kv_zeros(kv_bytes, 0);
+    mem.upload(k, kv_zeros.data(), kv_bytes);
+    mem.upload(out, poison.data(), q_bytes);
+    mem.upload(cq, cu.data(), 3 * sizeof(int32_t));
+    mem.upload(ck, cu_keys.data(), 3 * sizeof(int32_t));
+    mem.upload(table, table_host.data(), table_host.size() * sizeof(int32_t));
+    const fc_tensor tq = flashcore::make_tensor(q, FC_DTYPE_BF16, {kTotalQ, kHeads, kDim}, FC_DEVICE_CUDA);
+    const fc_tensor tk = flashcore::make_tensor(k, FC_DTYPE_BF16, {kPages, page_size, kHeads, kDim}, FC_DEVICE_CUDA);
+    fc_tensor to = flashcore::make_tensor(out, FC_DTYPE_BF16, {kTotalQ, kHeads, kDim}, FC_DEVICE_CUDA);
+    const fc_tensor tcq = flashcore::make_tensor(cq, FC_DTYPE_I32, {3}, FC_DEVICE_CUDA);
+    const fc_tensor tck = flashcore::make_tensor(ck, FC_DTYPE_I32, {3}, FC_DEVICE_CUDA);
+    const fc_tensor tt = flashcore::make_tensor(table, FC_DTYPE_I32, {2, per_seq}, FC_DEVICE_CUDA);
+    fc_attention_options o{};
+    o.backend = FC_BACKEND_CUDA_SM80;
+    o.cu_seqlens_q = &tcq;
+    o.cu_seqlens_k = &tck;
+    o.max_seqlen_q = 9;
+    o.max_seqlen_k = 40;
+    o.block_table = &tt;
+    fc_status st = fc_attention_forward_workspace(&tq, &tk, &tk, &o, bytes);
+    if (st == FC_OK && !query_only) {
+      const size_t given = *bytes - give_less;
+      void* ws = mem.alloc(given);
+      st = fc_attention_forward(&tq, &tk, &tk, &to, nullptr, &o, ws, given);
+      std::vector<uint8_t> after(q_bytes);
+      mem.download(after.data(), out, q_bytes);
+      if (st != FC_OK) EXPECT_EQ(after, poison) << "a refused call wrote out";
+      if (ws) mem.release(ws);
+    }
+    for (void* ptr : {q, k, out, cq, ck, table}) mem.release(ptr);
+    return st;
+  };
+  size_t gathered = 0, in_place = 0;
+  ASSERT_EQ(run(16, true, 0, &gathered), FC_OK) << fc_last_error();
+  ASSERT_EQ(run(256, true, 0, &in_place), FC_OK) << fc_last_error();
+  EXPECT_GE(gathered, size_t(2 * 2 * 40 * kHeads * kDim * 2)) << "K and V of both sequences' key bound";
+  EXPECT_EQ(in_place, 0u);
+  size_t bytes = 0;
+  EXPECT_EQ(run(16, false, 1, &bytes), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fc_last_error()).find("workspace:"), std::string::npos) << fc_last_error();
+  EXPECT_EQ(run(16, false, 0, &bytes), FC_OK) << fc_last_error();
 }
 
 TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {

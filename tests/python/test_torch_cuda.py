@@ -278,11 +278,23 @@ def test_varlen_nan_past_the_sequences_reaches_nothing(backend, d):
         torch.testing.assert_close(b[:used], a[:used], rtol=0, atol=0 if name != "dq" else 2e-2)
 
 
+@pytest.mark.parametrize("backend", ["auto", "cuda_sm80"])
 @pytest.mark.parametrize("alibi", [False, True])
-@pytest.mark.parametrize("page_size", [256, 512])
-def test_varlen_paged_kv_matches_packed(page_size, alibi):
+@pytest.mark.parametrize("page_size", [16, 256, 512])
+def test_varlen_paged_kv_matches_packed(page_size, alibi, backend):
     # flash_attn_varlen_func with block_table (forward only), with and without ALiBi slopes: the
-    # bias counts keys inside each sequence, whichever page holds them
+    # bias counts keys inside each sequence, whichever page holds them. Any page size on every GPU
+    # backend (cuda_sm80 gathers pages of other than a multiple of 256 keys into packed rows).
+    if backend != "auto" and not flashcore.backend_available(backend):
+        pytest.skip(f"{backend} is not available")
+    flashcore.set_default_backend(backend)
+    try:
+        _paged_matches_packed(page_size, alibi)
+    finally:
+        flashcore.set_default_backend("auto")
+
+
+def _paged_matches_packed(page_size, alibi):
     lengths_q, lengths_k = [100, 1, 700], [1000, 300, 700]
     cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=DEVICE)

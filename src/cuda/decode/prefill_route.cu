@@ -231,8 +231,8 @@ bool prefill_route_applies(const KvCacheParams& p) {
   if (p.batch * p.heads_q > INT_MAX / blocks) return false;
   constexpr int kDefaultSms = 132;
   const int sms = multiprocessor_count(p.device_id, kDefaultSms);
-  // The forward kernels' own rules (sm80: pages of 256k keys; sm90: any, gathered where they are
-  // smaller than a key block), before anything is launched.
+  // The forward kernels' own rules (sm80: pages of 256k keys in place; sm90: any, gathered where
+  // they are smaller than a key block), before anything is launched.
   const AttentionParams f = rule_params(p);
   const bool hopper = hopper_takes(p, f);
   // The Hopper forward's split-KV multiplies its tiles (sm90/split_kv.hpp).
@@ -246,7 +246,9 @@ bool prefill_route_applies(const KvCacheParams& p) {
   // d256 3.95 against 2.12; docs/PERF.md session 38).
   const int64_t min_rows = splits > 1 ? R::kMinPackedRows : R::kMinRows;
   if (rows < min_rows || 2 * p.batch * p.heads_q * blocks * splits < sms) return false;  // half a block per SM
-  return hopper || sm80_supports(f, nullptr);
+  // The sm80 forward runs here without workspace: pages it would gather first (paged_gather.hpp)
+  // keep the call on the decode kernel, as before it took them.
+  return hopper || (sm80_supports(f, nullptr) && sm80_forward_workspace(f) == 0);
 }
 
 bool decode_kernel_suits(const KvCacheParams& p) {

@@ -1,5 +1,5 @@
 // Backend functions of the portable tensor-core forward (see api/backends.hpp): which calls it can
-// serve, its workspace (none), and the dispatch from (dtype, head_dim) to the kernel units that
+// serve, its workspace (none, but for pages it gathers), and the dispatch from (dtype, head_dim) to the kernel units that
 // cmake/cuda.cmake generated. A head_dim below a compiled bucket runs in the smallest compiled
 // bucket above it; the kernel zero-fills the padded columns and never stores them.
 //
@@ -18,6 +18,7 @@
 #include "api/status.hpp"
 #include "cuda/build_config.hpp"
 #include "cuda/compiled_dispatch.cuh"
+#include "cuda/paged_gather.hpp"
 
 namespace flashcore::cuda {
 
@@ -32,9 +33,14 @@ namespace {
 constexpr int64_t kHeadDimAlignment = 8;   // one 16-byte chunk of fp16/bf16
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int kMinComputeCapability = 80;  // mma.sync bf16, cp.async, ldmatrix
-// Paged K/V: a key tile (at most 128 keys, at a multiple of its size) must lie in one page, so that
-// one table lookup places the whole tile; flash_attn asks the same of its pages.
+// Paged K/V are read in place where a key tile (at most 128 keys, at a multiple of its size) lies in
+// one page, so that one table lookup places the whole tile (flash_attn's rule for its pages), or
+// where a sequence has one page; other pages are first gathered into packed rows in the workspace
+// (cuda/paged_gather.hpp), as the Hopper forward does, and the call runs as a packed varlen call.
 constexpr int64_t kPagedPageMultiple = 256;
+// The gather's workspace grows with batch x max_seqlen_k (K and V, 4 bytes a key and feature);
+// past this a call asks for more memory than a caller would expect of an O(N) copy.
+constexpr size_t kMaxGatherBytes = size_t(4) << 30;
 // Must not exceed the smallest kBlockM of DefaultForwardTraits (grid size bound below). The
 // small-grid configuration's 32-row blocks only run when their grid fits two waves of CTAs,
 // so it stays far from the limit.
@@ -56,6 +62,14 @@ bool dtype_compiled(DType dtype) {
       return false;
   }
 }
+
+/** Whether the kernels read p's pages in place (see kPagedPageMultiple); else they are gathered. */
+bool reads_pages_in_place(const AttentionParams& p) {
+  return p.pages.page_size % kPagedPageMultiple == 0 || p.pages.per_seq <= 1;
+}
+
+/** Whether p's pages are gathered into packed rows before the kernels run. */
+bool gathers_pages(const AttentionParams& p) { return p.is_paged() && !reads_pages_in_place(p); }
 
 bool reject(Status* why, const std::string& message) {
   if (why != nullptr) *why = Status::unsupported("cuda_sm80: " + message);
@@ -95,14 +109,16 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
   if (p.heads_q > 0 && p.batch > 0 && m_blocks > INT_MAX / p.heads_q / p.batch) {
     return reject(why, "batch * heads_q * query blocks exceeds the grid limit");
   }
-  // (One page per sequence, a KV cache's rows, needs no rule: every tile lies in it.)
-  if (p.is_paged() && p.pages.page_size % kPagedPageMultiple != 0 && p.pages.per_seq > 1) {
-    return reject(why, "paged k / v need a page_size that is a multiple of " + std::to_string(kPagedPageMultiple) +
-                           " (got " + std::to_string(p.pages.page_size) + "; the CPU backends take any)");
+  if (gathers_pages(p) && paged_gather_bytes(p) > kMaxGatherBytes) {
+    return reject(why, "paged k / v in pages of " + std::to_string(p.pages.page_size) + " keys would need " +
+                           std::to_string(paged_gather_bytes(p)) + " bytes of workspace to gather (more than 4 GiB); "
+                           "pages of a multiple of " + std::to_string(kPagedPageMultiple) +
+                           " keys are read in place");
   }
-  if (p.is_paged() && p.has_alibi() && p.dropout.enabled()) {
-    return reject(why, "alibi_slopes with paged k / v and dropout_p > 0 together are not supported (cuda_sm90 and "
-                       "the CPU backends take them)");
+  // (Gathered pages run as a packed call, which has no such gap.)
+  if (p.is_paged() && !gathers_pages(p) && p.has_alibi() && p.dropout.enabled()) {
+    return reject(why, "alibi_slopes with paged k / v and dropout_p > 0 together are not supported on pages of " +
+                           std::to_string(p.pages.page_size) + " keys (cuda_sm90 and the CPU backends take them)");
   }
   const int capability = compute_capability(p.device_id);
   if (capability < kMinComputeCapability) {
@@ -112,10 +128,17 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
   return true;
 }
 
-size_t sm80_forward_workspace(const AttentionParams& /*p*/) { return 0; }
+size_t sm80_forward_workspace(const AttentionParams& p) { return gathers_pages(p) ? paged_gather_bytes(p) : 0; }
 
 Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
-  return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm80 forward");
+  if (!gathers_pages(p)) return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm80 forward");
+  // The copy and the attention run on the caller's stream, one after the other; the packed call
+  // needs no workspace of its own. (The API checked the workspace against sm80_forward_workspace.)
+  if (workspace == nullptr || workspace_bytes < paged_gather_bytes(p))
+    return Status::internal("sm80 forward: called without the page gather's workspace");
+  AttentionParams packed;
+  if (Status s = gather_pages(p, workspace, &packed); !s.is_ok()) return s;
+  return run_compiled<ForwardEntry>(packed, nullptr, 0, "sm80 forward");
 }
 
 }  // namespace flashcore::cuda
