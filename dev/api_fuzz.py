@@ -101,8 +101,7 @@ def reset_threads():
 #    ... grid limit", "backward dq stage: dropout kernels are not compiled") and for Python's own
 #    refusals (dropout or autograd with a block_table, cache_leftpad with pages: not drawn).
 #  - sm80_supports (src/cuda/sm80/forward_api.cu), also what AUTO runs where sm90 cannot: pages it
-#    would gather (not a multiple of 256 keys) into more than 4 GiB (not drawn), ALiBi with pages
-#    read in place and dropout together (not drawn: paged calls have no dropout); head_dim above
+#    would gather (not a multiple of 256 keys) into more than 4 GiB (not drawn); head_dim above
 #    256 / over 2^31 rows: not drawn.
 #  - sm90_supports / sm90_backward_supports (src/cuda/sm90/forward_api.cu, backward_api.cu), only
 #    when cuda_sm90 is named (AUTO then takes sm80): q / k / v / dout strides TMA cannot describe,
@@ -118,7 +117,6 @@ REFUSALS = [
     (r"\(FLASHCORE_(DTYPES|HEAD_DIMS)\)", ("cuda_sm80", "cuda_sm90", "auto"), "not_compiled"),
     (r"^cuda_sm80: paged k / v in pages of \d+ keys would need \d+ bytes of workspace to gather", ("cuda_sm80", "auto"),
      "gather_4GiB"),
-    (r"^cuda_sm80: alibi_slopes with paged k / v and dropout_p > 0", ("cuda_sm80", "auto"), "paged_alibi_dropout"),
     (r"^cuda_sm90: q, k and v need 16-byte aligned data", ("cuda_sm90",), "tma_strides"),
     (r"^cuda_sm90: out needs 4-byte aligned data", ("cuda_sm90",), "out_strides"),
     (r"^cuda_sm90: dout needs 16-byte aligned data", ("cuda_sm90",), "dout_strides"),

@@ -119,8 +119,10 @@ typedef struct fc_attention_options {
    *  block_table. k/v are then (num_pages, page_size, heads_kv, head_dim) and int32 block_table
    *  (batch, max_pages_per_seq) lists sequence b's pages in order: its key j (j < cu_seqlens_k[b +
    *  1] - cu_seqlens_k[b]) sits in page block_table[b, j / page_size] at slot j % page_size.
-   *  cuda_sm80 reads the pages in place and takes page sizes that are multiples of 256 (as
-   *  flash_attn; any with one page per sequence); cuda_sm90 takes any page size: it reads pages of
+   *  cuda_sm80 reads pages of a multiple of 256 keys (as flash_attn) and one page per sequence in
+   *  place, and first gathers other pages (and any with ALiBi and dropout together) into packed
+   *  rows in the workspace, 2 x batch x max_seqlen_k rows (refused above 4 GiB of it); cuda_sm90
+   *  takes any page size: it reads pages of
    *  128k keys, one page per sequence, and pages of 16 / 32 / 64 keys (head_dim <= 128, no
    *  softcap, ALiBi or dropout; pages of 16 where the copy below would cost more) in place, and first gathers other
    *  pages into packed rows in the workspace, 2 x batch x max_seqlen_k rows (above 4 GiB of it,
@@ -132,7 +134,7 @@ typedef struct fc_attention_options {
    *  heads_q) on q's device. The score of query i and key j (positions inside their sequence) gets
    *  the bias -slope[b, h] * |i + seqlen_k - seqlen_q - j| after softmax_scale and softcap, in
    *  forward and backward (lse includes it). Served by cpu_reference, cpu_flash, cuda_sm80 and
-   *  cuda_sm90, paged K/V included (cuda_sm80 declines ALiBi with dropout over pages);
+   *  cuda_sm90, paged K/V included;
    *  fc_attention_kvcache takes them too (seqlen_k there is the sequence's keys after the append,
    *  key j counted from the first after cache_leftpad). CPU slopes must
    *  be finite; CUDA slopes are trusted (a NaN slope gives NaN rows). NULL = no bias. */

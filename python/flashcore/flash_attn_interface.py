@@ -173,8 +173,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (nheads, total_q). block_table (batch, max_num_blocks_per_seq) int32: k and v are paged
     caches (num_blocks, page_block_size, nheads_k, headdim), sequence b's keys in pages
     block_table[b] (lengths from cu_seqlens_k); forward only, as in flash_attn (any page size:
-    other GPUs than Hopper read pages of a multiple of 256 keys in place and first gather smaller
-    ones into the call's workspace), alibi_slopes included. Decoding calls
+    on GPUs other than Hopper pages of a multiple of 256 keys are read in place and other sizes
+    first gathered into the call's workspace, up to 4 GiB), alibi_slopes included. Decoding calls
     (at most 16 query rows per KV head: max_seqlen_q x the GQA group) run on the decode kernel,
     which takes any page size."""
     dropout_p = _check_dropout(dropout_p, q, block_table)

@@ -55,6 +55,9 @@ SmallGrid sm80_small_grid_rule(const AttentionParams& p) {
   if (p.dropout.enabled()) return SmallGrid::kNo;  // sm80 runs dropout on its dropout tiles, never the small grid
   const int64_t blocks = (p.seqlen_q + kSmallGridBlockM - 1) / kSmallGridBlockM * p.heads_q * p.batch;
   if (blocks > cuda::multiprocessor_count(p.device_id, 0) || !cuda::sm80_supports(p, nullptr)) return SmallGrid::kNo;
+  // Pages sm80 would gather first (paged_gather.hpp) stay on sm90, which reads most of them in
+  // place: the rule was measured on packed calls, and the gather's workspace is not in sm90's.
+  if (cuda::sm80_forward_workspace(p) > 0) return SmallGrid::kNo;
   const cuda::sm90::ForwardSplit split = cuda::sm90_forward_split_plan(p);
   return split.splits > 1 && split.tiles * split.splits >= blocks ? SmallGrid::kYieldsToSplit : SmallGrid::kYes;
 #else

@@ -406,7 +406,8 @@ TEST_P(CudaForward, SplitKv) {
   cases.push_back(d256);
   Case box_pages;  // the 16-key page case (sm90 only)
   for (int64_t page_size : {0, 8, 16, 128}) {  // 8: gathered into packed rows first
-    if (page_size != 0 && GetParam() != FC_BACKEND_CUDA_SM90) continue;  // sm80 reads pages of 256k keys
+    // (sm80 gathers these pages: CudaPagedKv covers it; here the sm90 routes)
+    if (page_size != 0 && GetParam() != FC_BACKEND_CUDA_SM90) continue;
     Case v;
     v.varlen_q = {3, 0, 17, 9};
     v.varlen_k = {1000, 50, 3000, 9};
@@ -583,8 +584,8 @@ std::vector<Case> paged_alibi_cases(const GridOptions& g, const std::vector<int6
 // ALiBi over paged K/V: the bias counts keys inside each sequence, whichever page holds them. On
 // Hopper: pages gathered (1, 16: the page-box kernels take no score transform), read in place
 // (128, one page per sequence), and through AUTO; on sm80 pages gathered (16) and read in place
-// (256, 512), its clear refusal of ALiBi with dropout over pages it reads in place, and the same
-// call over gathered pages (a packed call then) against the reference.
+// (256, 512), and ALiBi with dropout over pages of 16 and 256 keys (gathered either way: its paged
+// tiles have no dropout with ALiBi) against the reference.
 TEST(CudaPagedKv, AlibiAgainstTheReference) {
   REQUIRE_GPU();
   GridOptions g = cuda_grid();
@@ -595,46 +596,53 @@ TEST(CudaPagedKv, AlibiAgainstTheReference) {
   }
   if (fc_backend_available(FC_BACKEND_CUDA_SM80, 0)) {
     expect_forward(paged_alibi_cases(g, {16, 256, 512}), FC_BACKEND_CUDA_SM80);
-    Case c = paged_alibi_cases(g, {256})[0];
-    c.dropout_p = 0.2;
     CudaMemory mem;
-    const CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, 4);
-    EXPECT_NE(r.status_error.find("alibi_slopes with paged k / v and dropout_p"), std::string::npos) << r.status_error;
-    Case gathered = paged_alibi_cases(g, {16})[0];
-    gathered.dropout_p = 0.2;
-    const CheckResult rg = check_forward(gathered, FC_BACKEND_CUDA_SM80, mem, 5);
-    EXPECT_TRUE(rg.ok && rg.status_error.empty()) << rg.summary() << rg.status_error;
+    for (int64_t page : {16, 256}) {
+      Case c = paged_alibi_cases(g, {page})[0];
+      c.dropout_p = 0.2;
+      const CheckResult r = check_forward(c, FC_BACKEND_CUDA_SM80, mem, 4);
+      EXPECT_TRUE(r.ok && r.status_error.empty()) << "pages of " << page << ": " << r.summary() << r.status_error;
+    }
   }
 }
 
 // Pages sm80 gathers (paged_gather.hpp) cost workspace: the query reports it (none for pages read
-// in place), and a call given less is refused, naming the workspace, with out left as it was.
+// in place: a multiple of 256 keys over two pages per sequence), a call given less is refused,
+// naming the workspace, with out left as it was; a call with enough runs (zero inputs: out = 0),
+// and one whose sequences have no keys needs none. q, k and v are zeros, out is poisoned.
 TEST(CudaPagedKv, Sm80GatherWorkspace) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM80);
   CudaMemory mem;
   constexpr int64_t kHeads = 2, kDim = 64, kTotalQ = 14, kPages = 8;
-  const std::vector<int32_t> cu = {0, 5, 14}, cu_keys = {0, 40, 49};
-  auto run = [&](int64_t page_size, bool query_only, size_t give_less, size_t* bytes) -> fc_status {
-    const size_t q_bytes = kTotalQ * kHeads * kDim * 2, kv_bytes = kPages * page_size * kHeads * kDim * 2;
+  const std::vector<int32_t> cu = {0, 5, 14};
+  struct Call {
+    int64_t page_size;
+    std::vector<int32_t> cu_keys;
+    bool run;
+    size_t give_less;
+  };
+  // Returns the status; *bytes the workspace the query reported, *out_after what out held after.
+  auto call = [&](const Call& c, size_t* bytes, std::vector<uint8_t>* out_after) -> fc_status {
+    const int64_t max_k = std::max(c.cu_keys[1] - c.cu_keys[0], c.cu_keys[2] - c.cu_keys[1]);
+    const int64_t per_seq = std::max<int64_t>(2, (max_k + c.page_size - 1) / c.page_size);
+    const size_t q_bytes = kTotalQ * kHeads * kDim * 2, kv_bytes = kPages * c.page_size * kHeads * kDim * 2;
+    std::vector<int32_t> table_host(size_t(2 * per_seq));
+    for (size_t i = 0; i < table_host.size(); ++i) table_host[i] = int32_t(i % kPages);
     void* q = mem.alloc(q_bytes);
-    void* k = mem.alloc(kv_bytes);
+    void* kv = mem.alloc(kv_bytes);
     void* out = mem.alloc(q_bytes);
     void* cq = mem.alloc(3 * sizeof(int32_t));
     void* ck = mem.alloc(3 * sizeof(int32_t));
-    const int64_t per_seq = (40 + page_size - 1) / page_size;
-    std::vector<int32_t> table_host(size_t(2 * per_seq));
-    for (size_t i = 0; i < table_host.size(); ++i) table_host[i] = int32_t(i % kPages);
     void* table = mem.alloc(table_host.size() * sizeof(int32_t));
-    const std::vector<uint8_t> zeros(q_bytes, 0), poison(q_bytes, 0xff);
+    const std::vector<uint8_t> zeros(std::max(q_bytes, kv_bytes), 0), poison(q_bytes, 0xff);
     mem.upload(q, zeros.data(), q_bytes);
-    std::vector<uint8_t> kv_zeros(kv_bytes, 0);
-    mem.upload(k, kv_zeros.data(), kv_bytes);
+    mem.upload(kv, zeros.data(), kv_bytes);
     mem.upload(out, poison.data(), q_bytes);
     mem.upload(cq, cu.data(), 3 * sizeof(int32_t));
-    mem.upload(ck, cu_keys.data(), 3 * sizeof(int32_t));
+    mem.upload(ck, c.cu_keys.data(), 3 * sizeof(int32_t));
     mem.upload(table, table_host.data(), table_host.size() * sizeof(int32_t));
     const fc_tensor tq = flashcore::make_tensor(q, FC_DTYPE_BF16, {kTotalQ, kHeads, kDim}, FC_DEVICE_CUDA);
-    const fc_tensor tk = flashcore::make_tensor(k, FC_DTYPE_BF16, {kPages, page_size, kHeads, kDim}, FC_DEVICE_CUDA);
+    const fc_tensor tk = flashcore::make_tensor(kv, FC_DTYPE_BF16, {kPages, c.page_size, kHeads, kDim}, FC_DEVICE_CUDA);
     fc_tensor to = flashcore::make_tensor(out, FC_DTYPE_BF16, {kTotalQ, kHeads, kDim}, FC_DEVICE_CUDA);
     const fc_tensor tcq = flashcore::make_tensor(cq, FC_DTYPE_I32, {3}, FC_DEVICE_CUDA);
     const fc_tensor tck = flashcore::make_tensor(ck, FC_DTYPE_I32, {3}, FC_DEVICE_CUDA);
@@ -644,30 +652,37 @@ TEST(CudaPagedKv, Sm80GatherWorkspace) {
     o.cu_seqlens_q = &tcq;
     o.cu_seqlens_k = &tck;
     o.max_seqlen_q = 9;
-    o.max_seqlen_k = 40;
+    o.max_seqlen_k = max_k;
     o.block_table = &tt;
+    o.stream = mem.stream();
     fc_status st = fc_attention_forward_workspace(&tq, &tk, &tk, &o, bytes);
-    if (st == FC_OK && !query_only) {
-      const size_t given = *bytes - give_less;
-      void* ws = mem.alloc(given);
+    if (st == FC_OK && c.run) {
+      const size_t given = *bytes - c.give_less;
+      void* ws = given ? mem.alloc(given) : nullptr;
       st = fc_attention_forward(&tq, &tk, &tk, &to, nullptr, &o, ws, given);
-      std::vector<uint8_t> after(q_bytes);
-      mem.download(after.data(), out, q_bytes);
-      if (st != FC_OK) EXPECT_EQ(after, poison) << "a refused call wrote out";
+      out_after->assign(q_bytes, 0);
+      mem.download(out_after->data(), out, q_bytes);
       if (ws) mem.release(ws);
     }
-    for (void* ptr : {q, k, out, cq, ck, table}) mem.release(ptr);
+    for (void* ptr : {q, kv, out, cq, ck, table}) mem.release(ptr);
     return st;
   };
-  size_t gathered = 0, in_place = 0;
-  ASSERT_EQ(run(16, true, 0, &gathered), FC_OK) << fc_last_error();
-  ASSERT_EQ(run(256, true, 0, &in_place), FC_OK) << fc_last_error();
-  EXPECT_GE(gathered, size_t(2 * 2 * 40 * kHeads * kDim * 2)) << "K and V of both sequences' key bound";
+  const std::vector<uint8_t> poison(kTotalQ * kHeads * kDim * 2, 0xff), zero(poison.size(), 0);
+  std::vector<uint8_t> after;
+  size_t gathered = 0, in_place = 0, no_keys = 0;
+  ASSERT_EQ(call({16, {0, 40, 49}, false, 0}, &gathered, &after), FC_OK) << fc_last_error();
+  ASSERT_GE(gathered, size_t(2 * 2 * 40 * kHeads * kDim * 2)) << "K and V of both sequences' key bound";
+  ASSERT_EQ(call({256, {0, 40, 49}, false, 0}, &in_place, &after), FC_OK) << fc_last_error();
   EXPECT_EQ(in_place, 0u);
   size_t bytes = 0;
-  EXPECT_EQ(run(16, false, 1, &bytes), FC_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(call({16, {0, 40, 49}, true, 1}, &bytes, &after), FC_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fc_last_error()).find("workspace:"), std::string::npos) << fc_last_error();
-  EXPECT_EQ(run(16, false, 0, &bytes), FC_OK) << fc_last_error();
+  EXPECT_EQ(after, poison) << "a refused call wrote out";
+  EXPECT_EQ(call({16, {0, 40, 49}, true, 0}, &bytes, &after), FC_OK) << fc_last_error();
+  EXPECT_EQ(after, zero) << "zero inputs give out = 0";
+  EXPECT_EQ(call({16, {0, 0, 0}, true, 0}, &no_keys, &after), FC_OK) << fc_last_error();
+  EXPECT_EQ(no_keys, 0u);
+  EXPECT_EQ(after, zero) << "rows without keys give out = 0";
 }
 
 TEST(CudaRaces, DeterministicBackwardIsBitIdentical) {
@@ -1386,7 +1401,8 @@ TEST(CudaSanitizerSmall, UncheckedBadCuSeqlensStayInBounds) {
 // table column and the page id, seq_info the lengths, so the call reads nothing outside k, v and
 // the table (compute-sanitizer memcheck runs this test) and ends without a CUDA error. Pages of
 // 256 keys (read in place by sm80 and sm90) and of 16 (sm90: one TMA box per page, whose table
-// entries the producer clamps the same way).
+// entries the producer clamps the same way; sm80: gathered into packed rows first, the gather
+// placing each row through the same clamps).
 TEST(CudaSanitizerSmall, UncheckedBadPagesStayInBounds) {
   REQUIRE_GPU();
   CudaMemory mem;
@@ -1423,7 +1439,7 @@ TEST(CudaSanitizerSmall, UncheckedBadPagesStayInBounds) {
                                                    {0, 20, 24, 0, 900, 950, 0, 1, 2, 0},
                                                    {0, 10, 24, 0, 400, 100, 2, 2, 1, 1}};
     for (fc_backend backend : {FC_BACKEND_CUDA_SM80, FC_BACKEND_CUDA_SM90}) {
-      if (!fc_backend_available(backend, 0) || (backend == FC_BACKEND_CUDA_SM80 && page % 256 != 0)) continue;
+      if (!fc_backend_available(backend, 0)) continue;
       opt.backend = backend;
       size_t workspace_bytes = 0;
       ASSERT_EQ(fc_attention_forward_workspace(&tq, &tk, &tv, &opt, &workspace_bytes), FC_OK) << fc_last_error();

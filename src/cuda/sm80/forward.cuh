@@ -139,7 +139,8 @@ struct ForwardTraits {
   // iteration); false = the FA2 order S_j, softmax_j, P_j V_j.
   static constexpr bool kOverlapPV = kOverlapPV_;
   // K/V tiles placed through the page table (paged varlen forward, AttentionParams::pages): one
-  // lookup per tile, so a tile must lie in one page (forward_api.cu takes pages of 256k keys).
+  // lookup per tile, so a tile must lie in one page (forward_api.cu reads pages of 256k keys in
+  // place and gathers others into packed rows first).
   static constexpr bool kPagedKV = kPagedKV_;
   static_assert(!kPagedKV || 256 % kBlockN_ == 0, "a key tile must lie inside a page of 256 keys");
 
@@ -1145,7 +1146,8 @@ Status forward_run(const forward_params_t& p, void* /*workspace*/, size_t /*work
   using SmallTraits = typename SmallGridForwardTraits<Element, kHeadDim>::type;
   // Dropout: DropoutForwardTraits only (the small-grid configuration is never taken for it), with
   // ALiBi, paged K/V or neither: three more kernels per unit, so that calls without dropout keep
-  // theirs unchanged. Paged K/V with both ALiBi and dropout is declined by sm80_supports.
+  // theirs unchanged. Paged K/V with both ALiBi and dropout arrives gathered into packed rows
+  // (forward_api.cu), so no paged kernel has both.
   if (p.dropout.enabled()) {
     using DropoutTraits = typename DropoutForwardTraits<Element, kHeadDim>::type;
     if (p.has_alibi()) return launch_forward<DropoutTraits, /*kAlibi=*/true, /*kDropout=*/true>(p);

@@ -63,8 +63,11 @@ bool dtype_compiled(DType dtype) {
   }
 }
 
-/** Whether the kernels read p's pages in place (see kPagedPageMultiple); else they are gathered. */
+/** Whether the kernels read p's pages in place (see kPagedPageMultiple); else they are gathered.
+ *  ALiBi with dropout is always gathered: the paged tiles have no instantiation with both (the
+ *  packed dropout tiles take ALiBi). */
 bool reads_pages_in_place(const AttentionParams& p) {
+  if (p.has_alibi() && p.dropout.enabled()) return false;
   return p.pages.page_size % kPagedPageMultiple == 0 || p.pages.per_seq <= 1;
 }
 
@@ -115,11 +118,6 @@ bool sm80_supports(const AttentionParams& p, Status* why) {
                            "pages of a multiple of " + std::to_string(kPagedPageMultiple) +
                            " keys are read in place");
   }
-  // (Gathered pages run as a packed call, which has no such gap.)
-  if (p.is_paged() && !gathers_pages(p) && p.has_alibi() && p.dropout.enabled()) {
-    return reject(why, "alibi_slopes with paged k / v and dropout_p > 0 together are not supported on pages of " +
-                           std::to_string(p.pages.page_size) + " keys (cuda_sm90 and the CPU backends take them)");
-  }
   const int capability = compute_capability(p.device_id);
   if (capability < kMinComputeCapability) {
     return reject(why, "device " + std::to_string(p.device_id) + " has compute capability " +
@@ -133,8 +131,9 @@ size_t sm80_forward_workspace(const AttentionParams& p) { return gathers_pages(p
 Status sm80_forward(const AttentionParams& p, void* workspace, size_t workspace_bytes) {
   if (!gathers_pages(p)) return run_compiled<ForwardEntry>(p, workspace, workspace_bytes, "sm80 forward");
   // The copy and the attention run on the caller's stream, one after the other; the packed call
-  // needs no workspace of its own. (The API checked the workspace against sm80_forward_workspace.)
-  if (workspace == nullptr || workspace_bytes < paged_gather_bytes(p))
+  // needs no workspace of its own. (The API checked the workspace against sm80_forward_workspace;
+  // a call without keys needs none, and gather_pages then copies nothing.)
+  if (workspace_bytes < paged_gather_bytes(p))
     return Status::internal("sm80 forward: called without the page gather's workspace");
   AttentionParams packed;
   if (Status s = gather_pages(p, workspace, &packed); !s.is_ok()) return s;
