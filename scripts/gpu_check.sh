@@ -59,7 +59,13 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON 
 if ! cmake --build build-gpu -j 16 >>"$OUTDIR/build.log" 2>&1; then
   note "BUILD FAILED ($(el)); tail of build.log:"; grep -E "error|Error" "$OUTDIR/build.log" | head -30 | tee -a "$SUM"; exit 1
 fi
-note "build ok ($(el)); spills: $(grep -c 'bytes spill stores' "$OUTDIR/build.log") kernels reported, $(grep -E '[1-9][0-9]* bytes spill stores' "$OUTDIR/build.log" | wc -l) with spills"
+# Spills per kernel from ptxas -v (ninja prints each unit's output whole), against the baseline of
+# the last reviewed build (dev/spill_baseline_sm90.txt; refresh it with --write-baseline when a
+# change's new spills were measured and accepted). The full list goes to build.log.
+python3 scripts/spill_report.py "$OUTDIR/build.log" --top 20 --baseline dev/spill_baseline_sm90.txt >/tmp/spills.txt 2>&1
+cat /tmp/spills.txt >>"$OUTDIR/build.log"
+note "build ok ($(el)); $(head -1 /tmp/spills.txt); $(grep '^against' /tmp/spills.txt)"
+grep '^  MORE' /tmp/spills.txt | head -10 | tee -a "$SUM"
 # The Python package for pytest and the benchmarks, from the same build (no second compile): the
 # .py files plus the built _C.
 rm -rf /tmp/fcpkg && mkdir -p /tmp/fcpkg/flashcore && cp python/flashcore/*.py /tmp/fcpkg/flashcore/ \
@@ -81,6 +87,10 @@ if [ -n "$SO" ]; then
   { echo "kernels with a stack frame (bytes, name): $(wc -l </tmp/stack_frames.txt)";
     head -60 /tmp/stack_frames.txt | c++filt | cut -c1-220; } >>"$OUTDIR/build.log"
   note "stack frames (cuobjdump -res-usage): $(wc -l </tmp/stack_frames.txt) kernels, largest $(head -1 /tmp/stack_frames.txt | cut -d' ' -f1) bytes"
+  # Where the spills sit: local loads / stores inside a loop cost every iteration (dev/sass_spills.py).
+  python3 dev/sass_spills.py /tmp/sass.txt >/tmp/sass_spills.txt 2>&1
+  { echo "kernels with local memory instructions (dev/sass_spills.py):"; cat /tmp/sass_spills.txt; } >>"$OUTDIR/build.log"
+  note "spills in loops (SASS): $(grep -c 'instructions, [0-9]* loops' /tmp/sass_spills.txt) kernels with LDL / STL, $(grep -E ', [1-9][0-9]* of them inside loops' /tmp/sass_spills.txt | wc -l) with some inside a loop"
 fi
 
 # 3. Tests. After the smoke, three jobs share the GPU at once (none of them times anything): the
