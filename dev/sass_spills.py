@@ -7,7 +7,8 @@ ptxas -v reports a kernel's spill bytes, not where the local loads and stores la
 reloaded per key block costs a loop its latency every iteration; the same bytes spilled around
 the prologue cost nothing measurable. For every kernel with local-memory instructions (or every
 kernel with --all) this prints: instructions, loops (a backward branch's target to the branch),
-LDL / STL in all and inside the loops, and each loop's size with the spills inside it.
+LDL / STL in all and inside the loops, and the smallest four loops with spills inside them (all
+loops with --all).
 
 A cubin is disassembled with nvdisasm (on the GPU machine: the CUDA toolkit's; elsewhere pip's
 `nvidia-cuda-nvdisasm` wheel carries one: `pip download --no-deps nvidia-cuda-nvdisasm`, unzip,
@@ -91,11 +92,15 @@ def main():
         lds = sum(1 for _, k in local if k == "LDL")
         print(f"{shown[:200]}\n  {len(insts)} instructions, {len(loops)} loops; LDL {lds}, STL {len(local) - lds}, "
               f"{len(inside)} of them inside loops")
-        for s, e in loops:
-            n = sum(1 for x, _ in insts if s <= x <= e)
+        # Innermost first: a persistent kernel's tile loop holds everything, so the smallest loops
+        # with spills in them are the ones that say which iteration pays.
+        sized = sorted((sum(1 for x, _ in insts if s <= x <= e), s, e) for s, e in loops)
+        shown = 0
+        for n, s, e in sized:
             k = sum(1 for x, _ in local if s <= x <= e)
-            if k or a.all:
+            if (k or a.all) and (a.all or shown < 4):
                 print(f"    loop {s:#x}-{e:#x}: {n} instructions, {k} LDL / STL")
+                shown += 1
     return 0
 
 
