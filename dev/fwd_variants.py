@@ -1,14 +1,16 @@
-"""A/B of sm90 forward (or, with --bwd, fwd+bwd) variants next to SDPA cuDNN, in one process,
-interleaved rounds.
+"""A/B of forward (or, with --bwd, fwd+bwd) variants next to an SDPA peer (cuDNN, or FA2 with
+--peer flash), in one process, interleaved rounds.
 
-Rounds alternate the order of the variants (cuDNN always first). The library under test reads
+Rounds alternate the order of the variants (the peer always first). The library under test reads
 FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an experiment adds to
-src/cuda/sm90/forward.cuh or backward.cuh and removes before its commit); this script sets it
-before each timed call. Every variant's output (with --bwd: dq, dk, dv) is first
-compared with cuDNN's (max abs difference, a sanity check only: the GPU test grids are what decide
+src/cuda/sm90/forward.cuh, backward.cuh or src/cuda/sm80/forward.cuh and removes before its
+commit); this script sets it before each timed call. --backend puts flashcore on one backend
+(cuda_sm80 for the portable kernels; default auto). Every variant's output (with --bwd: dq, dk,
+dv) is first compared with the peer's (max abs difference, a sanity check only: the GPU test grids are what decide
 correctness).
 
 usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R] [--bwd] [--dtype fp16]
+       [--backend auto|cuda_sm80|cuda_sm90] [--peer cudnn|flash]
        e.g. python3 dev/fwd_variants.py 0,1,2,3 --cells 128:512:0,128:512:1 --rounds 3
 Cells default to hdim 64/128/256 x S 512/1024/2048 x causal or not, plus d128 S=16384 full.
 Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16 (or --dtype fp16).
@@ -31,8 +33,11 @@ ap.add_argument("--cells", default="", help="d:S:causal,... (default: the short-
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--bwd", action="store_true", help="time forward + backward (FLOP = 3.5x the forward's)")
 ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+ap.add_argument("--backend", default="auto")
+ap.add_argument("--peer", default="cudnn", choices=("cudnn", "flash"))
 args = ap.parse_args()
 variants = [int(v) for v in args.variants.split(",")]
+PEER = SDPBackend.CUDNN_ATTENTION if args.peer == "cudnn" else SDPBackend.FLASH_ATTENTION
 DTYPE = torch.bfloat16 if args.dtype == "bf16" else torch.float16
 if args.cells:
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
@@ -46,19 +51,20 @@ def set_variant(v):
 
 
 print("variants", variants, "rounds", args.rounds, torch.cuda.get_device_name())
-header = f"{'d':>4} {'S':>6} {'mask':>6} {'cuDNN':>7} " + " ".join(f"{'v%d' % v:>13}" for v in variants)
+header = f"{'d':>4} {'S':>6} {'mask':>6} {args.peer:>7} " + " ".join(f"{'v%d' % v:>13}" for v in variants)
 rows = []
 for d, s, causal in cells:
     b, h = 16384 // s, 2048 // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(3))
     flop = 4.0 * b * h * s * s * d / (2 if causal else 1)
 
-    def cudnn():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+    def peer():
+        with sdpa_kernel([PEER]):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                   is_causal=bool(causal)).transpose(1, 2)
 
     def ours():
+        flashcore.set_default_backend(args.backend)
         return flashcore.flash_attn_func(q, k, v, causal=bool(causal))
 
     if args.bwd:
@@ -88,14 +94,14 @@ for d, s, causal in cells:
             with torch.no_grad():
                 return [fn().float()]
 
-    ref = result(cudnn)
+    ref = result(peer)
     errs = {}
     for var in variants:
         set_variant(var)
         errs[var] = max((a - b).abs().max().item() for a, b in zip(result(ours), ref))
-    best = {"cudnn": 1e9, **{var: 1e9 for var in variants}}
+    best = {"peer": 1e9, **{var: 1e9 for var in variants}}
     for rnd in range(args.rounds):
-        best["cudnn"] = min(best["cudnn"], bench_ms(run(cudnn), rep=7, warm_s=0.15))
+        best["peer"] = min(best["peer"], bench_ms(run(peer), rep=7, warm_s=0.15))
         # Odd rounds time the variants in reverse order: on long cells the variant timed last read
         # 4-11% low, whichever it was (d64 causal 16k, docs/PERF.md session 21).
         for var in (variants if rnd % 2 == 0 else variants[::-1]):
@@ -103,13 +109,14 @@ for d, s, causal in cells:
             best[var] = min(best[var], bench_ms(run(ours), rep=7, warm_s=0.15))
     set_variant(0)
     tf = {key: flop / ms / 1e9 for key, ms in best.items()}
-    line = f"{d:>4} {s:>6} {'causal' if causal else 'full':>6} {tf['cudnn']:7.1f} " + " ".join(
-        f"{tf[var]:6.1f} {tf[var] / tf['cudnn']:5.2f}x" for var in variants)
-    print(line + "   max|diff| vs cuDNN " + " ".join(f"v{var} {errs[var]:.1e}" for var in variants), flush=True)
+    line = f"{d:>4} {s:>6} {'causal' if causal else 'full':>6} {tf['peer']:7.1f} " + " ".join(
+        f"{tf[var]:6.1f} {tf[var] / tf['peer']:5.2f}x" for var in variants)
+    print(line + f"   max|diff| vs {args.peer} " + " ".join(f"v{var} {errs[var]:.1e}" for var in variants), flush=True)
     rows.append(line)
     del q, k, v, ref
     torch.cuda.empty_cache()
-print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} {args.dtype} TFLOP/s, best of", args.rounds, "rounds; ratio vs cuDNN ====")
+print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} {args.dtype} TFLOP/s on {args.backend}, best of", args.rounds,
+      f"rounds; ratio vs SDPA {args.peer} ====")
 print(header)
 for r in rows:
     print(r)
