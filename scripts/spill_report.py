@@ -8,8 +8,9 @@ spill stores / loads, registers, the demangled name shortened). With --baseline 
 by --write-baseline from an earlier build of the same architecture list) it also lists every
 kernel that spills more than it did there, or spills and was not there: the check a kernel
 change needs before it is timed, since a spill inside a key loop costs more than most of what
-the change could gain. The baseline is keyed by mangled name and architecture, with the
-per-file hash of anonymous namespaces removed (it changes between builds). Spill bytes that
+the change could gain. The baseline is keyed by architecture and the kernel's demangled name
+without its parameter list (c++filt; the mangled name where it is missing), with the per-file
+hash of anonymous namespaces removed (it changes between builds). Spill bytes that
 fell are listed too (so the baseline can be refreshed), but only growth is called out.
 Always exits 0 when the log parses: it reports, it does not judge.
 """
@@ -32,12 +33,12 @@ def normalize(mangled):
 
 
 def parse(lines):
-    """{(arch, key): [stores, loads, stack, registers, mangled]} of the kernels in the log."""
+    """{(arch, mangled): [stores, loads, stack, registers, mangled]} of the kernels in the log."""
     kernels, current = {}, None
     for line in lines:
         m = ENTRY.search(line)
         if m:
-            current = (m.group(2), normalize(m.group(1)))
+            current = (m.group(2), m.group(1))
             kernels[current] = [0, 0, 0, 0, m.group(1)]
             continue
         if current is None:
@@ -51,6 +52,18 @@ def parse(lines):
             kernels[current][3] = int(m.group(1))
             current = None  # the entry's last line
     return kernels
+
+
+def keyed(kernels):
+    """The same kernels keyed by (arch, name): the demangled name without its parameter list where
+    c++filt is present (a kernel whose parameters changed type is still the same kernel), else the
+    mangled one; either way without the anonymous namespaces' per-build hashes."""
+    entries = list(kernels.items())
+    names = demangle([normalize(k[1]) for k, _ in entries])
+    out = {}
+    for ((arch, _), v), name in zip(entries, names):
+        out[(arch, re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", name).strip())] = v
+    return out
 
 
 def demangle(names):
@@ -88,7 +101,7 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     a = ap.parse_args()
     with open(a.log, errors="replace") as f:
-        kernels = parse(f)
+        kernels = keyed(parse(f))
     if not kernels:
         print(f"no ptxas -v output in {a.log}")
         return 1
@@ -116,8 +129,8 @@ def main():
                 print(f"  {label}: {was[0]} / {was[1]} -> {kernels[k][0]} / {kernels[k][1]} B  {k[0]}  {shorten(name)}")
     if a.write_baseline:
         with open(a.write_baseline, "w") as f:
-            f.write("# scripts/spill_report.py --write-baseline: arch, spill stores, spill loads, kernel (mangled,\n"
-                    "# anonymous-namespace hashes removed); only kernels that spill.\n")
+            f.write("# scripts/spill_report.py --write-baseline: arch, spill stores, spill loads, kernel (demangled,\n"
+                    "# without parameters and anonymous-namespace hashes); only kernels that spill.\n")
             for k in sorted(k for k, v in kernels.items() if v[0] + v[1] > 0):
                 f.write(f"{k[0]} {kernels[k][0]} {kernels[k][1]} {k[1]}\n")
         print(f"baseline written: {a.write_baseline}")
