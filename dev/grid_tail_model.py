@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A list-scheduling model of a non-persistent grid's makespan under a causal mask: the model
-behind src/cuda/sm80/grid_order.hpp's tail (docs/PERF.md, session 49).
+behind the sm80 forward's grid tail (src/cuda/sm80/forward.cuh, lpt_tail_heads; docs/PERF.md,
+session 49).
 
 The GPU hands a grid's CTAs out in index order as slots free up; here each of `slots` resident
 CTAs is a slot, a CTA's cost is its key tiles plus a fixed start-up (`--overhead`, in tiles), and
