@@ -86,21 +86,21 @@ def main():
         loops, local, inside = analyse(insts, labels)
         if not local and not a.all:
             continue
-        shown = name
+        title = name
         if demangle:
-            shown = subprocess.run([demangle, name], capture_output=True, text=True).stdout.strip() or name
+            title = subprocess.run([demangle, name], capture_output=True, text=True).stdout.strip() or name
         lds = sum(1 for _, k in local if k == "LDL")
-        print(f"{shown[:200]}\n  {len(insts)} instructions, {len(loops)} loops; LDL {lds}, STL {len(local) - lds}, "
+        print(f"{title[:200]}\n  {len(insts)} instructions, {len(loops)} loops; LDL {lds}, STL {len(local) - lds}, "
               f"{len(inside)} of them inside loops")
         # Innermost first: a persistent kernel's tile loop holds everything, so the smallest loops
         # with spills in them are the ones that say which iteration pays.
         sized = sorted((sum(1 for x, _ in insts if s <= x <= e), s, e) for s, e in loops)
-        shown = 0
+        listed = 0
         for n, s, e in sized:
             k = sum(1 for x, _ in local if s <= x <= e)
-            if (k or a.all) and (a.all or shown < 4):
+            if (k or a.all) and (a.all or listed < 4):
                 print(f"    loop {s:#x}-{e:#x}: {n} instructions, {k} LDL / STL")
-                shown += 1
+                listed += 1
     return 0
 
 

@@ -78,16 +78,8 @@ if [ -n "$SO" ]; then
   { echo "functions: $(grep -c 'Function :' /tmp/sass.txt)"; for op in HMMA HGMMA UTMALDG SYNCS LDSM LDGSTS LDL STL BAR; do echo "$op $(grep -c "$op" /tmp/sass.txt)"; done;
     grep -E 'Function :' /tmp/sass.txt | head -40; } >/tmp/sass_summary.txt; cat /tmp/sass_summary.txt >>"$OUTDIR/build.log"
   note "sass: $(grep -E '^(HMMA|HGMMA|UTMALDG|LDSM|LDGSTS|LDL|STL) ' /tmp/sass_summary.txt | tr '\n' ' ')"
-  # Per kernel, from the binary (the -Xptxas -v lines of a parallel build interleave, so their
-  # function names cannot be trusted): kernels with a stack frame (spills or local arrays),
-  # largest first, demangled, in build.log.
-  cuobjdump -res-usage "$SO" 2>/dev/null | awk '/Function [^ ]+:/ { f = $2; sub(/:$/, "", f) }
-    /STACK:[0-9]+/ { match($0, /STACK:[0-9]+/); n = substr($0, RSTART + 6, RLENGTH - 6) + 0; if (n > 0 && f != "") print n, f }' \
-    | sort -rn | uniq >/tmp/stack_frames.txt
-  { echo "kernels with a stack frame (bytes, name): $(wc -l </tmp/stack_frames.txt)";
-    head -60 /tmp/stack_frames.txt | c++filt | cut -c1-220; } >>"$OUTDIR/build.log"
-  note "stack frames (cuobjdump -res-usage): $(wc -l </tmp/stack_frames.txt) kernels, largest $(head -1 /tmp/stack_frames.txt | cut -d' ' -f1) bytes"
-  # Where the spills sit: local loads / stores inside a loop cost every iteration (dev/sass_spills.py).
+  # Per kernel, from the binary: where local memory is used (spills or local arrays), and whether
+  # inside a loop, which costs every iteration (dev/sass_spills.py).
   python3 dev/sass_spills.py /tmp/sass.txt >/tmp/sass_spills.txt 2>&1
   { echo "kernels with local memory instructions (dev/sass_spills.py):"; cat /tmp/sass_spills.txt; } >>"$OUTDIR/build.log"
   note "spills in loops (SASS): $(grep -c 'instructions, [0-9]* loops' /tmp/sass_spills.txt) kernels with LDL / STL, $(grep -E ', [1-9][0-9]* of them inside loops' /tmp/sass_spills.txt | wc -l) with some inside a loop"
