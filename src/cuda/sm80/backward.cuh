@@ -51,6 +51,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <type_traits>
@@ -148,6 +149,28 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
                       p.device_id, p, ws);
 }
 
+/** The dK / dV grid's order (KeyBlockOrder): where a mask makes key blocks cost different amounts
+ *  (causal, windows), its last ~two waves of blocks (SMs x 2 CTAs) run in order of falling cost
+ *  across their (KV head, batch) pairs. The forward's tail measured +3% to +11% on every causal
+ *  cell (docs/PERF.md, session 49). */
+inline KeyBlockOrder key_block_order(const backward_params_t& p, int64_t num_key_blocks, int64_t head_batches) {
+  constexpr int64_t kTailWaves = 2, kCtasPerSm = 2;
+  KeyBlockOrder order;
+  order.num_key_blocks = static_cast<int>(num_key_blocks);
+  const bool costs_differ = p.window_left >= 0 || p.window_right >= 0;
+  int sms = 0;
+  if (!costs_differ || num_key_blocks < 2 ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();  // a failed query leaves no error behind: the plain order
+    return order;
+  }
+  const int64_t tail_heads = std::min(head_batches, ceil_div(kTailWaves * kCtasPerSm * sms, num_key_blocks));
+  order.lpt_heads = static_cast<int>(tail_heads);
+  order.lpt_first_head = static_cast<int>(head_batches - tail_heads);
+  order.lpt_first_block = static_cast<int>((head_batches - tail_heads) * num_key_blocks);
+  return order;
+}
+
 /** The three stages for one tile configuration (BackwardTraits<d> in production; kDropout: the
  *  dropout kernels, on DropoutBackwardTraits<d>). */
 template <typename Element, typename Traits, bool kDropout = false>
@@ -168,7 +191,7 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
   const int64_t main_ctas = num_key_blocks * p.heads_kv * p.batch;
   if (main_ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the sm80 backward grid");
   if (main_ctas > 0) {
-    void (*kernel)(const BackwardParams, BackwardWorkspacePtrs, int) = nullptr;
+    void (*kernel)(const BackwardParams, BackwardWorkspacePtrs, KeyBlockOrder) = nullptr;
     if constexpr (kDropout) {
       kernel = p.has_alibi() ? backward_dkdv_kernel<Element, Traits, /*kAlibi=*/true, /*kDropout=*/true>
                              : backward_dkdv_kernel<Element, Traits, /*kAlibi=*/false, /*kDropout=*/true>;
@@ -182,7 +205,7 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
     if (!(s = launch_stage("main kernel", kernel, main_ctas, Traits::kThreads, smem_bytes, stream, p.device_id, p, ws,
-                           static_cast<int>(num_key_blocks))).is_ok()) {
+                           key_block_order(p, num_key_blocks, p.heads_kv * p.batch))).is_ok()) {
       return s;
     }
   }
