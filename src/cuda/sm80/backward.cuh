@@ -113,6 +113,19 @@ Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs
                       p.device_id, p, ws);
 }
 
+/** Resident CTAs of the backward's kernels for grid_order.cuh's tail (they run 1-2 per SM; 2
+ *  makes the tail the longer one); 0 when the device cannot be asked. */
+inline int64_t backward_slots(int device_id) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_id) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();  // a failed query leaves no error behind: the plain order
+    return 0;
+  }
+  return int64_t(sms) * 2;
+}
+
+inline bool block_costs_differ(const backward_params_t& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
 /** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel.
  *  kDropoutKernels: compile the dq kernel's dropout versions (the sm80 backward; the sm90 one,
  *  which shares this stage, never sees a dropout call and leaves them out of its units). */
@@ -139,7 +152,8 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("backward dq smem: ") + cudaGetErrorString(err));
     return launch_stage("dq kernel", kernel, dq_ctas, DqTraits::kThreads, smem_bytes, stream, p.device_id, p, ws,
-                        static_cast<int>(num_query_blocks));
+                        make_grid_order(p.heads_q * p.batch, num_query_blocks, block_costs_differ(p),
+                                        backward_slots(p.device_id)));
   }
   if (stat_rows == 0) return Status::ok();
   const int64_t items = stat_rows * ceil_div(p.head_dim, kChunkElems);
@@ -147,28 +161,6 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
   if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;
   return launch_stage("postprocess", backward_postprocess_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0, stream,
                       p.device_id, p, ws);
-}
-
-/** The dK / dV grid's order (KeyBlockOrder): where a mask makes key blocks cost different amounts
- *  (causal, windows), its last ~two waves of blocks (SMs x 2 CTAs) run in order of falling cost
- *  across their (KV head, batch) pairs. The forward's tail measured +3% to +11% on every causal
- *  cell (docs/PERF.md, session 49). */
-inline KeyBlockOrder key_block_order(const backward_params_t& p, int64_t num_key_blocks, int64_t head_batches) {
-  constexpr int64_t kTailWaves = 2, kCtasPerSm = 2;
-  KeyBlockOrder order;
-  order.num_key_blocks = static_cast<int>(num_key_blocks);
-  const bool costs_differ = p.window_left >= 0 || p.window_right >= 0;
-  int sms = 0;
-  if (!costs_differ || num_key_blocks < 2 ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_id) != cudaSuccess || sms <= 0) {
-    cudaGetLastError();  // a failed query leaves no error behind: the plain order
-    return order;
-  }
-  const int64_t tail_heads = std::min(head_batches, ceil_div(kTailWaves * kCtasPerSm * sms, num_key_blocks));
-  order.lpt_heads = static_cast<int>(tail_heads);
-  order.lpt_first_head = static_cast<int>(head_batches - tail_heads);
-  order.lpt_first_block = static_cast<int>((head_batches - tail_heads) * num_key_blocks);
-  return order;
 }
 
 /** The three stages for one tile configuration (BackwardTraits<d> in production; kDropout: the
@@ -191,7 +183,7 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
   const int64_t main_ctas = num_key_blocks * p.heads_kv * p.batch;
   if (main_ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the sm80 backward grid");
   if (main_ctas > 0) {
-    void (*kernel)(const BackwardParams, BackwardWorkspacePtrs, KeyBlockOrder) = nullptr;
+    void (*kernel)(const BackwardParams, BackwardWorkspacePtrs, GridOrder) = nullptr;
     if constexpr (kDropout) {
       kernel = p.has_alibi() ? backward_dkdv_kernel<Element, Traits, /*kAlibi=*/true, /*kDropout=*/true>
                              : backward_dkdv_kernel<Element, Traits, /*kAlibi=*/false, /*kDropout=*/true>;
@@ -205,7 +197,8 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
     if (!(s = launch_stage("main kernel", kernel, main_ctas, Traits::kThreads, smem_bytes, stream, p.device_id, p, ws,
-                           key_block_order(p, num_key_blocks, p.heads_kv * p.batch))).is_ok()) {
+                           make_grid_order(p.heads_kv * p.batch, num_key_blocks, block_costs_differ(p),
+                                           backward_slots(p.device_id)))).is_ok()) {
       return s;
     }
   }

@@ -10,6 +10,7 @@
 
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
+#include "cuda/sm80/grid_order.cuh"
 
 namespace flashcore::cuda::sm80::bwd {
 
@@ -28,7 +29,7 @@ struct alignas(128) DqSharedStorage {
  *  backward_dkdv_kernel's). */
 template <typename Element, typename Traits, bool kAlibi = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    backward_dq_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, int num_query_blocks) {
+    backward_dq_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, GridOrder order) {
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
   ptx::wait_previous_grid();
   ptx::allow_next_grid();
@@ -43,8 +44,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  const int m_block = static_cast<int>(blockIdx.x % num_query_blocks);
-  const int64_t head_batch = blockIdx.x / num_query_blocks;
+  // Query block fastest, the last (costliest under a causal mask) first; the grid's tail in order
+  // of falling cost across its (batch, head) pairs (grid_order.cuh).
+  const GridPosition position = grid_position</*kHeaviestLast=*/true>(order, static_cast<int>(blockIdx.x));
+  const int m_block = position.block;
+  const int64_t head_batch = position.pair;
   const int64_t h = head_batch % p.heads_q;
   const int64_t b = head_batch / p.heads_q;
   const int64_t kv_head = h / (p.heads_q / p.heads_kv);

@@ -8,10 +8,9 @@
 // preprocess having filled lse_log2 / dsum (and zeroed dq_accum) in the workspace.
 #pragma once
 
-#include <climits>
-
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
+#include "cuda/sm80/grid_order.cuh"
 
 namespace flashcore::cuda::sm80::bwd {
 
@@ -58,20 +57,9 @@ __device__ __forceinline__ QueryBlockRange query_blocks_for_keys(const MaskInfo&
  *  bias's code does not change the register allocation of the common kernel (it made the d64
  *  kernel spill, 0 -> 16-60 bytes, when both shared one body). kDropout: P is dropped with
  *  p.dropout (backward_scores.cuh) and dV scaled by keep_scale on store; a kernel of its own too. */
-/** Which (KV head, batch, key block) a dK / dV CTA owns: key block fastest, head by head; the grid's
- *  last lpt_heads pairs (blocks from lpt_first_block on) in order of falling cost across those
- *  pairs, every pair's key block 0 first (under a causal mask the first key blocks see the most
- *  query blocks). As the forward's tail (sm80/forward.cuh, lpt_tail_heads). */
-struct KeyBlockOrder {
-  int num_key_blocks = 1;
-  int lpt_first_block = INT_MAX;  // no tail
-  int lpt_first_head = 0;         // lpt_first_block / num_key_blocks
-  int lpt_heads = 1;
-};
-
 template <typename Element, typename Traits, bool kAlibi = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    backward_dkdv_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, KeyBlockOrder order) {
+    backward_dkdv_kernel(const BackwardParams p, BackwardWorkspacePtrs ws, GridOrder order) {
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
   ptx::wait_previous_grid();
   ptx::allow_next_grid();
@@ -86,15 +74,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  // Key block fastest: CTAs running together share (batch, head) and so their Q / dO in L2. In
-  // the tail the same division by the tail's pairs instead (KeyBlockOrder).
-  const int block = static_cast<int>(blockIdx.x);
-  const bool in_tail = block >= order.lpt_first_block;
-  const int index = in_tail ? block - order.lpt_first_block : block;
-  const int divisor = in_tail ? order.lpt_heads : order.num_key_blocks;
-  const int quotient = index / divisor, remainder = index - quotient * divisor;
-  const int n_block = in_tail ? quotient : remainder;
-  const int64_t head_batch = in_tail ? order.lpt_first_head + remainder : quotient;
+  // Key block fastest: CTAs running together share (batch, KV head) and so their Q / dO in L2; the
+  // first key blocks (seen by the most query blocks under a causal mask) first, the grid's tail in
+  // order of falling cost across its pairs (grid_order.cuh).
+  const GridPosition position = grid_position</*kHeaviestLast=*/false>(order, static_cast<int>(blockIdx.x));
+  const int n_block = position.block;
+  const int64_t head_batch = position.pair;
   const int64_t kv_head = head_batch % p.heads_kv;
   const int64_t b = head_batch / p.heads_kv;
 

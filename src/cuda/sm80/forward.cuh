@@ -118,6 +118,7 @@
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/dropout_fragment.hpp"
 #include "cuda/sm80/forward_trace.cuh"
+#include "cuda/sm80/grid_order.cuh"
 #include "cuda/sm80/tile_common.cuh"
 
 namespace flashcore::cuda::sm80 {
@@ -275,13 +276,7 @@ struct HeadPointers {
 
 struct ForwardKernelArgs {
   AttentionParams params;
-  int num_m_blocks;
-  // The grid's tail in order of falling cost (see forward_kernel): blocks from lpt_first_block on
-  // cover the last lpt_heads (batch, head) pairs, all of their last query blocks first.
-  // lpt_first_block = the block count (no tail) where every block costs the same.
-  int lpt_first_block;
-  int lpt_first_head;  // lpt_first_block / num_m_blocks
-  int lpt_heads;
+  GridOrder order;  // (batch, head) pairs x query blocks, last query block first (grid_order.cuh)
   int heads_q;     // p.heads_q and p.heads_q / p.heads_kv in 32 bits: the kernel's index math
   int group_size;
   ScoreTransform transform;
@@ -723,19 +718,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // the 64-bit divisions this used to make (block -> head, batch; head -> KV head) are ~100-
   // instruction routines: the seed shape's CTAs issued their first load ~2650 cycles after the
   // wait, of ~11800 in all (1220 of ~9700 now; docs/PERF.md, session 17).
-  // Blocks are dispatched in index order as slots free up. Head by head, last query block first,
-  // keeps a head's K / V in L2 while its blocks run; but under a causal mask the last blocks cost
-  // the most, and the grid's last heads then leave a few long blocks running alone at the end.
-  // The tail (lpt_first_block on) therefore runs in order of falling cost across its heads.
-  // One division either way (block = head_batch * num_m_blocks + (num_m_blocks - 1 - m_block), or
-  // in the tail t = rank * lpt_heads + tail head, rank 0 being every tail head's last block).
-  const int block = static_cast<int>(blockIdx.x);
-  const bool in_tail = block >= args.lpt_first_block;
-  const int index = in_tail ? block - args.lpt_first_block : block;
-  const int divisor = in_tail ? args.lpt_heads : args.num_m_blocks;
-  const int quotient = index / divisor, remainder = index - quotient * divisor;
-  const int head_batch = in_tail ? args.lpt_first_head + remainder : quotient;
-  const int m_block = args.num_m_blocks - 1 - (in_tail ? quotient : remainder);
+  // Head by head, each head's last (costliest) query block first, the grid's tail in order of
+  // falling cost across its heads (grid_order.cuh).
+  const GridPosition position = grid_position</*kHeaviestLast=*/true>(args.order, static_cast<int>(blockIdx.x));
+  const int head_batch = position.pair;
+  const int m_block = position.block;
   const int batch_index = head_batch / args.heads_q;
   const int head_index = head_batch - batch_index * args.heads_q;
   const int64_t head = head_index;
@@ -763,7 +750,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
   // Launched as a programmatic dependent (launch_forward): nothing global is read before the
   // previous kernel on the stream is complete; the next one may be placed from here on. The
-  // branch, always taken (block >= 0 and num_m_blocks >= 1), ties the wait to the index math:
+  // branch, always taken (the pair index is never negative), ties the wait to the index math:
   // without it ptxas hoists the wait above all of the above.
   if (head_batch >= 0) ptx::wait_previous_grid();
   ptx::allow_next_grid();
@@ -1087,25 +1074,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 
 // ---- host side ------------------------------------------------------------------------------------
 
-/** How many (batch, head) pairs at the end of the grid run in order of falling cost (0: none).
- *  Only where a mask makes a head's query blocks cost different amounts (causal, windows), and
- *  only on the one-key-group tiles (the small grid is one wave). The tail holds about two waves
- *  of blocks (resident CTAs: SMs x kMinBlocksPerSm), enough to even out the grid's end while the
- *  tail's heads' K / V stays in L2. A list-scheduling model of the training grid's causal cells
- *  put the head-by-head order 6-15% above the ideal makespan and this tail 1-5%. Measured (H200,
- *  bf16, docs/PERF.md session 49, same process as SDPA FA2): causal d64 +3% / +5% at S = 512 /
- *  2k, d128 +6% to +9% at 512-8k, d256 +8% to +11% at 512-8k; the whole grid in that order
- *  gained less from 1k on (each head's K / V read again from DRAM per query block). */
-template <class Traits>
-int64_t lpt_tail_heads(const forward_params_t& p, int64_t num_m_blocks, int64_t head_batches) {
-  constexpr int64_t kTailWaves = 2;
-  const bool costs_differ = p.window_left >= 0 || p.window_right >= 0;
-  if (!costs_differ || num_m_blocks < 2 || Traits::kKeyGroups > 1) return 0;
-  const int64_t slots = int64_t(device_limits(p.device_id).sm_count) * Traits::kMinBlocksPerSm;
-  if (slots <= 0) return 0;  // device unknown: the plain order
-  return std::min(head_batches, ceil_div<int64_t>(kTailWaves * slots, num_m_blocks));
-}
-
 /** Launches the forward kernel configured by Traits (kAlibi: its ALiBi version, kDropout: its
  *  dropout version) on p.stream. */
 template <class Traits, bool kAlibi = false, bool kDropout = false>
@@ -1121,12 +1089,11 @@ Status launch_forward(const forward_params_t& p,
 
   ForwardKernelArgs args{};
   args.params = p;
-  args.num_m_blocks = static_cast<int>(num_m_blocks);
-  const int64_t head_batches = p.heads_q * p.batch;
-  const int64_t lpt_heads = lpt_tail_heads<Traits>(p, num_m_blocks, head_batches);
-  args.lpt_heads = static_cast<int>(lpt_heads);
-  args.lpt_first_head = static_cast<int>(head_batches - lpt_heads);
-  args.lpt_first_block = static_cast<int>((head_batches - lpt_heads) * num_m_blocks);
+  // The tail in order of falling cost where a mask makes query blocks cost different amounts, on
+  // the one-key-group tiles (the small grid is one wave); resident CTAs: SMs x kMinBlocksPerSm.
+  const bool costs_differ = (p.window_left >= 0 || p.window_right >= 0) && Traits::kKeyGroups == 1;
+  args.order = make_grid_order(p.heads_q * p.batch, num_m_blocks, costs_differ,
+                               int64_t(device_limits(p.device_id).sm_count) * Traits::kMinBlocksPerSm);
   args.heads_q = static_cast<int>(p.heads_q);  // <= num_blocks <= INT_MAX
   args.group_size = static_cast<int>(p.group_size());
   const ScoreScales scales = resolve_score_scales(p);
