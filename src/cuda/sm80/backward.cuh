@@ -113,7 +113,7 @@ Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs
                       p.device_id, p, ws);
 }
 
-/** Resident CTAs of the backward's kernels for grid_order.cuh's tail (they run 1-2 per SM; 2
+/** Resident CTAs of the backward's kernels for grid_order.hpp's tail (they run 1-2 per SM; 2
  *  makes the tail the longer one); 0 when the device cannot be asked. */
 inline int64_t backward_slots(int device_id) {
   int sms = 0;

@@ -10,7 +10,7 @@
 
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
-#include "cuda/sm80/grid_order.cuh"
+#include "cuda/sm80/grid_order.hpp"
 
 namespace flashcore::cuda::sm80::bwd {
 
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   // Query block fastest, the last (costliest under a causal mask) first; the grid's tail in order
-  // of falling cost across its (batch, head) pairs (grid_order.cuh).
+  // of falling cost across its (batch, head) pairs (grid_order.hpp).
   const GridPosition position = grid_position</*kHeaviestLast=*/true>(order, static_cast<int>(blockIdx.x));
   const int m_block = position.block;
   const int64_t head_batch = position.pair;

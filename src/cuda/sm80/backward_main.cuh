@@ -10,7 +10,7 @@
 
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
-#include "cuda/sm80/grid_order.cuh"
+#include "cuda/sm80/grid_order.hpp"
 
 namespace flashcore::cuda::sm80::bwd {
 
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int lane = tid % kWarpSize;
   // Key block fastest: CTAs running together share (batch, KV head) and so their Q / dO in L2; the
   // first key blocks (seen by the most query blocks under a causal mask) first, the grid's tail in
-  // order of falling cost across its pairs (grid_order.cuh).
+  // order of falling cost across its pairs (grid_order.hpp).
   const GridPosition position = grid_position</*kHeaviestLast=*/false>(order, static_cast<int>(blockIdx.x));
   const int n_block = position.block;
   const int64_t head_batch = position.pair;

@@ -118,7 +118,7 @@
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/dropout_fragment.hpp"
 #include "cuda/sm80/forward_trace.cuh"
-#include "cuda/sm80/grid_order.cuh"
+#include "cuda/sm80/grid_order.hpp"
 #include "cuda/sm80/tile_common.cuh"
 
 namespace flashcore::cuda::sm80 {
@@ -276,7 +276,7 @@ struct HeadPointers {
 
 struct ForwardKernelArgs {
   AttentionParams params;
-  GridOrder order;  // (batch, head) pairs x query blocks, last query block first (grid_order.cuh)
+  GridOrder order;  // (batch, head) pairs x query blocks, last query block first (grid_order.hpp)
   int heads_q;     // p.heads_q and p.heads_q / p.heads_kv in 32 bits: the kernel's index math
   int group_size;
   ScoreTransform transform;
@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   // instruction routines: the seed shape's CTAs issued their first load ~2650 cycles after the
   // wait, of ~11800 in all (1220 of ~9700 now; docs/PERF.md, session 17).
   // Head by head, each head's last (costliest) query block first, the grid's tail in order of
-  // falling cost across its heads (grid_order.cuh).
+  // falling cost across its heads (grid_order.hpp).
   const GridPosition position = grid_position</*kHeaviestLast=*/true>(args.order, static_cast<int>(blockIdx.x));
   const int head_batch = position.pair;
   const int m_block = position.block;

@@ -1,4 +1,5 @@
-// The order in which the sm80 kernels' CTAs take their (sequence x head, block) work items.
+// The order in which the sm80 kernels' CTAs take their (sequence x head, block) work items (plain
+// C++ with host-device functions: tests/cpu/test_grid_order.cpp checks the mapping on the CPU).
 //
 // The GPU dispatches a grid's CTAs in index order as slots free up. The sm80 kernels give each
 // (batch, head) pair's blocks consecutive indices, heaviest block first, so that the CTAs running
@@ -15,6 +16,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+
+#include "common/host_device.hpp"
 
 namespace flashcore::cuda::sm80 {
 
@@ -35,7 +38,7 @@ struct GridPosition {
  *  kHeaviestLast: cost rises with the block index (query blocks under a causal mask), so rank r is
  *  block blocks_per_pair - 1 - r; else (key blocks) block r. */
 template <bool kHeaviestLast>
-__device__ __forceinline__ GridPosition grid_position(const GridOrder& order, int index) {
+FC_HOST_DEVICE GridPosition grid_position(const GridOrder& order, int index) {
   const bool in_tail = index >= order.lpt_first_block;
   const int local = in_tail ? index - order.lpt_first_block : index;
   const int divisor = in_tail ? order.lpt_pairs : order.blocks_per_pair;
