@@ -116,6 +116,7 @@
 #include "cuda/programmatic_launch.hpp"
 #include "cuda/scoped_device.hpp"
 #include "cuda/sm80/backward.cuh"
+#include "cuda/sm80/grid_order.hpp"
 #include "cuda/sm90/attention_views.hpp"
 #include "cuda/sm90/backward_dropout.cuh"
 #include "cuda/sm90/backward_trace.cuh"
@@ -279,7 +280,7 @@ struct BackwardKernelArgs {
   CUtensorMap map_dk, map_dv;               // the outputs, boxes of 64 keys (valid if store_dkdv_with_tma)
   BackwardParams params;
   sm80::bwd::BackwardWorkspacePtrs ws;
-  int num_key_blocks;
+  sm80::GridOrder order;  // (KV head, batch) pairs x key blocks; a masked grid's tail (grid_order.hpp)
   int num_tiles;  // key blocks x KV heads x batch; the persistent grid strides over them
   bool store_dkdv_with_tma;  // dk and dv TMA-addressable (map_dk, map_dv encoded)
 };
@@ -352,10 +353,14 @@ __host__ __device__ __forceinline__ bool persistent_grid(const BackwardParams& p
 }
 
 template <class T>
-__device__ KeyBlockWork resolve_key_block(const BackwardParams& p, int num_key_blocks, int tile) {
+__device__ KeyBlockWork resolve_key_block(const BackwardParams& p, const sm80::GridOrder& order, int tile) {
   KeyBlockWork w;
-  const int n_block = tile % num_key_blocks;     // fastest: tiles running together share one
-  const int head_batch = tile / num_key_blocks;  // head's Q and dO in L2
+  // Key block fastest: tiles running together share one head's Q and dO in L2; key block 0 (seen
+  // by the most query blocks under a causal mask) first, a masked grid's tail in order of falling
+  // cost across its heads (sm80/grid_order.hpp: the grid is then one CTA per tile).
+  const sm80::GridPosition position = sm80::grid_position</*kHeaviestLast=*/false>(order, tile);
+  const int n_block = position.block;
+  const int head_batch = position.pair;
   w.kv_head = head_batch % static_cast<int>(p.heads_kv);
   w.batch = head_batch / static_cast<int>(p.heads_kv);
   w.n0 = n_block * T::kBlockN;
@@ -1448,7 +1453,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_c
   const auto for_each_tile = [&](auto&& body) {
     TileCursor at;
     for (int tile = static_cast<int>(blockIdx.x); tile < args.num_tiles; tile += static_cast<int>(gridDim.x)) {
-      const KeyBlockWork w = resolve_key_block<T>(args.params, args.num_key_blocks, tile);
+      const KeyBlockWork w = resolve_key_block<T>(args.params, args.order, tile);
       if (w.n0 >= w.seqlen_k) continue;  // past this sequence's keys (varlen): nothing to own
       body(w, at);
       at.advance(w);
@@ -1526,10 +1531,14 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   if (ctas == 0) return Status::ok();
   if (ctas > INT_MAX) return Status::unsupported("k: too many key blocks for the cuda_sm90 backward grid");
 
+  const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
   BackwardKernelArgs args{};
   args.params = p;
   args.ws = ws;
-  args.num_key_blocks = static_cast<int>(num_key_blocks);
+  // One CTA per SM: the tail holds ~2 x sm_count tiles where a mask makes key blocks cost
+  // different amounts (such grids are one CTA per tile, see persistent_grid).
+  args.order = sm80::make_grid_order(p.heads_kv * p.batch, num_key_blocks,
+                                     /*costs_differ=*/p.window_left >= 0 || p.window_right >= 0, sm_count);
   args.num_tiles = static_cast<int>(ctas);
   const bool varlen = p.is_varlen();
   const TmaElement element = tma_element_of<typename T::Element>();
@@ -1591,7 +1600,6 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   // walking tiles blockIdx.x, + gridDim.x, ...: the next tile's Q, dO, K and V load under the
   // current one's last step and epilogue instead of after a fresh CTA starts (fwd+bwd d256
   // S = 512: 139 -> 179 TFLOP/s). Otherwise one CTA per tile.
-  const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
   const int64_t grid = persistent_grid(p) ? std::min<int64_t>(ctas, sm_count) : ctas;
   err = launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(T::kThreads), smem_bytes, stream,
                       supports_programmatic_launch(p.device_id), args);
