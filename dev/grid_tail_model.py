@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A list-scheduling model of a non-persistent grid's makespan under a causal mask: the model
-behind the sm80 forward's grid tail (src/cuda/sm80/forward.cuh, lpt_tail_heads; docs/PERF.md,
+behind the sm80 grids' tail (src/cuda/sm80/grid_order.hpp; docs/PERF.md,
 session 49).
 
 The GPU hands a grid's CTAs out in index order as slots free up; here each of `slots` resident
