@@ -3,7 +3,8 @@ peers, from torch.profiler: where a short-sequence step spends its time (memsets
 main kernel, dQ conversion, layout copies). Also the step's elapsed time between CUDA events
 (back-to-back steps, as bench/peers.py times them) and the host time to issue one step: when
 the events show more than the kernels add up to, the GPU waited for the host.
-usage: PYTHONPATH=<dir with the flashcore package> python3 dev/backward_breakdown.py [HDIM:SEQLEN:CAUSAL ...]
+usage: PYTHONPATH=<dir with the flashcore package> python3 dev/backward_breakdown.py [--impls=A,B,...]
+       [HDIM:SEQLEN:CAUSAL ...] (impls: flashcore (AUTO), flashcore_sm80, sdpa_flash, sdpa_cudnn)
        (default: the S=512 cells of the training grid; batch = 16384 / seqlen, heads = 2048 / hdim)"""
 import collections
 import sys
@@ -16,13 +17,22 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashcore
 
-cells = sys.argv[1:] or ["64:512:0", "64:512:1", "128:512:0", "128:512:1", "256:512:0", "256:512:1"]
+args = sys.argv[1:]
+impls = ("flashcore", "sdpa_flash", "sdpa_cudnn")
+if args and args[0].startswith("--impls="):
+    impls = tuple(args.pop(0).split("=", 1)[1].split(","))
+cells = args or ["64:512:0", "64:512:1", "128:512:0", "128:512:1", "256:512:0", "256:512:1"]
 REPS = 5
 
 
 def step_fn(impl, q, k, v, dout, causal):
-    if impl == "flashcore":
-        return lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout)
+    if impl in ("flashcore", "flashcore_sm80"):
+        backend = "cuda_sm80" if impl == "flashcore_sm80" else "auto"
+
+        def step():
+            flashcore.set_default_backend(backend)
+            flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout)
+        return step
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     dt = dout.transpose(1, 2)
@@ -38,7 +48,7 @@ for cell in cells:
     b, h = 16384 // s, 2048 // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    for impl in ("flashcore", "sdpa_flash", "sdpa_cudnn"):
+    for impl in impls:
         step = step_fn(impl, q, k, v, dout, bool(causal))
         for _ in range(3):
             step()

@@ -11,7 +11,7 @@ ncu_kernel_regex() {
     fwd:sdpa_flash) echo "regex:flash_fwd" ;;
     bwd:flashcore) echo "regex:^backward_kernel" ;;
     bwd:flashcore_sm80) echo "regex:backward_dkdv_kernel" ;;
-    bwd:sdpa_flash) echo "regex:flash_bwd" ;;
+    bwd:sdpa_flash) echo "regex:flash_bwd_dq_dk_dv" ;;  # the main kernel, not its preprocess or dQ conversion
   esac
 }
 

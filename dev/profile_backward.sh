@@ -13,6 +13,8 @@ METRICS="$NCU_METRICS,sm__warps_active.avg.per_cycle_active"
 METRICS+=",sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed"
 METRICS+=",lts__t_sectors_op_red.sum"
+# EXTRA_METRICS (environment): more ncu metrics, comma-separated.
+METRICS+="${EXTRA_METRICS:+,$EXTRA_METRICS}"
 ncu --kernel-name "$NAME" --launch-skip 2 --launch-count 1 --metrics "$METRICS" \
   python3 dev/profile_backward.py "$IMPL" "$D" "$S" "$C" > "$OUTFILE" 2>&1
 ncu_summary "$OUTFILE"
