@@ -4,7 +4,9 @@
 # ~12 s per cell for four variants, 3 rounds), then optionally the CUDA tests with given variants
 # and Nsight Compute on one cell per listed variant (metrics and the SASS stall hotspots). Logs go
 # to OUTDIR (at most 8 files); the summary prints last. Keep the whole under the device's 10 min.
-# usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--bwd (time fwd+bwd)] [--ncu D:S:CAUSAL]
+# usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--bwd (time fwd+bwd)]
+#        [--backend B --peer flash|cudnn (fwd_variants' backend and SDPA peer: an sm80 experiment
+#        takes --backend cuda_sm80 --peer flash)] [--ncu D:S:CAUSAL]
 #        [--ncu-variants 0,1] [--filter GTEST_FILTER --test-variants 1,2 (builds the CUDA tests,
 #        both dtypes, and runs them with each of these variants)] [--trace D:S:CAUSAL,... (the
 #        event trace of dev/sm90_trace.cu: where a tile's time goes) [--trace-variants 0,1]
@@ -14,12 +16,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage}; VARIANTS=${2:?usage}; shift 2
-CELLS= ROUNDS=3 BWD= NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 TRACE_KERNEL=fwd SANITIZE_VARIANTS= TEST_TIMEOUT=200
+CELLS= ROUNDS=3 BWD= BACKEND=auto PEER=cudnn NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 TRACE_KERNEL=fwd SANITIZE_VARIANTS= TEST_TIMEOUT=200
 while [ $# -gt 0 ]; do
   case "$1" in
     --cells) CELLS=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --bwd) BWD=--bwd; shift ;;
+    --backend) BACKEND=$2; shift 2 ;;
+    --peer) PEER=$2; shift 2 ;;
     --ncu) NCU=$2; shift 2 ;;
     --ncu-variants) NCU_VARIANTS=$2; shift 2 ;;
     --filter) FILTER=$2; shift 2 ;;
@@ -38,7 +42,7 @@ experiment_start "$OUTDIR"
 TESTS=OFF DTYPES=bf16; [ -n "$FILTER" ] && TESTS=ON DTYPES="fp16;bf16"
 build_package build-exp /tmp/fcexp "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS
 
-ARGS=(--rounds "$ROUNDS" $BWD); [ -n "$CELLS" ] && ARGS+=(--cells "$CELLS")
+ARGS=(--rounds "$ROUNDS" $BWD --backend "$BACKEND" --peer "$PEER"); [ -n "$CELLS" ] && ARGS+=(--cells "$CELLS")
 PYTHONUNBUFFERED=1 timeout 400 python3 dev/fwd_variants.py "$VARIANTS" "${ARGS[@]}" >"$OUTDIR/variants.log" 2>&1
 note "variants: rc=$? ($(el))"
 sed -n '/^====/,$p' "$OUTDIR/variants.log" >>"$SUM"
