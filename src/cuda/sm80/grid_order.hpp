@@ -10,7 +10,10 @@
 // above the ideal makespan. The last ~two waves of work items therefore run in order of falling
 // cost across their pairs (every tail pair's heaviest block, then every one's second, ...), which
 // keeps the tail's K / V within L2. Measured on the forward (H200, docs/PERF.md session 49): +3% to
-// +11% on every causal cell; the whole grid in that order lost L2 reuse from 1k keys on.
+// +11% on every causal cell; the whole grid in that order lost L2 reuse from 1k keys on. The
+// backward grids take it too (session 50, fwd+bwd on causal cells): the sm80 dK / dV and
+// deterministic dQ kernels +0.6% to +5.5%, and the Hopper backward's one-CTA-per-tile grid
+// (src/cuda/sm90/backward.cuh, which reuses these types) -0.2% to +4.1%.
 #pragma once
 
 #include <algorithm>
