@@ -127,8 +127,9 @@ inline int64_t backward_slots(int device_id) {
 inline bool block_costs_differ(const backward_params_t& p) { return p.window_left >= 0 || p.window_right >= 0; }
 
 /** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel.
- *  kDropoutKernels: compile the dq kernel's dropout versions (the sm80 backward; the sm90 one,
- *  which shares this stage, never sees a dropout call and leaves them out of its units). */
+ *  kDropoutKernels: compile the dq kernel's dropout versions (both callers do: the sm80 backward
+ *  and the Hopper backward, whose deterministic dropout calls recompute dq here too); without
+ *  them a dropout call is refused. */
 template <typename Element, int kHeadDim, bool kDropoutKernels = false>
 Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& ws, cudaStream_t stream) {
   const int64_t stat_rows = p.total_q * p.heads_q;
