@@ -10,7 +10,9 @@ dv) is first compared with the peer's (max abs difference, a sanity check only: 
 correctness).
 
 usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R] [--bwd] [--dtype fp16]
-       [--backend auto|cuda_sm80|cuda_sm90] [--peer cudnn|flash]
+       [--backend auto|cuda_sm80|cuda_sm90] [--peer cudnn|flash] [--softcap C]
+--softcap C gives flashcore's calls a softcap (SDPA has none: the peer then runs without it, a
+timing reference only, and the variants are compared with variant 0's result instead).
        e.g. python3 dev/fwd_variants.py 0,1,2,3 --cells 128:512:0,128:512:1 --rounds 3
 Cells default to hdim 64/128/256 x S 512/1024/2048 x causal or not, plus d128 S=16384 full.
 Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16 (or --dtype fp16).
@@ -35,6 +37,7 @@ ap.add_argument("--bwd", action="store_true", help="time forward + backward (FLO
 ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
 ap.add_argument("--backend", default="auto")
 ap.add_argument("--peer", default="cudnn", choices=("cudnn", "flash"))
+ap.add_argument("--softcap", type=float, default=0.0, help="flashcore's softcap (the peer runs without)")
 args = ap.parse_args()
 variants = [int(v) for v in args.variants.split(",")]
 PEER = SDPBackend.CUDNN_ATTENTION if args.peer == "cudnn" else SDPBackend.FLASH_ATTENTION
@@ -65,7 +68,7 @@ for d, s, causal in cells:
 
     def ours():
         flashcore.set_default_backend(args.backend)
-        return flashcore.flash_attn_func(q, k, v, causal=bool(causal))
+        return flashcore.flash_attn_func(q, k, v, causal=bool(causal), softcap=args.softcap)
 
     if args.bwd:
         flop *= 3.5
@@ -94,7 +97,11 @@ for d, s, causal in cells:
             with torch.no_grad():
                 return [fn().float()]
 
-    ref = result(peer)
+    if args.softcap > 0:
+        set_variant(variants[0])
+        ref = result(ours)
+    else:
+        ref = result(peer)
     errs = {}
     for var in variants:
         set_variant(var)
@@ -111,11 +118,12 @@ for d, s, causal in cells:
     tf = {key: flop / ms / 1e9 for key, ms in best.items()}
     line = f"{d:>4} {s:>6} {'causal' if causal else 'full':>6} {tf['peer']:7.1f} " + " ".join(
         f"{tf[var]:6.1f} {tf[var] / tf['peer']:5.2f}x" for var in variants)
-    print(line + f"   max|diff| vs {args.peer} " + " ".join(f"v{var} {errs[var]:.1e}" for var in variants), flush=True)
+    print(line + f"   max|diff| vs {'v%d' % variants[0] if args.softcap > 0 else args.peer} " + " ".join(f"v{var} {errs[var]:.1e}" for var in variants), flush=True)
     rows.append(line)
     del q, k, v, ref
     torch.cuda.empty_cache()
-print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} {args.dtype} TFLOP/s on {args.backend}, best of", args.rounds,
+print(f"\n==== {'fwd+bwd' if args.bwd else 'fwd'} {args.dtype} TFLOP/s on {args.backend}"
+      + (f", softcap {args.softcap} (the peer without)" if args.softcap > 0 else "") + ", best of", args.rounds,
       f"rounds; ratio vs SDPA {args.peer} ====")
 print(header)
 for r in rows:
