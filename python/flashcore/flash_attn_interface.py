@@ -18,8 +18,9 @@ alibi_slopes works everywhere, forward and backward, paged calls included.
 Paged caches: flash_attn_with_kvcache
 (with rotary_cos / rotary_sin and cache_leftpad, all inside the library call) and
 flash_attn_varlen_func's block_table (forward). return_attn_probs returns
-(out, softmax_lse, None): the lse is real, the attention-probability matrix (a testing aid in
-flash_attn) is not materialized. flash_attn_with_kvcache has no autograd, as in flash_attn.
+(out, softmax_lse, S_dmask) with S_dmask an empty tensor (0,) of out's dtype and device, which is
+what flash_attn returns without dropout; with dropout flash_attn's S_dmask (the probabilities with
+the dropout pattern, a testing aid) is not materialized and the tensor stays empty. flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
 """
 
@@ -78,6 +79,13 @@ def _last_dim_contiguous_numpy(x):
     return x
 
 
+def _empty_probs(out):
+    """flash_attn's third return value with return_attn_probs and no dropout: an empty tensor."""
+    if _is_torch(out):
+        return out.new_empty((0,))
+    return np.empty((0,), dtype=out.dtype)
+
+
 def _head_dim_padding(q):
     """Columns to add to a head_dim that the GPU kernels cannot take (they move 16-byte rows: a
     multiple of 8 elements); 0 on the CPU, whose backends take any head_dim."""
@@ -110,7 +118,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend,
             alibi_slopes=alibi_slopes)
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, _empty_probs(out)) if return_attn_probs else out
 
 
 def _split_packed(packed, axis, count, name):
@@ -131,7 +139,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j| (no gradient for the
     slopes). Returns out (batch, seqlen_q, nheads, headdim) in q's memory layout (as flash_attn:
     a q viewed from (batch, nheads, seqlen, headdim) storage gives such an out), or (out,
-    softmax_lse, None) with return_attn_probs, softmax_lse (batch, nheads, seqlen_q) in float32.
+    softmax_lse, S_dmask) with return_attn_probs (S_dmask empty: see the module's docstring), softmax_lse (batch, nheads, seqlen_q) in float32.
     With the 'auto' backend a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
     decode kernel, as flash_attn_with_kvcache over the same tensors would. dropout_p in [0, 1): each
     probability is kept with probability 1 - dropout_p and scaled by 1 / (1 - dropout_p), the mask drawn
@@ -193,7 +201,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             causal=causal, window_size=window_size, softcap=softcap, backend=_default_backend,
             block_table=block_table, alibi_slopes=alibi_slopes)
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, _empty_probs(out)) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

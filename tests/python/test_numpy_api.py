@@ -242,7 +242,7 @@ def test_forward_low_precision(rng, backend, dtype, seqlen_q, seqlen_k):
 def test_gqa_mqa(rng, heads_q, heads_kv):
     q, k, v = random_inputs(rng, np.float32, (2, 33, heads_q, 32), (2, 47, heads_kv, 32))
     out, lse, probs = flashcore.flash_attn_func(q, k, v, return_attn_probs=True)
-    assert probs is None
+    assert probs.shape == (0,) and probs.dtype == out.dtype  # flash_attn's empty S_dmask
     check_forward(q, k, v, out, lse)
 
 
