@@ -18,7 +18,11 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "IndexFirstAxis",
+    "IndexFirstAxisResidual",
+    "IndexPutFirstAxis",
     "index_first_axis",
+    "index_first_axis_residual",
     "index_put_first_axis",
     "pad_input",
     "unpad_input",
@@ -35,6 +39,32 @@ def index_put_first_axis(values, indices, first_axis_dim):
     """A (first_axis_dim, ...) tensor of zeros with values at the rows `indices`."""
     out = values.new_zeros((first_axis_dim, *values.shape[1:]))
     return out.index_put((indices,), values)
+
+
+def index_first_axis_residual(input, indices):
+    """(input[indices], input): the gathered rows and the whole input for a residual branch, as
+    flash_attn's; the gradient reaching input is the gathered rows' scattered back plus the
+    residual's, which autograd adds here by itself."""
+    return input[indices], input
+
+
+class IndexFirstAxis:
+    """flash_attn's autograd Function names, for code that calls ``X.apply`` directly: plain torch
+    indexing already has the gradients those Functions define."""
+
+    apply = staticmethod(index_first_axis)
+
+
+class IndexPutFirstAxis:
+    """See IndexFirstAxis."""
+
+    apply = staticmethod(index_put_first_axis)
+
+
+class IndexFirstAxisResidual:
+    """See IndexFirstAxis."""
+
+    apply = staticmethod(index_first_axis_residual)
 
 
 def _packed(hidden_states, keep, seqlens):

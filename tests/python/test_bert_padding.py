@@ -7,7 +7,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import flashcore  # noqa: E402
 from flashcore.bert_padding import (  # noqa: E402
+    IndexFirstAxis,
+    IndexFirstAxisResidual,
+    IndexPutFirstAxis,
     index_first_axis,
+    index_first_axis_residual,
     index_put_first_axis,
     pad_input,
     unpad_input,
@@ -107,3 +111,23 @@ def test_varlen_attention_on_unpadded_tokens_matches_each_sequence(causal):
             alone = flashcore.flash_attn_func(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], causal=causal)
             torch.testing.assert_close(out[b:b + 1, :n], alone, rtol=0, atol=1e-5)
         assert out[b, n:].abs().sum() == 0
+
+
+def test_flash_attn_function_names_and_residual_gather():
+    """flash_attn's autograd Function names apply the same gathers; the residual form returns the
+    input beside the rows, and the input's gradient is the rows' scattered back plus the
+    residual's."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 3, 2, generator=gen, requires_grad=True)
+    indices = torch.tensor([7, 0, 4, 5])
+    assert torch.equal(IndexFirstAxis.apply(x, indices), index_first_axis(x, indices))
+    rows = torch.randn(4, 3, 2, generator=gen)
+    assert torch.equal(IndexPutFirstAxis.apply(rows, indices, 9), index_put_first_axis(rows, indices, 9))
+    gathered, residual = IndexFirstAxisResidual.apply(x, indices)
+    assert torch.equal(gathered, x[indices]) and torch.equal(residual, x)
+    grad_rows, grad_residual = torch.randn(4, 3, 2, generator=gen), torch.randn(9, 3, 2, generator=gen)
+    (grad_x,) = torch.autograd.grad((gathered, residual), x, (grad_rows, grad_residual))
+    expected = grad_residual.clone()
+    expected[indices] += grad_rows
+    assert torch.allclose(grad_x, expected)
+    assert index_first_axis_residual is IndexFirstAxisResidual.apply
