@@ -1,10 +1,11 @@
-// Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm90_trace.cu, decode_trace.cu,
-// decode_read_patterns.cu, decode_bulk_read.cu): CHECK(call) for CUDA runtime calls, require_ok for the library's
-// Status, the time per call of launches
-// issued back to back, the tools' deterministic input values, and a dense (batch, seqlen, heads,
-// head_dim) problem's parameters.
+// Shared by the dev/ CUDA tools (sm80_forward_trace.cu, sm80_backward_trace.cu, sm90_trace.cu,
+// decode_trace.cu, decode_read_patterns.cu, decode_bulk_read.cu): CHECK(call) for CUDA runtime
+// calls, require_ok for the library's Status, the time per call of launches issued back to back,
+// the tools' deterministic input values, a dense (batch, seqlen, heads, head_dim) problem's
+// parameters, and one training-grid cell with every tensor of a backward call on the device.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -80,4 +81,39 @@ inline void set_dense_problem(flashcore::AttentionParams& p, flashcore::DType dt
   p.head_dim = d;
   p.total_q = p.total_k = b * s;
   p.softmax_scale = 1.f / std::sqrt(static_cast<float>(d));
+}
+
+/** One cell of the training grid (batch 16384 / s, heads 2048 / d, bf16, full or causal) with q, k,
+ *  v, out, dout (deterministic values), dq, dk, dv and the lse allocated on the device: the
+ *  parameters of a forward or backward call. The lse is a plausible constant, log(s): its values
+ *  change no branch, only the numbers. Stops the tool when d is not 64 / 128 / 256 or s does not
+ *  divide 16384. */
+inline flashcore::BackwardParams training_grid_cell(int d, int s, bool causal) {
+  if ((d != 64 && d != 128 && d != 256) || s <= 0 || 16384 % s != 0) {
+    std::fprintf(stderr, "HEAD_DIM must be 64, 128 or 256 and SEQLEN divide 16384\n");
+    std::exit(2);
+  }
+  const int64_t b = 16384 / s, h = 2048 / d;
+  const int64_t elems = b * s * h * d;
+  const std::vector<__nv_bfloat16> host =
+      uniform_values<__nv_bfloat16>(elems, [](float x) { return __float2bfloat16(x); });
+  __nv_bfloat16 *q, *k, *v, *o, *dout, *dq, *dk, *dv;
+  float* lse;
+  for (auto** t : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) CHECK(cudaMalloc(t, elems * 2));
+  CHECK(cudaMalloc(&lse, b * h * s * sizeof(float)));
+  for (auto* t : {q, k, v, o, dout}) CHECK(cudaMemcpy(t, host.data(), elems * 2, cudaMemcpyHostToDevice));
+  const std::vector<float> host_lse(b * h * s, std::log(static_cast<float>(s)));
+  CHECK(cudaMemcpy(lse, host_lse.data(), host_lse.size() * sizeof(float), cudaMemcpyHostToDevice));
+
+  flashcore::BackwardParams p;
+  set_dense_problem(p, flashcore::DType::BF16, q, k, v, o, b, s, h, d);
+  p.dout = p.dq = p.dk = p.dv = p.q;
+  p.dout.data = dout;
+  p.dq.data = dq;
+  p.dk.data = dk;
+  p.dv.data = dv;
+  p.lse = {lse, h * s, s, 1};
+  p.causal = causal;
+  p.window_right = causal ? 0 : -1;
+  return p;
 }

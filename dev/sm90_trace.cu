@@ -43,34 +43,8 @@ int main(int argc, char** argv) {
   const int d = std::atoi(argv[2]);
   const int s = std::atoi(argv[3]);
   const bool causal = std::atoi(argv[4]) != 0;
-  if ((d != 64 && d != 128 && d != 256) || s <= 0 || 16384 % s != 0) {
-    std::fprintf(stderr, "HEAD_DIM must be 64, 128 or 256 and SEQLEN divide 16384\n");
-    return 2;
-  }
-  const int64_t b = 16384 / s, h = 2048 / d;
-  const int64_t elems = b * s * h * d;
-
-  const std::vector<__nv_bfloat16> host =
-      uniform_values<__nv_bfloat16>(elems, [](float x) { return __float2bfloat16(x); });
-  __nv_bfloat16 *q, *k, *v, *o, *dout, *dq, *dk, *dv;
-  float* lse;
-  for (auto** t : {&q, &k, &v, &o, &dout, &dq, &dk, &dv}) CHECK(cudaMalloc(t, elems * 2));
-  CHECK(cudaMalloc(&lse, b * h * s * sizeof(float)));
-  for (auto* t : {q, k, v, o, dout}) CHECK(cudaMemcpy(t, host.data(), elems * 2, cudaMemcpyHostToDevice));
-  // The backward's lse: a plausible constant (its values change no branch, only the numbers).
-  const std::vector<float> host_lse(b * h * s, std::log(static_cast<float>(s)));
-  CHECK(cudaMemcpy(lse, host_lse.data(), host_lse.size() * sizeof(float), cudaMemcpyHostToDevice));
-
-  fc::BackwardParams p;
-  set_dense_problem(p, fc::DType::BF16, q, k, v, o, b, s, h, d);
-  p.dout = p.dq = p.dk = p.dv = p.q;
-  p.dout.data = dout;
-  p.dq.data = dq;
-  p.dk.data = dk;
-  p.dv.data = dv;
-  p.lse = {lse, h * s, s, 1};
-  p.causal = causal;
-  p.window_right = causal ? 0 : -1;
+  const fc::BackwardParams p = training_grid_cell(d, s, causal);
+  const int64_t b = p.batch, h = p.heads_q;
 
   const int records = sm90::kTraceCtas * sm90::kTraceRoles * sm90::kTraceCapacity;
   sm90::TraceRecord* trace;

@@ -10,6 +10,7 @@
 
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_scores.cuh"
+#include "cuda/sm80/backward_trace.cuh"
 #include "cuda/sm80/grid_order.hpp"
 
 namespace flashcore::cuda::sm80::bwd {
@@ -138,6 +139,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (iterations > 0) load_query_side(0, 0);
   ptx::cp_async_commit();
+  [[maybe_unused]] int trace_count = 0;  // BWD80_TRACE's record counter (backward_trace.cuh)
 
   for (int64_t it = 0; it < iterations; ++it) {
     const int stage = Traits::kStages == 2 ? static_cast<int>(it & 1) : 0;
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // iteration (so P/dS and the other stage may be overwritten).
     ptx::cp_async_wait<0>();
     __syncthreads();
+    BWD80_TRACE(trace_count, kBwdStepBegin, it);
     if constexpr (Traits::kStages == 2) {
       if (it + 1 < iterations) load_query_side(it + 1, stage ^ 1);
       ptx::cp_async_commit();
@@ -157,7 +160,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout>(
         smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
         smem.p, smem.ds, warp, lane, kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f, drop);
+    BWD80_TRACE(trace_count, kBwdScoresDone, it);
     __syncthreads();  // (B) P and dS visible to every warp
+    BWD80_TRACE(trace_count, kBwdPdsShared, it);
 
     // dV += P^T dO and dK += dS^T Q: A = P^T / dS^T read transposed from the [m][n] tiles,
     // B = dO / Q read transposed from their [m][d] tiles (the contraction runs over queries).
@@ -205,7 +210,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 
     accumulate_dv();
+    BWD80_TRACE(trace_count, kBwdDvIssued, it);
     accumulate_dk();
+    BWD80_TRACE(trace_count, kBwdDkIssued, it);
     if constexpr (Traits::kStages == 1) {
       // (C) Q/dO are free once every warp passed the GEMMs above: prefetch the next block
       // while the dQ part (which reads only dS and K) runs.
@@ -214,6 +221,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::cp_async_commit();
     }
     accumulate_dq();
+    BWD80_TRACE(trace_count, kBwdDqSent, it);
+    BWD80_TRACE(trace_count, kBwdStepEnd, it);
   }
 
   // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO (dropout: keep_scale * sum (P o

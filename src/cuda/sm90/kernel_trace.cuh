@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cuda/trace_record.cuh"
+
 #if defined(FLASHCORE_SM90_FWD_TRACE) || defined(FLASHCORE_SM90_BWD_TRACE)
 #define FLASHCORE_SM90_TRACE 1
 #endif
@@ -17,26 +19,16 @@ namespace flashcore::cuda::sm90 {
 constexpr int kTraceCtas = 8;
 constexpr int kTraceRoles = 4;        // producer + up to three consumers
 constexpr int kTraceCapacity = 8192;  // records per (CTA, role)
-struct TraceRecord {
-  uint32_t event_and_arg;  // event | arg << 8
-  uint32_t clock;          // low 32 bits of clock64 (per SM; differences only)
-};
+using TraceRecord = cuda::TraceRecord;
 __device__ TraceRecord* g_kernel_trace;  // [kTraceCtas][kTraceRoles][kTraceCapacity], set by the tool
 __device__ int g_kernel_trace_count[kTraceCtas * kTraceRoles];
 
 /** Records `event` for `role` (0: the producer's one thread; else a consumer warpgroup, recorded by
- *  its first thread). `count` is the writing thread's own record counter (in a register: a counter
- *  in global memory put a load round trip into every traced interval); it is published at each
- *  record. */
+ *  its first thread); `count` is the recording thread's counter (append_trace_record). */
 __device__ __forceinline__ void trace_event(int& count, int role, uint32_t event, int arg) {
   if (blockIdx.x >= kTraceCtas || ((threadIdx.x % 128) != 0 && role != 0)) return;
-  const int slot = blockIdx.x * kTraceRoles + role;
-  const int n = count++;
-  g_kernel_trace_count[slot] = count;
-  if (n < kTraceCapacity) {
-    g_kernel_trace[int64_t(slot) * kTraceCapacity + n] = {event | (static_cast<uint32_t>(arg) << 8),
-                                                          static_cast<uint32_t>(clock64())};
-  }
+  append_trace_record(g_kernel_trace, g_kernel_trace_count, static_cast<int>(blockIdx.x) * kTraceRoles + role,
+                      kTraceCapacity, count, event, static_cast<uint32_t>(arg));
 }
 #endif
 
