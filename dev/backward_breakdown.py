@@ -27,12 +27,9 @@ REPS = 5
 
 def step_fn(impl, q, k, v, dout, causal):
     if impl in ("flashcore", "flashcore_sm80"):
-        backend = "cuda_sm80" if impl == "flashcore_sm80" else "auto"
-
-        def step():
-            flashcore.set_default_backend(backend)
-            flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout)
-        return step
+        # Set once here: an impl's steps all run before the next impl's step_fn.
+        flashcore.set_default_backend("cuda_sm80" if impl == "flashcore_sm80" else "auto")
+        return lambda: flashcore.flash_attn_func(q, k, v, causal=causal).backward(dout)
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     dt = dout.transpose(1, 2)

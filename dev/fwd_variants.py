@@ -11,9 +11,9 @@ correctness).
 
 usage: python3 dev/fwd_variants.py VARIANTS [--cells d:S:causal,...] [--rounds R] [--bwd] [--dtype fp16]
        [--backend auto|cuda_sm80|cuda_sm90] [--peer cudnn|flash] [--softcap C]
---softcap C gives flashcore's calls a softcap (SDPA has none: the peer then runs without it, a
-timing reference only, and the variants are compared with variant 0's result instead).
        e.g. python3 dev/fwd_variants.py 0,1,2,3 --cells 128:512:0,128:512:1 --rounds 3
+--softcap C gives flashcore's calls a softcap (SDPA has none: the peer then runs without it, a
+timing reference only, and the variants are compared with the first variant's result instead).
 Cells default to hdim 64/128/256 x S 512/1024/2048 x causal or not, plus d128 S=16384 full.
 Training-grid shapes: batch = 16384 / S, heads = 2048 / d, bf16 (or --dtype fp16).
 """
@@ -41,6 +41,7 @@ ap.add_argument("--softcap", type=float, default=0.0, help="flashcore's softcap 
 args = ap.parse_args()
 variants = [int(v) for v in args.variants.split(",")]
 PEER = SDPBackend.CUDNN_ATTENTION if args.peer == "cudnn" else SDPBackend.FLASH_ATTENTION
+flashcore.set_default_backend(args.backend)  # once: every call below is flashcore's on it
 DTYPE = torch.bfloat16 if args.dtype == "bf16" else torch.float16
 if args.cells:
     cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
@@ -67,7 +68,6 @@ for d, s, causal in cells:
                                                   is_causal=bool(causal)).transpose(1, 2)
 
     def ours():
-        flashcore.set_default_backend(args.backend)
         return flashcore.flash_attn_func(q, k, v, causal=bool(causal), softcap=args.softcap)
 
     if args.bwd:

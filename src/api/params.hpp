@@ -94,6 +94,8 @@ struct AttentionParams {
   DropoutParams dropout;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  /** A causal mask or a window: rows see different key ranges (causal is window_right = 0). */
+  FC_HOST_DEVICE bool has_mask() const { return window_left >= 0 || window_right >= 0; }
   FC_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
   FC_HOST_DEVICE float alibi_slope(int64_t b, int64_t h) const {
     return alibi_slopes != nullptr ? alibi_slopes[b * alibi_batch_stride + h] : 0.f;

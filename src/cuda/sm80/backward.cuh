@@ -51,13 +51,13 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <climits>
 #include <string>
 #include <type_traits>
 #include <utility>
 
 #include "api/status.hpp"
+#include "cuda/build_config.hpp"
 #include "cuda/programmatic_launch.hpp"
 #include "cuda/sm80/backward_dq.cuh"
 #include "cuda/sm80/backward_main.cuh"
@@ -114,17 +114,8 @@ Status launch_preprocess(const backward_params_t& p, const BackwardWorkspacePtrs
 }
 
 /** Resident CTAs of the backward's kernels for grid_order.hpp's tail (they run 1-2 per SM; 2
- *  makes the tail the longer one); 0 when the device cannot be asked. */
-inline int64_t backward_slots(int device_id) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_id) != cudaSuccess || sms <= 0) {
-    cudaGetLastError();  // a failed query leaves no error behind: the plain order
-    return 0;
-  }
-  return int64_t(sms) * 2;
-}
-
-inline bool block_costs_differ(const backward_params_t& p) { return p.window_left >= 0 || p.window_right >= 0; }
+ *  makes the tail the longer one); 0 when the device cannot be asked (the plain order). */
+inline int64_t backward_slots(int device_id) { return int64_t(multiprocessor_count(device_id, 0)) * 2; }
 
 /** Stage 3: dq from the fp32 accumulator, or (deterministic mode) recomputed by the dq kernel.
  *  kDropoutKernels: compile the dq kernel's dropout versions (both callers do: the sm80 backward
@@ -153,7 +144,7 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("backward dq smem: ") + cudaGetErrorString(err));
     return launch_stage("dq kernel", kernel, dq_ctas, DqTraits::kThreads, smem_bytes, stream, p.device_id, p, ws,
-                        make_grid_order(p.heads_q * p.batch, num_query_blocks, block_costs_differ(p),
+                        make_grid_order(p.heads_q * p.batch, num_query_blocks, p.has_mask(),
                                         backward_slots(p.device_id)));
   }
   if (stat_rows == 0) return Status::ok();
@@ -198,7 +189,7 @@ Status launch_backward(const backward_params_t& p, void* workspace, size_t works
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return Status::cuda(std::string("sm80 backward smem: ") + cudaGetErrorString(err));
     if (!(s = launch_stage("main kernel", kernel, main_ctas, Traits::kThreads, smem_bytes, stream, p.device_id, p, ws,
-                           make_grid_order(p.heads_kv * p.batch, num_key_blocks, block_costs_differ(p),
+                           make_grid_order(p.heads_kv * p.batch, num_key_blocks, p.has_mask(),
                                            backward_slots(p.device_id)))).is_ok()) {
       return s;
     }

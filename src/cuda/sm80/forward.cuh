@@ -1092,8 +1092,7 @@ Status launch_forward(const forward_params_t& p,
   // The tail in order of falling cost where a mask makes query blocks cost different amounts;
   // resident CTAs: SMs x kMinBlocksPerSm. The small grid (at most two waves) is then all tail: its
   // first wave takes the costliest blocks (session 49 measured the default tiles only).
-  const bool costs_differ = p.window_left >= 0 || p.window_right >= 0;
-  args.order = make_grid_order(p.heads_q * p.batch, num_m_blocks, costs_differ,
+  args.order = make_grid_order(p.heads_q * p.batch, num_m_blocks, /*costs_differ=*/p.has_mask(),
                                int64_t(device_limits(p.device_id).sm_count) * Traits::kMinBlocksPerSm);
   args.heads_q = static_cast<int>(p.heads_q);  // <= num_blocks <= INT_MAX
   args.group_size = static_cast<int>(p.group_size());

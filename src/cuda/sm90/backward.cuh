@@ -1538,7 +1538,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
   // One CTA per SM: the tail holds ~2 x sm_count tiles where a mask makes key blocks cost
   // different amounts (such grids are one CTA per tile, see persistent_grid).
   args.order = sm80::make_grid_order(p.heads_kv * p.batch, num_key_blocks,
-                                     /*costs_differ=*/p.window_left >= 0 || p.window_right >= 0, sm_count);
+                                     /*costs_differ=*/p.has_mask(), sm_count);
   args.num_tiles = static_cast<int>(ctas);
   const bool varlen = p.is_varlen();
   const TmaElement element = tma_element_of<typename T::Element>();

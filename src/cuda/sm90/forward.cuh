@@ -306,7 +306,7 @@ struct ForwardTraits {
  *    took ~6000 cycles of a 35000-cycle tile at S = 512. Staged 64-key tiles against the former
  *    choice, same process: +5% to +20% at S = 512..2k, +3% to +7% at 4k..16k (docs/PERF.md). */
 inline bool masked_attention(const forward_params_t& p) {
-  return p.window_left >= 0 || p.window_right >= 0;  // causal is window_right = 0
+  return p.has_mask();
 }
 
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
