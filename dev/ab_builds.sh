@@ -7,6 +7,8 @@
 #   device:  run(command="bash dev/ab_builds.sh run OUTDIR [--dims '64;128'] [--dtypes bf16]
 #                 [--rounds 2] -- python3 dev/varlen_peers.py --flashcore-only", carry=["dev_ab"])
 #
+# OUTDIR receives three files (ab.txt, build_base.log, build_new.log): the device tool returns at
+# most 8, so a command that writes more of its own beside them loses some (session 51's first call).
 # The GPU machine has no .git, hence the archive made here. Both packages build at once (bf16,
 # d64 / d128 by default: ~2 min on 16 cores); then each round runs the command with PYTHONPATH on
 # the base package, then on the new one (AB_LABEL=base / new in its environment), everything
@@ -54,11 +56,11 @@ build() {
   echo "$label: built, kernels with spills: $(grep -E '[1-9][0-9]* bytes spill stores' "$log" | wc -l)"
 }
 T0=$(date +%s)
-build dev_ab/base base 8 >"$OUTDIR/build_base.status" 2>&1 &
+build dev_ab/base base 8 >/tmp/ab_build_base.status 2>&1 &
 build . new 8 || exit 1
 wait
-cat "$OUTDIR/build_base.status"
-grep -q FAILED "$OUTDIR/build_base.status" && exit 1
+cat /tmp/ab_build_base.status
+grep -q FAILED /tmp/ab_build_base.status && exit 1
 echo "builds: $(( $(date +%s) - T0 )) s"
 
 for round in $(seq 1 "$ROUNDS"); do
