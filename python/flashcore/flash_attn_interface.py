@@ -20,7 +20,8 @@ Paged caches: flash_attn_with_kvcache
 flash_attn_varlen_func's block_table (forward). return_attn_probs returns
 (out, softmax_lse, S_dmask) with S_dmask an empty tensor (0,) of out's dtype and device, which is
 what flash_attn returns without dropout; with dropout flash_attn's S_dmask (the probabilities with
-the dropout pattern, a testing aid) is not materialized and the tensor stays empty. flash_attn_with_kvcache has no autograd, as in flash_attn.
+the dropout pattern, a testing aid) is not materialized and the tensor stays empty.
+flash_attn_with_kvcache has no autograd, as in flash_attn.
 merge_partials is flashcore's own (combining attention over disjoint key sets).
 """
 
@@ -139,7 +140,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     score of query i and key j gets -slope * |i + seqlen_k - seqlen_q - j| (no gradient for the
     slopes). Returns out (batch, seqlen_q, nheads, headdim) in q's memory layout (as flash_attn:
     a q viewed from (batch, nheads, seqlen, headdim) storage gives such an out), or (out,
-    softmax_lse, S_dmask) with return_attn_probs (S_dmask empty: see the module's docstring), softmax_lse (batch, nheads, seqlen_q) in float32.
+    softmax_lse, S_dmask) with return_attn_probs (S_dmask empty: see the module's docstring),
+    softmax_lse (batch, nheads, seqlen_q) in float32.
     With the 'auto' backend a call with a few query rows per KV head (decoding without a KV-cache API) runs on the
     decode kernel, as flash_attn_with_kvcache over the same tensors would. dropout_p in [0, 1): each
     probability is kept with probability 1 - dropout_p and scaled by 1 / (1 - dropout_p), the mask drawn

@@ -287,28 +287,6 @@ struct ForwardTraits {
   static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "tiles stay 1024-aligned");
 };
 
-/** Per-bucket configurations (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
- *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket's `dispatch` picks
- *  its tile per call and hands that traits type to the launcher (as TileChoice<Traits>). Wide
- *  tiles (more query rows at d64 and d128) cost more at the diagonal of a causal or window mask,
- *  where a tile is partly masked and its masked part still runs, so masked calls take them only
- *  from a sequence length on (d128's never).
- *  Measured on the H100 (docs/PERF.md, session 6), bf16 fwd against the narrow tile, same process:
- *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
- *    (S = 512..16k); causal -35% at S = 512, -4% at 2k, +6% at 4k, +19% at 16k. Ping-pong turns
- *    cost ~2% at d64 with two consumers (the softmax is as long as the GEMMs it would hide
- *    behind); with three they pay below 4096 keys (session 19, ForwardConfigs<64>).
- *  - d256 has one configuration since session 14: 64-key tiles, whose 32 KiB of spare shared memory
- *    stage the epilogue's O for TMA stores. 80-key tiles (two stages of 40 KiB K and V) had been
- *    ahead of 64-key ones at S >= 1k without a mask and 4k with one (session 6, +1% to +11%: the
- *    Q K^T wgmma at N = 64 reads about as many shared-memory bytes per FLOP as the tensor cores
- *    consume), but they leave no room to stage O, and the register stores of a 64 x 256 output
- *    took ~6000 cycles of a 35000-cycle tile at S = 512. Staged 64-key tiles against the former
- *    choice, same process: +5% to +20% at S = 512..2k, +3% to +7% at 4k..16k (docs/PERF.md). */
-inline bool masked_attention(const forward_params_t& p) {
-  return p.has_mask();
-}
-
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
 template <class T>
 using WithPageBoxes = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
@@ -341,6 +319,24 @@ struct TileChoice {
   using type = Traits;
 };
 
+/** Per-bucket configurations (shared memory <= 227 KiB; registers: O is kHeadDim/2 floats, S
+ *  kBlockN/2 floats and P kBlockN/4 registers per consumer thread). A bucket's `dispatch` picks
+ *  its tile per call and hands that traits type to the launcher (as TileChoice<Traits>). Wide
+ *  tiles (more query rows at d64 and d128) cost more at the diagonal of a causal or window mask,
+ *  where a tile is partly masked and its masked part still runs, so masked calls take them only
+ *  from a sequence length on (d128's never).
+ *  Measured on the H100 (docs/PERF.md, session 6), bf16 fwd against the narrow tile, same process:
+ *  - d64, three consumers (192-row tiles, 160 registers each): +3% to +17% without a mask
+ *    (S = 512..16k); causal -35% at S = 512, -4% at 2k, +6% at 4k, +19% at 16k. Ping-pong turns
+ *    cost ~2% at d64 with two consumers (the softmax is as long as the GEMMs it would hide
+ *    behind); with three they pay below 4096 keys (session 19, ForwardConfigs<64>).
+ *  - d256 has one configuration since session 14: 64-key tiles, whose 32 KiB of spare shared memory
+ *    stage the epilogue's O for TMA stores. 80-key tiles (two stages of 40 KiB K and V) had been
+ *    ahead of 64-key ones at S >= 1k without a mask and 4k with one (session 6, +1% to +11%: the
+ *    Q K^T wgmma at N = 64 reads about as many shared-memory bytes per FLOP as the tensor cores
+ *    consume), but they leave no room to stage O, and the register stores of a 64 x 256 output
+ *    took ~6000 cycles of a 35000-cycle tile at S = 512. Staged 64-key tiles against the former
+ *    choice, same process: +5% to +20% at S = 512..2k, +3% to +7% at 4k..16k (docs/PERF.md). */
 template <typename Element, int kHeadDim>
 struct ForwardConfigs;
 template <typename Element>
@@ -361,11 +357,11 @@ struct ForwardConfigs<Element, 64> {
     // session 35: MHA 32 x 16 heads x 2048 keys, 1-16 queries, 3.0 TB/s of K+V against 2.5 wide).
     const bool one_narrow_tile = p.seqlen_q <= Narrow::kBlockM;
     const int64_t block_m =
-        one_narrow_tile || (masked_attention(p) && p.seqlen_k < kLongSeqlen) ? Narrow::kBlockM : Wide::kBlockM;
+        one_narrow_tile || (p.has_mask() && p.seqlen_k < kLongSeqlen) ? Narrow::kBlockM : Wide::kBlockM;
     if (pack_gqa_chosen(p, block_m, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
     if (one_narrow_tile) return launch(TileChoice<Narrow>{});
     if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
-    if (masked_attention(p)) return launch(TileChoice<Narrow>{});
+    if (p.has_mask()) return launch(TileChoice<Narrow>{});
     return launch(TileChoice<WideTurns>{});
   }
 };
@@ -387,7 +383,7 @@ struct ForwardConfigs<Element, 128> {
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
     if (pack_gqa_chosen(p, Narrow::kBlockM, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
-    const bool long_unmasked = !masked_attention(p) && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
+    const bool long_unmasked = !p.has_mask() && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
     // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
     const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
     return long_unmasked && !pages_of_128 ? launch(TileChoice<Wide>{}) : launch(TileChoice<Narrow>{});
