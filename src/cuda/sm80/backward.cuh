@@ -98,6 +98,8 @@ inline BackwardWorkspacePtrs workspace_ptrs(const BackwardWorkspaceLayout& layou
   ws.lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2_offset);
   ws.dsum = reinterpret_cast<float*>(base + layout.dsum_offset);
   ws.dq_accum = layout.has_dq_accum ? reinterpret_cast<float*>(base + layout.dq_accum_offset) : nullptr;
+  ws.dq_tiled = layout.dq_tiled;
+  ws.dq_rows_per_head = layout.dq_rows_per_head;
   return ws;
 }
 
@@ -160,7 +162,7 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
 template <typename Element, typename Traits, bool kDropout = false>
 Status launch_backward(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
   constexpr int kHeadDim = Traits::kHeadDim;
-  const BackwardWorkspaceLayout layout = BackwardWorkspaceLayout::make(p, kHeadDim);
+  const BackwardWorkspaceLayout layout = BackwardWorkspaceLayout::make(p, kHeadDim, /*dq_tiled=*/true);
   if (workspace_bytes < layout.total_bytes || (layout.total_bytes > 0 && workspace == nullptr)) {
     return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
                            std::to_string(layout.total_bytes) + " needed by the sm80 backward");

@@ -39,7 +39,7 @@ struct BackwardEntry {
 size_t sm80_backward_workspace(const BackwardParams& p) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (bucket == 0) return 0;  // sm80_backward reports the unsupported head_dim
-  return sm80::BackwardWorkspaceLayout::make(p, bucket).total_bytes;
+  return sm80::BackwardWorkspaceLayout::make(p, bucket, /*dq_tiled=*/true).total_bytes;
 }
 
 Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
@@ -48,7 +48,7 @@ Status sm80_backward(const BackwardParams& p, void* workspace, size_t workspace_
     return Status::unsupported("q: head_dim " + std::to_string(p.head_dim) +
                                " has no compiled sm80 backward head-dim bucket (FLASHCORE_HEAD_DIMS)");
   }
-  const size_t needed = sm80::BackwardWorkspaceLayout::make(p, bucket).total_bytes;
+  const size_t needed = sm80::BackwardWorkspaceLayout::make(p, bucket, /*dq_tiled=*/true).total_bytes;
   if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
     return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
                            std::to_string(needed) + " needed (query it with the *_workspace function)");

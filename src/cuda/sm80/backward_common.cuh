@@ -18,6 +18,7 @@
 #include "api/params.hpp"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/mma.cuh"
+#include "cuda/sm80/backward_workspace.hpp"
 
 namespace flashcore::cuda::sm80::bwd {
 
@@ -389,14 +390,27 @@ __device__ __forceinline__ void store_tile(const Element* smem_tile, Element* gm
 
 // ---- problem geometry -----------------------------------------------------------------------
 
-/** Per-row statistics (lse * log2 e, D) and the fp32 dQ accumulator live in the workspace as
- *  (heads_q, total_q[, head-dim bucket]): row index = first packed row of the sequence + i,
- *  where the first packed row is q_start (varlen) or b * seqlen_q (dense). */
+/** Per-row statistics (lse * log2 e, D) live in the workspace as (heads_q, total_q): row index =
+ *  first packed row of the sequence + i, where the first packed row is q_start (varlen) or
+ *  b * seqlen_q (dense). The fp32 dQ accumulator: (heads_q, dq_rows_per_head, head-dim bucket),
+ *  row-major with the statistics' rows or in DqTiles' layout (backward_workspace.hpp). */
 struct BackwardWorkspacePtrs {
   float* lse_log2;  // lse * log2(e); +inf where lse = -inf (no visible key: P must be 0)
   float* dsum;      // D = rowsum(dO * O)
   float* dq_accum;  // fp32 dQ / softmax_scale; nullptr in deterministic mode
+  bool dq_tiled;    // DqTiles (the sm80 main kernel) or row-major (the Hopper one)
+  int64_t dq_rows_per_head;
 };
+
+/** Whether this device code stores DqTiles slots for 16-byte reductions (sm_90's float4
+ *  atomics) or scalar ones; every kernel of one call is compiled for the same architecture. */
+__device__ __forceinline__ constexpr bool dq_vector_slots() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return true;
+#else
+  return false;
+#endif
+}
 
 __device__ __forceinline__ int64_t first_packed_q_row(const BackwardParams& p, int64_t b, const SeqInfo& s) {
   return p.cu_seqlens_q != nullptr ? s.q_start : b * p.seqlen_q;

@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int head_dim = static_cast<int>(p.head_dim);
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t q_row0 = first_packed_q_row(p, b, seq);
+  const int64_t dq_row0 = DqTiles::sequence_row0(q_row0, b);  // this sequence's rows in dQ_accum
   const ScoreTransform tf = ScoreTransform::make(p);
 
   const QueryBlockRange m_blocks =
@@ -176,11 +177,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     // dQ_accum[rows of this block] += dS K (contraction over keys; softmax_scale is applied in
     // the postprocess) with fp32 atomics. A = dS stored [m][n]; B = K stored [n][d] = [k][n].
+    // The accumulator is in DqTiles' layout (backward_workspace.hpp): each 16 x 8 fragment tile
+    // is one 16-byte reduction per lane on sm_90, four scalar ones before, into 512 contiguous
+    // bytes either way.
     auto accumulate_dq = [&] {
       if (ws.dq_accum == nullptr) return;  // deterministic mode: backward_dq.cuh computes dq
-      float* dq_rows = ws.dq_accum + (h * p.total_q + q_row0 + m0) * kD;
-      const int group_id = lane >> 2;
-      const int quad = lane & 3;
+      float* dq_block = ws.dq_accum + (h * ws.dq_rows_per_head + dq_row0 + m0) * kD;
 #pragma unroll
       for (int chunk = 0; chunk < Traits::kDqChunks; ++chunk) {
         const int col0 = dq_col_origin + chunk * Traits::kDqColChunk;
@@ -189,23 +191,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warp_gemm<Element, Traits::kDqMTiles, Traits::kDqChunkNTiles, kN / 16, false, true, kN, kD>(
             dq_frag, smem.ds, dq_row_origin, 0, smem.k, col0, 0, lane);
 #pragma unroll
-        for (int mt = 0; mt < Traits::kDqMTiles; ++mt)
+        for (int mt = 0; mt < Traits::kDqMTiles; ++mt) {
+          const int tile_row = dq_row_origin + mt * 16;
+          // A tile wholly past the sequence is skipped; a partial one's rows past it land in the
+          // sequence's own padding rows.
+          if (m0 + tile_row >= seq.seqlen_q) continue;
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = dq_row_origin + mt * 16 + half * 8 + group_id;
-            if (m0 + row >= seq.seqlen_q) continue;  // such rows belong to no query (or the next sequence)
-#pragma unroll
-            for (int nt = 0; nt < Traits::kDqChunkNTiles; ++nt) {
-              float* dst = dq_rows + static_cast<int64_t>(row) * kD + col0 + nt * 8 + quad * 2;
+          for (int nt = 0; nt < Traits::kDqChunkNTiles; ++nt) {
+            float* tile = dq_block + DqTiles::tile_offset(tile_row, col0 + nt * 8, kD);
+            if constexpr (dq_vector_slots()) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-              atomicAdd(reinterpret_cast<float2*>(dst),
-                        make_float2(dq_frag[mt][nt][2 * half], dq_frag[mt][nt][2 * half + 1]));
-#else
-              atomicAdd(dst, dq_frag[mt][nt][2 * half]);
-              atomicAdd(dst + 1, dq_frag[mt][nt][2 * half + 1]);
+              atomicAdd(reinterpret_cast<float4*>(tile + DqTiles::slot(lane, 0, true)),
+                        make_float4(dq_frag[mt][nt][0], dq_frag[mt][nt][1], dq_frag[mt][nt][2], dq_frag[mt][nt][3]));
 #endif
+            } else {
+#pragma unroll
+              for (int k = 0; k < 4; ++k) atomicAdd(tile + DqTiles::slot(lane, k, false), dq_frag[mt][nt][k]);
             }
           }
+        }
       }
     };
 

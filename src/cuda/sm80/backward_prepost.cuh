@@ -1,7 +1,8 @@
 // Stage 1 and stage 3 of the sm80 backward: small memory-bound kernels around the main kernel.
 //   preprocess : per (query row, query head): D = sum_d dO * O (fp32) and lse * log2(e) (with
 //                lse = -inf mapped to +inf so that exp2(s - lse) is exactly 0) into the workspace,
-//                and the row's dQ accumulator zeroed (when there is one).
+//                and the row's dQ accumulator zeroed (when there is one; in DqTiles' layout only
+//                the sequences' rows, not the padding rows of their last tiles).
 //   postprocess: dq = softmax_scale * dQ_accum (fp32 workspace) converted to the element type.
 //
 // Relies on backward_common.cuh (workspace layout, element helpers). In the preprocess a row
@@ -30,6 +31,64 @@ __device__ __forceinline__ void split_packed_row(const BackwardParams& p, int64_
   } else {
     *b = r / p.seqlen_q;
     *row = r - *b * p.seqlen_q;
+  }
+}
+
+/** The padded row of packed row r in DqTiles' layout (backward_workspace.hpp); false when r lies
+ *  in no sequence (varlen rows between or after the clamped sequences). Varlen calls find r's
+ *  sequence by a binary search over the clamped starts (increasing for valid cu_seqlens_q;
+ *  invalid ones still give an in-bounds row, DqTiles::rows_per_head). */
+__device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t r, int64_t* padded_row) {
+  if (p.cu_seqlens_q == nullptr) {
+    const int64_t b = r / p.seqlen_q;
+    *padded_row = DqTiles::sequence_row0(b * p.seqlen_q, b) + (r - b * p.seqlen_q);
+    return true;
+  }
+  int64_t start = 0, length = 0;
+  int64_t lo = 0, hi = p.batch - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    packed_rows(p.cu_seqlens_q, mid, p.total_q, p.seqlen_q, start, length);
+    if (start <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  packed_rows(p.cu_seqlens_q, lo, p.total_q, p.seqlen_q, start, length);
+  *padded_row = DqTiles::sequence_row0(start, lo) + (r - start);
+  return r >= start && r - start < length;
+}
+
+/** The 8 values of one padded row r16 (0..15) of a 16 x 8 DqTiles tile, in column order: vector
+ *  slots hold columns 2j, 2j + 1 as a float2 at lane ((r16 % 8) * 4 + j), scalar slots hold the
+ *  even columns in one float4 (register 2 * (r16 / 8)) and the odd ones in the next register's. */
+__device__ __forceinline__ void load_dq_tile_row(const float* tile, int r16, float (&v)[8]) {
+  if constexpr (dq_vector_slots()) {
+    const float* row = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), true);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 x = *reinterpret_cast<const float2*>(row + 4 * j);
+      v[2 * j] = x.x;
+      v[2 * j + 1] = x.y;
+    }
+  } else {
+    const float* even = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), false);
+    const float4 e = *reinterpret_cast<const float4*>(even);
+    const float4 o = *reinterpret_cast<const float4*>(even + 32);
+    v[0] = e.x, v[1] = o.x, v[2] = e.y, v[3] = o.y, v[4] = e.z, v[5] = o.z, v[6] = e.w, v[7] = o.w;
+  }
+}
+
+__device__ __forceinline__ void zero_dq_tile_row(float* tile, int r16) {
+  if constexpr (dq_vector_slots()) {
+    float* row = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), true);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<float2*>(row + 4 * j) = make_float2(0.f, 0.f);
+  } else {
+    float* even = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), false);
+    *reinterpret_cast<float4*>(even) = make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<float4*>(even + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
@@ -71,10 +130,16 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
 #pragma unroll
       for (int e = 0; e < kChunkElems; ++e) dot += to_float(dout_elems[e]) * to_float(out_elems[e]);
     }
-    if (ws.dq_accum != nullptr) {  // the bucket's whole row, padding columns included
+    if (ws.dq_accum != nullptr && !ws.dq_tiled) {  // the bucket's whole row, padding columns included
       float4* dst = reinterpret_cast<float4*>(ws.dq_accum + item * kHeadDim + col);
       dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
       dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    int64_t padded_row = 0;
+    if (ws.dq_accum != nullptr && ws.dq_tiled && dq_tile_row_of(p, r, &padded_row)) {
+      zero_dq_tile_row(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
+                           DqTiles::tile_offset(padded_row, col, kHeadDim),
+                       static_cast<int>(padded_row % DqTiles::kRows));
     }
   }
   // Butterfly reduction inside the lane group: a fixed order, so D is bit-reproducible. Every lane
@@ -114,16 +179,27 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
     int64_t b;
     int64_t row;
     split_packed_row(p, r, &b, &row);
-    const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
-                                                                          kChunkElems);
-    const float4 lo = src[0];
-    const float4 hi = src[1];
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a row of no sequence: dq = 0, as row-major's zeroed row
+    if (!ws.dq_tiled) {
+      const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
+                                                                            kChunkElems);
+      const float4 lo = src[0];
+      const float4 hi = src[1];
+      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+    } else {
+      int64_t padded_row = 0;
+      if (dq_tile_row_of(p, r, &padded_row)) {
+        load_dq_tile_row(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
+                             DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
+                         static_cast<int>(padded_row % DqTiles::kRows), v);
+      }
+    }
     const float s = p.softmax_scale;
     uint4 bits;
-    bits.x = pack_pair<Element>(lo.x * s, lo.y * s);
-    bits.y = pack_pair<Element>(lo.z * s, lo.w * s);
-    bits.z = pack_pair<Element>(hi.x * s, hi.y * s);
-    bits.w = pack_pair<Element>(hi.z * s, hi.w * s);
+    bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
+    bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
+    bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
+    bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
     *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + chunk * kChunkElems) =
         bits;
   }

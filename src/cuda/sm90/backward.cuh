@@ -1611,7 +1611,7 @@ Status launch_main(const backward_params_t& p, const sm80::bwd::BackwardWorkspac
 template <typename Element, int kHeadDim>
 Status backward_run(const backward_params_t& p, void* workspace, size_t workspace_bytes) {
   using T = typename DefaultBackwardTraits<Element, kHeadDim>::type;  // d64 / d128 only (backward_api.cu)
-  const sm80::BackwardWorkspaceLayout layout = sm80::BackwardWorkspaceLayout::make(p, kHeadDim);
+  const sm80::BackwardWorkspaceLayout layout = sm80::BackwardWorkspaceLayout::make(p, kHeadDim, /*dq_tiled=*/false);
   if (workspace_bytes < layout.total_bytes || (layout.total_bytes > 0 && workspace == nullptr)) {
     return Status::invalid("workspace: " + std::to_string(workspace_bytes) + " bytes given, " +
                            std::to_string(layout.total_bytes) + " needed by the cuda_sm90 backward");

@@ -88,7 +88,7 @@ bool sm90_backward_supports(const BackwardParams& p, Status* why) {
 size_t sm90_backward_workspace(const BackwardParams& p) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (bucket == 0) return 0;
-  return sm80::BackwardWorkspaceLayout::make(p, bucket).total_bytes;
+  return sm80::BackwardWorkspaceLayout::make(p, bucket, /*dq_tiled=*/false).total_bytes;
 }
 
 Status sm90_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
