@@ -34,14 +34,17 @@ __device__ __forceinline__ void split_packed_row(const BackwardParams& p, int64_
   }
 }
 
-/** The padded row of packed row r in DqTiles' layout (backward_workspace.hpp); false when r lies
- *  in no sequence (varlen rows between or after the clamped sequences). Varlen calls find r's
- *  sequence by a binary search over the clamped starts (increasing for valid cu_seqlens_q;
- *  invalid ones still give an in-bounds row, DqTiles::rows_per_head). */
-__device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t r, int64_t* padded_row) {
+/** The padded row of packed row r in DqTiles' layout (backward_workspace.hpp) and how many rows of
+ *  its sequence start at r (r itself included); false when r lies in no sequence (varlen rows
+ *  between or after the clamped sequences). Varlen calls find r's sequence by a binary search
+ *  over the clamped starts (increasing for valid cu_seqlens_q; invalid ones still give an
+ *  in-bounds row, DqTiles::rows_per_head). */
+__device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t r, int64_t* padded_row,
+                                               int64_t* rows_left) {
   if (p.cu_seqlens_q == nullptr) {
     const int64_t b = r / p.seqlen_q;
     *padded_row = DqTiles::sequence_row0(b * p.seqlen_q, b) + (r - b * p.seqlen_q);
+    *rows_left = (b + 1) * p.seqlen_q - r;
     return true;
   }
   int64_t start = 0, length = 0;
@@ -57,38 +60,27 @@ __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t 
   }
   packed_rows(p.cu_seqlens_q, lo, p.total_q, p.seqlen_q, start, length);
   *padded_row = DqTiles::sequence_row0(start, lo) + (r - start);
-  return r >= start && r - start < length;
+  *rows_left = start + length - r;
+  return r >= start && *rows_left > 0;
 }
 
-/** The 8 values of one padded row r16 (0..15) of a 16 x 8 DqTiles tile, in column order: vector
- *  slots hold columns 2j, 2j + 1 as a float2 at lane ((r16 % 8) * 4 + j), scalar slots hold the
- *  even columns in one float4 (register 2 * (r16 / 8)) and the odd ones in the next register's. */
-__device__ __forceinline__ void load_dq_tile_row(const float* tile, int r16, float (&v)[8]) {
+/** Rows g and g + 8 (g < 8) of a 16 x 8 DqTiles tile, in column order. Both rows' values sit in
+ *  lanes 4g..4g+3 (column c in lane 4g + c / 2): with vector slots those lanes' four registers
+ *  are 64 contiguous bytes (row g's pair of columns, then row g + 8's), with scalar slots each
+ *  register is a float4 over the four lanes (row g's even columns, its odd ones, then row g + 8's),
+ *  so a thread that takes both rows reads whole 16-byte pieces either way. */
+__device__ __forceinline__ void load_dq_tile_rows(const float* tile, int g, float (&lo)[8], float (&hi)[8]) {
+  const float4* src = reinterpret_cast<const float4*>(tile);
   if constexpr (dq_vector_slots()) {
-    const float* row = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), true);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 x = *reinterpret_cast<const float2*>(row + 4 * j);
-      v[2 * j] = x.x;
-      v[2 * j + 1] = x.y;
+      const float4 x = src[4 * g + j];  // lane 4g + j: columns 2j, 2j + 1
+      lo[2 * j] = x.x, lo[2 * j + 1] = x.y, hi[2 * j] = x.z, hi[2 * j + 1] = x.w;
     }
   } else {
-    const float* even = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), false);
-    const float4 e = *reinterpret_cast<const float4*>(even);
-    const float4 o = *reinterpret_cast<const float4*>(even + 32);
-    v[0] = e.x, v[1] = o.x, v[2] = e.y, v[3] = o.y, v[4] = e.z, v[5] = o.z, v[6] = e.w, v[7] = o.w;
-  }
-}
-
-__device__ __forceinline__ void zero_dq_tile_row(float* tile, int r16) {
-  if constexpr (dq_vector_slots()) {
-    float* row = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), true);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<float2*>(row + 4 * j) = make_float2(0.f, 0.f);
-  } else {
-    float* even = tile + DqTiles::slot((r16 % 8) * 4, 2 * (r16 / 8), false);
-    *reinterpret_cast<float4*>(even) = make_float4(0.f, 0.f, 0.f, 0.f);
-    *reinterpret_cast<float4*>(even + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 e0 = src[g], o0 = src[8 + g], e1 = src[16 + g], o1 = src[24 + g];  // register k: float4 8k + g
+    lo[0] = e0.x, lo[1] = o0.x, lo[2] = e0.y, lo[3] = o0.y, lo[4] = e0.z, lo[5] = o0.z, lo[6] = e0.w, lo[7] = o0.w;
+    hi[0] = e1.x, hi[1] = o1.x, hi[2] = e1.y, hi[3] = o1.y, hi[4] = e1.z, hi[5] = o1.z, hi[6] = e1.w, hi[7] = o1.w;
   }
 }
 
@@ -135,11 +127,19 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
       dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
       dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    int64_t padded_row = 0;
-    if (ws.dq_accum != nullptr && ws.dq_tiled && dq_tile_row_of(p, r, &padded_row)) {
-      zero_dq_tile_row(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
-                           DqTiles::tile_offset(padded_row, col, kHeadDim),
-                       static_cast<int>(padded_row % DqTiles::kRows));
+    // DqTiles: a 16-row group's tiles fill its 16 x kHeadDim floats, so zeroing the group as 16
+    // flat rows of kHeadDim zeroes it whatever the slot order, with the row-major layout's
+    // coalesced stores. The row ending a sequence also zeroes the flat rows of its group past it
+    // (padding rows have no item of their own; their floats hold other rows' values).
+    int64_t padded_row = 0, rows_left = 0;
+    if (ws.dq_accum != nullptr && ws.dq_tiled && dq_tile_row_of(p, r, &padded_row, &rows_left)) {
+      float* head = ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + col;
+      const int64_t flat_end = rows_left > 1 ? padded_row + 1 : (padded_row / DqTiles::kRows + 1) * DqTiles::kRows;
+      for (int64_t flat = padded_row; flat < flat_end; ++flat) {
+        float4* dst = reinterpret_cast<float4*>(head + flat * kHeadDim);
+        dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
   }
   // Butterfly reduction inside the lane group: a fixed order, so D is bit-reproducible. Every lane
@@ -179,29 +179,45 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
     int64_t b;
     int64_t row;
     split_packed_row(p, r, &b, &row);
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a row of no sequence: dq = 0, as row-major's zeroed row
+    const float s = p.softmax_scale;
+    auto store_row = [&](int64_t b_row, int64_t row_in_b, const float (&v)[8]) {
+      uint4 bits;
+      bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
+      bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
+      bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
+      bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b_row, row_in_b, h) +
+                                chunk * kChunkElems) = bits;
+    };
+    float lo[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a row of no sequence: dq = 0 (its zeroed accumulator)
     if (!ws.dq_tiled) {
       const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
                                                                             kChunkElems);
-      const float4 lo = src[0];
-      const float4 hi = src[1];
-      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-    } else {
-      int64_t padded_row = 0;
-      if (dq_tile_row_of(p, r, &padded_row)) {
-        load_dq_tile_row(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
-                             DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
-                         static_cast<int>(padded_row % DqTiles::kRows), v);
-      }
+      const float4 x = src[0];
+      const float4 y = src[1];
+      lo[0] = x.x, lo[1] = x.y, lo[2] = x.z, lo[3] = x.w, lo[4] = y.x, lo[5] = y.y, lo[6] = y.z, lo[7] = y.w;
+      store_row(b, row, lo);
+      continue;
     }
-    const float s = p.softmax_scale;
-    uint4 bits;
-    bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
-    bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
-    bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
-    bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
-    *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + chunk * kChunkElems) =
-        bits;
+    // DqTiles: the thread of a group's row g < 8 converts rows g and g + 8 (load_dq_tile_rows);
+    // the threads of rows g >= 8 have nothing to do.
+    int64_t padded_row = 0, rows_left = 0;
+    if (!dq_tile_row_of(p, r, &padded_row, &rows_left)) {
+      store_row(b, row, lo);
+      continue;
+    }
+    const int g = static_cast<int>(padded_row % DqTiles::kRows);
+    if (g >= 8) continue;
+    float hi[8];
+    load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
+                          DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
+                      g, lo, hi);
+    store_row(b, row, lo);
+    if (rows_left > 8) {  // row g + 8 is in the sequence too (the same batch entry when dense)
+      int64_t b8, row8;
+      split_packed_row(p, r + 8, &b8, &row8);
+      store_row(b8, row8, hi);
+    }
   }
 }
 
