@@ -182,7 +182,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // bytes either way.
     auto accumulate_dq = [&] {
       if (ws.dq_accum == nullptr) return;  // deterministic mode: backward_dq.cuh computes dq
-      float* dq_block = ws.dq_accum + (h * ws.dq_rows_per_head + dq_row0 + m0) * kD;
+      // This lane's slot in the warp's first tile, hidden from the optimizer (see opaque()): every
+      // reduction of the step is then that one address plus a constant, instead of a 64-bit
+      // address per tile held across the main loop (d64 spilled for them).
+      const int lane_offset = opaque(DqTiles::tile_offset(dq_row_origin, dq_col_origin, kD) +
+                                     DqTiles::slot(lane, 0, dq_vector_slots()));
+      float* const dq_lane = ws.dq_accum + (h * ws.dq_rows_per_head + dq_row0 + m0) * kD + lane_offset;
 #pragma unroll
       for (int chunk = 0; chunk < Traits::kDqChunks; ++chunk) {
         const int col0 = dq_col_origin + chunk * Traits::kDqColChunk;
@@ -192,21 +197,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             dq_frag, smem.ds, dq_row_origin, 0, smem.k, col0, 0, lane);
 #pragma unroll
         for (int mt = 0; mt < Traits::kDqMTiles; ++mt) {
-          const int tile_row = dq_row_origin + mt * 16;
           // A tile wholly past the sequence is skipped; a partial one's rows past it land in the
           // sequence's own padding rows.
-          if (m0 + tile_row >= seq.seqlen_q) continue;
+          if (m0 + dq_row_origin + mt * 16 >= seq.seqlen_q) continue;
 #pragma unroll
           for (int nt = 0; nt < Traits::kDqChunkNTiles; ++nt) {
-            float* tile = dq_block + DqTiles::tile_offset(tile_row, col0 + nt * 8, kD);
+            // Tile (mt, nt) from the warp's first: tile_offset is linear in whole tiles.
+            float* tile_lane = dq_lane + DqTiles::tile_offset(mt * DqTiles::kRows,
+                                                              chunk * Traits::kDqColChunk + nt * DqTiles::kCols, kD);
             if constexpr (dq_vector_slots()) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-              atomicAdd(reinterpret_cast<float4*>(tile + DqTiles::slot(lane, 0, true)),
+              atomicAdd(reinterpret_cast<float4*>(tile_lane),
                         make_float4(dq_frag[mt][nt][0], dq_frag[mt][nt][1], dq_frag[mt][nt][2], dq_frag[mt][nt][3]));
 #endif
             } else {
 #pragma unroll
-              for (int k = 0; k < 4; ++k) atomicAdd(tile + DqTiles::slot(lane, k, false), dq_frag[mt][nt][k]);
+              for (int k = 0; k < 4; ++k) atomicAdd(tile_lane + DqTiles::slot(0, k, false), dq_frag[mt][nt][k]);
             }
           }
         }
