@@ -15,6 +15,7 @@
 
 #include <algorithm>
 
+#include "cuda/ptx/global_store.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_common.cuh"
 
@@ -83,6 +84,13 @@ __device__ __forceinline__ void load_dq_tile_rows(const float* tile, int g, floa
     lo[0] = e0.x, lo[1] = o0.x, lo[2] = e0.y, lo[3] = o0.y, lo[4] = e0.z, lo[5] = o0.z, lo[6] = e0.w, lo[7] = o0.w;
     hi[0] = e1.x, hi[1] = o1.x, hi[2] = e1.y, hi[3] = o1.y, hi[4] = e1.z, hi[5] = o1.z, hi[6] = e1.w, hi[7] = o1.w;
   }
+}
+
+/** dq's chunk of 8 elements at `dst` = s * v, converted (one 16-byte store: ptx/global_store.cuh). */
+template <typename Element>
+__device__ __forceinline__ void store_scaled_chunk(Element* dst, const float (&v)[8], float s) {
+  ptx::store_global_v4(dst, pack_pair<Element>(v[0] * s, v[1] * s), pack_pair<Element>(v[2] * s, v[3] * s),
+                       pack_pair<Element>(v[4] * s, v[5] * s), pack_pair<Element>(v[6] * s, v[7] * s));
 }
 
 template <int kHeadDim>
@@ -182,13 +190,8 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
     split_packed_row(p, r, &b, &row);
     const float s = p.softmax_scale;
     auto store_row = [&](int64_t b_row, int64_t row_in_b, const float (&v)[8]) {
-      uint4 bits;
-      bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
-      bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
-      bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
-      bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
-      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b_row, row_in_b, h) +
-                                chunk * kChunkElems) = bits;
+      store_scaled_chunk<Element>(
+          static_cast<Element*>(p.dq.data) + offset_of(p.dq, b_row, row_in_b, h) + chunk * kChunkElems, v, s);
     };
     float lo[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a row of no sequence: dq = 0 (its zeroed accumulator)
     if (!ws.dq_tiled) {
