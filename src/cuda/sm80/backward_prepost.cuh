@@ -64,6 +64,36 @@ __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t 
   return r >= start && *rows_left > 0;
 }
 
+/** The sequence b holding padded row `padded_row` of DqTiles' layout, the row's index i inside it
+ *  and the sequence's length; false for padding rows (past a sequence, before the next one's
+ *  start). A binary search over b: sequence_row0 grows strictly with b for valid cu_seqlens_q
+ *  (invalid ones give some sequence, and i < length keeps every access inside it). */
+__device__ __forceinline__ bool sequence_of_padded_row(const BackwardParams& p, int64_t padded_row, int64_t* b,
+                                                       int64_t* start, int64_t* i, int64_t* length) {
+  // Sequence `seq`'s first packed row (b * seqlen_q when dense), its length and its first padded row.
+  auto locate = [&](int64_t seq, int64_t* first, int64_t* len) {
+    if (p.cu_seqlens_q == nullptr) {
+      *first = seq * p.seqlen_q;
+      *len = p.seqlen_q;
+    } else {
+      packed_rows(p.cu_seqlens_q, seq, p.total_q, p.seqlen_q, *first, *len);
+    }
+    return DqTiles::sequence_row0(*first, seq);
+  };
+  int64_t lo = 0, hi = p.batch - 1, first = 0, len = 0;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (locate(mid, &first, &len) <= padded_row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  *b = lo;
+  *i = padded_row - locate(lo, start, length);
+  return *i >= 0 && *i < *length;
+}
+
 /** Rows g and g + 8 (g < 8) of a 16 x 8 DqTiles tile, in column order. Both rows' values sit in
  *  lanes 4g..4g+3 (column c in lane 4g + c / 2): with vector slots those lanes' four registers
  *  are 64 contiguous bytes (row g's pair of columns, then row g + 8's), with scalar slots each
@@ -132,13 +162,22 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
     // coalesced stores. The row ending a sequence also zeroes the flat rows of its group past it
     // (padding rows have no item of their own; their floats hold other rows' values).
     int64_t padded_row = 0, rows_left = 0;
-    if (ws.dq_accum != nullptr && ws.dq_tiled && dq_tile_row_of(p, r, &padded_row, &rows_left)) {
-      float* head = ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + col;
-      const int64_t flat_end = rows_left > 1 ? padded_row + 1 : (padded_row / DqTiles::kRows + 1) * DqTiles::kRows;
-      for (int64_t flat = padded_row; flat < flat_end; ++flat) {
-        float4* dst = reinterpret_cast<float4*>(head + flat * kHeadDim);
-        dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (ws.dq_accum != nullptr && ws.dq_tiled) {
+      if (dq_tile_row_of(p, r, &padded_row, &rows_left)) {
+        float* head = ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + col;
+        const int64_t flat_end =
+            rows_left > 1 ? padded_row + 1 : (padded_row / DqTiles::kRows + 1) * DqTiles::kRows;
+        for (int64_t flat = padded_row; flat < flat_end; ++flat) {
+          float4* dst = reinterpret_cast<float4*>(head + flat * kHeadDim);
+          dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+          dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      } else if (p.cu_seqlens_q != nullptr && col < p.head_dim && r >= p.cu_seqlens_q[0] &&
+                 r < p.cu_seqlens_q[p.batch]) {
+        // A varlen row of no (clamped) sequence inside [cu_seqlens_q[0], cu_seqlens_q[batch]):
+        // its dq is 0, written here because the tiled postprocess walks the sequences' rows only.
+        *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + col) =
+            make_uint4(0u, 0u, 0u, 0u);
       }
     }
   }
@@ -179,45 +218,66 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
     int64_t b;
     int64_t row;
     split_packed_row(p, r, &b, &row);
+    const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
+                                                                          kChunkElems);
+    const float4 lo = src[0];
+    const float4 hi = src[1];
     const float s = p.softmax_scale;
-    auto store_row = [&](int64_t b_row, int64_t row_in_b, const float (&v)[8]) {
+    uint4 bits;
+    bits.x = pack_pair<Element>(lo.x * s, lo.y * s);
+    bits.y = pack_pair<Element>(lo.z * s, lo.w * s);
+    bits.z = pack_pair<Element>(hi.x * s, hi.y * s);
+    bits.w = pack_pair<Element>(hi.z * s, hi.w * s);
+    *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + chunk * kChunkElems) =
+        bits;
+  }
+}
+
+/** The postprocess for DqTiles' accumulator (the sm80 backward): a thread takes rows g and g + 8
+ *  (g < 8) of a 16-row group and one 8-column chunk, reading their 64 contiguous bytes
+ *  (load_dq_tile_rows). Items walk the padded rows' pairs, chunks fastest, then heads: no idle
+ *  half (walking packed rows left the threads of rows g >= 8 without work, 78 -> 102 us at d128
+ *  causal 2k, session 52); padding rows cost a thread each. Varlen rows of no sequence got their
+ *  zeros in the preprocess. */
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_kernel(const BackwardParams p,
+                                                                                     BackwardWorkspacePtrs ws) {
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
+  const int64_t chunks_per_row = (p.head_dim + kChunkElems - 1) / kChunkElems;
+  const int64_t pairs_per_head = ws.dq_rows_per_head / 2;
+  const int64_t total = pairs_per_head * p.heads_q * chunks_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const float s = p.softmax_scale;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
+    const int64_t chunk = item % chunks_per_row;
+    const int64_t rest = item / chunks_per_row;
+    const int64_t h = rest % p.heads_q;
+    const int64_t pair = rest / p.heads_q;
+    const int g = static_cast<int>(pair % 8);
+    const int64_t padded_row = pair / 8 * DqTiles::kRows + g;
+    int64_t b, start, i, length;
+    if (!sequence_of_padded_row(p, padded_row, &b, &start, &i, &length)) continue;
+    float lo[8], hi[8];
+    load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
+                          DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
+                      g, lo, hi);
+    // Dense: batch entry b, rows i / i + 8; varlen: packed rows from the sequence's start.
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int64_t batch_entry = varlen ? 0 : b;
+    const int64_t row0 = varlen ? start : 0;
+    auto store_row = [&](int64_t row, const float (&v)[8]) {
       uint4 bits;
       bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
       bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
       bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
       bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
-      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b_row, row_in_b, h) +
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, batch_entry, row0 + row, h) +
                                 chunk * kChunkElems) = bits;
     };
-    float lo[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a row of no sequence: dq = 0 (its zeroed accumulator)
-    if (!ws.dq_tiled) {
-      const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
-                                                                            kChunkElems);
-      const float4 x = src[0];
-      const float4 y = src[1];
-      lo[0] = x.x, lo[1] = x.y, lo[2] = x.z, lo[3] = x.w, lo[4] = y.x, lo[5] = y.y, lo[6] = y.z, lo[7] = y.w;
-      store_row(b, row, lo);
-      continue;
-    }
-    // DqTiles: the thread of a group's row g < 8 converts rows g and g + 8 (load_dq_tile_rows);
-    // the threads of rows g >= 8 have nothing to do.
-    int64_t padded_row = 0, rows_left = 0;
-    if (!dq_tile_row_of(p, r, &padded_row, &rows_left)) {
-      store_row(b, row, lo);
-      continue;
-    }
-    const int g = static_cast<int>(padded_row % DqTiles::kRows);
-    if (g >= 8) continue;
-    float hi[8];
-    load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
-                          DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
-                      g, lo, hi);
-    store_row(b, row, lo);
-    if (rows_left > 8) {  // row g + 8 is in the sequence too (the same batch entry when dense)
-      int64_t b8, row8;
-      split_packed_row(p, r + 8, &b8, &row8);
-      store_row(b8, row8, hi);
-    }
+    store_row(i, lo);
+    if (i + 8 < length) store_row(i + 8, hi);
   }
 }
 
