@@ -51,6 +51,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <type_traits>
@@ -150,15 +151,16 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
                                         backward_slots(p.device_id)));
   }
   if (stat_rows == 0) return Status::ok();
-  // Row-major: a thread per (row, head, chunk); DqTiles: per (pair of padded rows, head, chunk).
-  const int64_t rows = ws.dq_tiled ? ws.dq_rows_per_head / 2 * p.heads_q : stat_rows;
-  const int64_t items = rows * ceil_div(p.head_dim, kChunkElems);
-  int64_t blocks = ceil_div(items, kPrepostThreads);
-  if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;
-  if (ws.dq_tiled) {
+  if (ws.dq_tiled) {  // a warp per (16-row group, head, pair of 8-column tiles)
+    const int64_t warps = ws.dq_rows_per_head / DqTiles::kRows * p.heads_q * (kHeadDim / (2 * DqTiles::kCols));
+    const int64_t blocks = std::min<int64_t>(ceil_div(warps, kPrepostWarps), kPostprocessMaxBlocks);
     return launch_stage("postprocess", backward_postprocess_tiles_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0,
                         stream, p.device_id, p, ws);
   }
+  // Row-major: a thread per (row, head, chunk).
+  const int64_t items = stat_rows * ceil_div(p.head_dim, kChunkElems);
+  int64_t blocks = ceil_div(items, kPrepostThreads);
+  if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;
   return launch_stage("postprocess", backward_postprocess_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0, stream,
                       p.device_id, p, ws);
 }

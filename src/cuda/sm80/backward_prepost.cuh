@@ -94,23 +94,41 @@ __device__ __forceinline__ bool sequence_of_padded_row(const BackwardParams& p, 
   return *i >= 0 && *i < *length;
 }
 
-/** Rows g and g + 8 (g < 8) of a 16 x 8 DqTiles tile, in column order. Both rows' values sit in
- *  lanes 4g..4g+3 (column c in lane 4g + c / 2): with vector slots those lanes' four registers
- *  are 64 contiguous bytes (row g's pair of columns, then row g + 8's), with scalar slots each
- *  register is a float4 over the four lanes (row g's even columns, its odd ones, then row g + 8's),
- *  so a thread that takes both rows reads whole 16-byte pieces either way. */
-__device__ __forceinline__ void load_dq_tile_rows(const float* tile, int g, float (&lo)[8], float (&hi)[8]) {
-  const float4* src = reinterpret_cast<const float4*>(tile);
+/** Lane `lane`'s four m16n8 fragment registers of a DqTiles tile (row lane / 4, columns
+ *  2 (lane % 4) and + 1 in registers 0 / 1; row + 8 in registers 2 / 3): one 16-byte load with
+ *  vector slots, four scalar ones with scalar slots (a warp's each on one 128-byte line). */
+__device__ __forceinline__ float4 load_dq_fragment(const float* tile, int lane) {
   if constexpr (dq_vector_slots()) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 x = src[4 * g + j];  // lane 4g + j: columns 2j, 2j + 1
-      lo[2 * j] = x.x, lo[2 * j + 1] = x.y, hi[2 * j] = x.z, hi[2 * j + 1] = x.w;
-    }
+    return reinterpret_cast<const float4*>(tile)[lane];
   } else {
-    const float4 e0 = src[g], o0 = src[8 + g], e1 = src[16 + g], o1 = src[24 + g];  // register k: float4 8k + g
-    lo[0] = e0.x, lo[1] = o0.x, lo[2] = e0.y, lo[3] = o0.y, lo[4] = e0.z, lo[5] = o0.z, lo[6] = e0.w, lo[7] = o0.w;
-    hi[0] = e1.x, hi[1] = o1.x, hi[2] = e1.y, hi[3] = o1.y, hi[4] = e1.z, hi[5] = o1.z, hi[6] = e1.w, hi[7] = o1.w;
+    return make_float4(tile[DqTiles::slot(lane, 0, false)], tile[DqTiles::slot(lane, 1, false)],
+                       tile[DqTiles::slot(lane, 2, false)], tile[DqTiles::slot(lane, 3, false)]);
+  }
+}
+
+/** Turns a quad's fragments of two adjacent tiles (a: columns c..c+7, b: c+8..c+15) into rows:
+ *  quad lane q gets 8 consecutive values of one row, row g = lane / 4 (+ 8 when q >= 2) of tile
+ *  a (q even) or b (q odd), in column order. Four rounds of shuffles inside the quad: in round t
+ *  lane q reads quad lane (q + t) % 4, which sends what that reader wants (its two columns of the
+ *  reader's row and tile). Selects on compile-time indices keep everything in registers. */
+__device__ __forceinline__ void quad_fragments_to_row(const float4& a, const float4& b, int lane, float (&v)[8]) {
+  const int q = lane & 3;
+  const float2 mine[4] = {make_float2(a.x, a.y), make_float2(b.x, b.y), make_float2(a.z, a.w), make_float2(b.z, b.w)};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int reader = (q - t) & 3;  // the quad lane that reads this lane in round t
+    float2 send = mine[0];
+#pragma unroll
+    for (int d = 1; d < 4; ++d) send = reader == d ? mine[d] : send;
+    const int source = (q + t) & 3;  // the quad lane this lane reads: its columns 2 source, + 1
+    const int source_lane = (lane & ~3) | source;
+    const float x = __shfl_sync(0xffffffffu, send.x, source_lane);
+    const float y = __shfl_sync(0xffffffffu, send.y, source_lane);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      v[2 * c] = source == c ? x : v[2 * c];
+      v[2 * c + 1] = source == c ? y : v[2 * c + 1];
+    }
   }
 }
 
@@ -233,51 +251,54 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
   }
 }
 
-/** The postprocess for DqTiles' accumulator (the sm80 backward): a thread takes rows g and g + 8
- *  (g < 8) of a 16-row group and one 8-column chunk, reading their 64 contiguous bytes
- *  (load_dq_tile_rows). Items walk the padded rows' pairs, chunks fastest, then heads: no idle
- *  half (walking packed rows left the threads of rows g >= 8 without work, 78 -> 102 us at d128
- *  causal 2k, session 52); padding rows cost a thread each. Varlen rows of no sequence got their
- *  zeros in the preprocess. */
+/** The postprocess for DqTiles' accumulator (the sm80 backward): a warp takes two adjacent tiles
+ *  of one 16-row group and head (16 rows x 16 columns), reads them as its lanes' fragments (512
+ *  contiguous bytes per tile), turns them into rows inside each quad (quad_fragments_to_row) and
+ *  stores 16 B per lane: 32 contiguous bytes in each of 16 rows. Warps walk (group, head, tile
+ *  pair), pairs fastest; a group's sequence comes from a binary search over the padded rows
+ *  (sequence_of_padded_row); padding groups cost a warp each. Varlen rows of no sequence got
+ *  their zeros in the preprocess. (A thread per row and chunk read 16-byte pieces of 32 tiles per
+ *  warp instruction: 102 us at d128 causal 2k where rows took 78, session 52.) */
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_kernel(const BackwardParams p,
                                                                                      BackwardWorkspacePtrs ws) {
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
   ptx::wait_previous_grid();
   ptx::allow_next_grid();
-  const int64_t chunks_per_row = (p.head_dim + kChunkElems - 1) / kChunkElems;
-  const int64_t pairs_per_head = ws.dq_rows_per_head / 2;
-  const int64_t total = pairs_per_head * p.heads_q * chunks_per_row;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  constexpr int kPairsPerRow = kHeadDim / (2 * DqTiles::kCols);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t groups_per_head = ws.dq_rows_per_head / DqTiles::kRows;
+  const int64_t total = groups_per_head * p.heads_q * kPairsPerRow;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPrepostWarps;
   const float s = p.softmax_scale;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
-    const int64_t chunk = item % chunks_per_row;
-    const int64_t rest = item / chunks_per_row;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kPrepostWarps + threadIdx.x / kWarpSize; item < total;
+       item += warps) {
+    const int pair = static_cast<int>(item % kPairsPerRow);
+    const int64_t rest = item / kPairsPerRow;
     const int64_t h = rest % p.heads_q;
-    const int64_t pair = rest / p.heads_q;
-    const int g = static_cast<int>(pair % 8);
-    const int64_t padded_row = pair / 8 * DqTiles::kRows + g;
-    int64_t b, start, i, length;
-    if (!sequence_of_padded_row(p, padded_row, &b, &start, &i, &length)) continue;
-    float lo[8], hi[8];
-    load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
-                          DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
-                      g, lo, hi);
-    // Dense: batch entry b, rows i / i + 8; varlen: packed rows from the sequence's start.
-    const bool varlen = p.cu_seqlens_q != nullptr;
-    const int64_t batch_entry = varlen ? 0 : b;
-    const int64_t row0 = varlen ? start : 0;
-    auto store_row = [&](int64_t row, const float (&v)[8]) {
-      uint4 bits;
-      bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
-      bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
-      bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
-      bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
-      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, batch_entry, row0 + row, h) +
-                                chunk * kChunkElems) = bits;
-    };
-    store_row(i, lo);
-    if (i + 8 < length) store_row(i + 8, hi);
+    const int64_t group_row = rest / p.heads_q * DqTiles::kRows;  // the group's first padded row
+    const int col = pair * 2 * DqTiles::kCols;
+    if (col >= p.head_dim) continue;  // columns of the bucket only (warp-uniform)
+    int64_t b, start, i0, length;
+    if (!sequence_of_padded_row(p, group_row, &b, &start, &i0, &length)) continue;  // padding (warp-uniform)
+    const float* tile = ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + DqTiles::tile_offset(group_row, col, kHeadDim);
+    const float4 a = load_dq_fragment(tile, lane);
+    const float4 c = load_dq_fragment(tile + DqTiles::kElems, lane);
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    quad_fragments_to_row(a, c, lane, v);
+    const int q = lane & 3;
+    const int64_t i = i0 + lane / 4 + (q >= 2 ? 8 : 0);  // this lane's row in its sequence
+    const int my_col = col + (q & 1) * DqTiles::kCols;
+    if (i >= length || my_col >= p.head_dim) continue;
+    uint4 bits;
+    bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
+    bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
+    bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
+    bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
+    // Dense: batch entry b, row i; varlen: packed row start + i.
+    *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) +
+                              offset_of(p.dq, varlen ? 0 : b, varlen ? start + i : i, h) + my_col) = bits;
   }
 }
 
