@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   flashcore::cuda::TraceRecord* trace;
   CHECK(cudaMalloc(&trace, int64_t(slots) * bwd::kBwdTraceCapacity * sizeof(flashcore::cuda::TraceRecord)));
   CHECK(cudaMemcpyToSymbol(bwd::g_bwd_trace, &trace, sizeof(trace)));
-  const size_t ws_bytes = sm80::BackwardWorkspaceLayout::make(p, d).total_bytes;
+  const size_t ws_bytes = sm80::BackwardWorkspaceLayout::make(p, d, /*dq_tiled=*/true).total_bytes;
   void* ws = nullptr;
   CHECK(cudaMalloc(&ws, ws_bytes));
   auto run = [&] {

@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   sm90::TraceRecord* trace;
   CHECK(cudaMalloc(&trace, records * sizeof(sm90::TraceRecord)));
   CHECK(cudaMemcpyToSymbol(sm90::g_kernel_trace, &trace, sizeof(trace)));
-  const size_t ws_bytes = flashcore::cuda::sm80::BackwardWorkspaceLayout::make(p, d).total_bytes;
+  const size_t ws_bytes = flashcore::cuda::sm80::BackwardWorkspaceLayout::make(p, d, /*dq_tiled=*/false).total_bytes;
   void* ws = nullptr;
   if (backward) CHECK(cudaMalloc(&ws, ws_bytes));
   auto run = [&] {

@@ -47,6 +47,7 @@ __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t 
     *rows_left = (b + 1) * p.seqlen_q - r;
     return true;
   }
+  if (p.batch <= 0) return false;  // a varlen call of no sequence (cu_seqlens_q has one entry)
   int64_t start = 0, length = 0;
   int64_t lo = 0, hi = p.batch - 1;
   while (lo < hi) {

@@ -60,8 +60,9 @@ bool sm90_backward_supports(const BackwardParams& p, Status* why) {
     return false;
   }
   // A workspace query validates q/k/v only (dout, dk, dv are not given): the rules below apply
-  // when the tensors are known. The workspace is the same either way (sm80's layout), so a run
-  // that falls back to sm80 for its dout / dk / dv still finds the size it was told.
+  // when the tensors are known. The query reports the sm80 backward's size (the larger, see
+  // sm90_backward_workspace), so a run that falls back to sm80 for its dout / dk / dv still finds
+  // the size it was told.
   if (p.dout.data == nullptr) return true;
   const bool varlen = p.is_varlen();
   if (!sm90::tma_addressable(p.dout, varlen, p.batch)) {
@@ -88,7 +89,9 @@ bool sm90_backward_supports(const BackwardParams& p, Status* why) {
 size_t sm90_backward_workspace(const BackwardParams& p) {
   const int bucket = compiled_head_dim_bucket(p.head_dim);
   if (bucket == 0) return 0;
-  return sm80::BackwardWorkspaceLayout::make(p, bucket, /*dq_tiled=*/false).total_bytes;
+  // The sm80 backward's size (its tiled dQ accumulator is the larger): a call that falls back to
+  // sm80 once dout / dk / dv are known (sm90_backward_supports) still finds the size it was told.
+  return sm80::BackwardWorkspaceLayout::make(p, bucket, /*dq_tiled=*/true).total_bytes;
 }
 
 Status sm90_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
