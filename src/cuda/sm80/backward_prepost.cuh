@@ -81,6 +81,7 @@ __device__ __forceinline__ bool sequence_of_padded_row(const BackwardParams& p, 
     }
     return DqTiles::sequence_row0(*first, seq);
   };
+  if (p.batch <= 0) return false;  // a varlen call of no sequence
   int64_t lo = 0, hi = p.batch - 1, first = 0, len = 0;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
