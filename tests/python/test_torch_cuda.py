@@ -228,6 +228,21 @@ def test_backward_on_each_cuda_backend(backend, case):
     assert_step_within_rule(got, (q, k, v), dout, backend, **mask)
 
 
+def test_backward_with_a_dout_broadcast_over_the_sequence():
+    """dout with stride 0 along the sequence (the gradient of (out * w).sum() for w (b, 1, h, d)):
+    the Hopper backward's TMA cannot read it, so AUTO runs the sm80 backward there, in the
+    workspace the query sized before dout was known (the sm80 size, the larger since its tiled
+    dQ accumulator)."""
+    batch, sq, hq, d = 2, 200, 4, 128
+    dtype = torch.bfloat16
+    q, k, v = (torch.randn(batch, sq, hq, d, device=DEVICE, dtype=dtype) for _ in range(3))
+    dout = torch.randn(batch, 1, hq, d, device=DEVICE, dtype=dtype).expand(batch, sq, hq, d)
+    assert dout.stride(1) == 0 and dout.stride(-1) == 1
+    fa = lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True)
+    got = forward_backward(fa, (q, k, v), dout)
+    assert_step_within_rule(got, (q, k, v), dout, causal=True)
+
+
 def test_varlen_matches_dense_per_sequence():
     lengths = [100, 1, 0, 257]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
