@@ -9,6 +9,9 @@
 #
 # OUTDIR receives three files (ab.txt, build_base.log, build_new.log): the device tool returns at
 # most 8, so a command that writes more of its own beside them loses some (session 51's first call).
+# --tests FILTER also builds the new tree's CUDA tests (both dtypes, beside the packages) and runs
+# them after the rounds, then compute-sanitizer memcheck and racecheck on CudaSanitizerSmall.*
+# (tests.log, build_tests.log; session 52's call 5 did all of it in 382 s).
 # The GPU machine has no .git, hence the archive made here. Both packages build at once (bf16,
 # d64 / d128 by default: ~2 min on 16 cores); then each round runs the command with PYTHONPATH on
 # the base package, then on the new one (AB_LABEL=base / new in its environment), everything
@@ -30,12 +33,13 @@ fi
 
 OUTDIR=${1:?usage: dev/ab_builds.sh run OUTDIR [options] -- COMMAND...}
 shift
-DIMS='64;128' DTYPES=bf16 ROUNDS=2
+DIMS='64;128' DTYPES=bf16 ROUNDS=2 TESTS=
 while [ $# -gt 0 ] && [ "$1" != -- ]; do
   case "$1" in
     --dims) DIMS=$2; shift 2 ;;
     --dtypes) DTYPES=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
+    --tests) TESTS=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -56,6 +60,13 @@ build() {
   echo "$label: built, kernels with spills: $(grep -E '[1-9][0-9]* bytes spill stores' "$log" | wc -l)"
 }
 T0=$(date +%s)
+if [ -n "$TESTS" ]; then
+  ( cmake -S . -B build-ab-tests -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
+      -DFLASHCORE_BUILD_PYTHON=OFF -DFLASHCORE_BUILD_TESTS=ON -DFLASHCORE_BUILD_CLI=OFF "-DFLASHCORE_DTYPES=fp16;bf16" \
+      >"$OUTDIR/build_tests.log" 2>&1 &&
+      cmake --build build-ab-tests -j 8 --target flashcore_cuda_tests >>"$OUTDIR/build_tests.log" 2>&1
+    echo "tests build rc=$? at $(( $(date +%s) - T0 )) s" ) >/tmp/ab_build_tests.status 2>&1 &
+fi
 build dev_ab/base base 8 >/tmp/ab_build_base.status 2>&1 &
 build . new 8 || exit 1
 wait
@@ -69,3 +80,16 @@ for round in $(seq 1 "$ROUNDS"); do
     AB_LABEL=$label PYTHONPATH="/tmp/ab_pkg_$label" "$@" 2>&1 | tee -a "$OUTDIR/ab.txt"
   done
 done
+
+if [ -n "$TESTS" ]; then
+  wait
+  cat /tmp/ab_build_tests.status
+  timeout 240 build-ab-tests/tests/flashcore_cuda_tests --gtest_filter="$TESTS" >"$OUTDIR/tests.log" 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s: $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \]' "$OUTDIR/tests.log" | head
+  for tool in memcheck racecheck; do
+    timeout 60 compute-sanitizer --tool $tool --error-exitcode 9 build-ab-tests/tests/flashcore_cuda_tests \
+      --gtest_filter='CudaSanitizerSmall.*' >/tmp/ab_sanitize.log 2>&1
+    echo "compute-sanitizer $tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/ab_sanitize.log | tr '\n' ' ')"
+  done
+fi

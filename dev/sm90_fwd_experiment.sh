@@ -13,10 +13,14 @@
 #        [--trace-kernel fwd|bwd (bwd: the backward's main kernel instead)]]
 #        [--sanitize-variants 1,2 (with --filter: compute-sanitizer memcheck, racecheck and synccheck
 #        on the small cases, CudaSanitizerSmall.*, per variant)] [--test-timeout S (per variant, default 200)]
+#        [--cmake ARG (one more CMake argument for the build, repeatable; e.g.
+#        '-DCMAKE_CUDA_FLAGS=-Xptxas=-v -DFLASHCORE_DQ_SCALAR_SLOTS=1' runs the sm80 backward's
+#        sm_80 dQ slot order on a Hopper GPU)]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage}; VARIANTS=${2:?usage}; shift 2
 CELLS= ROUNDS=3 BWD= BACKEND=auto PEER=cudnn NCU= NCU_VARIANTS=0 FILTER= TEST_VARIANTS= TRACE= TRACE_VARIANTS=0 TRACE_KERNEL=fwd SANITIZE_VARIANTS= TEST_TIMEOUT=200
+EXTRA_CMAKE=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --cells) CELLS=$2; shift 2 ;;
@@ -33,6 +37,7 @@ while [ $# -gt 0 ]; do
     --trace-kernel) TRACE_KERNEL=$2; shift 2 ;;
     --sanitize-variants) SANITIZE_VARIANTS=$2; shift 2 ;;
     --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
+    --cmake) EXTRA_CMAKE+=("$2"); shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -40,7 +45,7 @@ source dev/experiment_common.sh
 experiment_start "$OUTDIR"
 
 TESTS=OFF DTYPES=bf16; [ -n "$FILTER" ] && TESTS=ON DTYPES="fp16;bf16"
-build_package build-exp /tmp/fcexp "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS
+build_package build-exp /tmp/fcexp "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS "${EXTRA_CMAKE[@]}"
 
 ARGS=(--rounds "$ROUNDS" $BWD --backend "$BACKEND" --peer "$PEER"); [ -n "$CELLS" ] && ARGS+=(--cells "$CELLS")
 PYTHONUNBUFFERED=1 timeout 400 python3 dev/fwd_variants.py "$VARIANTS" "${ARGS[@]}" >"$OUTDIR/variants.log" 2>&1
