@@ -68,7 +68,8 @@ __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t 
 /** The sequence b holding padded row `padded_row` of DqTiles' layout, the row's index i inside it
  *  and the sequence's length; false for padding rows (past a sequence, before the next one's
  *  start). A binary search over b: sequence_row0 grows strictly with b for valid cu_seqlens_q
- *  (invalid ones give some sequence, and i < length keeps every access inside it). */
+ *  (invalid ones give some sequence; i < length keeps the caller's dq writes inside it, the
+ *  caller's item range its accumulator reads). */
 __device__ __forceinline__ bool sequence_of_padded_row(const BackwardParams& p, int64_t padded_row, int64_t* b,
                                                        int64_t* start, int64_t* i, int64_t* length) {
   // Sequence `seq`'s first packed row (b * seqlen_q when dense), its length and its first padded row.
@@ -267,6 +268,7 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_ke
   // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
   ptx::wait_previous_grid();
   ptx::allow_next_grid();
+  static_assert(kHeadDim % (2 * DqTiles::kCols) == 0, "whole pairs of 8-column tiles per row");
   constexpr int kPairsPerRow = kHeadDim / (2 * DqTiles::kCols);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t groups_per_head = ws.dq_rows_per_head / DqTiles::kRows;
