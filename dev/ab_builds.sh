@@ -81,8 +81,7 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 
-if [ -n "$TESTS" ]; then
-  wait
+if [ -n "$TESTS" ]; then  # its build finished with the packages' (the wait above)
   cat /tmp/ab_build_tests.status
   timeout 240 build-ab-tests/tests/flashcore_cuda_tests --gtest_filter="$TESTS" >"$OUTDIR/tests.log" 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s: $(grep -E '^\[  (PASSED|FAILED)' "$OUTDIR/tests.log" | tr '\n' ' ')"

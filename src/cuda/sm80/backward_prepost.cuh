@@ -173,33 +173,30 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
 #pragma unroll
       for (int e = 0; e < kChunkElems; ++e) dot += to_float(dout_elems[e]) * to_float(out_elems[e]);
     }
-    if (ws.dq_accum != nullptr && !ws.dq_tiled) {  // the bucket's whole row, padding columns included
-      float4* dst = reinterpret_cast<float4*>(ws.dq_accum + item * kHeadDim + col);
+    // The accumulator's flat rows [flat, flat_end) of this head are zeroed, the bucket's whole
+    // width (padding columns included). Row-major: the row itself. DqTiles: a 16-row group's
+    // tiles fill its 16 flat rows, so zeroing the group as flat rows zeroes it whatever the slot
+    // order, with the same coalesced stores; the row ending a sequence also zeroes the flat rows
+    // of its group past it (padding rows have no item of their own; their floats hold other rows'
+    // values).
+    int64_t flat = 0, flat_end = 0, padded_row = 0, rows_left = 0;
+    if (ws.dq_accum != nullptr && !ws.dq_tiled) {
+      flat = r;
+      flat_end = r + 1;
+    } else if (ws.dq_accum != nullptr && dq_tile_row_of(p, r, &padded_row, &rows_left)) {
+      flat = padded_row;
+      flat_end = rows_left > 1 ? padded_row + 1 : (padded_row / DqTiles::kRows + 1) * DqTiles::kRows;
+    } else if (ws.dq_accum != nullptr && p.cu_seqlens_q != nullptr && col < p.head_dim &&
+               r >= p.cu_seqlens_q[0] && r < p.cu_seqlens_q[p.batch]) {
+      // DqTiles, a varlen row of no (clamped) sequence inside [cu_seqlens_q[0], cu_seqlens_q[batch]):
+      // its dq is 0, written here because the tiled postprocess walks the sequences' rows only.
+      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + col) =
+          make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (; flat < flat_end; ++flat) {
+      float4* dst = reinterpret_cast<float4*>(ws.dq_accum + (h * ws.dq_rows_per_head + flat) * kHeadDim + col);
       dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
       dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    // DqTiles: a 16-row group's tiles fill its 16 x kHeadDim floats, so zeroing the group as 16
-    // flat rows of kHeadDim zeroes it whatever the slot order, with the row-major layout's
-    // coalesced stores. The row ending a sequence also zeroes the flat rows of its group past it
-    // (padding rows have no item of their own; their floats hold other rows' values).
-    int64_t padded_row = 0, rows_left = 0;
-    if (ws.dq_accum != nullptr && ws.dq_tiled) {
-      if (dq_tile_row_of(p, r, &padded_row, &rows_left)) {
-        float* head = ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + col;
-        const int64_t flat_end =
-            rows_left > 1 ? padded_row + 1 : (padded_row / DqTiles::kRows + 1) * DqTiles::kRows;
-        for (int64_t flat = padded_row; flat < flat_end; ++flat) {
-          float4* dst = reinterpret_cast<float4*>(head + flat * kHeadDim);
-          dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-          dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-      } else if (p.cu_seqlens_q != nullptr && col < p.head_dim && r >= p.cu_seqlens_q[0] &&
-                 r < p.cu_seqlens_q[p.batch]) {
-        // A varlen row of no (clamped) sequence inside [cu_seqlens_q[0], cu_seqlens_q[batch]):
-        // its dq is 0, written here because the tiled postprocess walks the sequences' rows only.
-        *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + col) =
-            make_uint4(0u, 0u, 0u, 0u);
-      }
     }
   }
   // Butterfly reduction inside the lane group: a fixed order, so D is bit-reproducible. Every lane

@@ -87,11 +87,9 @@ bool sm90_backward_supports(const BackwardParams& p, Status* why) {
 }
 
 size_t sm90_backward_workspace(const BackwardParams& p) {
-  const int bucket = compiled_head_dim_bucket(p.head_dim);
-  if (bucket == 0) return 0;
   // The sm80 backward's size (its tiled dQ accumulator is the larger): a call that falls back to
   // sm80 once dout / dk / dv are known (sm90_backward_supports) still finds the size it was told.
-  return sm80::BackwardWorkspaceLayout::make(p, bucket, /*dq_tiled=*/true).total_bytes;
+  return sm80_backward_workspace(p);
 }
 
 Status sm90_backward(const BackwardParams& p, void* workspace, size_t workspace_bytes) {
