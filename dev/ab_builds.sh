@@ -11,7 +11,9 @@
 # most 8, so a command that writes more of its own beside them loses some (session 51's first call).
 # --tests FILTER also builds the new tree's CUDA tests (both dtypes, beside the packages) and runs
 # them after the rounds, then compute-sanitizer memcheck and racecheck on CudaSanitizerSmall.*
-# (tests.log, build_tests.log; session 52's call 5 did all of it in 382 s).
+# (tests.log, build_tests.log; session 52's call 5 did all of it in 382 s). --tests-flags FLAGS
+# builds those tests with CMAKE_CUDA_FLAGS=FLAGS (e.g. -DFLASHCORE_DQ_SCALAR_SLOTS=1: the sm_80
+# order of the dQ accumulator on the H200).
 # The GPU machine has no .git, hence the archive made here. Both packages build at once (bf16,
 # d64 / d128 by default: ~2 min on 16 cores); then each round runs the command with PYTHONPATH on
 # the base package, then on the new one (AB_LABEL=base / new in its environment), everything
@@ -33,13 +35,14 @@ fi
 
 OUTDIR=${1:?usage: dev/ab_builds.sh run OUTDIR [options] -- COMMAND...}
 shift
-DIMS='64;128' DTYPES=bf16 ROUNDS=2 TESTS=
+DIMS='64;128' DTYPES=bf16 ROUNDS=2 TESTS= TESTS_FLAGS=
 while [ $# -gt 0 ] && [ "$1" != -- ]; do
   case "$1" in
     --dims) DIMS=$2; shift 2 ;;
     --dtypes) DTYPES=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --tests) TESTS=$2; shift 2 ;;
+    --tests-flags) TESTS_FLAGS=$2; shift 2 ;;
     *) echo "unknown option $1"; exit 2 ;;
   esac
 done
@@ -63,6 +66,7 @@ T0=$(date +%s)
 if [ -n "$TESTS" ]; then
   ( cmake -S . -B build-ab-tests -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=ON -DFLASHCORE_CUDA_ARCHS=90 \
       -DFLASHCORE_BUILD_PYTHON=OFF -DFLASHCORE_BUILD_TESTS=ON -DFLASHCORE_BUILD_CLI=OFF "-DFLASHCORE_DTYPES=fp16;bf16" \
+      "-DCMAKE_CUDA_FLAGS=$TESTS_FLAGS" \
       >"$OUTDIR/build_tests.log" 2>&1 &&
       cmake --build build-ab-tests -j 8 --target flashcore_cuda_tests >>"$OUTDIR/build_tests.log" 2>&1
     echo "tests build rc=$? at $(( $(date +%s) - T0 )) s" ) >/tmp/ab_build_tests.status 2>&1 &

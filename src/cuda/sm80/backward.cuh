@@ -51,6 +51,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <type_traits>
@@ -150,6 +151,13 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
                                         backward_slots(p.device_id)));
   }
   if (stat_rows == 0) return Status::ok();
+  if (ws.dq_tiled) {  // a thread per (leader row: half the padded rows, head, 8-column chunk)
+    const int64_t items = ws.dq_rows_per_head / 2 * p.heads_q * (kHeadDim / kChunkElems);
+    const int64_t blocks = std::min<int64_t>(ceil_div(items, kPrepostThreads), kPostprocessMaxBlocks);
+    return launch_stage("postprocess", backward_postprocess_tiles_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0,
+                        stream, p.device_id, p, ws);
+  }
+  // Row-major: a thread per (row, head, chunk).
   const int64_t items = stat_rows * ceil_div(p.head_dim, kChunkElems);
   int64_t blocks = ceil_div(items, kPrepostThreads);
   if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;

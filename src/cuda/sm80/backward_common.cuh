@@ -403,9 +403,13 @@ struct BackwardWorkspacePtrs {
 };
 
 /** Whether this device code stores DqTiles slots for 16-byte reductions (sm_90's float4
- *  atomics) or scalar ones; every kernel of one call is compiled for the same architecture. */
+ *  atomics) or scalar ones; every kernel of one call is compiled for the same architecture.
+ *  FLASHCORE_DQ_SCALAR_SLOTS (a test build's define) takes the scalar order on sm_90 too, so
+ *  a Hopper machine can run the order that sm_80 builds use. */
 __device__ __forceinline__ constexpr bool dq_vector_slots() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(FLASHCORE_DQ_SCALAR_SLOTS)
+  return false;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   return true;
 #else
   return false;

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 
+#include "cuda/ptx/global_store.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/sm80/backward_common.cuh"
 
@@ -65,6 +66,38 @@ __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t 
   return r >= start && *rows_left > 0;
 }
 
+/** The sequence b holding padded row `padded_row` of DqTiles' layout, the row's index i inside it
+ *  and the sequence's length; false for padding rows (past a sequence, before the next one's
+ *  start). A binary search over b: sequence_row0 grows strictly with b for valid cu_seqlens_q
+ *  (invalid ones give some sequence; i < length keeps the caller's dq writes inside it, the
+ *  caller's item range its accumulator reads). */
+__device__ __forceinline__ bool sequence_of_padded_row(const BackwardParams& p, int64_t padded_row, int64_t* b,
+                                                       int64_t* start, int64_t* i, int64_t* length) {
+  // Sequence `seq`'s first packed row (b * seqlen_q when dense), its length and its first padded row.
+  auto locate = [&](int64_t seq, int64_t* first, int64_t* len) {
+    if (p.cu_seqlens_q == nullptr) {
+      *first = seq * p.seqlen_q;
+      *len = p.seqlen_q;
+    } else {
+      packed_rows(p.cu_seqlens_q, seq, p.total_q, p.seqlen_q, *first, *len);
+    }
+    return DqTiles::sequence_row0(*first, seq);
+  };
+  if (p.batch <= 0) return false;  // a varlen call of no sequence
+  int64_t lo = 0, hi = p.batch - 1, first = 0, len = 0;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (locate(mid, &first, &len) <= padded_row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  *b = lo;
+  *i = padded_row - locate(lo, start, length);
+  return *i >= 0 && *i < *length;
+}
+
 /** Rows g and g + 8 (g < 8) of a 16 x 8 DqTiles tile, in column order. Both rows' values sit in
  *  lanes 4g..4g+3 (column c in lane 4g + c / 2): with vector slots those lanes' four registers
  *  are 64 contiguous bytes (row g's pair of columns, then row g + 8's), with scalar slots each
@@ -83,6 +116,13 @@ __device__ __forceinline__ void load_dq_tile_rows(const float* tile, int g, floa
     lo[0] = e0.x, lo[1] = o0.x, lo[2] = e0.y, lo[3] = o0.y, lo[4] = e0.z, lo[5] = o0.z, lo[6] = e0.w, lo[7] = o0.w;
     hi[0] = e1.x, hi[1] = o1.x, hi[2] = e1.y, hi[3] = o1.y, hi[4] = e1.z, hi[5] = o1.z, hi[6] = e1.w, hi[7] = o1.w;
   }
+}
+
+/** dq's chunk of 8 elements at `dst` = s * v, converted (one 16-byte store: ptx/global_store.cuh). */
+template <typename Element>
+__device__ __forceinline__ void store_scaled_chunk(Element* dst, const float (&v)[8], float s) {
+  ptx::store_global_v4(dst, pack_pair<Element>(v[0] * s, v[1] * s), pack_pair<Element>(v[2] * s, v[3] * s),
+                       pack_pair<Element>(v[4] * s, v[5] * s), pack_pair<Element>(v[6] * s, v[7] * s));
 }
 
 template <int kHeadDim>
@@ -136,6 +176,11 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
     } else if (ws.dq_accum != nullptr && dq_tile_row_of(p, r, &padded_row, &rows_left)) {
       flat = padded_row;
       flat_end = rows_left > 1 ? padded_row + 1 : (padded_row / DqTiles::kRows + 1) * DqTiles::kRows;
+    } else if (ws.dq_accum != nullptr && p.cu_seqlens_q != nullptr && col < p.head_dim &&
+               r >= p.cu_seqlens_q[0] && r < p.cu_seqlens_q[p.batch]) {
+      // DqTiles, a varlen row of no (clamped) sequence inside [cu_seqlens_q[0], cu_seqlens_q[batch]):
+      // its dq is 0, written here because the tiled postprocess walks the sequences' rows only.
+      ptx::store_global_v4(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + col, 0u, 0u, 0u, 0u);
     }
     for (; flat < flat_end; ++flat) {
       float4* dst = reinterpret_cast<float4*>(ws.dq_accum + (h * ws.dq_rows_per_head + flat) * kHeadDim + col);
@@ -180,44 +225,54 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
     int64_t b;
     int64_t row;
     split_packed_row(p, r, &b, &row);
-    const float s = p.softmax_scale;
-    auto store_row = [&](int64_t b_row, int64_t row_in_b, const float (&v)[8]) {
-      uint4 bits;
-      bits.x = pack_pair<Element>(v[0] * s, v[1] * s);
-      bits.y = pack_pair<Element>(v[2] * s, v[3] * s);
-      bits.z = pack_pair<Element>(v[4] * s, v[5] * s);
-      bits.w = pack_pair<Element>(v[6] * s, v[7] * s);
-      *reinterpret_cast<uint4*>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b_row, row_in_b, h) +
-                                chunk * kChunkElems) = bits;
-    };
-    float lo[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a row of no sequence: dq = 0 (its zeroed accumulator)
-    if (!ws.dq_tiled) {
-      const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
-                                                                            kChunkElems);
-      const float4 x = src[0];
-      const float4 y = src[1];
-      lo[0] = x.x, lo[1] = x.y, lo[2] = x.z, lo[3] = x.w, lo[4] = y.x, lo[5] = y.y, lo[6] = y.z, lo[7] = y.w;
-      store_row(b, row, lo);
-      continue;
-    }
-    // DqTiles: the thread of a group's row g < 8 converts rows g and g + 8 (load_dq_tile_rows);
-    // the threads of rows g >= 8 have nothing to do.
-    int64_t padded_row = 0, rows_left = 0;
-    if (!dq_tile_row_of(p, r, &padded_row, &rows_left)) {
-      store_row(b, row, lo);
-      continue;
-    }
-    const int g = static_cast<int>(padded_row % DqTiles::kRows);
-    if (g >= 8) continue;
-    float hi[8];
-    load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim +
-                          DqTiles::tile_offset(padded_row, static_cast<int>(chunk * kChunkElems), kHeadDim),
+    const float4* src = reinterpret_cast<const float4*>(ws.dq_accum + ((h * p.total_q + r) * kChunksPerRow + chunk) *
+                                                                          kChunkElems);
+    const float4 lo = src[0];
+    const float4 hi = src[1];
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    store_scaled_chunk<Element>(static_cast<Element*>(p.dq.data) + offset_of(p.dq, b, row, h) + chunk * kChunkElems, v,
+                                p.softmax_scale);
+  }
+}
+
+/** The postprocess for DqTiles' accumulator (the sm80 backward): a thread per (leader row, head,
+ *  8-column chunk), chunks fastest. Leaders are the padded rows g < 8 of each 16-row group; the
+ *  thread converts rows g and g + 8 from 64 contiguous bytes of the tile (load_dq_tile_rows), so
+ *  no thread idles but those of padding rows. A leader's sequence comes from a binary search over
+ *  the padded rows (sequence_of_padded_row). Varlen rows of no sequence got their zeros in the
+ *  preprocess. (Session 52's forms: a thread per packed row, the g >= 8 ones idle, 93 us at d128
+ *  causal 2k; a warp per pair of tiles with quad shuffles, 109 us.) */
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_kernel(const BackwardParams p,
+                                                                                     BackwardWorkspacePtrs ws) {
+  // A programmatic dependent of the kernel before it (cuda/programmatic_launch.hpp).
+  ptx::wait_previous_grid();
+  ptx::allow_next_grid();
+  constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+  constexpr int kLeadersPerGroup = DqTiles::kRows / 2;
+  const int64_t leaders_per_head = ws.dq_rows_per_head / DqTiles::kRows * kLeadersPerGroup;
+  const int64_t total = leaders_per_head * p.heads_q * kChunksPerRow;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
+    const int col = static_cast<int>(item % kChunksPerRow) * kChunkElems;
+    const int64_t rest = item / kChunksPerRow;
+    const int64_t h = rest % p.heads_q;
+    const int64_t leader = rest / p.heads_q;
+    const int g = static_cast<int>(leader % kLeadersPerGroup);
+    const int64_t padded_row = leader / kLeadersPerGroup * DqTiles::kRows + g;
+    if (col >= p.head_dim) continue;  // columns of the bucket only
+    int64_t b, start, i, length;
+    if (!sequence_of_padded_row(p, padded_row, &b, &start, &i, &length)) continue;  // padding
+    float lo[8], hi[8];
+    load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + DqTiles::tile_offset(padded_row, col, kHeadDim),
                       g, lo, hi);
-    store_row(b, row, lo);
-    if (rows_left > 8) {  // row g + 8 is in the sequence too (the same batch entry when dense)
-      int64_t b8, row8;
-      split_packed_row(p, r + 8, &b8, &row8);
-      store_row(b8, row8, hi);
+    // Dense: batch entry b, row i; varlen: packed row start + i.
+    Element* dq = static_cast<Element*>(p.dq.data) + col;
+    store_scaled_chunk<Element>(dq + offset_of(p.dq, varlen ? 0 : b, varlen ? start + i : i, h), lo, p.softmax_scale);
+    if (i + 8 < length) {
+      store_scaled_chunk<Element>(dq + offset_of(p.dq, varlen ? 0 : b, varlen ? start + i + 8 : i + 8, h), hi,
+                                  p.softmax_scale);
     }
   }
 }
