@@ -88,7 +88,7 @@ struct BackwardTraits;
 //  d=256: 64 x 64 tiles with single-buffered Q/dO (about 145 KiB of shared memory).
 // All fit the 163 KiB an sm_80 block may use; Q/dO are double-buffered where that fits.
 template <>
-struct BackwardTraits<64> : BackwardTraitsBase<64, 128, 128, 2, 4, 4, 4, 32> {};
+struct BackwardTraits<64> : BackwardTraitsBase<64, 128, 128, 2, 2, 4, 4, 32> {};
 template <>
 struct BackwardTraits<128> : BackwardTraitsBase<128, 64, 128, 2, 2, 4, 2, 32> {};
 template <>
