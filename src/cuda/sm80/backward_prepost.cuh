@@ -199,6 +199,8 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_preprocess_kernel(co
   }
 }
 
+/** The postprocess for the row-major accumulator (the Hopper backward's, whose TMA reductions
+ *  write row-major boxes): a thread per (sequence row, head, 8-column chunk). */
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(const BackwardParams p,
                                                                                BackwardWorkspacePtrs ws) {
@@ -240,8 +242,9 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
  *  thread converts rows g and g + 8 from 64 contiguous bytes of the tile (load_dq_tile_rows), so
  *  no thread idles but those of padding rows. A leader's sequence comes from a binary search over
  *  the padded rows (sequence_of_padded_row). Varlen rows of no sequence got their zeros in the
- *  preprocess. (Session 52's forms: a thread per packed row, the g >= 8 ones idle, 93 us at d128
- *  causal 2k; a warp per pair of tiles with quad shuffles, 109 us.) */
+ *  preprocess. (Earlier forms, d128 causal 2k on an H200: a thread per packed row with the g >= 8
+ *  ones idle, 92 us; a warp per pair of tiles with quad shuffles, 109 us; this one 88 us, and
+ *  3.18 TB/s under ncu where the first read 2.42: docs/PERF.md, session 53.) */
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_kernel(const BackwardParams p,
                                                                                      BackwardWorkspacePtrs ws) {
