@@ -159,8 +159,7 @@ Status launch_dq_stage(const backward_params_t& p, const BackwardWorkspacePtrs& 
   }
   // Row-major: a thread per (row, head, chunk).
   const int64_t items = stat_rows * ceil_div(p.head_dim, kChunkElems);
-  int64_t blocks = ceil_div(items, kPrepostThreads);
-  if (blocks > kPostprocessMaxBlocks) blocks = kPostprocessMaxBlocks;
+  const int64_t blocks = std::min<int64_t>(ceil_div(items, kPrepostThreads), kPostprocessMaxBlocks);
   return launch_stage("postprocess", backward_postprocess_kernel<Element, kHeadDim>, blocks, kPrepostThreads, 0, stream,
                       p.device_id, p, ws);
 }

@@ -35,11 +35,41 @@ __device__ __forceinline__ void split_packed_row(const BackwardParams& p, int64_
   }
 }
 
+/** Sequence `seq`'s first packed row and its length (dense: seq * seqlen_q and seqlen_q). */
+__device__ __forceinline__ void sequence_rows(const BackwardParams& p, int64_t seq, int64_t* first, int64_t* length) {
+  if (p.cu_seqlens_q == nullptr) {
+    *first = seq * p.seqlen_q;
+    *length = p.seqlen_q;
+  } else {
+    packed_rows(p.cu_seqlens_q, seq, p.total_q, p.seqlen_q, *first, *length);
+  }
+}
+
+/** The last sequence b (batch > 0) with start_of(its first packed row, b) <= value, and that
+ *  sequence's first packed row and length: a binary search, the starts growing with b for valid
+ *  cu_seqlens_q (invalid ones still give some sequence of the call). */
+template <typename StartOf>
+__device__ __forceinline__ int64_t last_sequence_starting_by(const BackwardParams& p, int64_t value, StartOf start_of,
+                                                             int64_t* first, int64_t* length) {
+  int64_t lo = 0, hi = p.batch - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    sequence_rows(p, mid, first, length);
+    if (start_of(*first, mid) <= value) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  sequence_rows(p, lo, first, length);
+  return lo;
+}
+
 /** The padded row of packed row r in DqTiles' layout (backward_workspace.hpp) and how many rows of
  *  its sequence start at r (r itself included); false when r lies in no sequence (varlen rows
  *  between or after the clamped sequences). Varlen calls find r's sequence by a binary search
- *  over the clamped starts (increasing for valid cu_seqlens_q; invalid ones still give an
- *  in-bounds row, DqTiles::rows_per_head). */
+ *  over the clamped starts (invalid cu_seqlens_q still give an in-bounds row,
+ *  DqTiles::rows_per_head). */
 __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t r, int64_t* padded_row,
                                                int64_t* rows_left) {
   if (p.cu_seqlens_q == nullptr) {
@@ -50,51 +80,23 @@ __device__ __forceinline__ bool dq_tile_row_of(const BackwardParams& p, int64_t 
   }
   if (p.batch <= 0) return false;  // a varlen call of no sequence (cu_seqlens_q has one entry)
   int64_t start = 0, length = 0;
-  int64_t lo = 0, hi = p.batch - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    packed_rows(p.cu_seqlens_q, mid, p.total_q, p.seqlen_q, start, length);
-    if (start <= r) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  packed_rows(p.cu_seqlens_q, lo, p.total_q, p.seqlen_q, start, length);
-  *padded_row = DqTiles::sequence_row0(start, lo) + (r - start);
+  const int64_t b = last_sequence_starting_by(p, r, [](int64_t first, int64_t) { return first; }, &start, &length);
+  *padded_row = DqTiles::sequence_row0(start, b) + (r - start);
   *rows_left = start + length - r;
   return r >= start && *rows_left > 0;
 }
 
-/** The sequence b holding padded row `padded_row` of DqTiles' layout, the row's index i inside it
- *  and the sequence's length; false for padding rows (past a sequence, before the next one's
- *  start). A binary search over b: sequence_row0 grows strictly with b for valid cu_seqlens_q
+/** The sequence b holding padded row `padded_row` of DqTiles' layout, the row's index i inside it,
+ *  the sequence's first packed row and its length; false for padding rows (past a sequence, before
+ *  the next one's start). Sequences start at strictly growing padded rows for valid cu_seqlens_q
  *  (invalid ones give some sequence; i < length keeps the caller's dq writes inside it, the
  *  caller's item range its accumulator reads). */
 __device__ __forceinline__ bool sequence_of_padded_row(const BackwardParams& p, int64_t padded_row, int64_t* b,
                                                        int64_t* start, int64_t* i, int64_t* length) {
-  // Sequence `seq`'s first packed row (b * seqlen_q when dense), its length and its first padded row.
-  auto locate = [&](int64_t seq, int64_t* first, int64_t* len) {
-    if (p.cu_seqlens_q == nullptr) {
-      *first = seq * p.seqlen_q;
-      *len = p.seqlen_q;
-    } else {
-      packed_rows(p.cu_seqlens_q, seq, p.total_q, p.seqlen_q, *first, *len);
-    }
-    return DqTiles::sequence_row0(*first, seq);
-  };
   if (p.batch <= 0) return false;  // a varlen call of no sequence
-  int64_t lo = 0, hi = p.batch - 1, first = 0, len = 0;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (locate(mid, &first, &len) <= padded_row) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  *b = lo;
-  *i = padded_row - locate(lo, start, length);
+  *b = last_sequence_starting_by(
+      p, padded_row, [](int64_t first, int64_t seq) { return DqTiles::sequence_row0(first, seq); }, start, length);
+  *i = padded_row - DqTiles::sequence_row0(*start, *b);
   return *i >= 0 && *i < *length;
 }
 
