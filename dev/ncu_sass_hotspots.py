@@ -1,7 +1,9 @@
 """Summarizes Nsight Compute's SASS source page (CSV, from dev/ncu_sass_hotspots.sh): the
 instructions with the most warp-stall samples, each with the two instructions before it, and the
 share of all samples per opcode, and the executed warp instructions per opcode (where a kernel
-spends its instructions: compare two kernels' lists).
+spends its instructions: compare two kernels' lists); the stall reasons over the whole kernel and
+for each hot instruction; and the samples per stretch of code between two barriers (BAR.SYNC),
+with the tensor instructions each stretch holds: which phase of a loop's step the time goes to.
 usage: python3 dev/ncu_sass_hotspots.py SASS.csv [TOP]"""
 import collections
 import csv
@@ -44,10 +46,39 @@ if execd is not None:
     ex_total = sum(ex_op.values()) or 1.0
     print("executed warp instructions %.2f M; by opcode:" % (ex_total / 1e6), ", ".join(
         "%s %.2f M" % (k, v / 1e6) for k, v in ex_op.most_common(24)))
+# Stall reasons: the per-reason sample columns (all samples, not the "Not Issued" copies).
+reasons = [(i, c[len("stall_"):]) for i, c in enumerate(cols) if c.startswith("stall_") and "Not Issued" not in c]
+if reasons:
+    by_reason = collections.Counter({name: sum(num(r[i]) for r in body) for i, name in reasons})
+    print("stall reasons over the kernel:", ", ".join(
+        "%s %.1f%%" % (k, 100 * v / total) for k, v in by_reason.most_common(10) if v > 0))
+
+
+def top_reasons(r, n=2):
+    got = sorted(((num(r[i]), name) for i, name in reasons), reverse=True)[:n]
+    return " ".join("%s %.0f%%" % (name, 100 * v / (num(r[samp]) or 1)) for v, name in got if v > 0)
+
+
 order = sorted(range(len(body)), key=lambda i: -num(body[i][samp]))[:top]
 for i in sorted(order):
     r = body[i]
     ctx = " | ".join(body[j][src].strip()[:50] for j in range(max(0, i - 2), i))
-    print("%5.1f%% (not issued %5.1f%%) %s %-60s  after: %s" % (
+    print("%5.1f%% (not issued %5.1f%%) %s %-60s [%s]  after: %s" % (
         100 * num(r[samp]) / total, 100 * num(r[nis]) / total, r[addr] if addr is not None else i,
-        r[src].strip()[:60], ctx))
+        r[src].strip()[:60], top_reasons(r), ctx))
+
+# Stretches between barriers, in address order (a loop's phases when it holds its barriers).
+print("stretches between barriers (first address, instructions, HMMA/HGMMA, samples):")
+stretch = {"first": None, "n": 0, "mma": 0, "samples": 0.0}
+for k, r in enumerate(body):
+    op = r[src].split()
+    if stretch["first"] is None:
+        stretch["first"] = r[addr] if addr is not None else k
+    stretch["n"] += 1
+    stretch["mma"] += any(w.startswith(("HMMA", "HGMMA")) for w in op[:2])
+    stretch["samples"] += num(r[samp])
+    if any(w.startswith("BAR.SYNC") for w in op[:2]) or k == len(body) - 1:
+        if stretch["samples"] >= 0.005 * total:
+            print("  %s  %5d instr  %4d mma  %5.1f%%" % (stretch["first"], stretch["n"], stretch["mma"],
+                                                      100 * stretch["samples"] / total))
+        stretch = {"first": None, "n": 0, "mma": 0, "samples": 0.0}

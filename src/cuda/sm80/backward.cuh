@@ -12,6 +12,8 @@
 //      Per step: dP = dO V^T, S = Q K^T, P = exp2(S*scale*log2e - lse_log2) (softcap: via tanh),
 //      dS = P (dP - D) (* (1 - tanh^2)); P and dS go to shared memory as the element type;
 //      dV += P^T dO, dK += dS^T Q; then dQ_accum += dS K with fp32 atomics (default mode).
+//      The plain kernels' order within a step is tuned per head dim (StepSchedule in
+//      backward_main.cuh: P between the two GEMMs, the next block's copies after them).
 //      Q/dO are double-buffered with cp.async for d <= 128 (single buffer at d = 256, where the
 //      next block's load overlaps the dQ part instead; where a block may use more shared memory,
 //      as on sm_90, d = 256 takes the double-buffered LargeSmemBackwardTraits shape, chosen at

@@ -27,6 +27,23 @@ struct alignas(128) MainSharedStorage {
   float dsum[Traits::kStages][Traits::kBlockM];
 };
 
+/** The order of a step's parts in the plain dK / dV kernel (no ALiBi, no dropout), per tile
+ *  configuration, from an H200 A/B of each against the shipped order (docs/PERF.md, session 54):
+ *  - kLatePrefetch: the next query block's Q / dO / statistics copies are issued after this
+ *    step's S and dP GEMMs instead of right after the step's first barrier, where every warp
+ *    computed ~230 instructions of addresses with the tensor pipes idle: +1.0% to +1.3% at
+ *    d = 128; at d = 256 (twice the copies) it spilled in the loop and lost 4.5%, at d = 64 -0.4%.
+ *  - kEarlyP: P between the S and dP GEMMs (compute_p_and_ds): +1.2% to +2.1% at d = 64 and
+ *    +1.9% to +2.1% at d = 256 (double-buffered shape), level at d = 128.
+ *  Combined they spilled 64-200 bytes and lost everywhere. Shapes not measured keep the order. */
+template <typename Traits, bool kAlibi, bool kDropout>
+struct StepSchedule {
+  static constexpr bool kPlain = !kAlibi && !kDropout;
+  static constexpr bool kLatePrefetch = kPlain && Traits::kHeadDim == 128 && Traits::kStages == 2;
+  static constexpr bool kEarlyP =
+      kPlain && Traits::kStages == 2 && (Traits::kHeadDim == 64 || Traits::kHeadDim == 256);
+};
+
 /** Query blocks [begin, end) holding a row that sees any key of [n0, n_end) (n_end > n0).
  *  Row i sees key j when diag(i) - left <= j <= diag(i) + right, diag(i) = i + seqlen_k - seqlen_q
  *  (mask.hpp); both bounds grow with i, so the rows form one interval:
@@ -65,6 +82,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   ptx::wait_previous_grid();
   ptx::allow_next_grid();
   using Smem = MainSharedStorage<Element, Traits>;
+  using Schedule = StepSchedule<Traits, kAlibi, kDropout>;
   constexpr int kM = Traits::kBlockM;
   constexpr int kN = Traits::kBlockN;
   constexpr int kD = Traits::kHeadDim;
@@ -149,18 +167,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::cp_async_wait<0>();
     __syncthreads();
     BWD80_TRACE(trace_count, kBwdStepBegin, it);
-    if constexpr (Traits::kStages == 2) {
+    // The other stage was last read before barrier (A): the next block's copies may go there now.
+    auto prefetch_next = [&] {
       if (it + 1 < iterations) load_query_side(it + 1, stage ^ 1);
       ptx::cp_async_commit();
-    }
+    };
+    if constexpr (Traits::kStages == 2 && !Schedule::kLatePrefetch) prefetch_next();
     const int64_t h = query_head_of(it);
     const int64_t m0 = query_row0_of(it);
 
     // Dropout's problem index b * heads_q + h: below 2^32 (validate.cpp).
     const DropoutTile drop{&p.dropout, static_cast<uint32_t>(b * p.heads_q + h)};
-    compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout>(
-        smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
-        smem.p, smem.ds, warp, lane, kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f, drop);
+    const float alibi_log2 = kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f;
+    if constexpr (Schedule::kLatePrefetch) {
+      compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout, decltype(prefetch_next)>(
+          smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
+          smem.p, smem.ds, warp, lane, alibi_log2, drop, prefetch_next);
+    } else {
+      compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout, NoStep, Schedule::kEarlyP>(
+          smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
+          smem.p, smem.ds, warp, lane, alibi_log2, drop);
+    }
     BWD80_TRACE(trace_count, kBwdScoresDone, it);
     __syncthreads();  // (B) P and dS visible to every warp
     BWD80_TRACE(trace_count, kBwdPdsShared, it);

@@ -146,19 +146,102 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
   }
 }
 
+/** The early-P order's first half (compute_p_and_ds, kEarlyP): p holds S on entry and
+ *  P = exp2(S * scale_log2 - lse) on return, 0 where masked (kMasked). No softcap, ALiBi or
+ *  dropout. */
+template <typename Traits, bool kMasked>
+__device__ __forceinline__ void scores_to_p(SdpFragments<Traits>& p, const float* lse_log2_rows,
+                                            const ScoreTransform& tf, const MaskInfo& mask, int64_t m0, int64_t n0,
+                                            int warp, int lane) {
+  const int group = lane >> 2;
+  const int quad = lane & 3;
+  const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
+  const int col_origin = (warp % Traits::kSdpWarpsN) * Traits::kSdpWarpCols;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kSdpMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_origin + mt * 16 + half * 8 + group;
+      const float lse_log2 = lse_log2_rows[row];
+      int key_lo = 0;
+      int key_hi = 0;
+      if constexpr (kMasked) {
+        if (m0 + row < mask.seqlen_q) {
+          const KeyRange keys = mask.keys_for_row(m0 + row);
+          const int64_t lo = keys.begin - n0;
+          const int64_t hi = keys.end - n0;
+          key_lo = static_cast<int>(lo < 0 ? 0 : (lo > Traits::kBlockN ? Traits::kBlockN : lo));
+          key_hi = static_cast<int>(hi < 0 ? 0 : (hi > Traits::kBlockN ? Traits::kBlockN : hi));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = half * 2 + j;
+          float prob = fast_exp2(p[mt][nt][e] * tf.scale_log2 - lse_log2);
+          if constexpr (kMasked) {
+            const int col = col_origin + nt * 8 + quad * 2 + j;
+            prob = col >= key_lo && col < key_hi ? prob : 0.f;
+          }
+          p[mt][nt][e] = prob;
+        }
+      }
+    }
+  }
+}
+
+/** The early-P order's second half: ds holds dP on entry, dS = P (dP - D) on return. Under a
+ *  mask (kMasked) dS is selected to 0 wherever P is 0 (the masked entries among them, where an
+ *  inf in dP must not leak; elsewhere P = 0 gives dS = 0 anyway). */
+template <typename Traits, bool kMasked>
+__device__ __forceinline__ void p_to_ds(const SdpFragments<Traits>& p, SdpFragments<Traits>& ds,
+                                        const float* dsum_rows, int warp, int lane) {
+  const int group = lane >> 2;
+  const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kSdpMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float dsum = dsum_rows[row_origin + mt * 16 + half * 8 + group];
+#pragma unroll
+      for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = half * 2 + j;
+          const float dscore = p[mt][nt][e] * (ds[mt][nt][e] - dsum);
+          ds[mt][nt][e] = kMasked && p[mt][nt][e] == 0.f ? 0.f : dscore;
+        }
+      }
+    }
+  }
+}
+
+/** The default `after_gemms` of compute_p_and_ds: nothing. */
+struct NoStep {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 /** Full recomputation of one tile from shared memory: P (when kStoreP) and dS go to the
  *  kBlockM x kBlockN swizzled tiles p_tile / ds_tile as Element. q/dout tiles are
  *  kBlockM x kHeadDim, k/v tiles kBlockN x kHeadDim, the stats kBlockM floats.
- *  Both GEMMs run before the element-wise step: computing P between them (to overlap the
- *  exponentials with the dP GEMM) was measured slower on an H100, since the extra live values
- *  made the d=64 and d=128 kernels spill. */
-template <typename Element, typename Traits, bool kStoreP, bool kAlibi, bool kDropout = false>
+ *  `after_gemms()` runs once both GEMMs are issued and before the element-wise step needs their
+ *  results: work placed there (the dK / dV kernel's next loads) overlaps the GEMMs' tail.
+ *  Order: by default both GEMMs run before the element-wise step. kEarlyP (plain kernels only:
+ *  no ALiBi, dropout or softcap) computes S, then P, then dP and dS, so that P's exponentials
+ *  overlap the dP GEMM as in FA2: on an H200 +1% to +2% at d = 64 and 256, level at d = 128, where
+ *  it spilled more (docs/PERF.md, session 54; an older H100 measurement had it slower at d = 64
+ *  and 128 for the same reason). */
+
+template <typename Element, typename Traits, bool kStoreP, bool kAlibi, bool kDropout = false,
+          typename AfterGemms = NoStep, bool kEarlyP = false>
 __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const Element* dout_tile,
                                                  const Element* k_tile, const Element* v_tile,
                                                  const float* lse_log2_rows, const float* dsum_rows,
                                                  const ScoreTransform& tf, const MaskInfo& mask, int64_t m0,
                                                  int64_t n0, Element* p_tile, Element* ds_tile, int warp, int lane,
-                                                 float alibi_log2, const DropoutTile& drop = {}) {
+                                                 float alibi_log2, const DropoutTile& drop = {},
+                                                 const AfterGemms& after_gemms = {}) {
   constexpr int kD = Traits::kHeadDim;
   constexpr int kKSteps = kD / 16;
   const int row_origin = (warp / Traits::kSdpWarpsN) * Traits::kSdpWarpRows;
@@ -167,11 +250,40 @@ __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const El
   float ds[Traits::kSdpMTiles][Traits::kSdpNTiles][4];
   zero_fill(ds);
   zero_fill(p);
+  if constexpr (kEarlyP && !kAlibi && !kDropout) {
+    // S first, P from it, then the dP GEMM in the same basic block as P's exponentials (each
+    // mask case has its own copy of the GEMM, so the compiler interleaves the exponentials with
+    // its tensor instructions), then dS. Softcap keeps the common order (its dS needs tanh(S)).
+    if (tf.softcap <= 0.f) {
+      warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
+          p, q_tile, row_origin, 0, k_tile, col_origin, 0, lane);
+      const bool masked_tile = !mask.tile_fully_visible(m0, m0 + Traits::kBlockM, n0, n0 + Traits::kBlockN);
+      if (masked_tile) {
+        scores_to_p<Traits, true>(p, lse_log2_rows, tf, mask, m0, n0, warp, lane);
+        warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
+            ds, dout_tile, row_origin, 0, v_tile, col_origin, 0, lane);
+        after_gemms();
+        p_to_ds<Traits, true>(p, ds, dsum_rows, warp, lane);
+      } else {
+        scores_to_p<Traits, false>(p, lse_log2_rows, tf, mask, m0, n0, warp, lane);
+        warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
+            ds, dout_tile, row_origin, 0, v_tile, col_origin, 0, lane);
+        after_gemms();
+        p_to_ds<Traits, false>(p, ds, dsum_rows, warp, lane);
+      }
+      if constexpr (kStoreP) {
+        store_fragments_to_smem<Element, Traits::kBlockN>(p, 1.f, p_tile, row_origin, col_origin, lane);
+      }
+      store_fragments_to_smem<Element, Traits::kBlockN>(ds, 1.f, ds_tile, row_origin, col_origin, lane);
+      return;
+    }
+  }
   // dP = dO V^T and S = Q K^T: A stored [m][d], B = K^T / V^T read from the K / V rows [n][d].
   warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
       ds, dout_tile, row_origin, 0, v_tile, col_origin, 0, lane);
   warp_gemm<Element, Traits::kSdpMTiles, Traits::kSdpNTiles, kKSteps, false, false, kD, kD>(
       p, q_tile, row_origin, 0, k_tile, col_origin, 0, lane);
+  after_gemms();  // work that needs none of the results (the dK / dV kernel's next loads)
   // Tiles with every (row, key) visible and inside both sequences skip the per-element test.
   const bool masked = !mask.tile_fully_visible(m0, m0 + Traits::kBlockM, n0, n0 + Traits::kBlockN);
   if constexpr (kAlibi) {  // every tile through the masked body (the bias is per element anyway)
