@@ -38,6 +38,22 @@ struct DropoutTile {
   uint32_t bh;
 };
 
+/** The keys one query row sees inside a tile of kBlockN keys from n0, as tile-local columns
+ *  [lo, hi); rows past the sequence see none. */
+struct TileKeys {
+  int lo;
+  int hi;
+  template <int kBlockN>
+  __device__ __forceinline__ static TileKeys of_row(const MaskInfo& mask, int64_t query_row, int64_t n0) {
+    if (query_row >= mask.seqlen_q) return {0, 0};
+    const KeyRange keys = mask.keys_for_row(query_row);
+    const int64_t lo = keys.begin - n0;
+    const int64_t hi = keys.end - n0;
+    return {static_cast<int>(lo < 0 ? 0 : (lo > kBlockN ? kBlockN : lo)),
+            static_cast<int>(hi < 0 ? 0 : (hi > kBlockN ? kBlockN : hi))};
+  }
+};
+
 /** The element-wise part: p (holding S on entry) becomes P, ds (holding dP on entry) becomes dS.
  *  kSoftcap selects the tanh-capped transform, kMasked the per-element visibility test, kAlibi
  *  the ALiBi bias (alibi_log2 per unit of distance) and kDropout the dropout mask (P stored as
@@ -74,19 +90,9 @@ __device__ __forceinline__ void scores_to_p_and_ds(SdpFragments<Traits>& p, SdpF
       // int-to-float conversion (they run on the exponentials' unit).
       const float diagonal =
           static_cast<float>(m0 + row + mask.seqlen_k - mask.seqlen_q - n0 - col_origin - quad * 2);
-      // Visible keys of this row as tile-local columns [key_lo, key_hi); rows past the
-      // sequence see none.
-      int key_lo = 0;
-      int key_hi = 0;
-      if constexpr (kMasked) {
-        if (m0 + row < mask.seqlen_q) {
-          const KeyRange keys = mask.keys_for_row(m0 + row);
-          const int64_t lo = keys.begin - n0;
-          const int64_t hi = keys.end - n0;
-          key_lo = static_cast<int>(lo < 0 ? 0 : (lo > Traits::kBlockN ? Traits::kBlockN : lo));
-          key_hi = static_cast<int>(hi < 0 ? 0 : (hi > Traits::kBlockN ? Traits::kBlockN : hi));
-        }
-      }
+      const TileKeys keys = kMasked ? TileKeys::of_row<Traits::kBlockN>(mask, m0 + row, n0) : TileKeys{0, 0};
+      const int key_lo = keys.lo;
+      const int key_hi = keys.hi;
       PhiloxWords words{};
 #pragma unroll
       for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
@@ -163,17 +169,9 @@ __device__ __forceinline__ void scores_to_p(SdpFragments<Traits>& p, const float
     for (int half = 0; half < 2; ++half) {
       const int row = row_origin + mt * 16 + half * 8 + group;
       const float lse_log2 = lse_log2_rows[row];
-      int key_lo = 0;
-      int key_hi = 0;
-      if constexpr (kMasked) {
-        if (m0 + row < mask.seqlen_q) {
-          const KeyRange keys = mask.keys_for_row(m0 + row);
-          const int64_t lo = keys.begin - n0;
-          const int64_t hi = keys.end - n0;
-          key_lo = static_cast<int>(lo < 0 ? 0 : (lo > Traits::kBlockN ? Traits::kBlockN : lo));
-          key_hi = static_cast<int>(hi < 0 ? 0 : (hi > Traits::kBlockN ? Traits::kBlockN : hi));
-        }
-      }
+      const TileKeys keys = kMasked ? TileKeys::of_row<Traits::kBlockN>(mask, m0 + row, n0) : TileKeys{0, 0};
+      const int key_lo = keys.lo;
+      const int key_hi = keys.hi;
 #pragma unroll
       for (int nt = 0; nt < Traits::kSdpNTiles; ++nt) {
 #pragma unroll
