@@ -64,7 +64,9 @@ void naive_forward_fp32(const Problem& p, const std::vector<float>& q, const std
   for (auto& th : pool) th.join();
 }
 
-std::vector<Problem> grid(const std::string& name, const Problem& base) {
+/** The cells of grid `name` around `base`; `keys` (0: the grid's own) sets the few-tokens grid's
+ *  key length. */
+std::vector<Problem> grid(const std::string& name, const Problem& base, int64_t keys) {
   std::vector<Problem> g;
   if (name == "training") {  // TARGETS.md: 16k tokens, model dim 2048
     for (int64_t d : {64, 128, 256})
@@ -115,7 +117,7 @@ std::vector<Problem> grid(const std::string& name, const Problem& base) {
       Problem p = base;
       p.batch = 1;
       p.seqlen_q = tokens;
-      p.seqlen_k = p.on_gpu ? 65536 : 16384;
+      p.seqlen_k = keys > 0 ? keys : p.on_gpu ? 65536 : 16384;
       p.heads_q = 32;
       p.heads_kv = 8;
       p.head_dim = 128;
@@ -146,7 +148,8 @@ int command_bench(int argc, char** argv) {
                 "  --grid G             training (16k tokens, dim 2048) | cpu | seed | decode (one token,\n"
                 "                       GQA 32/8 d128, 1x65536 16x8192 64x2048 keys) | few-tokens (8-128\n"
                 "                       tokens of one sequence, GQA 32/8 d128, against 65536 keys, 16384\n"
-                "                       on the CPU) | one (default: cpu without a GPU, training with one)\n"
+                "                       on the CPU, or --seqlen-k) | one (default: cpu without a GPU,\n"
+                "                       training with one)\n"
                 "  --backward           also time forward+backward\n"
                 "  --no-naive           skip the naive fp32 CPU peer\n"
                 "  --json FILE          write rows as JSON\n"
@@ -160,7 +163,7 @@ int command_bench(int argc, char** argv) {
   base.dtype = base.on_gpu ? FC_DTYPE_BF16 : FC_DTYPE_F32;
   base = parse_problem(a, base);
   const std::string grid_name = a.str("grid", base.on_gpu ? "training" : "cpu");
-  const std::vector<Problem> cells = grid(grid_name, base);
+  const std::vector<Problem> cells = grid(grid_name, base, a.has("seqlen-k") ? base.seqlen_k : 0);
   const bool backward = a.has("backward");
   // The naive peer computes plain (optionally causal) attention only: with a window, softcap,
   // ALiBi or dropout it would not compute the same function, so it sits those runs out.

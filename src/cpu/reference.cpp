@@ -32,27 +32,52 @@ Real load(const TensorRef& t, DType dt, int64_t b, int64_t row, int64_t h, int64
   return static_cast<Real>(load_as_float(t.data, offset_of(t, b, row, h) + d, dt));
 }
 
-/** Element d of key / value row `row` (seq.k_start + j) of sequence b, KV head h: kv_offset places
- *  it, through the page table for paged K/V. */
+/** Keys [r.begin, r.end) of sequence b, KV head hk, as Real: every row of K and V read once
+ *  (kv_offset places row s.k_start + j, through the page table for paged K/V), so that the row
+ *  loops below index plain arrays instead of converting each element once per query row. */
 template <typename Real>
-Real load_kv(const AttentionParams& p, const TensorRef& t, int64_t b, int64_t row, int64_t h, int64_t d) {
-  return static_cast<Real>(load_as_float(t.data, kv_offset(p, t, b, row, h) + d, p.dtype));
-}
+class KvRows {
+ public:
+  KvRows(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t hk, KeyRange r)
+      : begin_(r.begin), hd_(p.head_dim) {
+    const size_t n = static_cast<size_t>(std::max<int64_t>(r.end - r.begin, 0) * hd_);
+    k_.resize(n);
+    v_.resize(n);
+    for (int64_t j = r.begin; j < r.end; ++j) {
+      const int64_t k_off = kv_offset(p, p.k, b, s.k_start + j, hk), v_off = kv_offset(p, p.v, b, s.k_start + j, hk);
+      for (int64_t d = 0; d < hd_; ++d) {
+        k_[(j - begin_) * hd_ + d] = static_cast<Real>(load_as_float(p.k.data, k_off + d, p.dtype));
+        v_[(j - begin_) * hd_ + d] = static_cast<Real>(load_as_float(p.v.data, v_off + d, p.dtype));
+      }
+    }
+  }
+  /** Key / value row j (j in [r.begin, r.end), counted from the sequence's first key). */
+  const Real* k(int64_t j) const { return k_.data() + (j - begin_) * hd_; }
+  const Real* v(int64_t j) const { return v_.data() + (j - begin_) * hd_; }
+
+ private:
+  int64_t begin_, hd_;
+  std::vector<Real> k_, v_;
+};
+
+/** All keys of sequence b: what a query row's key range is drawn from. */
+KeyRange all_keys(const SeqInfo& s) { return KeyRange{0, s.seqlen_k}; }
 
 /** Scores of one query row against keys [r.begin, r.end): scale * q.k, then softcap, then the
  *  ALiBi bias -slope * |i + seqlen_k - seqlen_q - j|. Also returns the tanh values needed by the
  *  backward chain rule (tanh_out, when softcap > 0; the bias is a constant there). */
 template <typename Real>
 void row_scores(const AttentionParams& p, int64_t b, const SeqInfo& s, int64_t i, int64_t h, KeyRange r,
-                const std::vector<Real>& q_row, std::vector<Real>* scores, std::vector<Real>* tanh_out) {
-  const int64_t hk = h / p.group_size();
+                const KvRows<Real>& kv, const std::vector<Real>& q_row, std::vector<Real>* scores,
+                std::vector<Real>* tanh_out) {
   scores->assign(static_cast<size_t>(r.end - r.begin), Real(0));
   if (tanh_out) tanh_out->assign(scores->size(), Real(0));
   const Real slope = static_cast<Real>(p.alibi_slope(b, h));
   const int64_t diagonal = i + s.seqlen_k - s.seqlen_q;  // the key at distance 0
   for (int64_t j = r.begin; j < r.end; ++j) {
+    const Real* k_row = kv.k(j);
     Real dot = 0;
-    for (int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * load_kv<Real>(p, p.k, b, s.k_start + j, hk, d);
+    for (int64_t d = 0; d < p.head_dim; ++d) dot += q_row[d] * k_row[d];
     Real sc = dot * static_cast<Real>(p.softmax_scale);
     if (p.softcap > 0) {
       const Real cap = static_cast<Real>(p.softcap);
@@ -86,7 +111,7 @@ Status forward_impl(const AttentionParams& p, bool low) {
     const SeqInfo s = seq_info(p, b);
     const MaskInfo mask = mask_info(p, s);
     for (int64_t h = 0; h < p.heads_q; ++h) {
-      const int64_t hk = h / p.group_size();
+      const KvRows<Real> kv(p, b, s, h / p.group_size(), all_keys(s));
       for (int64_t i = 0; i < s.seqlen_q; ++i) {
         const int64_t qrow = s.q_start + i;
         const KeyRange r = mask.keys_for_row(i);
@@ -96,7 +121,7 @@ Status forward_impl(const AttentionParams& p, bool low) {
           for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, 0.f);
         } else {
           for (int64_t d = 0; d < hd; ++d) q_row[d] = load<Real>(p.q, p.dtype, b, qrow, h, d);
-          row_scores<Real>(p, b, s, i, h, r, q_row, &scores, nullptr);
+          row_scores<Real>(p, b, s, i, h, r, kv, q_row, &scores, nullptr);
           Real m = -std::numeric_limits<Real>::infinity();
           for (Real x : scores) m = std::max(m, x);
           Real l = 0;
@@ -106,7 +131,8 @@ Status forward_impl(const AttentionParams& p, bool low) {
             l += pj;  // lse and the normalization see every probability; dropout only zeroes P V's terms
             if (dropped(p, b, h, i, j)) continue;
             const Real pj_stored = ar.round(pj);
-            for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
+            const Real* v_row = kv.v(j);
+            for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * v_row[d];
           }
           const Real out_scale = keep_scale<Real>(p) / l;
           for (int64_t d = 0; d < hd; ++d)
@@ -141,6 +167,7 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
     const SeqInfo s = seq_info(p, b);
     const MaskInfo mask = mask_info(p, s);
     for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
+      const KvRows<Real> kv(p, b, s, hk, all_keys(s));
       dk.assign(static_cast<size_t>(s.seqlen_k * hd), Real(0));
       dv.assign(static_cast<size_t>(s.seqlen_k * hd), Real(0));
       for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
@@ -153,7 +180,7 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               q_row[d] = load<Real>(p.q, p.dtype, b, qrow, h, d);
               do_row[d] = load<Real>(p.dout, p.dtype, b, qrow, h, d);
             }
-            row_scores<Real>(p, b, s, i, h, r, q_row, &scores, &tanhs);
+            row_scores<Real>(p, b, s, i, h, r, kv, q_row, &scores, &tanhs);
             Real m = -std::numeric_limits<Real>::infinity();
             for (Real x : scores) m = std::max(m, x);
             Real l = 0;
@@ -169,8 +196,8 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               std::fill(o_row.begin(), o_row.end(), Real(0));
               for (int64_t j = r.begin; j < r.end; ++j) {
                 if (dropped(p, b, h, i, j)) continue;
-                for (int64_t d = 0; d < hd; ++d)
-                  o_row[d] += probs[j - r.begin] * kept * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
+                const Real* v_row = kv.v(j);
+                for (int64_t d = 0; d < hd; ++d) o_row[d] += probs[j - r.begin] * kept * v_row[d];
               }
             }
             Real Di = 0;
@@ -180,8 +207,9 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               // Dropout: O = sum_j P_j Z_j v_j with Z_j = 0 or 1 / (1 - p), so dL/dP_j = Z_j dO.v_j,
               // and sum_j P_j Z_j dO.v_j is still dO.O = D_i.
               const Real zj = dropped(p, b, h, i, j) ? Real(0) : kept;
+              const Real *k_row = kv.k(j), *v_row = kv.v(j);
               Real dp = 0;
-              for (int64_t d = 0; d < hd; ++d) dp += do_row[d] * load_kv<Real>(p, p.v, b, s.k_start + j, hk, d);
+              for (int64_t d = 0; d < hd; ++d) dp += do_row[d] * v_row[d];
               Real ds = pj * (dp * zj - Di);
               Real dscore = 1;  // d(score)/d(q.k * scale): below 1 under a softcap
               if (p.softcap > 0) {
@@ -195,14 +223,13 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
               Real p_weight = ar.round(pj) * zj, ds_weight = ar.round(ds);
               if (bound) {
                 Real dot_abs = 0;
-                for (int64_t d = 0; d < hd; ++d)
-                  dot_abs += std::fabs(q_row[d] * load_kv<Real>(p, p.k, b, s.k_start + j, hk, d));
+                for (int64_t d = 0; d < hd; ++d) dot_abs += std::fabs(q_row[d] * k_row[d]);
                 const Real e = score_rel_err * dot_abs * scale * dscore;
                 p_weight = pj * zj * e;
                 ds_weight = std::fabs(ds) * e;
               }
               for (int64_t d = 0; d < hd; ++d) {
-                const Real kd = load_kv<Real>(p, p.k, b, s.k_start + j, hk, d);
+                const Real kd = k_row[d];
                 dv[(j * hd) + d] += p_weight * (bound ? std::fabs(do_row[d]) : do_row[d]);
                 dq[d] += ds_weight * (bound ? std::fabs(kd) : kd);
                 dk[(j * hd) + d] += ds_weight * (bound ? std::fabs(q_row[d]) : q_row[d]);
@@ -231,13 +258,13 @@ Status backward_impl(const BackwardParams& p, ReferenceMode mode) {
 void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, double* out_row, double* lse) {
   const SeqInfo s = seq_info(p, b);
   const KeyRange r = mask_info(p, s).keys_for_row(i);
-  const int64_t hk = h / p.group_size();
   *lse = -std::numeric_limits<double>::infinity();
   std::fill(out_row, out_row + p.head_dim, 0.0);
   if (r.empty()) return;
   std::vector<double> q_row(p.head_dim), scores;
   for (int64_t d = 0; d < p.head_dim; ++d) q_row[d] = load<double>(p.q, p.dtype, b, s.q_start + i, h, d);
-  row_scores<double>(p, b, s, i, h, r, q_row, &scores, nullptr);
+  const KvRows<double> kv(p, b, s, h / p.group_size(), r);  // this row's keys only
+  row_scores<double>(p, b, s, i, h, r, kv, q_row, &scores, nullptr);
   double m = -std::numeric_limits<double>::infinity();
   for (double x : scores) m = std::max(m, x);
   double l = 0;
@@ -245,7 +272,8 @@ void reference_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, do
     const double pj = std::exp(scores[j - r.begin] - m);
     l += pj;
     if (dropped(p, b, h, i, j)) continue;
-    for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] += pj * load_kv<double>(p, p.v, b, s.k_start + j, hk, d);
+    const double* v_row = kv.v(j);
+    for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] += pj * v_row[d];
   }
   for (int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= keep_scale<double>(p) / l;
   *lse = m + std::log(l);

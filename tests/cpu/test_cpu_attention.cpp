@@ -2,6 +2,7 @@
 // cpu_flash backend (fp32, fp16, bf16), plus race hunting (bit-identical repeats).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "common/grids.hpp"
@@ -288,6 +289,18 @@ std::vector<Case> key_split_cases() {
   return cases;
 }
 
+/** The cases of `cases` that the 256-key override splits, those with a sequence of 512 keys or
+ *  more (choose_key_split): the others run one task per head, exactly as in the grids' own tests. */
+std::vector<Case> split_by_the_override(const std::vector<Case>& cases) {
+  std::vector<Case> split;
+  for (const Case& c : cases) {
+    int64_t longest = c.varlen_k.empty() ? c.seqlen_k : 0;
+    for (int32_t keys : c.varlen_k) longest = std::max<int64_t>(longest, keys);
+    if (longest >= 2 * 256) split.push_back(c);
+  }
+  return split;
+}
+
 TEST(CpuFlashBackward, KeyChunks) {
   BackwardParams p;  // the first case's shapes: the override must split them
   p.batch = 1;
@@ -300,7 +313,10 @@ TEST(CpuFlashBackward, KeyChunks) {
   ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 0).chunks, 1);
   ScopedEnv split("FLASHCORE_CPU_CHUNK_KEYS", "256");
   expect_backward(key_split_cases(), FC_BACKEND_CPU_FLASH);
-  expect_every_grid(small_grid(), expect_backward);
+  expect_every_grid(small_grid(), [](const std::vector<Case>& cases, fc_backend backend) {
+    expect_backward(split_by_the_override(cases), backend);
+  });
+  ASSERT_GE(split_by_the_override(grid_seqlens(small_grid())).size(), 4u);
   if (cpu::amx_usable()) {  // and the AVX-512 backward where the cases above ran the AMX one
     ScopedAmxSetting off("0");
     expect_backward(key_split_cases(), FC_BACKEND_CPU_FLASH);

@@ -182,21 +182,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::cp_async_commit();
     };
     if constexpr (Traits::kStages == 2 && !Schedule::kLatePrefetch) prefetch_next();
+    auto after_gemms = [&] {
+      if constexpr (Schedule::kLatePrefetch) prefetch_next();
+    };
     const int64_t h = position_now.head;
     const int64_t m0 = position_now.block * kM;
 
     // Dropout's problem index b * heads_q + h: below 2^32 (validate.cpp).
     const DropoutTile drop{&p.dropout, static_cast<uint32_t>(b * p.heads_q + h)};
-    const float alibi_log2 = kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f;
-    if constexpr (Schedule::kLatePrefetch) {
-      compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout, decltype(prefetch_next)>(
-          smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
-          smem.p, smem.ds, warp, lane, alibi_log2, drop, prefetch_next);
-    } else {
-      compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout, NoStep, Schedule::kEarlyP>(
-          smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
-          smem.p, smem.ds, warp, lane, alibi_log2, drop);
-    }
+    compute_p_and_ds<Element, Traits, /*kStoreP=*/true, kAlibi, kDropout, decltype(after_gemms), Schedule::kEarlyP>(
+        smem.q[stage], smem.dout[stage], smem.k, smem.v, smem.lse_log2[stage], smem.dsum[stage], tf, mask, m0, n0,
+        smem.p, smem.ds, warp, lane, kAlibi ? ScoreTransform::alibi_log2(p, b, h) : 0.f, drop, after_gemms);
     BWD80_TRACE(trace_count, kBwdScoresDone, it);
     __syncthreads();  // (B) P and dS visible to every warp
     BWD80_TRACE(trace_count, kBwdPdsShared, it);

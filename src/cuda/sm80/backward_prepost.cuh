@@ -273,12 +273,11 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_ke
     load_dq_tile_rows(ws.dq_accum + h * ws.dq_rows_per_head * kHeadDim + DqTiles::tile_offset(padded_row, col, kHeadDim),
                       g, lo, hi);
     // Dense: batch entry b, row i; varlen: packed row start + i.
+    const int64_t dq_b = varlen ? 0 : b;
+    const int64_t dq_row = varlen ? start + i : i;
     Element* dq = static_cast<Element*>(p.dq.data) + col;
-    store_scaled_chunk<Element>(dq + offset_of(p.dq, varlen ? 0 : b, varlen ? start + i : i, h), lo, p.softmax_scale);
-    if (i + 8 < length) {
-      store_scaled_chunk<Element>(dq + offset_of(p.dq, varlen ? 0 : b, varlen ? start + i + 8 : i + 8, h), hi,
-                                  p.softmax_scale);
-    }
+    store_scaled_chunk<Element>(dq + offset_of(p.dq, dq_b, dq_row, h), lo, p.softmax_scale);
+    if (i + 8 < length) store_scaled_chunk<Element>(dq + offset_of(p.dq, dq_b, dq_row + 8, h), hi, p.softmax_scale);
   }
 }
 

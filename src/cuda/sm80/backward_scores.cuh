@@ -230,7 +230,6 @@ struct NoStep {
  *  overlap the dP GEMM as in FA2: on an H200 +1% to +2% at d = 64 and 256, level at d = 128, where
  *  it spilled more (docs/PERF.md, session 54; an older H100 measurement had it slower at d = 64
  *  and 128 for the same reason). */
-
 template <typename Element, typename Traits, bool kStoreP, bool kAlibi, bool kDropout = false,
           typename AfterGemms = NoStep, bool kEarlyP = false>
 __device__ __forceinline__ void compute_p_and_ds(const Element* q_tile, const Element* dout_tile,
