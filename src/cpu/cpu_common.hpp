@@ -1,8 +1,8 @@
 // Shared building blocks of the fast CPU backend (flash_forward.cpp, flash_backward.cpp).
 //
 // - Simd: a thin wrapper over one float vector type, chosen at compile time: AVX-512 when
-//   __AVX512F__, AVX2+FMA when __AVX2__ && __FMA__, else a portable scalar emulation. Everything
-//   else here is written once against that wrapper.
+//   __AVX512F__, AVX2+FMA when __AVX2__ && __FMA__, else four floats in GCC / Clang vector
+//   extensions. Everything else here is written once against that wrapper.
 // - vexp / vtanh: vectorized exp (Cody-Waite range reduction + degree-6 minimax polynomial, ~1-2 ulp)
 //   and tanh (odd polynomial near 0, exp-based elsewhere) for softmax and softcap.
 // - load_row / store_row: one row of fp16 / bf16 / fp32 to fp32 and back (round to nearest even).
