@@ -86,21 +86,13 @@ TEST(CpuSimd, RoundNearestTiesToEven) {
 }
 
 TEST(CpuSimd, TimesPow2MatchesLdexp) {
-  std::vector<float> mantissas = sweep(-2.f, 2.f, 50, 4);
+  const std::vector<float> mantissas = sweep(-2.f, 2.f, 50, 4);
   for (int n = -126; n <= 127; ++n) {
-    std::vector<float> ns(mantissas.size(), static_cast<float>(n));
-    std::vector<float> padded_n(ns);
-    padded_n.resize((ns.size() + kSimdWidth - 1) / kSimdWidth * kSimdWidth, 0.f);
-    std::vector<float> padded_x(mantissas);
-    padded_x.resize(padded_n.size(), 0.f);
-    std::vector<float> out(padded_n.size());
-    for (size_t i = 0; i < out.size(); i += kSimdWidth)
-      Simd::store(out.data() + i, Simd::times_pow2(Simd::load(padded_x.data() + i), Simd::load(padded_n.data() + i)));
-    for (size_t i = 0; i < mantissas.size(); ++i) {
-      // 2^n is exact for n in [-126, 127]; the product rounds once, as ldexp's does.
-      EXPECT_EQ(out[i], static_cast<float>(static_cast<double>(mantissas[i]) * std::ldexp(1.0, n)))
-          << mantissas[i] << " * 2^" << n;
-    }
+    const Vec exponent = Simd::set1(static_cast<float>(n));
+    const std::vector<float> y = per_vector(mantissas, [&](Vec v) { return Simd::times_pow2(v, exponent); });
+    // 2^n is exact for n in [-126, 127]; the product rounds once, as ldexp's does.
+    for (size_t i = 0; i < mantissas.size(); ++i)
+      EXPECT_EQ(y[i], static_cast<float>(static_cast<double>(mantissas[i]) * std::ldexp(1.0, n))) << mantissas[i] << " * 2^" << n;
   }
 }
 
