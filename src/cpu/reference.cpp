@@ -110,36 +110,38 @@ Status forward_impl(const AttentionParams& p, bool low) {
   for (int64_t b = 0; b < p.batch; ++b) {
     const SeqInfo s = seq_info(p, b);
     const MaskInfo mask = mask_info(p, s);
-    for (int64_t h = 0; h < p.heads_q; ++h) {
-      const KvRows<Real> kv(p, b, s, h / p.group_size(), all_keys(s));
-      for (int64_t i = 0; i < s.seqlen_q; ++i) {
-        const int64_t qrow = s.q_start + i;
-        const KeyRange r = mask.keys_for_row(i);
-        const int64_t o_off = offset_of(p.out, b, qrow, h);
-        float lse = -std::numeric_limits<float>::infinity();
-        if (r.empty()) {
-          for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, 0.f);
-        } else {
-          for (int64_t d = 0; d < hd; ++d) q_row[d] = load<Real>(p.q, p.dtype, b, qrow, h, d);
-          row_scores<Real>(p, b, s, i, h, r, kv, q_row, &scores, nullptr);
-          Real m = -std::numeric_limits<Real>::infinity();
-          for (Real x : scores) m = std::max(m, x);
-          Real l = 0;
-          std::fill(acc.begin(), acc.end(), Real(0));
-          for (int64_t j = r.begin; j < r.end; ++j) {
-            const Real pj = std::exp(scores[j - r.begin] - m);
-            l += pj;  // lse and the normalization see every probability; dropout only zeroes P V's terms
-            if (dropped(p, b, h, i, j)) continue;
-            const Real pj_stored = ar.round(pj);
-            const Real* v_row = kv.v(j);
-            for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * v_row[d];
+    for (int64_t hk = 0; hk < p.heads_kv; ++hk) {
+      const KvRows<Real> kv(p, b, s, hk, all_keys(s));  // shared by the KV head's query heads
+      for (int64_t h = hk * p.group_size(); h < (hk + 1) * p.group_size(); ++h) {
+        for (int64_t i = 0; i < s.seqlen_q; ++i) {
+          const int64_t qrow = s.q_start + i;
+          const KeyRange r = mask.keys_for_row(i);
+          const int64_t o_off = offset_of(p.out, b, qrow, h);
+          float lse = -std::numeric_limits<float>::infinity();
+          if (r.empty()) {
+            for (int64_t d = 0; d < hd; ++d) store_from_float(p.out.data, o_off + d, p.dtype, 0.f);
+          } else {
+            for (int64_t d = 0; d < hd; ++d) q_row[d] = load<Real>(p.q, p.dtype, b, qrow, h, d);
+            row_scores<Real>(p, b, s, i, h, r, kv, q_row, &scores, nullptr);
+            Real m = -std::numeric_limits<Real>::infinity();
+            for (Real x : scores) m = std::max(m, x);
+            Real l = 0;
+            std::fill(acc.begin(), acc.end(), Real(0));
+            for (int64_t j = r.begin; j < r.end; ++j) {
+              const Real pj = std::exp(scores[j - r.begin] - m);
+              l += pj;  // lse and the normalization see every probability; dropout only zeroes P V's terms
+              if (dropped(p, b, h, i, j)) continue;
+              const Real pj_stored = ar.round(pj);
+              const Real* v_row = kv.v(j);
+              for (int64_t d = 0; d < hd; ++d) acc[d] += pj_stored * v_row[d];
+            }
+            const Real out_scale = keep_scale<Real>(p) / l;
+            for (int64_t d = 0; d < hd; ++d)
+              store_from_float(p.out.data, o_off + d, p.dtype, static_cast<float>(acc[d] * out_scale));
+            lse = static_cast<float>(m + std::log(l));
           }
-          const Real out_scale = keep_scale<Real>(p) / l;
-          for (int64_t d = 0; d < hd; ++d)
-            store_from_float(p.out.data, o_off + d, p.dtype, static_cast<float>(acc[d] * out_scale));
-          lse = static_cast<float>(m + std::log(l));
+          if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + qrow * p.lse.row_stride] = lse;
         }
-        if (p.lse.data) p.lse.data[b * p.lse.batch_stride + h * p.lse.head_stride + qrow * p.lse.row_stride] = lse;
       }
     }
   }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "common/grids.hpp"
 #include "common/harness.hpp"
@@ -289,14 +290,18 @@ std::vector<Case> key_split_cases() {
   return cases;
 }
 
-/** The cases of `cases` that the 256-key override splits, those with a sequence of 512 keys or
- *  more (choose_key_split): the others run one task per head, exactly as in the grids' own tests. */
+/** The shortest key chunk KeyChunks sets through FLASHCORE_CPU_CHUNK_KEYS. */
+constexpr int64_t kTestChunkKeys = 256;
+
+/** The cases of `cases` that the test's chunk override splits, those with a sequence of two chunks'
+ *  keys or more (choose_key_split): the others run one task per head, exactly as in the grids' own
+ *  tests. */
 std::vector<Case> split_by_the_override(const std::vector<Case>& cases) {
   std::vector<Case> split;
   for (const Case& c : cases) {
     int64_t longest = c.varlen_k.empty() ? c.seqlen_k : 0;
     for (int32_t keys : c.varlen_k) longest = std::max<int64_t>(longest, keys);
-    if (longest >= 2 * 256) split.push_back(c);
+    if (longest >= 2 * kTestChunkKeys) split.push_back(c);
   }
   return split;
 }
@@ -309,9 +314,9 @@ TEST(CpuFlashBackward, KeyChunks) {
   p.heads_q = 2;
   p.heads_kv = 1;
   p.head_dim = 40;
-  ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 256).chunks, 4);
+  ASSERT_EQ(cpu::backward_detail::choose_key_split(p, kTestChunkKeys).chunks, 4);
   ASSERT_EQ(cpu::backward_detail::choose_key_split(p, 0).chunks, 1);
-  ScopedEnv split("FLASHCORE_CPU_CHUNK_KEYS", "256");
+  ScopedEnv split("FLASHCORE_CPU_CHUNK_KEYS", std::to_string(kTestChunkKeys).c_str());
   expect_backward(key_split_cases(), FC_BACKEND_CPU_FLASH);
   expect_every_grid(small_grid(), [](const std::vector<Case>& cases, fc_backend backend) {
     expect_backward(split_by_the_override(cases), backend);
