@@ -338,24 +338,33 @@ __device__ __forceinline__ void cp_async_4_zfill(uint32_t smem_dst, const void* 
 }
 
 /** Asynchronously copies a kRows x kCols tile whose row r starts at gmem_row0 + r * row_stride
- *  into a swizzled smem tile; rows >= rows_valid and columns >= cols_valid become zeros. */
+ *  into a swizzled smem tile; rows >= rows_valid and columns >= cols_valid become zeros.
+ *  A thread's chunks share a column and lie kRowStep rows apart (row % 8, the swizzle key, is the
+ *  same for all of them): one source address and one shared-memory address per call, then a
+ *  uniform 64-bit step and an immediate offset per chunk (instead of a 64-bit multiply and a
+ *  swizzle per chunk). */
 template <typename Element, int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_tile_async(Element* smem_tile, const Element* gmem_row0, int64_t row_stride,
                                                 int rows_valid, int cols_valid, int thread_id) {
   constexpr int kChunksPerRow = kCols / kChunkElems;
   constexpr int kChunks = kRows * kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among threads");
+  static_assert(kThreads % kChunksPerRow == 0, "a thread keeps its column across its chunks");
+  constexpr int kRowStep = kThreads / kChunksPerRow;
+  static_assert(kRowStep % 8 == 0, "a thread keeps its swizzle key across its chunks");
   const int tid = opaque(thread_id);  // see opaque(): keep the per-chunk offsets out of the loop
-  const uint32_t base = ptx::smem_addr(smem_tile);
+  const int row0 = tid / kChunksPerRow;
+  const int col = (tid % kChunksPerRow) * kChunkElems;
+  const bool col_valid = col < cols_valid;
+  const uint32_t smem0 = ptx::smem_addr(smem_tile) + SwizzledTile<kCols>::offset(row0, col) * sizeof(Element);
+  const Element* src0 = gmem_row0 + row0 * row_stride + col;
+  const int64_t step = kRowStep * row_stride;
 #pragma unroll
   for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int chunk = tid + i * kThreads;
-    const int row = chunk / kChunksPerRow;
-    const int col = (chunk % kChunksPerRow) * kChunkElems;
-    const bool valid = row < rows_valid && col < cols_valid;
+    const bool valid = col_valid && row0 + i * kRowStep < rows_valid;
     // An invalid chunk reads nothing (src-size 0); the pointer only has to be well-formed.
-    const Element* src = valid ? gmem_row0 + row * row_stride + col : gmem_row0;
-    cp_async_16_zfill(base + SwizzledTile<kCols>::offset(row, col) * sizeof(Element), src, valid ? 16 : 0);
+    const Element* src = valid ? src0 + i * step : gmem_row0;
+    cp_async_16_zfill(smem0 + i * kRowStep * kCols * sizeof(Element), src, valid ? 16 : 0);
   }
 }
 

@@ -127,13 +127,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   load_tile_async<Element, kN, kD, kThreads>(smem.v, static_cast<const Element*>(p.v.data) + v_off, p.v.row_stride,
                                              keys_valid, head_dim, tid);
 
-  // Iteration `it` covers query head kv_head * group + it / blocks_per_head and query block
-  // m_blocks.begin + it % blocks_per_head: heads outer so the pipeline runs across them.
-  auto query_head_of = [&](int64_t it) { return kv_head * group + it / blocks_per_head; };
-  auto query_row0_of = [&](int64_t it) { return (m_blocks.begin + it % blocks_per_head) * kM; };
-  auto load_query_side = [&](int64_t it, int stage) {
-    const int64_t h = query_head_of(it);
-    const int64_t m0 = query_row0_of(it);
+  // The iterations walk (query head of the group, query block), the block fastest: heads outer so
+  // the pipeline runs across them. A step to the next position instead of a 64-bit division of
+  // the iteration count per use.
+  struct QueryPosition {
+    int64_t head;   // query head
+    int64_t block;  // query block
+  };
+  auto next_position = [&](const QueryPosition& at) {
+    return at.block + 1 < m_blocks.end ? QueryPosition{at.head, at.block + 1}
+                                       : QueryPosition{at.head + 1, m_blocks.begin};
+  };
+  auto load_query_side = [&](const QueryPosition& at, int stage) {
+    const int64_t h = at.head;
+    const int64_t m0 = at.block * kM;
     const int64_t rows_left = seq.seqlen_q - m0;
     const int rows_valid = static_cast<int>(rows_left < kM ? rows_left : kM);
     const int64_t q_off = offset_of(p.q, b, seq.q_start + m0, h);
@@ -156,7 +163,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int dq_row_origin = (warp / Traits::kDqWarpsD) * Traits::kDqWarpRows;
   const int dq_col_origin = (warp % Traits::kDqWarpsD) * Traits::kDqWarpCols;
 
-  if (iterations > 0) load_query_side(0, 0);
+  QueryPosition position_now{kv_head * group, m_blocks.begin};
+  if (iterations > 0) load_query_side(position_now, 0);
   ptx::cp_async_commit();
   [[maybe_unused]] int trace_count = 0;  // BWD80_TRACE's record counter (backward_trace.cuh)
 
@@ -168,16 +176,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     __syncthreads();
     BWD80_TRACE(trace_count, kBwdStepBegin, it);
     // The other stage was last read before barrier (A): the next block's copies may go there now.
+    const QueryPosition position_next = next_position(position_now);
     auto prefetch_next = [&] {
-      if (it + 1 < iterations) load_query_side(it + 1, stage ^ 1);
+      if (it + 1 < iterations) load_query_side(position_next, stage ^ 1);
       ptx::cp_async_commit();
     };
     if constexpr (Traits::kStages == 2 && !Schedule::kLatePrefetch) prefetch_next();
     auto after_gemms = [&] {
       if constexpr (Schedule::kLatePrefetch) prefetch_next();
     };
-    const int64_t h = query_head_of(it);
-    const int64_t m0 = query_row0_of(it);
+    const int64_t h = position_now.head;
+    const int64_t m0 = position_now.block * kM;
 
     // Dropout's problem index b * heads_q + h: below 2^32 (validate.cpp).
     const DropoutTile drop{&p.dropout, static_cast<uint32_t>(b * p.heads_q + h)};
@@ -250,12 +259,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // (C) Q/dO are free once every warp passed the GEMMs above: prefetch the next block
       // while the dQ part (which reads only dS and K) runs.
       __syncthreads();
-      if (it + 1 < iterations) load_query_side(it + 1, 0);
+      if (it + 1 < iterations) load_query_side(position_next, 0);
       ptx::cp_async_commit();
     }
     accumulate_dq();
     BWD80_TRACE(trace_count, kBwdDqSent, it);
     BWD80_TRACE(trace_count, kBwdStepEnd, it);
+    position_now = position_next;
   }
 
   // Epilogue: dK = softmax_scale * sum dS^T Q, dV = sum P^T dO (dropout: keep_scale * sum (P o
