@@ -6,7 +6,7 @@
 # prints nothing for an unknown pair.
 ncu_kernel_regex() {
   case "$1:$2" in
-    fwd:flashcore) echo "regex:forward_kernel" ;;
+    fwd:flashcore | fwd:flashcore_sm80) echo "regex:forward_kernel" ;;
     fwd:sdpa_cudnn) echo "regex:(fprop|fort_native)" ;;
     fwd:sdpa_flash) echo "regex:flash_fwd" ;;
     bwd:flashcore) echo "regex:^backward_kernel" ;;

@@ -1,4 +1,4 @@
-"""Power, SM clock and rate of long forward calls, flashcore next to SDPA cuDNN (GPU machine).
+"""Power, SM clock and rate of long forward (or training-step) calls, flashcore next to an SDPA peer (GPU machine).
 
 Why: under Nsight Compute's locked base clocks the d256 causal 16k forward took 1.62 ms against
 cuDNN's 2.09 (1.29x), while the benchmark (free-running clocks) read 632 TFLOP/s against 597
@@ -8,7 +8,7 @@ temperature and the active clock-event reasons (bench/gpu_clocks.py), and prints
 TFLOP/s, median clock, power and temperature, and the share of samples with the power cap active.
 
 usage: PYTHONPATH=<package> python3 dev/power_probe.py [--cells mm,256:16384:1,... (mm: the matmul)] [--seconds 3]
-       [--rounds 2]
+       [--rounds 2] [--backend auto|cuda_sm80] [--peer cudnn|flash] [--bwd (training steps: forward + backward)]
 """
 import argparse
 import os
@@ -49,7 +49,12 @@ def main():
     ap.add_argument("--cells", default="mm,256:16384:1,256:16384:0,128:16384:0,64:16384:1,mm")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--backend", default="auto", help="flashcore's backend (cuda_sm80: the portable kernels)")
+    ap.add_argument("--peer", default="cudnn", choices=("cudnn", "flash"), help="the SDPA backend beside it")
+    ap.add_argument("--bwd", action="store_true", help="time training steps (forward + backward) instead")
     args = ap.parse_args()
+    flashcore.set_default_backend(args.backend)
+    peer_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.peer]
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,power.limit,power.max_limit,clocks.max.sm,"
                           "clocks.applications.graphics", "--format=csv"], capture_output=True, text=True).stdout)
     sampler = ClockSampler()
@@ -66,20 +71,29 @@ def main():
                 continue
             d, s, c = (int(x) for x in cell.split(":"))
             b, h = 16384 // s, 2048 // d
-            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            flop = 4 * b * h * s * s * d * (0.5 if c else 1.0)
-            impls = {
-                "flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)),
-                "sdpa_cudnn": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(c)),
-            }
-            with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.bwd)
+                       for _ in range(3))
+            qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.bwd) for x in (q, k, v))
+            dout = torch.randn_like(q)
+            flop = 4 * b * h * s * s * d * (0.5 if c else 1.0) * (3.5 if args.bwd else 1.0)
+            if args.bwd:  # the gradients accumulate across calls, as in bench/peers.py's steps
+                impls = {
+                    "flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)).backward(dout),
+                    f"sdpa_{args.peer}": lambda: F.scaled_dot_product_attention(
+                        qt, kt, vt, is_causal=bool(c)).backward(dout.transpose(1, 2)),
+                }
+            else:
+                impls = {
+                    "flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)),
+                    f"sdpa_{args.peer}": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(c)),
+                }
+            with torch.set_grad_enabled(args.bwd), sdpa_kernel([peer_backend]):
                 for r in range(args.rounds):
                     for name, fn in impls.items():
                         t0, t1, ms = run_phase(fn, args.seconds)
                         phases.append((f"d{d} S{s} {'causal' if c else 'full'}", name, r, t0, t1, flop / ms / 1e9))
                         time.sleep(0.3)
-            del q, k, v, qt, kt, vt
+            del q, k, v, qt, kt, vt, dout
             torch.cuda.empty_cache()
     finally:
         time.sleep(0.2)
