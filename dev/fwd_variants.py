@@ -6,8 +6,8 @@ FLASHCORE_DEV_FWD_VARIANT on every call (a temporary switch that an experiment a
 src/cuda/sm90/forward.cuh, backward.cuh or src/cuda/sm80/forward.cuh and removes before its
 commit); this script sets it before each timed call, so the switch must call getenv on every
 call: one that caches the value (a function-local static) times the first variant under every
-label (docs/PERF.md, session 56: five comparisons lost that way). --backend puts flashcore on one backend
-(cuda_sm80 for the portable kernels; default auto). Every variant's output (with --bwd: dq, dk,
+label (docs/PERF.md, session 56: five comparisons lost that way). --backend puts flashcore on
+one backend (cuda_sm80 for the portable kernels; default auto). Every variant's output (with --bwd: dq, dk,
 dv) is first compared with the peer's (max abs difference, a sanity check only: the GPU test grids are what decide
 correctness).
 

@@ -1,4 +1,5 @@
-"""Power, SM clock and rate of long forward (or training-step) calls, flashcore next to an SDPA peer (GPU machine).
+"""Power, SM clock and rate of long forward (or training-step) calls, flashcore next to an SDPA
+peer (GPU machine).
 
 Why: under Nsight Compute's locked base clocks the d256 causal 16k forward took 1.62 ms against
 cuDNN's 2.09 (1.29x), while the benchmark (free-running clocks) read 632 TFLOP/s against 597
