@@ -7,8 +7,11 @@
 #     backward running on a software model of the tile unit (FLASHCORE_AMX_EMULATION), so that the
 #     AMX paths, which only run natively on Sapphire Rapids and later, are checked on every machine
 #     that can;
-#  4. the Python package (pip install .) and its pytest suite.
-# Set SKIP_SANITIZE=1, SKIP_AMX_MODEL=1 or SKIP_PYTHON=1 to leave a stage out while iterating.
+#  4. on a CPU with AVX-512: the CPU tests again on the AVX2 + FMA layer of the kernels (a build for
+#     -mavx2 -mfma instead of -march=native), the layer that CPUs without AVX-512 run;
+#  5. the Python package (pip install .) and its pytest suite.
+# Set SKIP_SANITIZE=1, SKIP_AMX_MODEL=1, SKIP_AVX2=1 or SKIP_PYTHON=1 to leave a stage out while
+# iterating.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -36,6 +39,15 @@ if [ "${SKIP_AMX_MODEL:-0}" != 1 ] && grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/
     -DFLASHCORE_AMX_EMULATION=ON -DFLASHCORE_BUILD_CLI=OFF
   cmake --build build-amx-model -j "$JOBS" --target flashcore_cpu_tests
   build-amx-model/tests/flashcore_cpu_tests --gtest_filter='CpuFlash*' --gtest_brief=1
+fi
+
+if [ "${SKIP_AVX2:-0}" != 1 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null &&
+   grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+  step "CPU tests on the AVX2 + FMA layer"
+  cmake -S . -B build-avx2 "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DFLASHCORE_CUDA=OFF -DFLASHCORE_NATIVE=OFF \
+    -DFLASHCORE_BUILD_CLI=OFF -DFLASHCORE_BUILD_PYTHON=OFF "-DCMAKE_CXX_FLAGS=-mavx2 -mfma -mf16c"
+  cmake --build build-avx2 -j "$JOBS" --target flashcore_cpu_tests
+  ctest --test-dir build-avx2 --output-on-failure -j "$JOBS" -L cpu
 fi
 
 if [ "${SKIP_PYTHON:-0}" != 1 ] && [ -f pyproject.toml ]; then
