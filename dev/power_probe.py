@@ -77,17 +77,14 @@ def main():
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.bwd) for x in (q, k, v))
             dout = torch.randn_like(q)
             flop = 4 * b * h * s * s * d * (0.5 if c else 1.0) * (3.5 if args.bwd else 1.0)
-            if args.bwd:  # the gradients accumulate across calls, as in bench/peers.py's steps
-                impls = {
-                    "flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)).backward(dout),
-                    f"sdpa_{args.peer}": lambda: F.scaled_dot_product_attention(
-                        qt, kt, vt, is_causal=bool(c)).backward(dout.transpose(1, 2)),
-                }
-            else:
-                impls = {
-                    "flashcore": lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)),
-                    f"sdpa_{args.peer}": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(c)),
-                }
+            # (forward, the gradient of its output in its layout) per implementation
+            calls = {
+                "flashcore": (lambda: flashcore.flash_attn_func(q, k, v, causal=bool(c)), dout),
+                f"sdpa_{args.peer}": (lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(c)),
+                                      dout.transpose(1, 2)),
+            }
+            # --bwd: a training step; the gradients accumulate across calls, as in bench/peers.py's steps
+            impls = {name: (lambda f=f, g=g: f().backward(g)) if args.bwd else f for name, (f, g) in calls.items()}
             with torch.set_grad_enabled(args.bwd), sdpa_kernel([peer_backend]):
                 for r in range(args.rounds):
                     for name, fn in impls.items():
