@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
 }
 
 /** The postprocess for DqTiles' accumulator (the sm80 backward): a thread per (leader row, head,
- *  8-column chunk), chunks fastest. Leaders are the padded rows g < 8 of each 16-row group; the
+ *  8-column chunk), leaders fastest. Leaders are the padded rows g < 8 of each 16-row group; the
  *  thread converts rows g and g + 8 from 64 contiguous bytes of the tile (load_dq_tile_rows), so
  *  no thread idles but those of padding rows. A leader's sequence comes from a binary search over
  *  the padded rows (sequence_of_padded_row). Varlen rows of no sequence got their zeros in the
@@ -259,13 +259,16 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_ke
   const int64_t total = leaders_per_head * p.heads_q * kChunksPerRow;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t groups_per_head = ws.dq_rows_per_head / DqTiles::kRows;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
-    const int col = static_cast<int>(item % kChunksPerRow) * kChunkElems;
-    const int64_t rest = item / kChunksPerRow;
-    const int64_t h = rest % p.heads_q;
-    const int64_t leader = rest / p.heads_q;
-    const int g = static_cast<int>(leader % kLeadersPerGroup);
-    const int64_t padded_row = leader / kLeadersPerGroup * DqTiles::kRows + g;
+    // Leader fastest, then the chunk, the 16-row group, the head: the 8 leaders of a tile read its
+    // 512 bytes together and a warp four consecutive tiles, so the accumulator streams in order.
+    const int g = static_cast<int>(item % kLeadersPerGroup);
+    const int64_t rest = item / kLeadersPerGroup;
+    const int col = static_cast<int>(rest % kChunksPerRow) * kChunkElems;
+    const int64_t tile_row = rest / kChunksPerRow;
+    const int64_t h = tile_row / groups_per_head;
+    const int64_t padded_row = (tile_row - h * groups_per_head) * DqTiles::kRows + g;
     if (col >= p.head_dim) continue;  // columns of the bucket only
     int64_t b, start, i, length;
     if (!sequence_of_padded_row(p, padded_row, &b, &start, &i, &length)) continue;  // padding
