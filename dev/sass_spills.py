@@ -14,8 +14,8 @@ A cubin is disassembled with nvdisasm (on the GPU machine: the CUDA toolkit's; e
 `nvidia-cuda-nvdisasm` wheel carries one: `pip download --no-deps nvidia-cuda-nvdisasm`, unzip,
 and pass nvidia/cu13/bin/nvdisasm). Make the cubin with the unit's nvcc command from the build
 (`ninja -t commands`), `-cubin -arch=sm_90a` (or sm_90 for the sm80 kernels' Hopper build) in
-place of `-c` and the -gencode options. A .sass file (`nvdisasm -c` or `cuobjdump -sass` output)
-is read as it is.
+place of `-c` and the -gencode options: dev/sass_here.sh does all of it for one unit and runs
+this on the result. A .sass file (`nvdisasm -c` or `cuobjdump -sass` output) is read as it is.
 """
 import argparse
 import re
