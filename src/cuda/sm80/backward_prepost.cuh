@@ -245,8 +245,10 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_kernel(c
  *  no thread idles but those of padding rows. A leader's sequence comes from a binary search over
  *  the padded rows (sequence_of_padded_row). Varlen rows of no sequence got their zeros in the
  *  preprocess. (Earlier forms, d128 causal 2k on an H200: a thread per packed row with the g >= 8
- *  ones idle, 92 us; a warp per pair of tiles with quad shuffles, 109 us; this one 88 us, and
- *  3.18 TB/s under ncu where the first read 2.42: docs/PERF.md, session 53.) */
+ *  ones idle, 92 us; a warp per pair of tiles with quad shuffles, 109 us; this one with the chunks
+ *  fastest and the heads next, 88 us, and 3.18 TB/s under ncu where the first read 2.42
+ *  (docs/PERF.md, session 53), each warp reading 64 of every 512 bytes of 16 tiles. Leaders
+ *  fastest, a warp reads four whole tiles in order: training steps +0.2% to +1.0%, session 57.) */
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_kernel(const BackwardParams p,
                                                                                      BackwardWorkspacePtrs ws) {
