@@ -257,20 +257,19 @@ __global__ void __launch_bounds__(kPrepostThreads) backward_postprocess_tiles_ke
   ptx::allow_next_grid();
   constexpr int kChunksPerRow = kHeadDim / kChunkElems;
   constexpr int kLeadersPerGroup = DqTiles::kRows / 2;
-  const int64_t leaders_per_head = ws.dq_rows_per_head / DqTiles::kRows * kLeadersPerGroup;
-  const int64_t total = leaders_per_head * p.heads_q * kChunksPerRow;
+  const int64_t groups_per_head = ws.dq_rows_per_head / DqTiles::kRows;
+  const int64_t total = groups_per_head * p.heads_q * kChunksPerRow * kLeadersPerGroup;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int64_t groups_per_head = ws.dq_rows_per_head / DqTiles::kRows;
   for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < total; item += stride) {
     // Leader fastest, then the chunk, the 16-row group, the head: the 8 leaders of a tile read its
     // 512 bytes together and a warp four consecutive tiles, so the accumulator streams in order.
     const int g = static_cast<int>(item % kLeadersPerGroup);
     const int64_t rest = item / kLeadersPerGroup;
     const int col = static_cast<int>(rest % kChunksPerRow) * kChunkElems;
-    const int64_t tile_row = rest / kChunksPerRow;
-    const int64_t h = tile_row / groups_per_head;
-    const int64_t padded_row = (tile_row - h * groups_per_head) * DqTiles::kRows + g;
+    const int64_t head_group = rest / kChunksPerRow;  // h * groups_per_head + the 16-row group
+    const int64_t h = head_group / groups_per_head;
+    const int64_t padded_row = (head_group - h * groups_per_head) * DqTiles::kRows + g;
     if (col >= p.head_dim) continue;  // columns of the bucket only
     int64_t b, start, i, length;
     if (!sequence_of_padded_row(p, padded_row, &b, &start, &i, &length)) continue;  // padding
