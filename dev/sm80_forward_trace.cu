@@ -8,7 +8,8 @@
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //     -DFLASHCORE_SM80_FWD_TRACE -I include -I src dev/sm80_forward_trace.cu src/cuda/device.cu \
 //     -o build/sm80_forward_trace
-// run:   build/sm80_forward_trace [BATCH HEADS SEQLEN]   (d64 fp16, full attention)
+// run:   build/sm80_forward_trace [BATCH HEADS SEQLEN]   (fp16, full attention)
+// The head dim is d64 unless built with -DTRACE_HEAD_DIM=128 (or 256).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -28,7 +29,10 @@ int main(int argc, char** argv) {
   const int64_t b = argc > 1 ? std::atoll(argv[1]) : 1;
   const int64_t h = argc > 2 ? std::atoll(argv[2]) : 8;
   const int64_t s = argc > 3 ? std::atoll(argv[3]) : 512;
-  constexpr int64_t d = 64;
+#ifndef TRACE_HEAD_DIM
+#define TRACE_HEAD_DIM 64
+#endif
+  constexpr int d = TRACE_HEAD_DIM;
   const int64_t elems = b * s * h * d;
   const std::vector<__half> host =
       uniform_values<__half>(elems, [](float x) { return __float2half(x); });
@@ -44,7 +48,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&trace, slots * sizeof(uint64_t)));
   CHECK(cudaMemset(trace, 0, slots * sizeof(uint64_t)));
   CHECK(cudaMemcpyToSymbol(sm80::g_forward_trace, &trace, sizeof(trace)));
-  auto run = [&] { require_ok(sm80::forward_run<__half, 64>(p, nullptr, 0)); };
+  auto run = [&] { require_ok(sm80::forward_run<__half, d>(p, nullptr, 0)); };
   for (int i = 0; i < 20; ++i) run();
   const int reps = 200;
   const float ms = ms_per_call(run, reps) * reps;
@@ -52,16 +56,16 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(rec.data(), trace, slots * sizeof(uint64_t), cudaMemcpyDeviceToHost));
 
   // The configuration forward_run chose (the same test it makes).
-  using Small = sm80::SmallGridForwardTraits<__half, 64>::type;
-  using Default = sm80::DefaultForwardTraits<__half, 64>::type;
+  using Small = sm80::SmallGridForwardTraits<__half, d>::type;
+  using Default = sm80::DefaultForwardTraits<__half, d>::type;
   const bool small = sm80::prefer_small_grid<Small>(p);
   const int warps = small ? Small::kWarps : Default::kWarps;
   const int groups = small ? Small::kKeyGroups : Default::kKeyGroups;
   const int64_t rows = small ? Small::kBlockM : Default::kBlockM;
   const int ctas = static_cast<int>((s + rows - 1) / rows * h * b);
-  std::printf("B=%lld H=%lld S=%lld d64 fp16: %.2f us per call (%d back to back, events), "
+  std::printf("B=%lld H=%lld S=%lld d%d fp16: %.2f us per call (%d back to back, events), "
               "%d CTAs x %d warps\n",
-              static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s),
+              static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(s), d,
               1e3 * ms / reps, reps, ctas, warps);
   const char* names[] = {"start", "first issued", "tile0 landed", "tile0 done", "tile1 landed", "tile1 done",
                          "last V landed", "loop done", "group done", "merge barrier", "merged", "end"};

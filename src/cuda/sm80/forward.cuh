@@ -183,6 +183,15 @@ struct ForwardTraits {
   static_assert(kKeyGroups == 1 || kMergeOBytes + kMergeStatsBytes <= kSmemGroupBytes,
                 "merge scratch must fit in a group's K/V region");
 
+  // The epilogue's global stores from per-lane bases formed once (a stepped output pointer, the
+  // swizzle's few patterns) rather than re-derived per store: 160-690 fewer instructions a warp at
+  // each head dim (d128's plain kernel 7392 -> 6704). At d64 the forward measured +5% at causal
+  // S = 512 and -1% to +1.5% elsewhere (session 58). At d128 / d256 it was timed only in a build
+  // whose loads read wrong rows (same instructions): the forward -1% to -2.3% and -4.7% to -6%,
+  // down at 8k too, so through ptxas's allocation of the key loop, not the epilogue itself
+  // (docs/PERF.md, session 58). Re-measure before taking it there.
+  static constexpr bool kSteppedOutputStores = kHeadDim == 64;
+
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_ > 0 ? kMinBlocksPerSm_
                                          : (kThreads <= 128 ? 2 : 1);
@@ -1054,18 +1063,56 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   __syncwarp();
 
   constexpr int kChunksPerRow = QTile::kChunksPerRow;
-  constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
-  static_assert(kWarpChunks % kWarpSize == 0, "whole passes");
-  Element* out_block = heads.out + (seq.q_start + m0) * p.out.row_stride;
+  if constexpr (Traits::kSteppedOutputStores) {
+    // A pass stores kRowsPerPass whole rows, lane l taking chunk l % kChunksPerRow of row
+    // l / kChunksPerRow. Row lane_row + pass * kRowsPerPass of the warp has row % 8 equal to
+    // lane_row ^ (pass * kRowsPerPass % 8) (kRowsPerPass is a power of two <= 8 above lane_row),
+    // so kLoadPatterns bases (pattern i: the row i * kRowsPerPass further on) plus immediates
+    // address every load; the output pointer steps by a fixed stride, as in TileLoader.
+    constexpr int kRowsPerPass = kWarpSize / kChunksPerRow;
+    static_assert(kWarpSize % kChunksPerRow == 0 && kRowsPerPass <= kSwizzleChunks &&
+                      kWarpRows % kRowsPerPass == 0,
+                  "a pass stores whole rows, and the passes cover the warp's rows");
+    constexpr int kPasses = kWarpRows / kRowsPerPass;
+    constexpr int kLoadPatterns = kSwizzleChunks / kRowsPerPass;
+    const int lane_row = static_cast<int>(static_cast<unsigned>(lane) / kChunksPerRow);
+    const int lane_chunk = static_cast<int>(static_cast<unsigned>(lane) % kChunksPerRow);
+    const uint32_t load_row = smem_q + static_cast<uint32_t>((warp_row0 + lane_row) * QTile::kRowBytes);
+    uint32_t load_base[kLoadPatterns];
 #pragma unroll
-  for (int pass = 0; pass < kWarpChunks / kWarpSize; ++pass) {
-    const int index = pass * kWarpSize + lane;
-    const int block_row = warp_row0 + index / kChunksPerRow;
-    const int chunk = index % kChunksPerRow;
-    const uint4 value = load_shared_16(smem_q + QTile::offset(block_row, chunk));
-    if (m0 + block_row < seqlen_q && chunk * kChunkElems < head_dim) {
-      *reinterpret_cast<uint4*>(out_block + block_row * p.out.row_stride + chunk * kChunkElems) =
-          value;
+    for (int i = 0; i < kLoadPatterns; ++i) {
+      load_base[i] = load_row + static_cast<uint32_t>(i * kRowsPerPass * QTile::kRowBytes +
+                                                      ((lane_chunk ^ lane_row) ^ (i * kRowsPerPass)) * kChunkBytes);
+    }
+    const bool chunk_valid = lane_chunk * kChunkElems < head_dim;
+    const int lane_rows_valid = seqlen_q - m0 - warp_row0 - lane_row;
+    Element* out_lane = heads.out + (seq.q_start + m0 + warp_row0 + lane_row) * p.out.row_stride +
+                        lane_chunk * kChunkElems;
+    const int64_t pass_stride = kRowsPerPass * p.out.row_stride;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const uint4 value = load_shared_16(
+          load_base[pass % kLoadPatterns] +
+          static_cast<uint32_t>((pass / kLoadPatterns) * kSwizzleChunks * QTile::kRowBytes));
+      if (chunk_valid && pass * kRowsPerPass < lane_rows_valid) {
+        *reinterpret_cast<uint4*>(out_lane) = value;
+      }
+      out_lane += pass_stride;
+    }
+  } else {
+    constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
+    static_assert(kWarpChunks % kWarpSize == 0, "whole passes");
+    Element* out_block = heads.out + (seq.q_start + m0) * p.out.row_stride;
+#pragma unroll
+    for (int pass = 0; pass < kWarpChunks / kWarpSize; ++pass) {
+      const int index = pass * kWarpSize + lane;
+      const int block_row = warp_row0 + index / kChunksPerRow;
+      const int chunk = index % kChunksPerRow;
+      const uint4 value = load_shared_16(smem_q + QTile::offset(block_row, chunk));
+      if (m0 + block_row < seqlen_q && chunk * kChunkElems < head_dim) {
+        *reinterpret_cast<uint4*>(out_block + block_row * p.out.row_stride + chunk * kChunkElems) =
+            value;
+      }
     }
   }
   FWD80_TRACE(kPhaseEnd);
