@@ -68,8 +68,10 @@ for i in sorted(order):
         r[src].strip()[:60], top_reasons(r), ctx))
 
 # Stretches between barriers, in address order (a loop's phases when it holds its barriers).
-print("stretches between barriers (first address, instructions, HMMA/HGMMA, samples):")
-stretch = {"first": None, "n": 0, "mma": 0, "samples": 0.0}
+print("stretches between barriers (first address, instructions, HMMA/HGMMA, samples, executed warp"
+      " instructions and their commonest opcodes): a stretch run once per CTA that executes as many"
+      " instructions as a loop step is the prologue or epilogue to slim (session 58)")
+stretch = {"first": None, "n": 0, "mma": 0, "samples": 0.0, "ops": collections.Counter()}
 for k, r in enumerate(body):
     op = r[src].split()
     if stretch["first"] is None:
@@ -77,8 +79,15 @@ for k, r in enumerate(body):
     stretch["n"] += 1
     stretch["mma"] += any(w.startswith(("HMMA", "HGMMA")) for w in op[:2])
     stretch["samples"] += num(r[samp])
+    if execd is not None and op:
+        opcode = (op[1] if op[0].startswith("@") and len(op) > 1 else op[0]).split(".")[0]
+        stretch["ops"][opcode] += num(r[execd])
     if any(w.startswith("BAR.SYNC") for w in op[:2]) or k == len(body) - 1:
         if stretch["samples"] >= 0.005 * total:
-            print("  %s  %5d instr  %4d mma  %5.1f%%" % (stretch["first"], stretch["n"], stretch["mma"],
-                                                      100 * stretch["samples"] / total))
-        stretch = {"first": None, "n": 0, "mma": 0, "samples": 0.0}
+            executed = sum(stretch["ops"].values())
+            common = ", ".join("%s %.0f%%" % (o, 100 * v / executed)
+                               for o, v in stretch["ops"].most_common(4)) if executed else ""
+            print("  %s  %5d instr  %4d mma  %5.1f%%  %8.3f M  %s" % (
+                stretch["first"], stretch["n"], stretch["mma"], 100 * stretch["samples"] / total,
+                executed / 1e6, common))
+        stretch = {"first": None, "n": 0, "mma": 0, "samples": 0.0, "ops": collections.Counter()}
