@@ -186,10 +186,9 @@ struct ForwardTraits {
   // The epilogue's global stores from per-lane bases formed once (a stepped output pointer, the
   // swizzle's few patterns) rather than re-derived per store: 160-690 fewer instructions a warp at
   // each head dim (d128's plain kernel 7392 -> 6704). At d64 the forward measured +5% at causal
-  // S = 512 and -1% to +1.5% elsewhere (session 58). At d128 / d256 it was timed only in a build
-  // whose loads read wrong rows (same instructions): the forward -1% to -2.3% and -4.7% to -6%,
-  // down at 8k too, so through ptxas's allocation of the key loop, not the epilogue itself
-  // (docs/PERF.md, session 58). Re-measure before taking it there.
+  // S = 512 and -1% to +1.5% elsewhere; at d128 -0.7% to -3.4% (d256, in a build whose loads read
+  // wrong rows: -4.7% to -6%), lower at 8k too, so through ptxas's schedule of the key loop rather
+  // than the epilogue itself (docs/PERF.md, session 58).
   static constexpr bool kSteppedOutputStores = kHeadDim == 64;
 
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
