@@ -184,11 +184,12 @@ struct ForwardTraits {
                 "merge scratch must fit in a group's K/V region");
 
   // The epilogue's global stores from per-lane bases formed once (a stepped output pointer, the
-  // swizzle's few patterns) rather than re-derived per store: 160-690 fewer instructions a warp at
-  // each head dim (d128's plain kernel 7392 -> 6704). At d64 the forward measured +5% at causal
-  // S = 512 and -1% to +1.5% elsewhere; at d128 -0.7% to -3.4% (d256, in a build whose loads read
-  // wrong rows: -4.7% to -6%), lower at 8k too, so through ptxas's schedule of the key loop rather
-  // than the epilogue itself (docs/PERF.md, session 58).
+  // swizzle's few patterns) rather than re-derived per store: 160-690 fewer instructions a warp.
+  // ptxas splits this form's uint4 store into four 4-byte STG.E (as it did session 53's
+  // postprocess stores, ptx/global_store.cuh), which is likely what cost d128 -0.7% to -3.4%
+  // (its key loop's SASS is identical either way); d64 measured +5% at causal S = 512 and -1% to
+  // +1.5% elsewhere even so (docs/PERF.md, session 58). Branch sm80-stepped-stores stores through
+  // ptx::store_global_v4 at every head dim, not yet run on a GPU.
   static constexpr bool kSteppedOutputStores = kHeadDim == 64;
 
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
