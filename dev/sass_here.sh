@@ -12,8 +12,10 @@
 #      commands), DTYPES (bf16), TOOLS (where cuobjdump and nvdisasm come from when they are not on
 #      PATH: the nvidia-cuda-cuobjdump / -nvdisasm pip wheels, fetched once; ~/.cache/flashcore-sass).
 # Writes $BUILD/sass/UNIT.{cubin,log,sass}; prints ptxas's spills per kernel (scripts/spill_report.py),
-# per kernel the counts of the instructions that usually matter here, and where the local-memory
-# instructions sit (dev/sass_spills.py: inside the loops or not).
+# per kernel the counts of the instructions that usually matter here (stg16 / stg4: 16-byte and
+# 4-byte global stores; ptxas has split uint4 stores into four 4-byte ones twice, sessions 53
+# and 58), and where the local-memory instructions sit (dev/sass_spills.py: inside the loops or
+# not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UNIT=${1:?usage: dev/sass_here.sh UNIT [ARCH] [-- EXTRA_NVCC_FLAGS...]}
@@ -72,12 +74,14 @@ awk '
     if ($0 ~ /STL|LDL/) local[name]++
     if ($0 ~ /BAR\.SYNC/) bar[name]++
     if ($0 ~ /MEMBAR/) membar[name]++
+    if ($0 ~ /STG\.E\.128/) stg16[name]++
+    else if ($0 ~ /STG\.E[ .]/ && $0 !~ /STG\.E\.(64|U8|S8|U16|S16)/) stg4[name]++
   }
   END {
-    printf "%7s %6s %5s %5s %5s %5s %4s %6s  %s\n", "instr", "mma", "ldsm", "red", "atomg", "local", "bar", "membar", "kernel"
+    printf "%7s %6s %5s %5s %5s %5s %4s %6s %5s %4s  %s\n", "instr", "mma", "ldsm", "red", "atomg", "local", "bar", "membar", "stg16", "stg4", "kernel"
     for (i = 1; i <= n; ++i) {
       k = order[i]
-      printf "%7d %6d %5d %5d %5d %5d %4d %6d  %s\n", total[k], mma[k], ldsm[k], red[k], atom[k], local[k], bar[k], membar[k], k
+      printf "%7d %6d %5d %5d %5d %5d %4d %6d %5d %4d  %s\n", total[k], mma[k], ldsm[k], red[k], atom[k], local[k], bar[k], membar[k], stg16[k], stg4[k], k
     }
   }' "$OUT.sass" | { command -v c++filt >/dev/null && c++filt || cat; } | cut -c1-220
 python3 dev/sass_spills.py "$OUT.sass"
