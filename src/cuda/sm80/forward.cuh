@@ -188,8 +188,8 @@ struct ForwardTraits {
   // ptxas splits this form's uint4 store into four 4-byte STG.E (as it did session 53's
   // postprocess stores, ptx/global_store.cuh), which is likely what cost d128 -0.7% to -3.4%
   // (its key loop's SASS is identical either way); d64 measured +5% at causal S = 512 and -1% to
-  // +1.5% elsewhere even so (docs/PERF.md, session 58). Branch sm80-stepped-stores stores through
-  // ptx::store_global_v4 at every head dim, not yet run on a GPU.
+  // +1.5% elsewhere even so (docs/PERF.md, session 58, which also names the form that keeps the
+  // 16-byte stores).
   static constexpr bool kSteppedOutputStores = kHeadDim == 64;
 
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
