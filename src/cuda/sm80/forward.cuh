@@ -110,6 +110,7 @@
 #include "api/params.hpp"
 #include "api/status.hpp"
 #include "common/mask.hpp"
+#include "cuda/ptx/global_store.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -184,13 +185,14 @@ struct ForwardTraits {
                 "merge scratch must fit in a group's K/V region");
 
   // The epilogue's global stores from per-lane bases formed once (a stepped output pointer, the
-  // swizzle's few patterns) rather than re-derived per store: 160-690 fewer instructions a warp.
-  // ptxas splits this form's uint4 store into four 4-byte STG.E (as it did session 53's
-  // postprocess stores, ptx/global_store.cuh), which is likely what cost d128 -0.7% to -3.4%
-  // (its key loop's SASS is identical either way); d64 measured +5% at causal S = 512 and -1% to
-  // +1.5% elsewhere even so (docs/PERF.md, session 58, which also names the form that keeps the
-  // 16-byte stores).
-  static constexpr bool kSteppedOutputStores = kHeadDim == 64;
+  // swizzle's few patterns) rather than re-derived per store: 180-640 fewer instructions a warp
+  // (d128's plain kernel 7392 -> 6752, its key loop's SASS unchanged). The stores go through
+  // ptx::store_global_v4: as a plain uint4 store ptxas split each into four 4-byte STG.E, which
+  // cost d128 -0.7% to -3.4% (session 58). With the wrapper (session 59, forward best of 2):
+  // d128 causal S = 512 +3.2%, others -0.4% to +0.6%; d64 -0.1% to +1.1% on top of the stepped
+  // form's +5%. d256 lost 1.4% to 3.7% (its key loops' allocation changes with the epilogue), so it
+  // keeps the per-store addresses.
+  static constexpr bool kSteppedOutputStores = kHeadDim <= 128;
 
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_ > 0 ? kMinBlocksPerSm_
@@ -1095,7 +1097,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           load_base[pass % kLoadPatterns] +
           static_cast<uint32_t>((pass / kLoadPatterns) * kSwizzleChunks * QTile::kRowBytes));
       if (chunk_valid && pass * kRowsPerPass < lane_rows_valid) {
-        *reinterpret_cast<uint4*>(out_lane) = value;
+        // Through the wrapper: the plain uint4 store through the stepped pointer became four
+        // 4-byte STG.E here, as in session 53's postprocess (ptx/global_store.cuh).
+        ptx::store_global_v4(out_lane, value.x, value.y, value.z, value.w);
       }
       out_lane += pass_stride;
     }
