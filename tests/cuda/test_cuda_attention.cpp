@@ -286,6 +286,22 @@ TEST_P(CudaForward, ManyTiles) {
     c.causal = causal;
     cases.push_back(c);
   }
+  // On 132 SMs the sm90 forward deals the last pairs of these causal calls as single tiles in order
+  // of falling cost (src/cuda/sm90/tile_tail.hpp; tests/cpu/test_tile_tail.cpp checks that each
+  // shape here and the one above take a tail): whole heads after one or three rounds of pairs
+  // (d128, d256 GQA 5), and a tail that starts inside a head (d64, GQA 7).
+  for (int64_t d : {256, 128, 64}) {
+    Case c;
+    c.batch = d == 128 ? 2 : 1;
+    c.seqlen_q = d == 256 ? 900 : (d == 128 ? 1300 : 1200);
+    c.seqlen_k = d == 256 ? 1000 : (d == 128 ? 1400 : 1200);
+    c.heads_q = d == 256 ? 40 : (d == 128 ? 41 : 70);
+    c.heads_kv = d == 256 ? 8 : (d == 128 ? 41 : 10);
+    c.head_dim = d;
+    c.dtype = d == 64 ? FC_DTYPE_F16 : FC_DTYPE_BF16;
+    c.causal = true;
+    cases.push_back(c);
+  }
   // Causal varlen of uneven lengths: the sm90 grid then holds four CTAs per SM (kVarlenListsPerSm)
   // and still more pairs than CTAs (2 pairs x 8 heads x 40 sequences = 640 > 4 x 132), so CTAs
   // take several items whose sequences differ in length, some without queries.

@@ -24,9 +24,10 @@
 // consumers finish the current one (the walk's divisions are FastDivmod: each tile's resolve runs
 // on one thread with nothing to hide it), and (d64, d128: two Q slots) the next tile's Q right
 // after the current tile's first key block (produce_all). Tiles come in pairs of equal total cost
-// under a causal mask, in order otherwise (TileWalker). Key blocks run from the last to the first, so
-// the tiles that need per-element masks (the causal diagonal, the partial last block) come first
-// and the rest take the branch-free body.
+// under a causal mask (the last ones as single tiles in order of falling cost, where that evens
+// out the CTAs' ends: tile_tail.hpp), in order otherwise (TileWalker). Key blocks run from the
+// last to the first, so the tiles that need per-element masks (the causal diagonal, the partial
+// last block) come first and the rest take the branch-free body.
 // Every consumer warp walks the tiles itself (TileWalker, ~800-970 cycles a tile at d128) although
 // the producer has the same walk: what steers a consumer's control flow (the key loop's bounds,
 // the mask choices) must come from kernel parameters, blockIdx or global memory. Read from shared
@@ -138,6 +139,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "api/kvcache_backends.hpp"  // cuda::merge_split_partials, MergeParams
 #include "api/params.hpp"
@@ -162,6 +164,7 @@
 #include "cuda/sm90/split_kv.hpp"
 #include "cuda/sm90/tail_rows.cuh"
 #include "cuda/sm90/tensor_map.hpp"
+#include "cuda/sm90/tile_tail.hpp"
 
 namespace flashcore::cuda::sm90 {
 
@@ -433,6 +436,12 @@ struct ForwardKernelArgs {
   float exp2_scale;  // factor of the (transformed) score in the exponent
   float pre_scale;   // kLinear / kSoftcap
   float post_scale;  // kSoftcap
+  // Pair items from tail.first_item on run as single tiles in order of falling cost, dealt in
+  // snake order (tile_tail.hpp); last, so that the fields above keep their alignment (ptxas
+  // vectorizes parameter loads by it).
+  TileTail tail;
+  int walk_end;          // items past the last: num_items, or the tail's last turn's end
+  FastDivmod grid_turns;  // gridDim.x: an item's turn in the tail
 };
 
 /** Shared-memory tiles and barriers of one CTA: generic pointers for TMA destinations, .shared
@@ -1064,19 +1073,26 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
  *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1:
  *  masks whose cost does not vary along the query blocks, and problems too small to fill the GPU
  *  with pairs). Under a causal mask block m costs m + 1 key blocks, so every pair costs about the
- *  same (M + 1) and a static round-robin keeps the SMs evenly busy. Items run head after head, so the
- *  CTAs working at one time share K/V through L2. Tiles without query rows (varlen) are skipped
- *  by both roles alike. */
+ *  same (M + 1) and a static round-robin keeps the SMs evenly busy up to the last round, where
+ *  items % gridDim.x CTAs take one pair more than the rest. Items run head after head, so the CTAs
+ *  working at one time share K/V through L2. Pair items from args.tail.first_item on (a whole
+ *  number of rounds after the start) run as the tail's single tiles instead, heaviest first, dealt
+ *  in snake order (tile_tail.hpp), which evens out the CTAs' ends. Tiles without query rows
+ *  (varlen) are skipped by both roles alike. */
 template <class T>
 struct TileWalker {
   const ForwardKernelArgs& args;
   int item = static_cast<int>(blockIdx.x);
   int k = 0;  // next tile of the item
 
-  /** The next tile with query rows, or false when this CTA has none left. */
+  /** The next tile with query rows, or false when this CTA has none left. A turn of the tail
+   *  enters the pairs' code as a virtual item (its tile's pair and half) with one tile: only data
+   *  differs between the two, since a second path to resolve_block made ptxas copy the consumer's
+   *  softmax with divergent-path guards (+1700-2300 instructions a kernel, and spills in the
+   *  160-register consumers). */
   __device__ bool next(BlockWork& w) {
     const int m_blocks = args.num_m_blocks;
-    while (item < args.num_items) {
+    while (item < args.walk_end) {
       // Split-KV kernels: the splits are the outermost index of the items.
       uint32_t tile_item = static_cast<uint32_t>(item);
       int split = 0;
@@ -1084,10 +1100,23 @@ struct TileWalker {
         split = static_cast<int>(args.split_items.div(tile_item));
         tile_item = args.split_items.mod(tile_item);
       }
+      int half = k;  // 0: block M - 1 - j of the pair j, 1: block j
+      bool more = k < args.tiles_per_item;
+      if (item >= args.tail.first_item) {
+        // Turn `turn` of this CTA in the tail (first_item is a multiple of the grid).
+        const uint32_t turn = args.grid_turns.div(static_cast<uint32_t>(item - args.tail.first_item));
+        const int rank = tail_rank(static_cast<int>(turn * gridDim.x), (turn & 1u) != 0,
+                                   static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+        const TailTile t = tail_tile(args.tail, static_cast<uint32_t>(rank < args.tail.tiles ? rank : 0));
+        const PairHalf at = pair_half_of(t.m_block, m_blocks);
+        tile_item = static_cast<uint32_t>(t.rest) * args.items_per_head.divisor + static_cast<uint32_t>(at.pair);
+        half = at.half;
+        more = k == 0 && rank < args.tail.tiles;
+      }
       const int j = static_cast<int>(args.items_per_head.mod(tile_item));
-      const int m_block = k == 0 ? m_blocks - 1 - j : j;
-      // k == 1 of an odd M's middle item repeats block k == 0: the item is done.
-      const bool valid = k < args.tiles_per_item && !(k == 1 && m_block == m_blocks - 1 - j);
+      const int m_block = half == 0 ? m_blocks - 1 - j : j;
+      // Half 1 of an odd M's middle item repeats half 0: the item is done.
+      const bool valid = more && !(half == 1 && m_block == m_blocks - 1 - j);
       if (valid) {
         ++k;
         const uint32_t rest = args.items_per_head.div(tile_item);
@@ -1594,6 +1623,15 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   args.items_per_head = FastDivmod(static_cast<uint32_t>((num_m_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
   args.heads_q = FastDivmod(static_cast<uint32_t>(walk_heads));
   args.group = FastDivmod(static_cast<uint32_t>(group));
+  // Pairs of a fixed-length call without splits: the last ones may run as single tiles in order of
+  // falling cost (tile_tail.hpp), where the model finishes sooner. Varlen calls keep the pairs
+  // (their lengths are on the device); a split call's items are not pairs of one launch's heads.
+  args.tail = TileTail{};
+  if (args.tiles_per_item == 2 && splits == 1 && !p.is_varlen()) {
+    const MaskInfo mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    const std::vector<double> block_cost = query_block_costs(mask, walk_rows, T::kBlockM, T::kBlockN, args.pack_shift);
+    args.tail = plan_tile_tail(tile_items, args.items_per_head.divisor, block_cost, sm_count);
+  }
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
   args.exp2_scale = scales.exp2_scale;
@@ -1655,6 +1693,17 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   // lengths under a one-sided mask, kVarlenListsPerSm CTAs per SM (see there).
   const int64_t lists_per_sm = uneven_cost && provably_uneven(p) ? kVarlenListsPerSm : 1;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_items, lists_per_sm * sm_count)));
+  // The tail's turns: planned for sm_count CTAs, which is the grid whenever there are pairs
+  // (tiles_per_item 2: at least sm_count of them) of a fixed-length call (lists_per_sm 1).
+  args.grid_turns = FastDivmod(grid.x);
+  args.walk_end = args.num_items;
+  if (args.tail.tiles > 0) {
+    if (static_cast<int64_t>(grid.x) != sm_count) {
+      return Status::internal("cuda_sm90 forward: a tile tail planned for another grid");
+    }
+    const int64_t turns = (args.tail.tiles + sm_count - 1) / sm_count;
+    args.walk_end = static_cast<int>(std::min<int64_t>(INT_MAX, args.tail.first_item + turns * sm_count));
+  }
   // A programmatic dependent of the kernel before it (each role waits for it before its first read).
   err = launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, static_cast<cudaStream_t>(p.stream),
                       programmatic, args);
