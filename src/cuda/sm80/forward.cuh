@@ -191,8 +191,9 @@ struct ForwardTraits {
   // cost d128 -0.7% to -3.4% (session 58). With the wrapper (session 59, forward best of 2):
   // d128 causal S = 512 +3.2%, others -0.4% to +0.6%; d64 -0.1% to +1.1% on top of the stepped
   // form's +5%. d256 lost 1.4% to 3.7% (its key loops' allocation changes with the epilogue), so it
-  // keeps the per-store addresses.
-  static constexpr bool kSteppedOutputStores = kHeadDim <= 128;
+  // keeps the per-store addresses, and so do the paged kernels, which were not timed and spilled
+  // 4-12 bytes more with the stepped form (session 59's build).
+  static constexpr bool kSteppedOutputStores = kHeadDim <= 128 && !kPagedKV_;
 
   // Register budget hint for __launch_bounds__ (0 = small CTAs should fit twice per SM).
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_ > 0 ? kMinBlocksPerSm_
