@@ -15,9 +15,11 @@
 // the same time, and the snake pairs its heavy early tiles with light later ones: list
 // scheduling, with no counter in memory (the walk stays a pure function of the launch, as each
 // consumer warp runs it itself). Measured on an H200 against the pairs alone (docs/PERF.md,
-// session 59): d64 causal +0.2% to +2.3% at 512-16k, d128 / d256 within the run's +-1% but at 1k
-// (+1.4%, +4.8%). The tiles of the remainder cannot even out a long call's end by themselves (at
-// d64 16k each CTA gets at most one), but longer tails lost: see plan_tile_tail.
+// session 59, three runs): +1.7% to +1.9% on average at d64 causal 512 / 1k, d128 512 and d256 1k;
+// level or within the noise elsewhere, and slightly behind at d128 8k / 16k (-1.1%, -1.3%), where
+// the model's gain is small, so the host takes the tail only where the model gains 1% or more.
+// The tiles of the remainder cannot even out a long call's end by themselves (at d64 16k each CTA
+// gets at most one), but longer tails lost: see plan_tile_tail.
 #pragma once
 
 #include <algorithm>
@@ -124,8 +126,8 @@ inline std::vector<double> query_block_costs(const MaskInfo& mask, int64_t walk_
   return cost;
 }
 
-/** The host's choice: the last items % ctas pairs as the tail, or no tail, whichever a list-
- *  scheduling model finishes first. block_cost[m] is query block m's cost (its key blocks plus one
+/** The host's choice: the last items % ctas pairs as the tail where a list-scheduling model
+ *  finishes at least 1% sooner with it, else no tail. block_cost[m] is query block m's cost (its key blocks plus one
  *  for the tile's fixed work); every CTA takes the same number of bulk pairs, costed at the
  *  average pair. Longer tails (one to three more whole rounds of pairs) model better still but
  *  measured worse (H200, docs/PERF.md session 59: -2% to -6% where the whole grid became the tail,
@@ -156,8 +158,14 @@ inline TileTail plan_tile_tail(int64_t items, int64_t items_per_head, const std:
       load[static_cast<size_t>(cta)] += block_cost[static_cast<size_t>(tail_tile(t, static_cast<uint32_t>(rank)).m_block)];
     }
   }
-  // Both end the same whole rounds of pairs; without the tail, `remainder` CTAs take one more.
-  return *std::max_element(load.begin(), load.end()) < pair_cost ? t : none;
+  // Both run the same whole rounds of pairs first; without the tail, `remainder` CTAs then take
+  // one more pair. Below a 1% modeled gain the tail measured level or slightly behind (the long
+  // cells: 0.2-0.7% modeled, -1.3% to +0.6% measured over three runs), so it is not taken there.
+  constexpr double kMinModeledGain = 0.01;
+  const double rounds = static_cast<double>(items / ctas);
+  const double plain = (rounds + 1) * pair_cost;
+  const double with_tail = rounds * pair_cost + *std::max_element(load.begin(), load.end());
+  return plain - with_tail >= kMinModeledGain * plain ? t : none;
 }
 
 }  // namespace flashcore::cuda::sm90
