@@ -13,8 +13,12 @@
 #include "cuda/sm90/tile_tail.hpp"
 
 namespace {
+using flashcore::MaskInfo;
 using flashcore::cuda::sm90::make_tile_tail;
+using flashcore::cuda::sm90::pair_half_of;
+using flashcore::cuda::sm90::PairHalf;
 using flashcore::cuda::sm90::plan_tile_tail;
+using flashcore::cuda::sm90::query_block_costs;
 using flashcore::cuda::sm90::tail_rank;
 using flashcore::cuda::sm90::tail_tile;
 using flashcore::cuda::sm90::TailTile;
@@ -59,7 +63,7 @@ TEST(TileTail, RanksCoverTheTailsTilesHeaviestFirst) {
 TEST(TileTail, PairHalfNamesTheBlockAsThePairsWalkDoes) {
   for (int m_blocks : {1, 2, 5, 8, 43, 86})
     for (int m = 0; m < m_blocks; ++m) {
-      const flashcore::cuda::sm90::PairHalf at = flashcore::cuda::sm90::pair_half_of(m, m_blocks);
+      const PairHalf at = pair_half_of(m, m_blocks);
       ASSERT_LT(at.pair, (m_blocks + 1) / 2);
       // The walk's block for (pair, half), and its rule that half 1 of an odd M's middle pair
       // repeats half 0 (so is skipped): a tail tile must never be named that way.
@@ -87,8 +91,8 @@ TEST(TileTail, SnakeDealsEveryRankOnce) {
 
 // Block m of a causal call of seqlen x seqlen: its key blocks plus one (the launcher's model).
 std::vector<double> causal_costs(int seqlen, int block_m, int block_n) {
-  const flashcore::MaskInfo causal{seqlen, seqlen, -1, 0};
-  return flashcore::cuda::sm90::query_block_costs(causal, seqlen, block_m, block_n, 0);
+  const MaskInfo causal{seqlen, seqlen, -1, 0};
+  return query_block_costs(causal, seqlen, block_m, block_n, 0);
 }
 
 // The persistent walk as each CTA runs it (forward.cuh's TileWalker): items by stride up to the
@@ -148,11 +152,11 @@ TEST(TileTail, PlanOnTheCausalTrainingGridWalksEveryTileAndFinishesNoLater) {
 
 TEST(TileTail, BlockCostsFollowTheBottomRightCausalDiagonal) {
   // 600 queries against 700 keys, 128 x 128 tiles: block m sees keys up to 128 (m + 1) + 100.
-  const flashcore::MaskInfo causal{600, 700, -1, 0};
-  EXPECT_EQ(flashcore::cuda::sm90::query_block_costs(causal, 600, 128, 128, 0), (std::vector<double>{3, 4, 5, 6, 7}));
+  const MaskInfo causal{600, 700, -1, 0};
+  EXPECT_EQ(query_block_costs(causal, 600, 128, 128, 0), (std::vector<double>{3, 4, 5, 6, 7}));
   // Packed GQA, group 4 (shift 2): 512 packed rows are tokens 0..127.
-  const flashcore::MaskInfo square{128, 128, -1, 0};
-  EXPECT_EQ(flashcore::cuda::sm90::query_block_costs(square, 512, 128, 64, 2),
+  const MaskInfo square{128, 128, -1, 0};
+  EXPECT_EQ(query_block_costs(square, 512, 128, 64, 2),
             (std::vector<double>{2, 2, 3, 3}));
 }
 
@@ -169,8 +173,8 @@ TEST(TileTail, TheGpuTestShapesTakeTheTail) {
                           {1, 70, 1200, 1200, 128, 128, 264, 4}};  // d64 (the two-consumer tile below 4096 keys)
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << s.batch << " x " << s.heads << " heads, " << s.seqlen_q << " x " << s.seqlen_k);
-    const flashcore::MaskInfo causal{s.seqlen_q, s.seqlen_k, -1, 0};
-    const std::vector<double> cost = flashcore::cuda::sm90::query_block_costs(causal, s.seqlen_q, s.block_m, s.block_n, 0);
+    const MaskInfo causal{s.seqlen_q, s.seqlen_k, -1, 0};
+    const std::vector<double> cost = query_block_costs(causal, s.seqlen_q, s.block_m, s.block_n, 0);
     const int64_t per_head = (static_cast<int64_t>(cost.size()) + 1) / 2, items = per_head * s.heads * s.batch;
     const TileTail plan = plan_tile_tail(items, per_head, cost, 132);
     EXPECT_GT(plan.tiles, 0);
