@@ -289,7 +289,8 @@ TEST_P(CudaForward, ManyTiles) {
   // On 132 SMs the sm90 forward deals the last pairs of these causal calls as single tiles in order
   // of falling cost (src/cuda/sm90/tile_tail.hpp; tests/cpu/test_tile_tail.cpp checks that each
   // shape here and the one above take a tail): whole heads after one or three rounds of pairs
-  // (d128, d256 GQA 5), and a tail that starts inside a head after two (d64, GQA 7).
+  // (d128, d256 GQA 5), and a tail of two rounds' length that starts inside a head after one (d64,
+  // GQA 7: its heads' K/V is small enough for the round more).
   for (int64_t d : {256, 128, 64}) {
     Case c;
     c.batch = d == 128 ? 2 : 1;

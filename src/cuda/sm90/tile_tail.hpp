@@ -14,12 +14,10 @@
 // odd). The bulk before the tail is a whole number of rounds, so every CTA starts its tail at about
 // the same time, and the snake pairs its heavy early tiles with light later ones: list
 // scheduling, with no counter in memory (the walk stays a pure function of the launch, as each
-// consumer warp runs it itself). Measured on an H200 against the pairs alone (docs/PERF.md,
-// session 59, three runs): +1.7% to +1.9% on average at d64 causal 512 / 1k, d128 512 and d256 1k;
-// level or within the noise elsewhere, and slightly behind at d128 8k / 16k (-1.1%, -1.3%), where
-// the model's gain is small, so the host takes the tail only where the model gains 1% or more.
-// The tiles of the remainder cannot even out a long call's end by themselves (at d64 16k each CTA
-// gets at most one), but longer tails lost: see plan_tile_tail.
+// consumer warp runs it itself). Where the model gains 1% or more the host takes the tail; where a
+// call has many rounds, the remainder's tiles cannot even out its end by themselves (at d64 16k
+// each CTA gets at most one), so the tail may take one whole round of pairs more while its heads'
+// K/V stays well inside the L2. plan_tile_tail has the rule and what it measured.
 #pragma once
 
 #include <algorithm>
@@ -126,20 +124,30 @@ inline std::vector<double> query_block_costs(const MaskInfo& mask, int64_t walk_
   return cost;
 }
 
-/** The host's choice: the last items % ctas pairs as the tail where a list-scheduling model
- *  finishes at least 1% sooner with it, else no tail. block_cost[m] is query block m's cost (its key blocks plus one
- *  for the tile's fixed work); every CTA takes the same number of bulk pairs, costed at the
- *  average pair. Longer tails (one to three more whole rounds of pairs) model better still but
- *  measured worse (H200, docs/PERF.md session 59: -2% to -6% where the whole grid became the tail,
- *  whose tiles running at one time then belong to many heads; the power limit also narrows what
- *  an uneven end costs at long lengths). Calls with many rounds gain little and skip it, and so do
- *  costs that fall along the query blocks (a window bounded on the left only), for which the
- *  tail's order would be the wrong way round. */
+/** The host's choice of tail: none, the last items % ctas pairs, or those and one more whole round
+ *  of pairs, by a list-scheduling model. block_cost[m] is query block m's cost (its key blocks plus
+ *  one for the tile's fixed work); every CTA takes the same number of bulk pairs, costed at the
+ *  average pair. The remainder is taken where the model finishes at least 1% sooner with it; the
+ *  longer tail where it finishes at least 1% sooner again and the tail's heads hold at most
+ *  kTailKvBytes of K/V (head_kv_bytes each), so that they share it in the 50 MB L2 of an H100 /
+ *  H200 while their tiles run at one time.
+ *
+ *  Measured on an H200 (docs/PERF.md, sessions 59 and 60): the remainder +1.7% to +1.9% on average
+ *  over three runs at d64 causal 512 / 1k, d128 512 and d256 1k, level or within the noise where it
+ *  models less than 1%; the round more at d64 causal (21 MB of K/V at every length), over two bf16
+ *  runs and one fp16 run, +0.6% at 1k, +0.8% at 2k, +1.1% at 4k, +1.5% at 8k, +3.0% at 16k. Longer
+ *  tails lost where their heads' K/V outgrew the L2 (three rounds more: -2% to -6% where the whole
+ *  grid became the tail). Calls with many rounds gain little and skip it, and so do costs that fall
+ *  along the query blocks (a window bounded on the left only), for which the tail's order would be
+ *  the wrong way round. */
 inline TileTail plan_tile_tail(int64_t items, int64_t items_per_head, const std::vector<double>& block_cost,
-                               int64_t ctas) {
+                               int64_t ctas, double head_kv_bytes) {
   const int m_blocks = static_cast<int>(block_cost.size());
   TileTail none = make_tile_tail(items, items_per_head, m_blocks, 0);
   constexpr int64_t kMaxRounds = 64;
+  constexpr int kMaxExtraRounds = 1;
+  constexpr double kTailKvBytes = 28e6;
+  constexpr double kMinModeledGain = 0.01;
   const int64_t remainder = ctas > 0 ? items % ctas : 0;
   if (ctas < 2 || items <= ctas || items / ctas > kMaxRounds || remainder == 0 || m_blocks < 2 ||
       items_per_head != (m_blocks + 1) / 2 || items % items_per_head != 0 ||
@@ -149,23 +157,31 @@ inline TileTail plan_tile_tail(int64_t items, int64_t items_per_head, const std:
   double head_cost = 0;
   for (double c : block_cost) head_cost += c;
   const double pair_cost = head_cost / static_cast<double>(items_per_head);
-  const TileTail t = make_tile_tail(items, items_per_head, m_blocks, remainder);
-  std::vector<double> load(static_cast<size_t>(ctas), 0.0);
-  for (int cta = 0; cta < ctas; ++cta) {
-    for (int turn = 0;; ++turn) {
-      const int rank = tail_rank(turn * static_cast<int>(ctas), (turn & 1) != 0, cta, static_cast<int>(ctas));
-      if (rank >= t.tiles) break;
-      load[static_cast<size_t>(cta)] += block_cost[static_cast<size_t>(tail_tile(t, static_cast<uint32_t>(rank)).m_block)];
+  const double rounds = static_cast<double>(items / ctas);
+  // Without a tail every CTA runs the same whole rounds of pairs, then `remainder` of them one more.
+  TileTail best = none;
+  double best_span = (rounds + 1) * pair_cost;
+  std::vector<double> load(static_cast<size_t>(ctas));
+  for (int extra = 0; extra <= kMaxExtraRounds && extra < rounds; ++extra) {
+    const int64_t tail_items = remainder + extra * ctas;
+    const int64_t tail_heads = (tail_items + items_per_head - 1) / items_per_head + 1;  // + 1: a partial head
+    if (extra > 0 && static_cast<double>(tail_heads) * head_kv_bytes > kTailKvBytes) break;
+    const TileTail t = make_tile_tail(items, items_per_head, m_blocks, tail_items);
+    std::fill(load.begin(), load.end(), 0.0);
+    for (int cta = 0; cta < ctas; ++cta) {
+      for (int turn = 0;; ++turn) {
+        const int rank = tail_rank(turn * static_cast<int>(ctas), (turn & 1) != 0, cta, static_cast<int>(ctas));
+        if (rank >= t.tiles) break;
+        load[static_cast<size_t>(cta)] += block_cost[static_cast<size_t>(tail_tile(t, static_cast<uint32_t>(rank)).m_block)];
+      }
+    }
+    const double span = (rounds - extra) * pair_cost + *std::max_element(load.begin(), load.end());
+    if (span <= (1 - kMinModeledGain) * best_span) {
+      best_span = span;
+      best = t;
     }
   }
-  // Both run the same whole rounds of pairs first; without the tail, `remainder` CTAs then take
-  // one more pair. Below a 1% modeled gain the tail measured level or slightly behind (the long
-  // cells: 0.2-0.7% modeled, -1.3% to +0.6% measured over three runs), so it is not taken there.
-  constexpr double kMinModeledGain = 0.01;
-  const double rounds = static_cast<double>(items / ctas);
-  const double plain = (rounds + 1) * pair_cost;
-  const double with_tail = rounds * pair_cost + *std::max_element(load.begin(), load.end());
-  return plain - with_tail >= kMinModeledGain * plain ? t : none;
+  return best;
 }
 
 }  // namespace flashcore::cuda::sm90
