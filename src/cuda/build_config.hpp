@@ -1,6 +1,7 @@
 // What this build compiled for CUDA and what the device offers, asked in one place by every CUDA
 // entry point (forward, backward, decode): the head-dim buckets and dtypes chosen with
-// FLASHCORE_HEAD_DIMS / FLASHCORE_DTYPES, and the multiprocessor count for grid heuristics.
+// FLASHCORE_HEAD_DIMS / FLASHCORE_DTYPES, and the multiprocessor count and L2 size for grid
+// heuristics.
 #pragma once
 
 #include <cstdint>
@@ -26,5 +27,9 @@ inline int usable_multiprocessors(int device_id, int fallback, int sm_margin) {
 double dram_peak_bytes_per_second(int device_id);
 /** What the Hopper launchers assume when the SM-count query fails (H100 SXM). */
 inline constexpr int kFallbackSmCount = 132;
+/** The L2 cache's bytes, or `fallback` when the query fails (the error is cleared). */
+int64_t l2_cache_bytes(int device_id, int64_t fallback);
+/** What the Hopper launchers assume when the L2 query fails (H100 SXM: 50 MiB). */
+inline constexpr int64_t kFallbackL2Bytes = int64_t(50) << 20;
 
 }  // namespace flashcore::cuda

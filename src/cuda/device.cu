@@ -104,6 +104,24 @@ int multiprocessor_count(int device_id, int fallback) {
   return sms;
 }
 
+int64_t l2_cache_bytes(int device_id, int64_t fallback) {
+  // Kept per device as the DRAM peak below is, so a launch's plan never waits on the driver
+  // (0: not asked yet). A failed query is not kept.
+  static std::array<std::atomic<int64_t>, 64> known{};
+  const bool cached = device_id >= 0 && device_id < int(known.size());
+  if (cached) {
+    const int64_t v = known[device_id].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, device_id) != cudaSuccess || bytes <= 0) {
+    cudaGetLastError();
+    return fallback;
+  }
+  if (cached) known[device_id].store(bytes, std::memory_order_relaxed);
+  return bytes;
+}
+
 double dram_peak_bytes_per_second(int device_id) {
   // The memory-clock query is a driver round trip of a few hundred microseconds (it made every
   // decode call ~10x slower, docs/PERF.md session 33): a device's answer is kept (0: not asked

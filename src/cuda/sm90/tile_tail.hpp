@@ -129,24 +129,24 @@ inline std::vector<double> query_block_costs(const MaskInfo& mask, int64_t walk_
  *  one for the tile's fixed work); every CTA takes the same number of bulk pairs, costed at the
  *  average pair. The remainder is taken where the model finishes at least 1% sooner with it; the
  *  longer tail where it finishes at least 1% sooner again and the tail's heads hold at most
- *  kTailKvBytes of K/V (head_kv_bytes each), so that they share it in the 50 MB L2 of an H100 /
- *  H200 while their tiles run at one time.
+ *  kTailKvShareOfL2 of the L2 (l2_bytes) in K/V (head_kv_bytes each), since their tiles run at
+ *  one time and share that K/V there.
  *
  *  Measured on an H200 (docs/PERF.md, sessions 59 and 60): the remainder +1.7% to +1.9% on average
  *  over three runs at d64 causal 512 / 1k, d128 512 and d256 1k, level or within the noise where it
- *  models less than 1%; the round more at d64 causal (21 MB of K/V at every length), over two bf16
- *  runs and one fp16 run, +0.6% at 1k, +0.8% at 2k, +1.1% at 4k, +1.5% at 8k, +3.0% at 16k. Longer
- *  tails lost where their heads' K/V outgrew the L2 (three rounds more: -2% to -6% where the whole
- *  grid became the tail). Calls with many rounds gain little and skip it, and so do costs that fall
- *  along the query blocks (a window bounded on the left only), for which the tail's order would be
- *  the wrong way round. */
+ *  models less than 1%. The round more, over two bf16 runs and one fp16 run: d64 causal (13-25 MB
+ *  of K/V) +0.6% at 1k, +0.8% at 2k, +1.1% at 4k, +1.5% at 8k, +3.0% at 16k; d128 causal (31-42 MB)
+ *  +0.3% at 2k, +0.9% at 4k, +0.4% at 8k, +1.0% at 16k. Longer tails lost where their heads' K/V
+ *  outgrew the L2 (three rounds more: -2% to -6% where the whole grid became the tail). Calls with
+ *  many rounds gain little and skip it, and so do costs that fall along the query blocks (a window
+ *  bounded on the left only), for which the tail's order would be the wrong way round. */
 inline TileTail plan_tile_tail(int64_t items, int64_t items_per_head, const std::vector<double>& block_cost,
-                               int64_t ctas, double head_kv_bytes) {
+                               int64_t ctas, double head_kv_bytes, double l2_bytes) {
   const int m_blocks = static_cast<int>(block_cost.size());
   TileTail none = make_tile_tail(items, items_per_head, m_blocks, 0);
   constexpr int64_t kMaxRounds = 64;
   constexpr int kMaxExtraRounds = 1;
-  constexpr double kTailKvBytes = 28e6;
+  constexpr double kTailKvShareOfL2 = 0.85;  // 45 MB of an H100's / H200's 50 MiB, as measured
   constexpr double kMinModeledGain = 0.01;
   const int64_t remainder = ctas > 0 ? items % ctas : 0;
   if (ctas < 2 || items <= ctas || items / ctas > kMaxRounds || remainder == 0 || m_blocks < 2 ||
@@ -165,7 +165,7 @@ inline TileTail plan_tile_tail(int64_t items, int64_t items_per_head, const std:
   for (int extra = 0; extra <= kMaxExtraRounds && extra < rounds; ++extra) {
     const int64_t tail_items = remainder + extra * ctas;
     const int64_t tail_heads = (tail_items + items_per_head - 1) / items_per_head + 1;  // + 1: a partial head
-    if (extra > 0 && static_cast<double>(tail_heads) * head_kv_bytes > kTailKvBytes) break;
+    if (extra > 0 && static_cast<double>(tail_heads) * head_kv_bytes > kTailKvShareOfL2 * l2_bytes) break;
     const TileTail t = make_tile_tail(items, items_per_head, m_blocks, tail_items);
     std::fill(load.begin(), load.end(), 0.0);
     for (int cta = 0; cta < ctas; ++cta) {
