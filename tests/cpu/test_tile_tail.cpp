@@ -18,6 +18,7 @@ using flashcore::cuda::sm90::make_tile_tail;
 using flashcore::cuda::sm90::pair_half_of;
 using flashcore::cuda::sm90::PairHalf;
 using flashcore::cuda::sm90::plan_tile_tail;
+using flashcore::cuda::sm90::planned_tile_tail;
 using flashcore::cuda::sm90::query_block_costs;
 using flashcore::cuda::sm90::tail_rank;
 using flashcore::cuda::sm90::tail_tile;
@@ -204,6 +205,37 @@ TEST(TileTail, NoTailWhereItCannotHelpOrWouldRunBackwards) {
   std::vector<double> falling(rising.rbegin(), rising.rend());
   EXPECT_EQ(plan_tile_tail(16 * 100, 16, falling, 132, kv_bytes(4096, 128), kL2Bytes).tiles, 0);
   EXPECT_GE(plan_tile_tail(16 * 100, 16, falling, 132, kv_bytes(4096, 128), kL2Bytes).first_item, 16 * 100);
+}
+
+// The launch's kept plan answers as the model does when the inputs change between calls, back and
+// forth, in any one of them.
+TEST(TileTail, TheKeptPlanFollowsItsInputs) {
+  const std::vector<double> short_causal = causal_costs(1024, 128, 128), long_causal = causal_costs(16384, 128, 128);
+  struct Call {
+    const std::vector<double>* cost;
+    int64_t heads, ctas;
+    double head_kv, l2;
+  };
+  const Call calls[] = {{&short_causal, 256, 132, kv_bytes(1024, 128), kL2Bytes},
+                        {&long_causal, 16, 132, kv_bytes(16384, 128), kL2Bytes},
+                        {&short_causal, 256, 132, kv_bytes(1024, 128), kL2Bytes},
+                        {&short_causal, 256, 114, kv_bytes(1024, 128), kL2Bytes},
+                        {&long_causal, 16, 132, kv_bytes(16384, 128), kL2Bytes / 4},
+                        {&long_causal, 16, 132, kv_bytes(16384, 64), kL2Bytes},
+                        {&long_causal, 20, 132, kv_bytes(16384, 128), kL2Bytes},
+                        {&long_causal, 16, 132, kv_bytes(16384, 128), kL2Bytes}};
+  for (const Call& c : calls) {
+    const int64_t per_head = (static_cast<int64_t>(c.cost->size()) + 1) / 2, items = per_head * c.heads;
+    const TileTail want = plan_tile_tail(items, per_head, *c.cost, c.ctas, c.head_kv, c.l2);
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      const TileTail got = planned_tile_tail(items, per_head, *c.cost, c.ctas, c.head_kv, c.l2);
+      EXPECT_EQ(got.first_item, want.first_item);
+      EXPECT_EQ(got.tiles, want.tiles);
+      EXPECT_EQ(got.first_rest, want.first_rest);
+      EXPECT_EQ(got.first_pair, want.first_pair);
+      EXPECT_EQ(got.full_heads, want.full_heads);
+    }
+  }
 }
 
 }  // namespace

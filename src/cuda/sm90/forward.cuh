@@ -1633,8 +1633,8 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
     // One walk head's K and V: what the tail's heads share in L2 while their tiles run together.
     const double head_kv_bytes = 2.0 * static_cast<double>(p.seqlen_k) * static_cast<double>(p.head_dim) *
                                  static_cast<double>(sizeof(typename T::Element));
-    args.tail = plan_tile_tail(tile_items, args.items_per_head.divisor, block_cost, sm_count, head_kv_bytes,
-                               static_cast<double>(l2_cache_bytes(p.device_id, kFallbackL2Bytes)));
+    args.tail = planned_tile_tail(tile_items, args.items_per_head.divisor, block_cost, sm_count, head_kv_bytes,
+                                  static_cast<double>(l2_cache_bytes(p.device_id, kFallbackL2Bytes)));
   }
   const ScoreScales scales = resolve_score_scales(p);
   args.transform = scales.transform;
