@@ -90,11 +90,11 @@ TEST(TileTail, SnakeDealsEveryRankOnce) {
   EXPECT_EQ(tail_rank(132, true, 131, 132), 132);
 }
 
-// Block m of a causal call of seqlen x seqlen: its key blocks plus one (the launcher's model).
 // One head's K and V in bf16 / fp16 bytes, and the L2 of an H100 / H200: what plan_tile_tail weighs.
 double kv_bytes(int seqlen_k, int head_dim) { return 2.0 * seqlen_k * head_dim * 2; }
 constexpr double kL2Bytes = 50.0 * 1024 * 1024;
 
+// Block m of a causal call of seqlen x seqlen: its key blocks plus one (the launcher's model).
 std::vector<double> causal_costs(int seqlen, int block_m, int block_n) {
   const MaskInfo causal{seqlen, seqlen, -1, 0};
   return query_block_costs(causal, seqlen, block_m, block_n, 0);
