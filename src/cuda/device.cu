@@ -104,42 +104,53 @@ int multiprocessor_count(int device_id, int fallback) {
   return sms;
 }
 
+namespace {
+
+/** A device attribute kept per device once asked: `ask` returns the answer, or 0 when the query
+ *  failed, which is not kept (the next call asks again). Devices past the table are asked every
+ *  time. */
+template <class Value, class Ask>
+Value kept_per_device(std::array<std::atomic<Value>, 64>& known, int device_id, Ask ask) {
+  const bool keeps = device_id >= 0 && device_id < int(known.size());
+  if (keeps) {
+    const Value v = known[device_id].load(std::memory_order_relaxed);
+    if (v != 0) return v;
+  }
+  const Value v = ask();
+  if (keeps && v != 0) known[device_id].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+}  // namespace
+
 int64_t l2_cache_bytes(int device_id, int64_t fallback) {
-  // Kept per device as the DRAM peak below is, so a launch's plan never waits on the driver
-  // (0: not asked yet). A failed query is not kept.
+  // Kept, so that a launch's tile plan never waits on the driver.
   static std::array<std::atomic<int64_t>, 64> known{};
-  const bool cached = device_id >= 0 && device_id < int(known.size());
-  if (cached) {
-    const int64_t v = known[device_id].load(std::memory_order_relaxed);
-    if (v > 0) return v;
-  }
-  int bytes = 0;
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, device_id) != cudaSuccess || bytes <= 0) {
-    cudaGetLastError();
-    return fallback;
-  }
-  if (cached) known[device_id].store(bytes, std::memory_order_relaxed);
-  return bytes;
+  const int64_t bytes = kept_per_device(known, device_id, [device_id]() -> int64_t {
+    int b = 0;
+    if (cudaDeviceGetAttribute(&b, cudaDevAttrL2CacheSize, device_id) != cudaSuccess || b <= 0) {
+      cudaGetLastError();
+      return 0;
+    }
+    return b;
+  });
+  return bytes > 0 ? bytes : fallback;
 }
 
 double dram_peak_bytes_per_second(int device_id) {
   // The memory-clock query is a driver round trip of a few hundred microseconds (it made every
-  // decode call ~10x slower, docs/PERF.md session 33): a device's answer is kept (0: not asked
-  // yet; < 0: the device reports no clock or bus width). A failed query is not kept.
+  // decode call ~10x slower, docs/PERF.md session 33): a device's answer is kept (< 0: the device
+  // reports no clock or bus width).
   static std::array<std::atomic<double>, 64> known{};
-  const bool cached = device_id >= 0 && device_id < int(known.size());
-  if (cached) {
-    const double v = known[device_id].load(std::memory_order_relaxed);
-    if (v != 0) return std::max(v, 0.0);
-  }
-  int khz = 0, bus_bits = 0;
-  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device_id) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device_id) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  const double peak = khz > 0 && bus_bits > 0 ? 2.0 * khz * 1e3 * bus_bits / 8 : -1;
-  if (cached) known[device_id].store(peak, std::memory_order_relaxed);
+  const double peak = kept_per_device(known, device_id, [device_id]() -> double {
+    int khz = 0, bus_bits = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device_id) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device_id) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return khz > 0 && bus_bits > 0 ? 2.0 * khz * 1e3 * bus_bits / 8 : -1;
+  });
   return std::max(peak, 0.0);
 }
 

@@ -210,25 +210,26 @@ TEST(TileTail, NoTailWhereItCannotHelpOrWouldRunBackwards) {
 // The launch's kept plan answers as the model does when the inputs change between calls, back and
 // forth, in any one of them.
 TEST(TileTail, TheKeptPlanFollowsItsInputs) {
-  const std::vector<double> short_causal = causal_costs(1024, 128, 128), long_causal = causal_costs(16384, 128, 128);
   struct Call {
-    const std::vector<double>* cost;
+    int seqlen;
     int64_t heads, ctas;
     double head_kv, l2;
   };
-  const Call calls[] = {{&short_causal, 256, 132, kv_bytes(1024, 128), kL2Bytes},
-                        {&long_causal, 16, 132, kv_bytes(16384, 128), kL2Bytes},
-                        {&short_causal, 256, 132, kv_bytes(1024, 128), kL2Bytes},
-                        {&short_causal, 256, 114, kv_bytes(1024, 128), kL2Bytes},
-                        {&long_causal, 16, 132, kv_bytes(16384, 128), kL2Bytes / 4},
-                        {&long_causal, 16, 132, kv_bytes(16384, 64), kL2Bytes},
-                        {&long_causal, 20, 132, kv_bytes(16384, 128), kL2Bytes},
-                        {&long_causal, 16, 132, kv_bytes(16384, 128), kL2Bytes}};
+  const Call calls[] = {{1024, 256, 132, kv_bytes(1024, 128), kL2Bytes},
+                        {16384, 16, 132, kv_bytes(16384, 128), kL2Bytes},
+                        {1024, 256, 132, kv_bytes(1024, 128), kL2Bytes},
+                        {1024, 256, 114, kv_bytes(1024, 128), kL2Bytes},
+                        {16384, 16, 132, kv_bytes(16384, 128), kL2Bytes / 4},
+                        {16384, 16, 132, kv_bytes(16384, 64), kL2Bytes},
+                        {16384, 20, 132, kv_bytes(16384, 128), kL2Bytes},
+                        {16384, 16, 132, kv_bytes(16384, 128), kL2Bytes}};
   for (const Call& c : calls) {
-    const int64_t per_head = (static_cast<int64_t>(c.cost->size()) + 1) / 2, items = per_head * c.heads;
-    const TileTail want = plan_tile_tail(items, per_head, *c.cost, c.ctas, c.head_kv, c.l2);
+    const std::vector<double> cost = causal_costs(c.seqlen, 128, 128);
+    const int64_t per_head = (static_cast<int64_t>(cost.size()) + 1) / 2, items = per_head * c.heads;
+    const TileTail want = plan_tile_tail(items, per_head, cost, c.ctas, c.head_kv, c.l2);
+    const MaskInfo causal{c.seqlen, c.seqlen, -1, 0};
     for (int repeat = 0; repeat < 2; ++repeat) {
-      const TileTail got = planned_tile_tail(items, per_head, *c.cost, c.ctas, c.head_kv, c.l2);
+      const TileTail got = planned_tile_tail(causal, c.seqlen, 128, 128, 0, items, per_head, c.ctas, c.head_kv, c.l2);
       EXPECT_EQ(got.first_item, want.first_item);
       EXPECT_EQ(got.tiles, want.tiles);
       EXPECT_EQ(got.first_rest, want.first_rest);

@@ -139,7 +139,6 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "api/kvcache_backends.hpp"  // cuda::merge_split_partials, MergeParams
 #include "api/params.hpp"
@@ -1629,11 +1628,11 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   args.tail = TileTail{};
   if (args.tiles_per_item == 2 && splits == 1 && !p.is_varlen()) {
     const MaskInfo mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-    const std::vector<double> block_cost = query_block_costs(mask, walk_rows, T::kBlockM, T::kBlockN, args.pack_shift);
     // One walk head's K and V: what the tail's heads share in L2 while their tiles run together.
     const double head_kv_bytes = 2.0 * static_cast<double>(p.seqlen_k) * static_cast<double>(p.head_dim) *
                                  static_cast<double>(sizeof(typename T::Element));
-    args.tail = planned_tile_tail(tile_items, args.items_per_head.divisor, block_cost, sm_count, head_kv_bytes,
+    args.tail = planned_tile_tail(mask, walk_rows, T::kBlockM, T::kBlockN, args.pack_shift, tile_items,
+                                  args.items_per_head.divisor, sm_count, head_kv_bytes,
                                   static_cast<double>(l2_cache_bytes(p.device_id, kFallbackL2Bytes)));
   }
   const ScoreScales scales = resolve_score_scales(p);
