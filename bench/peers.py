@@ -16,11 +16,10 @@ Measures, in this order and within a time budget:
 Writes JSON lines to OUT/bench.jsonl, a PNG plot, and prints a summary table last.
 Timing follows TARGETS.md: calls back to back between CUDA events, median of repeats; in the
 training grid every implementation of a cell is timed in --rounds interleaved rounds and keeps
-its best one (TARGETS.md's peer table is the best of several runs per cell and peer), the cell's
-first timing after a longer warm-up (--settle).
+its best one (TARGETS.md's peer table is the best of several runs per cell and peer).
 
 usage: python3 bench/peers.py OUTDIR [--quick] [--no-backward] [--no-forward] [--skip seed,memory,gqa,cpu]
-                              [--budget SECONDS] [--rounds R] [--settle SECONDS]
+                              [--budget SECONDS] [--rounds R]
        python3 bench/peers.py OUTDIR --cpu-only [--threads 2,16]   (section 5 alone, no GPU needed)
 """
 import argparse
@@ -56,9 +55,6 @@ ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384",
                 help="training-grid sequence lengths, comma-separated")
 ap.add_argument("--rounds", type=int, default=2,
                 help="training grid: interleaved timing rounds per cell (each implementation's best is kept)")
-ap.add_argument("--settle", type=float, default=1.0,
-                help="training grid: seconds the first implementation of a cell warms up before its first "
-                     "timing (the others: 0.2), so that the previous cell's power state does not carry into it")
 ap.add_argument("--threads", default="2,16", help="CPU thread counts to compare, comma-separated")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
@@ -176,19 +172,13 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
         rounds = {name: [] for name in impls}
         windows = {name: [] for name in impls}  # (start, end) of each round's timing
         errors = {}
-        # The first timing of a cell follows the previous cell, often a 16k one at the power cap:
-        # with the usual 0.2 s warm-up, flashcore (timed first) ran its S = 512 cells 12-19% below
-        # the clock cuDNN (timed last) got in the same cell (H200, docs/PERF.md session 60). That
-        # first implementation warms up for --settle seconds instead, so every timing of the cell
-        # starts from the cell's own power state.
-        for r in range(max(1, args.rounds)):
-            for i, (name, fn) in enumerate(impls.items()):
+        for _ in range(max(1, args.rounds)):
+            for name, fn in impls.items():
                 if name in errors:
                     continue
                 try:
-                    warm_s = max(args.settle, 0.2) if r == 0 and i == 0 else 0.2
-                    t0 = time.time() + warm_s - 0.2  # the clock window leaves the extra warm-up out
-                    rounds[name].append(_time_impl(mode, name, fn, q, k, v, dout, warm_s))
+                    t0 = time.time()
+                    rounds[name].append(_time_impl(mode, name, fn, q, k, v, dout))
                     windows[name].append((t0, time.time()))
                 except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
                     errors[name] = str(e).splitlines()[0][:160]
@@ -207,12 +197,11 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
     torch.cuda.empty_cache()
 
 
-def _time_impl(mode, name, fn, q, k, v, dout, warm_s=0.2):
-    """bench_ms of one implementation: the forward under no_grad, or a forward + backward step;
-    warm_s seconds of calls before the timing."""
+def _time_impl(mode, name, fn, q, k, v, dout):
+    """bench_ms of one implementation: the forward under no_grad, or a forward + backward step."""
     if mode == "fwd":
         with torch.no_grad():
-            return bench_ms(fn, warm_s=warm_s)
+            return bench_ms(fn)
     for x in (q, k, v):
         x.requires_grad_(True)
 
@@ -223,7 +212,7 @@ def _time_impl(mode, name, fn, q, k, v, dout, warm_s=0.2):
         o.backward(dout)
 
     try:
-        return bench_ms(step, warm_s=warm_s)
+        return bench_ms(step)
     finally:
         for x in (q, k, v):
             x.grad = None
