@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call for an sm90 forward experiment: a bf16-only build of the Python package (no
 # tests, no CLI: 20-60 s on 16 cores), dev/fwd_variants.py (variants next to cuDNN, same process;
-# ~12 s per cell for four variants, 3 rounds), then optionally the CUDA tests with given variants
+# ~12 s per cell for four variants, 3 rounds; env VARIANTS_TIMEOUT caps it, default 400 s), then optionally the CUDA tests with given variants
 # and Nsight Compute on one cell per listed variant (metrics and the SASS stall hotspots). Logs go
 # to OUTDIR (at most 8 files); the summary prints last. Keep the whole under the device's 10 min.
 # usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--bwd (time fwd+bwd)]
@@ -48,7 +48,7 @@ TESTS=OFF DTYPES=bf16; [ -n "$FILTER" ] && TESTS=ON DTYPES="fp16;bf16"
 build_package build-exp /tmp/fcexp "-DFLASHCORE_DTYPES=$DTYPES" -DFLASHCORE_BUILD_TESTS=$TESTS "${EXTRA_CMAKE[@]}"
 
 ARGS=(--rounds "$ROUNDS" $BWD --backend "$BACKEND" --peer "$PEER"); [ -n "$CELLS" ] && ARGS+=(--cells "$CELLS")
-PYTHONUNBUFFERED=1 timeout 400 python3 dev/fwd_variants.py "$VARIANTS" "${ARGS[@]}" >"$OUTDIR/variants.log" 2>&1
+PYTHONUNBUFFERED=1 timeout "${VARIANTS_TIMEOUT:-400}" python3 dev/fwd_variants.py "$VARIANTS" "${ARGS[@]}" >"$OUTDIR/variants.log" 2>&1
 note "variants: rc=$? ($(el))"
 sed -n '/^====/,$p' "$OUTDIR/variants.log" >>"$SUM"
 grep "max|diff|" "$OUTDIR/variants.log" | sed 's/.*max|diff|/max|diff|/' | sort | uniq -c | head -3 >>"$SUM"
