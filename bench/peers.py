@@ -471,6 +471,9 @@ def summary():
     ratios = {}
     for c in cells:
         by = {r["impl"]: r.get("tflops") for r in train if key(r) == c}
+        # The SM clock of each timing window. flashcore's forward windows run at the power cap,
+        # often below cuDNN's clock: its kernels draw more power per cycle (they do more work per
+        # cycle), which a longer warm-up before the cell did not change (docs/PERF.md, session 61).
         mhz = {r["impl"]: r.get("sm_mhz") for r in train if key(r) == c}
         fc_mhz, cu_mhz = mhz.get("flashcore"), mhz.get("sdpa_cudnn")
         fc, f80, fa2, cu, ef = (by.get(n) for n in ("flashcore", "flashcore_sm80", "sdpa_flash", "sdpa_cudnn",
