@@ -1,9 +1,10 @@
 #!/bin/bash
 # One device call for an sm90 forward experiment: a bf16-only build of the Python package (no
 # tests, no CLI: 20-60 s on 16 cores), dev/fwd_variants.py (variants next to cuDNN, same process;
-# ~12 s per cell for four variants, 3 rounds; env VARIANTS_TIMEOUT caps it, default 400 s), then optionally the CUDA tests with given variants
-# and Nsight Compute on one cell per listed variant (metrics and the SASS stall hotspots). Logs go
-# to OUTDIR (at most 8 files); the summary prints last. Keep the whole under the device's 10 min.
+# ~12 s per cell for four variants, 3 rounds; env VARIANTS_TIMEOUT caps it, default 400 s), then
+# optionally the CUDA tests with given variants and Nsight Compute on one cell per listed variant
+# (metrics and the SASS stall hotspots). Logs go to OUTDIR (at most 8 files); the summary prints
+# last. Keep the whole under the device's 10 min.
 # usage: dev/sm90_fwd_experiment.sh OUTDIR VARIANTS [--cells C] [--rounds R] [--bwd (time fwd+bwd)]
 #        [--backend B --peer flash|cudnn (fwd_variants' backend and SDPA peer: an sm80 experiment
 #        takes --backend cuda_sm80 --peer flash)] [--ncu D:S:CAUSAL]
