@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashcore
 from gpu_clocks import ClockSampler
 from targets import report as target_report
+import timing
 from timing import bench_ms, graph_replay_us
 
 ap = argparse.ArgumentParser()
@@ -177,9 +178,8 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
                 if name in errors:
                     continue
                 try:
-                    t0 = time.time()
                     rounds[name].append(_time_impl(mode, name, fn, q, k, v, dout))
-                    windows[name].append((t0, time.time()))
+                    windows[name].append((timing.WARM_START, time.time()))
                 except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
                     errors[name] = str(e).splitlines()[0][:160]
         for name in impls:
@@ -189,10 +189,16 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
                 continue
             ms = min(rounds[name])
             best = rounds[name].index(ms)
-            clocks = CLOCKS.window(*windows[name][best]) if CLOCKS else None
+            per_round = [CLOCKS.window(*w) if CLOCKS else None for w in windows[name]]
+            clocks = per_round[best]
+            # Each round's clock too: whether a round ran at the power cap says which state it was
+            # timed in (the best round of a peer may be one that followed an idle host pause).
+            rounds_clocks = ({"sm_mhz_rounds": [c["sm_mhz"] if c else None for c in per_round],
+                              "power_capped_rounds": [c["power_capped"] if c else None for c in per_round]}
+                             if CLOCKS and len(per_round) > 1 else {})
             emit(kind="train", impl=name, mode=mode, dtype=dt, batch=b, heads=h, seqlen=s, hdim=d,
                  causal=causal, ms=ms, ms_rounds=rounds[name], tflops=flops(b, h, s, d, causal, mode) / ms / 1e9,
-                 **({k: clocks[k] for k in ("sm_mhz", "watts", "power_capped")} if clocks else {}))
+                 **({k: clocks[k] for k in ("sm_mhz", "watts", "power_capped")} if clocks else {}), **rounds_clocks)
     del q, k, v, dout
     torch.cuda.empty_cache()
 
@@ -471,9 +477,10 @@ def summary():
     ratios = {}
     for c in cells:
         by = {r["impl"]: r.get("tflops") for r in train if key(r) == c}
-        # The SM clock of each timing window. flashcore's forward windows run at the power cap,
-        # often below cuDNN's clock: its kernels draw more power per cycle (they do more work per
-        # cycle), which a longer warm-up before the cell did not change (docs/PERF.md, session 61).
+        # The SM clock of each timing window (from the warm-up's start, after the first call).
+        # Every forward window runs at the power cap, and there the clock follows each kernel's
+        # energy per cycle: flashcore's kernels do more work per cycle than cuDNN's and often run
+        # below its clock (docs/PERF.md, sessions 61-62).
         mhz = {r["impl"]: r.get("sm_mhz") for r in train if key(r) == c}
         fc_mhz, cu_mhz = mhz.get("flashcore"), mhz.get("sdpa_cudnn")
         fc, f80, fa2, cu, ef = (by.get(n) for n in ("flashcore", "flashcore_sm80", "sdpa_flash", "sdpa_cudnn",

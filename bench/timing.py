@@ -5,6 +5,10 @@ import time
 
 import torch
 
+# time.time() when the last bench_ms call's warm-up began (after its first call): the start of the
+# window in which its clocks are sampled (bench/peers.py).
+WARM_START = None
+
 
 def ms_per_call(fn, calls):
     """Milliseconds per call of `calls` calls issued back to back between two CUDA events."""
@@ -22,8 +26,17 @@ def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
     # a cell after the host-side pause between cells (flashcore) came out low in the first
     # (S=512) cell of each head dim: d128 fwd+bwd 0.80x FA2 here, where the back-to-back event
     # timing of dev/backward_breakdown.py had it 1.17x ahead.
+    # The first call runs before the warm-up's clock starts: a peer's first call at a new shape
+    # may spend a long time on the host (cuDNN builds its plan) while the GPU idles, and with that
+    # time counted as warm-up its timed calls followed an idle GPU after only `warmup` calls,
+    # below the power cap that every other implementation in the cell ran at (docs/PERF.md,
+    # session 62).
+    fn()
+    torch.cuda.synchronize()
+    global WARM_START
+    WARM_START = time.time()
     t0 = time.perf_counter()
-    n = 0
+    n = 1
     while n < warmup or time.perf_counter() - t0 < warm_s:
         fn()
         n += 1
