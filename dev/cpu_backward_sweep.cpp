@@ -80,7 +80,8 @@ std::vector<Entry> variants() {
     all.push_back({"amx 256 keys x 128 rows", &amx_flash_backward_with<256, 128, 0>});
   }
 #endif
-  // Other AVX-512 tiles (query rows per block, micro-kernel rows x vectors), 256-key chunks.
+  // Other AVX-512 tiles (query rows per block, micro-kernel rows x vectors; one key tile at a
+  // time), 256-key chunks.
   // Session 25 on the GPU machine's Xeon, fp32, against the shipped 6x4 on 64 rows at 2 / 16
   // threads: 8x2 0.86-0.90x / 0.89-0.94x, 4x4 0.90-1.00x / 0.91-1.00x, 48 and 96 rows (blocks that
   // KeySplit's row alignment no longer allows) 0.92-1.02x. 32 and 128 rows: not measured there.
@@ -88,6 +89,13 @@ std::vector<Entry> variants() {
   all.push_back({"avx-512, 64 rows, 4x4", &avx_backward<BackwardConfig<64, Avx512Tile<4, 4>>, 256>});
   all.push_back({"avx-512, 32 rows, 6x4", &avx_backward<BackwardConfig<32, GemmTraits>, 256>});
   all.push_back({"avx-512, 128 rows, 6x4", &avx_backward<BackwardConfig<128, GemmTraits>, 256>});
+  // Key tiles in smaller groups than the shipped 4 that each query block visits in turn (one: as
+  // before session 62, every query block's Q, dO and dQ rows came from memory once per key tile).
+  // Session 62 on the GPU machine's Xeon, fp32, groups of 1 / 2 / 4 at 2 threads: S1024 d64
+  // 203.7 / 206.6 / 201.8, S2048 d64 causal 205.7 / 197.2 / 205.9, S2048 d128 229.5 / 234.5 /
+  // 241.1; at 16 threads: 1134.3 / 1133.3 / 1199.3, 1313.0 / 1352.6 / 1374.7, 1151.7 / 1260.4 / 1269.7.
+  all.push_back({"avx-512, one key tile at a time", &avx_backward<BackwardConfig<64, GemmTraits, 1>, 256>});
+  all.push_back({"avx-512, groups of 2 key tiles", &avx_backward<BackwardConfig<64, GemmTraits, 2>, 256>});
   return all;
 }
 

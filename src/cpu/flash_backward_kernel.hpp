@@ -3,8 +3,9 @@
 // with the shipped tiles (and runs it for fp32, and for fp16 / bf16 without AMX);
 // dev/cpu_backward_sweep.cpp compares other tiles and splits with it.
 //
-// Inside a task (backward_tasks.hpp) the FA2 loop order is kept: for each key block of its keys (its
-// K^T, V^T tiles packed once), for each query block that can see it:
+// Inside a task (backward_tasks.hpp) the FA2 loop order is kept, over groups of key blocks: for each
+// group of its keys (each block's K^T, V^T tiles packed once), for each query block, for each block
+// of the group that the query block can see:
 //   S = (scale Q) K^T, P = exp(S - lse)  (softcap: s = cap * tanh(s / cap), and tanh' = 1 - t^2;
 //                                          ALiBi: then s - slope * |i + seqlen_k - seqlen_q - j|)
 //   dV^T += dO^T P      dP = dO V^T      dS = P * (dP - D) [* tanh']
@@ -35,20 +36,28 @@ using namespace flash_detail;
  *  the micro-kernel tile GemmTile (cpu_common.hpp). Key tiles and query blocks must divide
  *  KeySplit's alignments: a whole head and its chunk tasks then meet the same tiles and blocks, and
  *  sum dQ and dK / dV alike (the same bits at any thread count). 64 keys keep the [rows x keys]
- *  score tiles in L1. */
-template <int64_t Rows, class GemmTile>
+ *  score tiles in L1.
+ *  Group key tiles are packed together, and each query block visits all of them in turn: its Q,
+ *  dO and dQ rows then come from memory once per group instead of once per key tile (a head's
+ *  rows are megabytes, past a core's L2). Every sum keeps its order (dQ over keys, dK / dV over
+ *  query blocks), so the grouping changes no bit. */
+template <int64_t Rows, class GemmTile, int64_t Group = 1>
 struct BackwardConfig {
   static constexpr int64_t kBlockKeys = 64;    // keys per tile (a multiple of kSimdWidth)
   static constexpr int64_t kBlockRows = Rows;  // query rows per block
+  static constexpr int64_t kGroupTiles = Group;  // key tiles a query block visits in turn
+  static constexpr int64_t kGroupKeys = Group * kBlockKeys;
   static constexpr int64_t kPrefetchRows = 8;  // how far ahead strided input rows are prefetched
   using Gemm = GemmTile;
   static_assert(kBlockKeys % kSimdWidth == 0, "key block must fill whole vectors");
-  static_assert(KeySplit::kKeyAlign % kBlockKeys == 0, "chunk boundaries fall on key tiles");
+  static_assert(KeySplit::kKeyAlign % kGroupKeys == 0, "chunk boundaries fall on key groups");
   static_assert(KeySplit::kRowAlign % kBlockRows == 0, "a chunk's first row starts a query block");
 };
 
-/** What flash_backward runs: 64 x 64 tiles, GemmTraits' 6 x 4 micro-kernel. */
-using ShippedBackwardConfig = BackwardConfig<64, GemmTraits>;
+/** What flash_backward runs: 64 x 64 tiles, GemmTraits' 6 x 4 micro-kernel, key tiles in groups
+ *  of 4. Against one tile at a time on the GPU machine's Xeon (fp32, dev/cpu_backward_sweep.cpp,
+ *  docs/PERF.md session 62): +5% to +10% at 16 threads, d128 +5% at 2, d64 level at 2. */
+using ShippedBackwardConfig = BackwardConfig<64, GemmTraits, 4>;
 
 /** Per-thread buffers; the per-head ones are sized for the longest sequence. */
 template <class Config>
@@ -58,15 +67,15 @@ struct BackwardScratch {
   AlignedFloats dq_acc;             // [seqlen_q x D_pad] this chunk's dQ
   AlignedFloats dq_sum;             // [seqlen_q x D_pad] dQ of the chunks before it (BackwardTask::fold_keys)
   AlignedFloats delta, lse;         // [seqlen_q]
-  AlignedFloats k_t, v_t;           // [D x N]
-  AlignedFloats k_rows;             // [N x D_pad], zero padded columns
+  AlignedFloats k_t, v_t;           // [group tiles][D x N]
+  AlignedFloats k_rows;             // [group tiles][N x D_pad], zero padded columns
   AlignedFloats v_rows;             // [N x D] V rows on their way into V^T, then dV rows
   AlignedFloats dk_rows;            // [N x D] dK rows on their way out
-  AlignedFloats dk_t, dv_t;         // [D x N]
+  AlignedFloats dk_t, dv_t;         // [group tiles][D x N]
   AlignedFloats probs, dscores, tanh_grad;  // [M x N]
   AlignedFloats dropped_probs;      // [M x N] dropout: P * Z (Z = 0 or 1 / (1 - p)), dV's operand
   AlignedFloats row_a;              // [D_pad] one row in flight
-  PrefetchQueue prefetch;           // the next key block's K and V rows
+  PrefetchQueue prefetch;           // the next key group's K and V rows
 
   void reserve(int64_t max_seqlen_q, int64_t head_dim) {
     const int64_t n = Config::kBlockKeys, m = Config::kBlockRows;
@@ -78,8 +87,9 @@ struct BackwardScratch {
     dq_sum.reserve(rows * d_pad);
     delta.reserve(rows);
     lse.reserve(rows);
-    for (AlignedFloats* a : {&k_t, &v_t, &dk_t, &dv_t}) a->reserve(head_dim * n);
-    k_rows.reserve(n * d_pad);
+    const int64_t g = Config::kGroupTiles;
+    for (AlignedFloats* a : {&k_t, &v_t, &dk_t, &dv_t}) a->reserve(g * head_dim * n);
+    k_rows.reserve(g * n * d_pad);
     v_rows.reserve(n * head_dim);
     dk_rows.reserve(n * head_dim);
     for (AlignedFloats* a : {&probs, &dscores, &tanh_grad, &dropped_probs}) a->reserve(m * n);
@@ -105,29 +115,38 @@ class BackwardTaskRunner {
     if (task.fold_keys) std::fill(w_.dq_sum.data(), w_.dq_sum.data() + dq_floats, 0.f);
     PhaseTimer::lap(BackwardPhase::kPackHead);
 
-    constexpr int64_t kN = Config::kBlockKeys, kM = Config::kBlockRows;
-    for (int64_t n0 = task.key_begin; n0 < task.key_end; n0 += kN) {
-      const int64_t n_valid = std::min(kN, task.key_end - n0);
-      if (task.fold_keys && n0 > task.key_begin && (n0 - task.key_begin) % task.fold_keys == 0) {
+    constexpr int64_t kN = Config::kBlockKeys, kM = Config::kBlockRows, kG = Config::kGroupKeys;
+    for (int64_t g0 = task.key_begin; g0 < task.key_end; g0 += kG) {
+      // Fold boundaries are chunk boundaries, multiples of KeySplit::kKeyAlign: never inside a group.
+      if (task.fold_keys && g0 > task.key_begin && (g0 - task.key_begin) % task.fold_keys == 0) {
         fold_dq();
         PhaseTimer::lap(BackwardPhase::kWrite);
       }
-      pack_keys(n0, n_valid);
-      PhaseTimer::lap(BackwardPhase::kPackKeys);
-      auto sees_keys = [&](int64_t m0) {
-        return rows_see_keys(mask, m0, std::min(m0 + kM, task.row_end), n0, n0 + n_valid);
-      };
-      int64_t query_blocks = 0;
-      for (int64_t m0 = task.row_begin; m0 < task.row_end; m0 += kM) query_blocks += sees_keys(m0);
-      w_.prefetch.pace(query_blocks * micro_tiles_per_block());
-      bool have_grads = false;
-      for (int64_t m0 = task.row_begin; m0 < task.row_end; m0 += kM) {
-        if (!sees_keys(m0)) continue;
-        process_block(mask, m0, std::min(kM, task.row_end - m0), n0, n_valid, /*first=*/!have_grads);
-        have_grads = true;
+      const int64_t tiles = ceil_div(std::min(kG, task.key_end - g0), kN);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n0 = g0 + t * kN;
+        tiles_[t] = KeyTile{n0, std::min(kN, task.key_end - n0), false};
+        pack_keys(t);
       }
-      w_.prefetch.drain();  // whatever the micro-tiles left, before the next key block is packed
-      write_key_grads(n0, n_valid, have_grads);
+      queue_next_keys(g0 + kG);
+      PhaseTimer::lap(BackwardPhase::kPackKeys);
+      auto sees_tile = [&](int64_t m0, const KeyTile& kt) {
+        return rows_see_keys(mask, m0, std::min(m0 + kM, task.row_end), kt.n0, kt.n0 + kt.n_valid);
+      };
+      int64_t blocks = 0;
+      for (int64_t m0 = task.row_begin; m0 < task.row_end; m0 += kM) {
+        for (int64_t t = 0; t < tiles; ++t) blocks += sees_tile(m0, tiles_[t]);
+      }
+      w_.prefetch.pace(blocks * micro_tiles_per_block());
+      for (int64_t m0 = task.row_begin; m0 < task.row_end; m0 += kM) {
+        for (int64_t t = 0; t < tiles; ++t) {
+          if (!sees_tile(m0, tiles_[t])) continue;
+          process_block(mask, m0, std::min(kM, task.row_end - m0), t);
+          tiles_[t].have_grads = true;
+        }
+      }
+      w_.prefetch.drain();  // whatever the micro-tiles left, before the next group is packed
+      for (int64_t t = 0; t < tiles; ++t) write_key_grads(t);
       PhaseTimer::lap(BackwardPhase::kWrite);
     }
     if (task.fold_keys) fold_dq();
@@ -171,21 +190,37 @@ class BackwardTaskRunner {
     }
   }
 
-  /** K^T and V^T [D x N] (zero past n_valid) and K rows [N x D_pad] (zero past D). */
-  void pack_keys(int64_t n0, int64_t n_valid) {
+  /** A key tile of the current group: its keys and whether a query block has added to its dK / dV. */
+  struct KeyTile {
+    int64_t n0 = 0, n_valid = 0;
+    bool have_grads = false;
+  };
+  float* k_t(int64_t t) const { return w_.k_t.data() + t * p_.head_dim * Config::kBlockKeys; }
+  float* v_t(int64_t t) const { return w_.v_t.data() + t * p_.head_dim * Config::kBlockKeys; }
+  float* dk_t(int64_t t) const { return w_.dk_t.data() + t * p_.head_dim * Config::kBlockKeys; }
+  float* dv_t(int64_t t) const { return w_.dv_t.data() + t * p_.head_dim * Config::kBlockKeys; }
+  float* k_rows(int64_t t) const { return w_.k_rows.data() + t * Config::kBlockKeys * d_pad_; }
+
+  /** The K and V rows of the group from key n0 on stream in while this group's query loop
+   *  computes, a few cache lines per GEMM micro-tile (PrefetchQueue: one burst of them mostly did
+   *  not arrive). */
+  void queue_next_keys(int64_t n0) {
+    const int64_t rows = std::min(Config::kGroupKeys, task_.key_end - n0);
+    if (rows <= 0) return;
+    const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
+    for (const TensorRef* t : {&p_.k, &p_.v}) {
+      w_.prefetch.add(element_ptr(*t, p_.dtype, task_.batch, seq_.k_start + n0, kv_head_), rows,
+                      t->row_stride * elem, p_.head_dim * elem);
+    }
+  }
+
+  /** Key tile t of the group: K^T and V^T [D x N] (zero past n_valid) and K rows [N x D_pad] (zero
+   *  past D). */
+  void pack_keys(int64_t t) {
     constexpr int64_t kN = Config::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
-    // The next block's rows stream in while this block's query loop computes, a few cache lines
-    // per GEMM micro-tile (PrefetchQueue: one burst of them mostly did not arrive).
-    const int64_t next_rows = std::min(kN, task_.key_end - n0 - kN);
-    if (next_rows > 0) {
-      const int64_t elem = static_cast<int64_t>(dtype_size(p_.dtype));
-      for (const TensorRef* t : {&p_.k, &p_.v}) {
-        w_.prefetch.add(element_ptr(*t, p_.dtype, task_.batch, seq_.k_start + n0 + kN, kv_head_), next_rows,
-                        t->row_stride * elem, head_dim * elem);
-      }
-    }
-    float* k_rows = w_.k_rows.data();
+    const int64_t n0 = tiles_[t].n0, n_valid = tiles_[t].n_valid;
+    float* k_rows = this->k_rows(t);
     float* v_rows = w_.v_rows.data();
     for (int64_t n = 0; n < n_valid; ++n) {
       float* k_row = k_rows + n * d_pad_;
@@ -195,12 +230,15 @@ class BackwardTaskRunner {
     }
     std::fill(k_rows + n_valid * d_pad_, k_rows + kN * d_pad_, 0.f);
     std::fill(v_rows + n_valid * head_dim, v_rows + kN * head_dim, 0.f);
-    transpose(k_rows, d_pad_, kN, head_dim, w_.k_t.data(), kN);
-    transpose(v_rows, head_dim, kN, head_dim, w_.v_t.data(), kN);
+    transpose(k_rows, d_pad_, kN, head_dim, k_t(t), kN);
+    transpose(v_rows, head_dim, kN, head_dim, v_t(t), kN);
   }
 
-  void process_block(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t n0, int64_t n_valid, bool first) {
+  /** The five products of query block m0 against key tile t of the group. */
+  void process_block(const MaskInfo& mask, int64_t m0, int64_t m_valid, int64_t t) {
     constexpr int64_t kN = Config::kBlockKeys;
+    const int64_t n0 = tiles_[t].n0, n_valid = tiles_[t].n_valid;
+    const bool first = !tiles_[t].have_grads;
     using Gemm = typename Config::Gemm;
     constexpr Accumulate kSet = Accumulate::kOverwrite, kAdd = Accumulate::kAdd;
     const int64_t head_dim = p_.head_dim;
@@ -219,7 +257,7 @@ class BackwardTaskRunner {
       PhaseTimer::lap(BackwardPhase::kKeyGrads);
     };
     // S = (scale Q) K^T, then P in place.
-    gemm_bcast<kSet, Gemm>(m_valid, kN, head_dim, q, head_dim, 1, w_.k_t.data(), kN, probs, kN, nullptr, pf);
+    gemm_bcast<kSet, Gemm>(m_valid, kN, head_dim, q, head_dim, 1, k_t(t), kN, probs, kN, nullptr, pf);
     PhaseTimer::lap(BackwardPhase::kScores);
     // ALiBi as a template argument: without it the loops are the bias-free ones.
     if (p_.has_alibi()) {
@@ -230,9 +268,9 @@ class BackwardTaskRunner {
     const bool dropout = p_.dropout.enabled();
     if (dropout) drop_probabilities(m0, m_valid, n0);
     PhaseTimer::lap(BackwardPhase::kSoftmax);
-    add_key_grads(dout, dropout ? w_.dropped_probs.data() : probs, w_.dv_t.data());  // dV^T += dO^T (P * Z)
+    add_key_grads(dout, dropout ? w_.dropped_probs.data() : probs, dv_t(t));  // dV^T += dO^T (P * Z)
     // dP = dO V^T, then dS in place.
-    gemm_bcast<kSet, Gemm>(m_valid, kN, head_dim, dout, head_dim, 1, w_.v_t.data(), kN, dscores, kN, nullptr, pf);
+    gemm_bcast<kSet, Gemm>(m_valid, kN, head_dim, dout, head_dim, 1, v_t(t), kN, dscores, kN, nullptr, pf);
     PhaseTimer::lap(BackwardPhase::kScores);
     if (dropout) {
       score_gradients</*kDropout=*/true>(m0, m_valid);
@@ -240,9 +278,9 @@ class BackwardTaskRunner {
       score_gradients</*kDropout=*/false>(m0, m_valid);
     }
     PhaseTimer::lap(BackwardPhase::kSoftmax);
-    add_key_grads(q, dscores, w_.dk_t.data());  // dK^T += (scale Q)^T dS
+    add_key_grads(q, dscores, dk_t(t));  // dK^T += (scale Q)^T dS
     // dQ += dS K
-    gemm_bcast<kAdd, Gemm>(m_valid, d_pad_, n_valid, dscores, kN, 1, w_.k_rows.data(), d_pad_,
+    gemm_bcast<kAdd, Gemm>(m_valid, d_pad_, n_valid, dscores, kN, 1, k_rows(t), d_pad_,
                            w_.dq_acc.data() + (m0 - task_.row_begin) * d_pad_, d_pad_, nullptr, pf);
     PhaseTimer::lap(BackwardPhase::kQueryGrads);
   }
@@ -343,10 +381,12 @@ class BackwardTaskRunner {
     }
   }
 
-  /** dK and dV rows of the block (transposed back): to the outputs, or to this head's partials. */
-  void write_key_grads(int64_t n0, int64_t n_valid, bool have_grads) {
+  /** dK and dV rows of key tile t (transposed back): to the outputs, or to this head's partials. */
+  void write_key_grads(int64_t t) {
     constexpr int64_t kN = Config::kBlockKeys;
     const int64_t head_dim = p_.head_dim;
+    const int64_t n0 = tiles_[t].n0, n_valid = tiles_[t].n_valid;
+    const bool have_grads = tiles_[t].have_grads;
     // Rows of this block: straight into this head's partials (consecutive rows), or staged.
     float* dk_rows = w_.dk_rows.data();
     float* dv_rows = w_.v_rows.data();
@@ -356,8 +396,8 @@ class BackwardTaskRunner {
       dv_rows = partials_->dv_row(p_, task_.head, row);
     }
     if (have_grads) {
-      transpose(w_.dk_t.data(), kN, head_dim, n_valid, dk_rows, head_dim);
-      transpose(w_.dv_t.data(), kN, head_dim, n_valid, dv_rows, head_dim);
+      transpose(dk_t(t), kN, head_dim, n_valid, dk_rows, head_dim);
+      transpose(dv_t(t), kN, head_dim, n_valid, dv_rows, head_dim);
     } else {
       std::fill(dk_rows, dk_rows + n_valid * head_dim, 0.f);
       std::fill(dv_rows, dv_rows + n_valid * head_dim, 0.f);
@@ -410,6 +450,7 @@ class BackwardTaskRunner {
   DqPartials* dq_partials_;
   const int64_t d_pad_;
   BackwardTask task_{};  // the current task
+  KeyTile tiles_[Config::kGroupTiles];  // the current group's key tiles
   int64_t kv_head_ = 0;  // derived from it
   SeqInfo seq_{};
 };
