@@ -37,8 +37,8 @@ using namespace flash_detail;
  *  KeySplit's alignments: a whole head and its chunk tasks then meet the same tiles and blocks, and
  *  sum dQ and dK / dV alike (the same bits at any thread count). 64 keys keep the [rows x keys]
  *  score tiles in L1.
- *  Group key tiles are packed together, and each query block visits all of them in turn: its Q,
- *  dO and dQ rows then come from memory once per group instead of once per key tile (a head's
+ *  Group key tiles are packed together, and each query block visits all of them in turn: its
+ *  Q, dO and dQ rows then come from memory once per group instead of once per key tile (a head's
  *  rows are megabytes, past a core's L2). Every sum keeps its order (dQ over keys, dK / dV over
  *  query blocks), so the grouping changes no bit. */
 template <int64_t Rows, class GemmTile, int64_t Group = 1>
