@@ -187,7 +187,8 @@ int main(int argc, char** argv) {
   if (std::getenv("PHASES")) {
     // The shipped AMX backward (16-bit DTYPE on an AMX CPU), else the shipped AVX-512 one.
     Entry timed{"avx-512 (shipped)", &avx_backward<ShippedBackwardConfig, 256, TimedPhases>};
-    const char* names[] = {"between tasks", "pack Q/dO", "pack K/V", "S+dP", "softmax", "dV+dK", "dQ", "write"};
+    const char* names[] = {"between tasks", "pack Q/dO", "pack K/V", "S+dP", "softmax", "dV+dK", "dQ", "write",
+                           "reductions"};
 #if FLASHCORE_AMX_BUILT
     if (amx_usable() && sweep_dtype() != DType::F32) {
       timed = {"amx (shipped)", &amx_backward_detail::amx_flash_backward_with<128, 128, 0, TimedPhases>};

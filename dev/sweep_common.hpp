@@ -114,6 +114,12 @@ struct SweepPhaseTimer {
     for (auto& x : ns) x.store(0);
   }
   static void new_call() { epoch.fetch_add(1); }
+  /** Charges `threads` threads' time from `start` to now to `phase` (work that runs on all of them
+   *  between laps, e.g. the backward's reductions after its tasks). */
+  static void charge(Phase phase, std::chrono::steady_clock::time_point start, int threads) {
+    const auto ns_each = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    ns[static_cast<size_t>(phase)].fetch_add(ns_each.count() * threads, std::memory_order_relaxed);
+  }
   static void lap(Phase phase) {
     thread_local int seen = -1;
     thread_local std::chrono::steady_clock::time_point last;

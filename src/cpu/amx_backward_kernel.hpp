@@ -501,7 +501,7 @@ class AmxBackwardRunner {
  *  compare sizes and time their phases. */
 template <int64_t Keys, int64_t Group, class PhaseTimer = NoBackwardTimer>
 Status amx_flash_backward_split(const BackwardParams& p, int64_t min_chunk_keys) {
-  return run_backward_tasks(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/false,
+  return run_backward_tasks<PhaseTimer>(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/false,
                             [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, const TaskSinks& sinks) {
     AmxBackwardScratch<Keys, Group> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim, parts_of(p.dtype));

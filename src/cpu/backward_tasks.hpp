@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -91,11 +92,15 @@ inline bool rows_see_keys(const MaskInfo& mask, int64_t row_begin, int64_t row_e
 }
 
 /** Where a task's time goes, for dev/cpu_backward_sweep.cpp's PHASES=1: both backwards call
- *  PhaseTimer::lap(phase) at the end of each phase (the shipped NoBackwardTimer compiles every lap
- *  away). */
-enum class BackwardPhase { kBetweenTasks, kPackHead, kPackKeys, kScores, kSoftmax, kKeyGrads, kQueryGrads, kWrite, kCount };
+ *  PhaseTimer::lap(phase) at the end of each phase, and run_backward_tasks charges the reductions
+ *  after the tasks, all threads' time from `start` on (the shipped NoBackwardTimer compiles every
+ *  lap and charge away). */
+enum class BackwardPhase {
+  kBetweenTasks, kPackHead, kPackKeys, kScores, kSoftmax, kKeyGrads, kQueryGrads, kWrite, kReductions, kCount
+};
 struct NoBackwardTimer {
   static void lap(BackwardPhase) {}
+  static void charge(BackwardPhase, std::chrono::steady_clock::time_point /*start*/, int /*threads*/) {}
 };
 
 /** Where a task's results go besides the outputs themselves (null: straight to the outputs). */
@@ -113,7 +118,7 @@ Status reduce_dq_partials(const BackwardParams& p, const KeySplit& split, const 
                           const DqPartials& partials);
 
 /** Runs worker(queue, tasks, sinks) on p.num_threads workers, then the reductions the sinks need. */
-template <class Worker>
+template <class PhaseTimer, class Worker>
 Status run_backward_tasks(const BackwardParams& p, const KeySplit& split, bool may_fold, Worker&& worker) {
   BackwardPlan plan;
   GqaPartials gqa;
@@ -135,8 +140,10 @@ Status run_backward_tasks(const BackwardParams& p, const KeySplit& split, bool m
   Status st = flash_detail::run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](flash_detail::TaskQueue& queue) {
     worker(queue, tasks, sinks);
   });
+  const auto reductions = std::chrono::steady_clock::now();
   if (st.is_ok() && sinks.dq) st = reduce_dq_partials(p, split, tasks, dq);
   if (st.is_ok() && sinks.gqa) st = reduce_gqa_partials(p, gqa);
+  PhaseTimer::charge(BackwardPhase::kReductions, reductions, flash_detail::resolve_thread_count(p.num_threads));
   return st;
 }
 

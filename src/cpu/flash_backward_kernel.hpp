@@ -460,7 +460,7 @@ class BackwardTaskRunner {
  *  PhaseTimer::lap(phase) ends each phase of a task (dev/cpu_backward_sweep.cpp's PHASES=1). */
 template <class Config, class PhaseTimer = NoBackwardTimer>
 Status avx_flash_backward_tiles(const BackwardParams& p, int64_t min_chunk_keys) {
-  return run_backward_tasks(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/true,
+  return run_backward_tasks<PhaseTimer>(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/true,
                             [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, const TaskSinks& sinks) {
     BackwardScratch<Config> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim);
