@@ -28,11 +28,11 @@ namespace backward_detail {
 
 using namespace flash_detail;
 
-KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys) {
-  // Chunks enough for 64 tasks (four per thread on a 16-core machine) where B x H makes fewer. A
-  // head run as chunk tasks repeats the pass over its query rows (loads, packs) per chunk and
-  // adds the dQ reduction (plan_backward decides whether it does).
-  constexpr int64_t kTasksWanted = 64, kMaxChunks = 8;
+KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys, int64_t tasks_wanted) {
+  // Chunks enough for tasks_wanted tasks where B x H makes fewer. A head run as chunk tasks
+  // repeats the pass over its query rows (loads, packs) per chunk and adds the dQ reduction
+  // (plan_backward decides whether it does).
+  constexpr int64_t kMaxChunks = 8;
   constexpr int64_t kMaxPartialFloats = int64_t{1} << 26;  // 256 MiB of dQ partials at most
   KeySplit split;
   if (min_chunk_keys <= 0) return split;
@@ -43,7 +43,7 @@ KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys) {
     max_seqlen_k = std::max(max_seqlen_k, seq.seqlen_k);
   }
   if (heads == 0) return split;
-  int64_t chunks = std::min({ceil_div(kTasksWanted, heads), kMaxChunks, max_seqlen_k / min_chunk_keys});
+  int64_t chunks = std::min({ceil_div(tasks_wanted, heads), kMaxChunks, max_seqlen_k / min_chunk_keys});
   const int64_t dq_floats = (p.is_varlen() ? p.cu_seqlens_q[p.batch] : p.batch * p.seqlen_q) * p.heads_q * p.head_dim;
   while (chunks > 1 && chunks * dq_floats > kMaxPartialFloats) --chunks;
   split.chunks = std::max<int64_t>(chunks, 1);

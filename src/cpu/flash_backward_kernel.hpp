@@ -459,8 +459,9 @@ class BackwardTaskRunner {
 /** The AVX-512 backward on Config's tiles with key chunks of at least min_chunk_keys keys;
  *  PhaseTimer::lap(phase) ends each phase of a task (dev/cpu_backward_sweep.cpp's PHASES=1). */
 template <class Config, class PhaseTimer = NoBackwardTimer>
-Status avx_flash_backward_tiles(const BackwardParams& p, int64_t min_chunk_keys) {
-  return run_backward_tasks<PhaseTimer>(p, choose_key_split(p, min_chunk_keys), /*may_fold=*/true,
+Status avx_flash_backward_tiles(const BackwardParams& p, int64_t min_chunk_keys,
+                                int64_t tasks_wanted = kKeySplitTasksWanted) {
+  return run_backward_tasks<PhaseTimer>(p, choose_key_split(p, min_chunk_keys, tasks_wanted), /*may_fold=*/true,
                             [&](TaskQueue& queue, const std::vector<BackwardTask>& tasks, const TaskSinks& sinks) {
     BackwardScratch<Config> scratch;
     scratch.reserve(p.seqlen_q, p.head_dim);

@@ -25,10 +25,15 @@ struct KeySplit {
   }
 };
 
+/** Tasks a call's split aims at where B x H makes fewer: four per thread on a 16-core machine. */
+constexpr int64_t kKeySplitTasksWanted = 64;
+
 /** The split of a call, from its shapes alone: chunks of at least min_chunk_keys keys (what a
- *  kernel's per-task setup amortizes; 0 = never split) where B x H alone gives fewer tasks than a
- *  large machine balances well; bounded in count and in the dQ partials' memory. */
-KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys);
+ *  kernel's per-task setup amortizes; 0 = never split) where B x H alone gives fewer than
+ *  tasks_wanted tasks (dev/cpu_backward_sweep.cpp compares other counts); bounded in count and in
+ *  the dQ partials' memory. */
+KeySplit choose_key_split(const BackwardParams& p, int64_t min_chunk_keys,
+                          int64_t tasks_wanted = kKeySplitTasksWanted);
 
 /** A backward's shortest key chunk: `shipped`, unless the environment variable
  *  FLASHCORE_CPU_CHUNK_KEYS holds a number (read at every call; 0 = never split), so that the
