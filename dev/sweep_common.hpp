@@ -114,6 +114,7 @@ struct SweepPhaseTimer {
     for (auto& x : ns) x.store(0);
   }
   static void new_call() { epoch.fetch_add(1); }
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
   /** Charges `threads` threads' time from `start` to now to `phase` (work that runs on all of them
    *  between laps, e.g. the backward's reductions after its tasks). */
   static void charge(Phase phase, std::chrono::steady_clock::time_point start, int threads) {

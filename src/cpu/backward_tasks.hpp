@@ -100,6 +100,7 @@ enum class BackwardPhase {
 };
 struct NoBackwardTimer {
   static void lap(BackwardPhase) {}
+  static std::chrono::steady_clock::time_point now() { return {}; }  // no clock read when untimed
   static void charge(BackwardPhase, std::chrono::steady_clock::time_point /*start*/, int /*threads*/) {}
 };
 
@@ -140,7 +141,7 @@ Status run_backward_tasks(const BackwardParams& p, const KeySplit& split, bool m
   Status st = flash_detail::run_workers(static_cast<int64_t>(tasks.size()), p.num_threads, [&](flash_detail::TaskQueue& queue) {
     worker(queue, tasks, sinks);
   });
-  const auto reductions = std::chrono::steady_clock::now();
+  const auto reductions = PhaseTimer::now();
   if (st.is_ok() && sinks.dq) st = reduce_dq_partials(p, split, tasks, dq);
   if (st.is_ok() && sinks.gqa) st = reduce_gqa_partials(p, gqa);
   PhaseTimer::charge(BackwardPhase::kReductions, reductions, flash_detail::resolve_thread_count(p.num_threads));
