@@ -98,7 +98,9 @@ std::vector<Entry> variants() {
   all.push_back({"avx-512, one key tile at a time", &avx_backward<BackwardConfig<64, GemmTraits, 1>, 256>});
   all.push_back({"avx-512, groups of 2 key tiles", &avx_backward<BackwardConfig<64, GemmTraits, 2>, 256>});
   // Heads split for 128 tasks where B x H makes fewer, instead of 64 (eight per thread at 16
-  // threads, each half as long: a shorter wait for the last of them; not yet measured).
+  // threads, each half as long: a shorter wait for the last of them). Session 63 on the Xeon,
+  // fp32, against the shipped split: 16 threads S2048 d64 causal 991.8 / 1284.0, S2048 d128
+  // 1092.0 / 1206.5 (2 threads -5% / +1%); at S1024 both make the same four chunks.
   all.push_back({"avx-512, split for 128 tasks", &avx_backward<ShippedBackwardConfig, 256, backward_detail::NoBackwardTimer, 128>});
   return all;
 }

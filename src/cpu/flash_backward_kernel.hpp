@@ -56,7 +56,8 @@ struct BackwardConfig {
 
 /** What flash_backward runs: 64 x 64 tiles, GemmTraits' 6 x 4 micro-kernel, key tiles in groups
  *  of 4. Against one tile at a time on the GPU machine's Xeon (fp32, dev/cpu_backward_sweep.cpp,
- *  docs/PERF.md session 62): +5% to +10% at 16 threads, d128 +5% at 2, d64 level at 2. */
+ *  docs/PERF.md session 62): +5% to +10% at 16 threads, d128 +5% at 2, d64 level at 2; session
+ *  63 at 16 threads: S4096 d128 +4.7%, S2048 d256 level (-0.6%). */
 using ShippedBackwardConfig = BackwardConfig<64, GemmTraits, 4>;
 
 /** Per-thread buffers; the per-head ones are sized for the longest sequence. */
