@@ -10,6 +10,8 @@ TFLOP/s, median clock, power and temperature, and the share of samples with the 
 
 usage: PYTHONPATH=<package> python3 dev/power_probe.py [--cells mm,256:16384:1,... (mm: the matmul)] [--seconds 3]
        [--rounds 2] [--backend auto|cuda_sm80] [--peer cudnn|flash] [--bwd (training steps: forward + backward)]
+       [--variants 0,1 (flashcore once per value of the temporary switch FLASHCORE_DEV_FWD_VARIANT, which
+        an experiment reads on every call (dev/fwd_variants.py); the variants alternate within each round)]
 """
 import argparse
 import os
@@ -53,7 +55,9 @@ def main():
     ap.add_argument("--backend", default="auto", help="flashcore's backend (cuda_sm80: the portable kernels)")
     ap.add_argument("--peer", default="cudnn", choices=("cudnn", "flash"), help="the SDPA backend beside it")
     ap.add_argument("--bwd", action="store_true", help="time training steps (forward + backward) instead")
+    ap.add_argument("--variants", default="", help="values of FLASHCORE_DEV_FWD_VARIANT to time flashcore with")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
     flashcore.set_default_backend(args.backend)
     peer_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.peer]
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,power.limit,power.max_limit,clocks.max.sm,"
@@ -85,9 +89,17 @@ def main():
             }
             # --bwd: a training step; the gradients accumulate across calls, as in bench/peers.py's steps
             impls = {name: (lambda f=f, g=g: f().backward(g)) if args.bwd else f for name, (f, g) in calls.items()}
+            # (label, call, switch value or None) in the order a round runs them
+            order = [(n, fn, None) for n, fn in impls.items()]
+            if variants:
+                order = [(f"flashcore v{x}", impls["flashcore"], x) for x in variants] + order[1:]
             with torch.set_grad_enabled(args.bwd), sdpa_kernel([peer_backend]):
                 for r in range(args.rounds):
-                    for name, fn in impls.items():
+                    # odd rounds run the variants in reverse order: each follows the others as often
+                    runs = order if r % 2 == 0 or not variants else order[len(variants) - 1::-1] + order[len(variants):]
+                    for name, fn, variant in runs:
+                        if variant is not None:
+                            os.environ["FLASHCORE_DEV_FWD_VARIANT"] = variant
                         t0, t1, ms = run_phase(fn, args.seconds)
                         phases.append((f"d{d} S{s} {'causal' if c else 'full'}", name, r, t0, t1, flop / ms / 1e9))
                         time.sleep(0.3)
@@ -96,14 +108,15 @@ def main():
     finally:
         time.sleep(0.2)
         sampler.stop()
+    os.environ.pop("FLASHCORE_DEV_FWD_VARIANT", None)
     print(f"{len(sampler.samples)} nvidia-smi samples")
-    print(f"{'cell':<18} {'impl':<11} {'round':>5} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'degC':>5}  power-capped share")
+    print(f"{'cell':<18} {'impl':<13} {'round':>5} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} {'degC':>5}  power-capped share")
     for cell, name, r, t0, t1, tf in phases:
         w = sampler.window(t0 + 0.3 * (t1 - t0), t1)  # the timed part
         if w is None:
-            print(f"{cell:<18} {name:<11} {r:>5} {tf:>8.1f}  (no samples)")
+            print(f"{cell:<18} {name:<13} {r:>5} {tf:>8.1f}  (no samples)")
             continue
-        print(f"{cell:<18} {name:<11} {r:>5} {tf:>8.1f} {w['sm_mhz']:>6.0f} {w['watts']:>6.0f} "
+        print(f"{cell:<18} {name:<13} {r:>5} {tf:>8.1f} {w['sm_mhz']:>6.0f} {w['watts']:>6.0f} "
               f"{w['temperature']:>5.0f}  {w['power_capped']:.2f}")
 
 
