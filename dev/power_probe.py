@@ -89,14 +89,13 @@ def main():
             }
             # --bwd: a training step; the gradients accumulate across calls, as in bench/peers.py's steps
             impls = {name: (lambda f=f, g=g: f().backward(g)) if args.bwd else f for name, (f, g) in calls.items()}
-            # (label, call, switch value or None) in the order a round runs them
-            order = [(n, fn, None) for n, fn in impls.items()]
-            if variants:
-                order = [(f"flashcore v{x}", impls["flashcore"], x) for x in variants] + order[1:]
+            # (label, call, switch value or None): flashcore once per variant, then the rest
+            variant_runs = [(f"flashcore v{x}", impls["flashcore"], x) for x in variants]
+            other_runs = [(n, fn, None) for n, fn in impls.items() if not variants or n != "flashcore"]
             with torch.set_grad_enabled(args.bwd), sdpa_kernel([peer_backend]):
                 for r in range(args.rounds):
                     # odd rounds run the variants in reverse order: each follows the others as often
-                    runs = order if r % 2 == 0 or not variants else order[len(variants) - 1::-1] + order[len(variants):]
+                    runs = (variant_runs if r % 2 == 0 else variant_runs[::-1]) + other_runs
                     for name, fn, variant in runs:
                         if variant is not None:
                             os.environ["FLASHCORE_DEV_FWD_VARIANT"] = variant
