@@ -89,6 +89,31 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+/** Multicast loads (thread-block clusters, ptx/cluster.cuh): the box lands at the same
+ *  shared-memory offset `smem_dst` in every CTA of the cluster whose bit is set in `cta_mask`
+ *  (bit r: rank r), and completes its bytes on the mbarrier at the same offset as `bar` in each of
+ *  them. Every receiving CTA arms its own barrier for the bytes it receives; one L2 read feeds
+ *  them all. */
+__device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
+                                                      int32_t c0, int32_t c1, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(smem_addr(smem_dst)),
+      "l"(tensor_map_operand(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+}
+
+/** The 4D multicast load at {c0 (inner), c1, c2, c3} (see tma_load_2d_multicast). */
+__device__ __forceinline__ void tma_load_4d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
+                                                      int32_t c0, int32_t c1, int32_t c2, int32_t c3,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(smem_addr(smem_dst)),
+      "l"(tensor_map_operand(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(cta_mask)
+      : "memory");
+}
+
 /** 5D tile load at {c0 (inner), c1, c2, c3, c4}. The box lands in shared memory in row-major order
  *  of its dimensions, innermost first, so a box of {64, G, R, 1, 1} is G x R rows of 128 bytes:
  *  row j * G + i holds index i of dimension 1 and j of dimension 2 (the packed GQA rows of the

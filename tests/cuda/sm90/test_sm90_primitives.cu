@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/ptx/cluster.cuh"
 #include "cuda/ptx/l2_prefetch.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/mma.cuh"
@@ -633,6 +634,94 @@ TEST(Sm90Tma, L2PrefetchesNeitherFaultNorServeStaleLines) {
   size_t stale = 0;
   for (size_t i = 0; i < readback.size(); ++i) stale += readback[i] != after[probe + i];
   EXPECT_EQ(stale, 0u) << "a load after the write returned values from before it";
+}
+
+// ---- clusters: multicast TMA loads and arrivals on a peer CTA's mbarrier ----------------------
+struct ClusterTraits {
+  static constexpr uint32_t kRanks = 2;  // CTAs per cluster
+  static constexpr uint32_t kBoxRows = 64;
+  static constexpr uint32_t kCols = 64;  // 128 bytes of bf16: one 128B-swizzled box per rank
+  static constexpr uint32_t kBoxBytes = kBoxRows * kCols * 2;
+  static constexpr uint32_t kRows = kRanks * kBoxRows;
+};
+
+/** Each CTA of a pair copies its rank's box of rows into slot `rank` of both CTAs' shared memory
+ *  with one multicast load, and arrives once on the peer's `handed` barrier. Every CTA then waits
+ *  for both boxes on its own barrier (armed for both) and for the peer's arrival, and reads both
+ *  slots back: the peer's slot holds what only the peer copied. */
+__global__ void __cluster_dims__(ClusterTraits::kRanks, 1, 1) __launch_bounds__(TestTraits::kWarpgroup)
+    cluster_multicast_kernel(const __grid_constant__ CUtensorMap map, uint16_t* readback, uint32_t* errors) {
+  using T = ClusterTraits;
+  __shared__ alignas(TestTraits::kSmemAlign) uint16_t slots[T::kRanks][T::kBoxRows * T::kCols];
+  __shared__ uint64_t full, handed;
+  const uint32_t rank = ptx::cluster_ctarank();
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&full, 1);
+    ptx::mbarrier_init(&handed, 1);
+    ptx::fence_mbarrier_init();
+  }
+  ptx::cluster_sync();  // both CTAs' barriers are initialised before either is signalled
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_arrive_expect_tx(&full, T::kRanks * T::kBoxBytes);
+    ptx::tma_load_2d_multicast(slots[rank], &map, &full, 0, int32_t(rank * T::kBoxRows), (1u << T::kRanks) - 1);
+    ptx::mbarrier_arrive_cluster(ptx::peer_shared_addr(ptx::smem_addr(&handed), rank ^ 1u));
+  }
+  if (!wait_bounded(&full, 0)) atomicAdd(&errors[0], 1);
+  if (!wait_bounded(&handed, 0)) atomicAdd(&errors[1], 1);
+  for (uint32_t idx = threadIdx.x; idx < T::kRows * T::kCols; idx += blockDim.x) {
+    const uint32_t slot = idx / (T::kBoxRows * T::kCols), in_box = idx % (T::kBoxRows * T::kCols);
+    const uint32_t byte = ptx::apply_swizzle(SmemSwizzle::k128B, in_box * 2);
+    readback[rank * T::kRows * T::kCols + idx] = slots[slot][byte / 2];
+  }
+  ptx::cluster_sync();  // no CTA leaves while its peer may still signal it
+}
+
+TEST(Sm90Cluster, MulticastLoadFillsBothCtas) {
+  SKIP_UNLESS_SM90();
+  using T = ClusterTraits;
+  const size_t elems = size_t(T::kRows) * T::kCols;
+  const std::vector<float> values = exact_values(elems, 11);
+  std::vector<uint16_t> src(elems);
+  for (size_t i = 0; i < elems; ++i) src[i] = to_bits<__nv_bfloat16>(values[i]);
+  const std::vector<uint16_t> poison(T::kRanks * elems, TestTraits::kSentinel);
+  DeviceBuffer<uint16_t> d_src(elems), d_readback(T::kRanks * elems);
+  DeviceBuffer<uint32_t> d_errors(2);
+  ASSERT_TRUE(d_src.get() && d_readback.get() && d_errors.get());
+  CUDA_ASSERT(cudaMemcpy(d_src.get(), src.data(), d_src.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemcpy(d_readback.get(), poison.data(), d_readback.bytes(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT(cudaMemset(d_errors.get(), 0, d_errors.bytes()));
+
+  sm90::TiledView2d view;
+  view.element = sm90::TmaElement::kBf16;
+  view.rows = T::kRows;
+  view.cols = T::kCols;
+  view.row_stride = T::kCols;
+  view.box_rows = T::kBoxRows;
+  view.box_cols = T::kCols;
+  view.swizzle = sm90::TmaSwizzle::k128B;
+  view.base = d_src.get();
+  CUtensorMap map{};
+  STATUS_ASSERT(sm90::encode_tensor_map_2d(view, &map));
+
+  cluster_multicast_kernel<<<T::kRanks, TestTraits::kWarpgroup>>>(map, d_readback.get(), d_errors.get());
+  CUDA_ASSERT(cudaGetLastError());
+  CUDA_ASSERT(cudaDeviceSynchronize());
+
+  std::vector<uint16_t> readback(T::kRanks * elems);
+  uint32_t errors[2] = {0, 0};
+  CUDA_ASSERT(cudaMemcpy(readback.data(), d_readback.get(), d_readback.bytes(), cudaMemcpyDeviceToHost));
+  CUDA_ASSERT(cudaMemcpy(errors, d_errors.get(), sizeof(errors), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(errors[0], 0u) << "threads timed out waiting for the two multicast boxes";
+  EXPECT_EQ(errors[1], 0u) << "threads timed out waiting for the peer's arrival";
+  for (uint32_t rank = 0; rank < T::kRanks; ++rank) {
+    size_t bad = 0;
+    for (size_t i = 0; i < elems; ++i) {
+      if (readback[rank * elems + i] != src[i] && bad++ < 4)
+        ADD_FAILURE() << "CTA " << rank << ": row " << i / T::kCols << " col " << i % T::kCols
+                      << " differs from the source";
+    }
+    EXPECT_EQ(bad, 0u) << "CTA " << rank;
+  }
 }
 
 TEST(Sm90TensorMap, RejectsWhatTmaCannotDescribe) {
