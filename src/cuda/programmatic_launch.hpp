@@ -3,7 +3,8 @@
 // starting after it drained. Every kernel launched this way starts with
 // ptx::wait_previous_grid() before touching global memory and then ptx::allow_next_grid()
 // (cuda/ptx/grid_dependency.cuh), so results are as with ordinary launches, in CUDA graphs too.
-// Used by the forward, backward and decode launches.
+// Used by the forward, backward and decode launches; the Hopper forward's cluster-pair kernels
+// also launch in clusters of two CTAs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,26 +17,71 @@ namespace flashcore::cuda {
  *  false when the query fails (the error is cleared). */
 bool supports_programmatic_launch(int device_id);
 
-/** kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the previous
- *  kernel on the stream when `programmatic`. Returns the launch's error, cleared from the
- *  runtime's sticky state like cudaGetLastError. */
+/** kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster_ctas` CTAs along x (1:
+ *  no clusters; grid.x a multiple of it), as a programmatic dependent of the previous kernel on the
+ *  stream when `programmatic`. Returns the launch's error, cleared from the runtime's sticky state
+ *  like cudaGetLastError. */
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          bool programmatic, Args&&... args) {
+cudaError_t launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                      cudaStream_t stream, bool programmatic, unsigned cluster_ctas,
+                                      Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned count = 0;
+  if (programmatic) {
+    attr[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster_ctas > 1) {
+    attr[count].id = cudaLaunchAttributeClusterDimension;
+    attr[count].val.clusterDim.x = cluster_ctas;
+    attr[count].val.clusterDim.y = 1;
+    attr[count].val.clusterDim.z = 1;
+    ++count;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic ? 1 : 0;
+  cfg.numAttrs = count;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess) cudaGetLastError();
   return err;
+}
+
+/** kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the previous
+ *  kernel on the stream when `programmatic` (launch_kernel_in_clusters without clusters). */
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          bool programmatic, Args&&... args) {
+  return launch_kernel_in_clusters(kernel, grid, block, smem, stream, programmatic, 1u, std::forward<Args>(args)...);
+}
+
+/** How many clusters of `cluster_ctas` CTAs of `kernel` (block threads, smem dynamic bytes, its
+ *  shared-memory attribute already set) the current device holds at once; 0 when the query fails
+ *  (the error is cleared). */
+template <typename... Params>
+int resident_clusters(void (*kernel)(Params...), dim3 block, size_t smem, unsigned cluster_ctas) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(cluster_ctas);
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_ctas;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return clusters;
 }
 
 }  // namespace flashcore::cuda

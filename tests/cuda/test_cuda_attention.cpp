@@ -489,6 +489,39 @@ TEST_P(CudaForward, LongMaskedCalls) {
   expect_forward(cases, GetParam());
 }
 
+// The sm90 forward runs d256 calls under a one-sided mask from 8192 queries and keys on in
+// clusters of two CTAs that share each K/V block (forward.cuh, "Cluster pairs"): causal with
+// pairs of tiles and more pairs than clusters (a second round: the margin leaves 14 clusters for
+// 16 pairs, so one head is enough and the fp64 reference stays short), causal with more keys than
+// queries (bottom-right alignment) and GQA in fp16, and a window bounded on the left only (the
+// extra key blocks of a cluster's walk then lie below the CTA's rows).
+TEST(CudaSm90Forward, LongCausalClusterPairs) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
+  std::vector<Case> cases;
+  Case c;
+  c.seqlen_q = c.seqlen_k = 8192;
+  c.head_dim = 256;
+  c.dtype = FC_DTYPE_BF16;
+  c.causal = true;
+  c.sm_margin = 104;  // 28 SMs of a 132-SM GPU: 16 pairs of tiles >= 28 / 2, on 14 clusters
+  cases.push_back(c);
+  Case g = c;
+  g.sm_margin = 0;
+  g.seqlen_q = 8448;  // 66 query blocks of 128 rows: an even number, as the pairs need
+  g.seqlen_k = 8500;
+  g.heads_q = 2;
+  g.heads_kv = 1;
+  g.dtype = FC_DTYPE_F16;
+  cases.push_back(g);
+  Case w = c;
+  w.sm_margin = 0;
+  w.causal = false;
+  w.window_left = 1500;
+  w.window_right = -1;
+  cases.push_back(w);
+  expect_forward(cases, FC_BACKEND_CUDA_SM90);
+}
+
 // Long calls without a mask take the sm90 forward's wide d128 tile (three consumers, 192 query rows,
 // 80-key blocks) from seqlen_q and seqlen_k 4096 on: a partial last query block and key block,
 // GQA, fp16 with a softcap (the score-transform kernel), strided tensors, and varlen with a short

@@ -4,7 +4,7 @@
 // explicitly instantiates forward_run.
 //
 // Relies on: api/params.hpp (AttentionParams, seq_info, offset_of), common/mask.hpp (MaskInfo, the
-// one definition of causal / window masks), cuda/ptx/{wgmma,tma,mbarrier,warpgroup}.cuh (the PTX
+// one definition of causal / window masks), cuda/ptx/{wgmma,tma,mbarrier,warpgroup,cluster}.cuh (the PTX
 // wrappers, each unit-tested alone in tests/cuda/sm90), cuda/sm90/tensor_map.hpp (host side).
 //
 // ---- Work decomposition -------------------------------------------------------------------------
@@ -42,6 +42,20 @@
 //                      completed (wgmma.wait_group); the producer waits before refilling.
 // K and V have separate barriers so S = Q K^T starts before V has landed. Fill counters run on
 // across the tiles of a persistent CTA (PipelineCounters), identically in both roles.
+//
+// ---- Cluster pairs (kClusterPair kernels: d256, one-sided masks, from 8192 queries and keys) ---
+// At the H200's 700 W cap the long cells run at a clock the power sets, and copying K/V from L2
+// into shared memory costs power (docs/PERF.md, session 63: half the bytes raised d256 causal 16k
+// by 7%). Two CTAs of a cluster take query blocks 2i and 2i + 1 of one head and walk the key
+// blocks of both blocks' rows (a block outside this CTA's own rows is all masked: under a causal
+// mask rank 0 walks kBlockM / kBlockN more blocks a tile), so their walks are the same. Each
+// producer copies its rank's 64-column chunks of every K/V block into both CTAs (multicast TMA)
+// and arms its own full barrier for the whole block; each consumer warp releases a stage on both
+// CTAs' empty barriers (counting 2 x kConsumerWarps), so neither producer refills a stage the
+// other CTA still reads. A cluster_sync after the barrier setup, and one by the consumers before
+// they exit, keep every remote access inside the peer's lifetime. The pairs cost 4-5% per clock
+// (the extra blocks, no tile tail, two CTAs held to one pace) and return it in clock where tiles
+// are long (cluster_pair_chosen).
 //
 // ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
 //   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
@@ -135,6 +149,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -145,6 +160,7 @@
 #include "api/status.hpp"
 #include "common/fast_divmod.hpp"
 #include "common/mask.hpp"
+#include "cuda/ptx/cluster.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/mbarrier.cuh"
@@ -178,7 +194,7 @@ using sm80::quad_allreduce_sum;
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
           bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
-          bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false>
+          bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false, bool kClusterPair_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -258,6 +274,12 @@ struct ForwardTraits {
   static_assert(!kDropout || (kBlockN % 32 == 0 && !kPageBoxes && kConsumers == 2),
                 "dropout: whole 32-key halves per key block, rows or whole-block pages, 240-register consumers");
   static constexpr uint32_t kPageIdBytes = 4 * kMaxPageBoxes;
+  // Cluster-pair kernels (WithClusterPair, "Cluster pairs" above): fixed-length calls with plain
+  // rows (no pages, packed GQA, splits or dropout) and an even number of 64-column chunks.
+  static constexpr bool kClusterPair = kClusterPair_;
+  static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
+  static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
+                "cluster pairs: an even number of 64-column chunks, plain rows");
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
@@ -289,6 +311,13 @@ struct ForwardTraits {
   static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "tiles stay 1024-aligned");
 };
 
+/** The same tile in clusters of two CTAs sharing their K/V loads (ForwardTraits::kClusterPair; "Cluster pairs" above). */
+template <class T>
+using WithClusterPair = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                      T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
+                                      /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
+                                      /*kClusterPair=*/true>;
+
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
 template <class T>
 using WithPageBoxes = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
@@ -314,6 +343,30 @@ using WithDropout = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, 
 
 /** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
 constexpr int64_t kLongSeqlen = 4096;
+
+/** Whether the cluster-pair kernel of a block_m-row tile can run p: fixed-length rows read in
+ *  place (both CTAs of a cluster then see the same sequence) and an even number of query blocks
+ *  (every cluster's two blocks exist). */
+inline bool cluster_pair_fits(const forward_params_t& p, int64_t block_m) {
+  return !p.is_varlen() && !p.is_paged() && (p.seqlen_q + block_m - 1) / block_m % 2 == 0;
+}
+
+/** Query and key lengths from which d256 calls under a one-sided mask run in cluster pairs. */
+constexpr int64_t kClusterPairSeqlen = 8192;
+
+/** Whether p runs on the cluster-pair kernel (d256 only). Sustained rates at the 700 W cap, same
+ *  process, bf16 causal (docs/PERF.md, session 64): d256 16k +1.6%, 8k +0.7%, 4k -3.0%; d128 16k
+ *  lost 2.5% and d256 without a mask 2-3%. The pairs' walk itself costs 4-5% per clock at d256 (rank 0's
+ *  masked blocks above its diagonal, no tile tail); the halved L2 reads pay it back in clock only
+ *  where the tiles are long and the K/V bytes per FLOP high. */
+inline bool cluster_pair_chosen(const forward_params_t& p, int64_t block_m) {
+  const bool one_sided = (p.window_left < 0) != (p.window_right < 0);
+  return one_sided && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen &&
+         cluster_pair_fits(p, block_m);
+}
+
+/** Devices whose resident-cluster count the cluster-pair launch keeps (launch_forward). */
+constexpr int kMaxClusterDevices = 64;
 
 /** The tile a bucket's `dispatch` chose, as a value the launcher can take the type from. */
 template <class Traits>
@@ -399,6 +452,7 @@ struct ForwardConfigs<Element, 256> {
   template <class Launch>
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (pack_gqa_chosen(p, Tile::kBlockM, Tile::kBlockM)) return launch(TileChoice<WithPackedGqa<Tile>>{});
+    if (cluster_pair_chosen(p, Tile::kBlockM)) return launch(TileChoice<WithClusterPair<Tile>>{});
     return launch(TileChoice<Tile>{});
   }
 };
@@ -521,8 +575,12 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   w.rows = T::kPackGqa ? w.seq.seqlen_q << args.pack_shift : w.seq.seqlen_q;
   w.has_rows = w.m0 < w.rows;  // varlen: a sequence shorter than max_seqlen_q
   if (w.has_rows) {
-    const int64_t row_end = w.m0 + T::kBlockM < w.rows ? w.m0 + T::kBlockM : w.rows;
-    const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, w.m0), token_end<T>(args, row_end));
+    // Cluster pairs walk the key blocks of both CTAs' rows (their query blocks 2i and 2i + 1), so
+    // that the two walks load the same blocks; a block outside this CTA's own rows is all masked.
+    const int64_t rows_begin = T::kClusterPair ? int64_t(m_block & ~1) * T::kBlockM : w.m0;
+    const int64_t rows_span = int64_t(T::kClusterCtas) * T::kBlockM;
+    const int64_t row_end = rows_begin + rows_span < w.rows ? rows_begin + rows_span : w.rows;
+    const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, rows_begin), token_end<T>(args, row_end));
     if (!keys.empty()) {
       const int first = static_cast<int>(keys.begin / T::kBlockN);
       w.n_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
@@ -833,6 +891,18 @@ __device__ __forceinline__ void release(uint64_t* bar) {
   if ((threadIdx.x & 31) == 0) ptx::mbarrier_arrive(bar);
 }
 
+/** The same for a K or V stage. Cluster pairs: on both CTAs' barriers, since either CTA's
+ *  producer writes the stage in both (the barriers count both CTAs' consumer warps). */
+template <class T>
+__device__ __forceinline__ void release_kv(uint64_t* bar) {
+  if ((threadIdx.x & 31) == 0) {
+    ptx::mbarrier_arrive(bar);
+    if constexpr (T::kClusterPair) {
+      ptx::mbarrier_arrive_cluster(ptx::peer_shared_addr(ptx::smem_addr(bar), (blockIdx.x & 1u) ^ 1u));
+    }
+  }
+}
+
 /** Ping-pong between the consumer warpgroups: they take turns issuing their wgmmas (named barrier
  *  1 + c is consumer c's turn; it waits there, issues, and passes the turn to the next one), so
  *  one warpgroup's GEMMs run on the tensor cores while the other does its softmax instead of the
@@ -1077,11 +1147,13 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
  *  working at one time share K/V through L2. Pair items from args.tail.first_item on (a whole
  *  number of rounds after the start) run as the tail's single tiles instead, heaviest first, dealt
  *  in snake order (tile_tail.hpp), which evens out the CTAs' ends. Tiles without query rows
- *  (varlen) are skipped by both roles alike. */
+ *  (varlen) are skipped by both roles alike. Cluster-pair kernels walk the same pairs over blocks
+ *  of 2 kBlockM rows, one item per cluster (no tail): rank r of the cluster takes query block
+ *  2 m + r of the pair's block m. */
 template <class T>
 struct TileWalker {
   const ForwardKernelArgs& args;
-  int item = static_cast<int>(blockIdx.x);
+  int item = static_cast<int>(blockIdx.x) / T::kClusterCtas;
   int k = 0;  // next tile of the item
 
   /** The next tile with query rows, or false when this CTA has none left. A turn of the tail
@@ -1090,7 +1162,7 @@ struct TileWalker {
    *  softmax with divergent-path guards (+1700-2300 instructions a kernel, and spills in the
    *  160-register consumers). */
   __device__ bool next(BlockWork& w) {
-    const int m_blocks = args.num_m_blocks;
+    const int m_blocks = args.num_m_blocks / T::kClusterCtas;  // cluster pairs: an even number
     while (item < args.walk_end) {
       // Split-KV kernels: the splits are the outermost index of the items.
       uint32_t tile_item = static_cast<uint32_t>(item);
@@ -1121,12 +1193,13 @@ struct TileWalker {
         const uint32_t rest = args.items_per_head.div(tile_item);
         const int head = static_cast<int>(args.heads_q.mod(rest));
         const int batch = static_cast<int>(args.heads_q.div(rest));
-        w = resolve_block<T>(args, m_block, head, batch, split);
+        const int cta_block = T::kClusterPair ? 2 * m_block + static_cast<int>(blockIdx.x & 1u) : m_block;
+        w = resolve_block<T>(args, cta_block, head, batch, split);
         if (w.has_rows) return true;
         continue;
       }
       k = 0;
-      item += static_cast<int>(gridDim.x);
+      item += static_cast<int>(gridDim.x) / T::kClusterCtas;
     }
     return false;
   }
@@ -1162,7 +1235,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(o);
-    release(sm.v_empty(stage));
+    release_kv<T>(sm.v_empty(stage));
     store_tile<T>(args, sm, pending_out, consumer, o, pending_st, pc);
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
@@ -1277,7 +1350,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, 0);
-      release(sm.k_empty(stage));
+      release_kv<T>(sm.k_empty(stage));
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
       // O is still zero: its correction is irrelevant
       if (left_half) {
@@ -1291,7 +1364,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
         ptx::wgmma_wait_group<0>();
         ptx::wgmma_fence_operands(o);
         FWD_TRACE(role, kPvDone, 0);  // the previous tile's last P V
-        release(sm.v_empty(pending_stage));
+        release_kv<T>(sm.v_empty(pending_stage));
       }
       pack_probabilities<T>(s, pa);
       if constexpr (kCarried) {
@@ -1324,14 +1397,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, it);
-      release(sm.k_empty(stage));
+      release_kv<T>(sm.k_empty(stage));
       if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
       softmax(w.n_block_end - 1 - it);
       FWD_TRACE(role, kSoftmaxDone, it);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(o);
       FWD_TRACE(role, kPvDone, it - 1);
-      release(sm.v_empty(prev));
+      release_kv<T>(sm.v_empty(prev));
       // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
       if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
@@ -1378,7 +1451,14 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
     auto load_block = [&](uint64_t* empty, uint64_t* full, uint8_t* dst, const CUtensorMap* map) {
       ptx::mbarrier_wait_parity(empty, parity ^ 1);
       ptx::mbarrier_arrive_expect_tx(full, T::kTileBytes);
-      if (!T::kPageBoxes || args.kv_boxes == 1) {
+      if constexpr (T::kClusterPair) {  // this rank's chunks, into both CTAs (both armed for all)
+        const int rank = static_cast<int>(blockIdx.x & 1u);
+#pragma unroll
+        for (int c = 0; c < T::kChunks; c += 2) {
+          ptx::tma_load_4d_multicast(dst + (c + rank) * T::kTileChunkBytes, map, full, (c + rank) * T::kChunkCols,
+                                     at.row, hk, at.batch, 0x3);
+        }
+      } else if (!T::kPageBoxes || args.kv_boxes == 1) {
 #pragma unroll
         for (int c = 0; c < T::kChunks; ++c)
           ptx::tma_load_4d(dst + c * T::kTileChunkBytes, map, full, c * T::kChunkCols, at.row, hk, at.batch);
@@ -1502,13 +1582,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     for (int s = 0; s < T::kStages; ++s) {
       ptx::mbarrier_init(sm.k_full(s), 1);
       ptx::mbarrier_init(sm.v_full(s), 1);
-      ptx::mbarrier_init(sm.k_empty(s), T::kConsumerWarps);
-      ptx::mbarrier_init(sm.v_empty(s), T::kConsumerWarps);
+      ptx::mbarrier_init(sm.k_empty(s), T::kClusterCtas * T::kConsumerWarps);
+      ptx::mbarrier_init(sm.v_empty(s), T::kClusterCtas * T::kConsumerWarps);
       ptx::mbarrier_init(sm.v_loaded(s), 1);
     }
     ptx::fence_mbarrier_init();
   }
-  __syncthreads();
+  // Cluster pairs: the peer's barriers are set up before either CTA's loads or releases reach them.
+  if constexpr (T::kClusterPair) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   // Persistent CTA: tiles blockIdx.x, blockIdx.x + gridDim.x, ... Both roles walk the same list
   // and skip the same empty tiles, so their barrier phases stay in step; the producer runs ahead
@@ -1547,6 +1632,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     consume<T>(args, sm, consumer, pc, turn);
     // The shared memory a TMA store reads must outlive it.
     if (T::kStageO && ptx::thread_in_warpgroup() == 0) ptx::tma_store_wait_group<0>();
+    // Cluster pairs: neither CTA leaves while the other's consumers may still release its stages
+    // (the barrier waits for the threads that have not exited: the producer warps leave without
+    // it, since with it ptxas spilled 300 bytes at d128; their last loads are waited for by the
+    // consumers of both CTAs anyway).
+    if constexpr (T::kClusterPair) ptx::cluster_sync();
   }
 }
 
@@ -1593,6 +1683,9 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   if (num_m_blocks * walk_heads * p.batch > INT_MAX) {  // sm90_supports rules this out
     return Status::unsupported("cuda_sm90 forward: more than 2^31 - 1 query tiles");
   }
+  if (T::kClusterPair && !cluster_pair_fits(p, T::kBlockM)) {
+    return Status::unsupported("cuda_sm90 forward: this call cannot run in cluster pairs");
+  }
 
   ForwardKernelArgs args{};
   args.params = p;
@@ -1604,11 +1697,13 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   // such a mask single blocks go in order, so the CTAs working at one time cover every query block
   // of a head together and read its K/V from DRAM once (pairs read it a second time for the second
   // block: 1.6x the DRAM bytes at d256 S=512).
+  // Cluster pairs walk blocks of 2 kBlockM rows, one per cluster (TileWalker).
   const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
-  const int64_t pairs = (num_m_blocks + 1) / 2 * walk_heads * p.batch;
+  const int64_t walk_blocks = num_m_blocks / T::kClusterCtas;
+  const int64_t pairs = (walk_blocks + 1) / 2 * walk_heads * p.batch;
   const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
-  args.tiles_per_item = uneven_cost && pairs >= sm_count ? 2 : 1;
-  const int64_t tile_items = args.tiles_per_item == 2 ? pairs : num_m_blocks * walk_heads * p.batch;
+  args.tiles_per_item = uneven_cost && pairs * T::kClusterCtas >= sm_count ? 2 : 1;
+  const int64_t tile_items = args.tiles_per_item == 2 ? pairs : walk_blocks * walk_heads * p.batch;
   const int splits = T::kSplitKv ? split.splits : 1;
   if (T::kSplitKv && (splits < 1 || split.part_o == nullptr || split.part_lse == nullptr)) {
     return Status::internal("cuda_sm90 forward: a split-KV kernel without its partials");
@@ -1619,14 +1714,14 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   args.split_items = FastDivmod(static_cast<uint32_t>(tile_items));
   args.part_o = split.part_o;
   args.part_lse = split.part_lse;
-  args.items_per_head = FastDivmod(static_cast<uint32_t>((num_m_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
+  args.items_per_head = FastDivmod(static_cast<uint32_t>((walk_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
   args.heads_q = FastDivmod(static_cast<uint32_t>(walk_heads));
   args.group = FastDivmod(static_cast<uint32_t>(group));
   // Pairs of a fixed-length call without splits: the last ones may run as single tiles in order of
   // falling cost (tile_tail.hpp), where the model finishes sooner. Varlen calls keep the pairs
   // (their lengths are on the device); a split call's items are not pairs of one launch's heads.
   args.tail = TileTail{};
-  if (args.tiles_per_item == 2 && splits == 1 && !p.is_varlen()) {
+  if (args.tiles_per_item == 2 && splits == 1 && !p.is_varlen() && !T::kClusterPair) {
     const MaskInfo mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
     // One walk head's K and V: what the tail's heads share in L2 while their tiles run together.
     const double head_kv_bytes = 2.0 * static_cast<double>(p.seqlen_k) * static_cast<double>(p.head_dim) *
@@ -1694,8 +1789,23 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   }
   // Persistent: one CTA per SM (fewer when there are fewer work items); varlen calls of uneven
   // lengths under a one-sided mask, kVarlenListsPerSm CTAs per SM (see there).
+  // Cluster pairs: two CTAs per item, as many clusters as fit at once (a GPC with an odd number of
+  // free SMs leaves one idle).
   const int64_t lists_per_sm = uneven_cost && provably_uneven(p) ? kVarlenListsPerSm : 1;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(args.num_items, lists_per_sm * sm_count)));
+  int64_t ctas = std::min<int64_t>(args.num_items, lists_per_sm * sm_count);
+  if constexpr (T::kClusterPair) {
+    // Asked once per device (a few microseconds a query).
+    static std::atomic<int> known[kMaxClusterDevices] = {};
+    std::atomic<int>* cached = p.device_id >= 0 && p.device_id < kMaxClusterDevices ? &known[p.device_id] : nullptr;
+    int clusters = cached != nullptr ? cached->load(std::memory_order_relaxed) : 0;
+    if (clusters <= 0) {
+      clusters = resident_clusters(kernel, dim3(T::kThreads), T::kSmemBytes, T::kClusterCtas);
+      if (cached != nullptr) cached->store(clusters, std::memory_order_relaxed);
+    }
+    if (clusters <= 0) return Status::cuda("cuda_sm90 forward: no cluster of two CTAs fits on this GPU");
+    ctas = T::kClusterCtas * std::min<int64_t>({args.num_items, clusters, sm_count / T::kClusterCtas});
+  }
+  const dim3 grid(static_cast<unsigned>(ctas));
   // The tail's turns: planned for sm_count CTAs, which is the grid whenever there are pairs
   // (tiles_per_item 2: at least sm_count of them) of a fixed-length call (lists_per_sm 1).
   args.grid_turns = FastDivmod(grid.x);
@@ -1708,8 +1818,8 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
     args.walk_end = static_cast<int>(std::min<int64_t>(INT_MAX, args.tail.first_item + turns * sm_count));
   }
   // A programmatic dependent of the kernel before it (each role waits for it before its first read).
-  err = launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, static_cast<cudaStream_t>(p.stream),
-                      programmatic, args);
+  err = launch_kernel_in_clusters(kernel, grid, dim3(T::kThreads), T::kSmemBytes,
+                                  static_cast<cudaStream_t>(p.stream), programmatic, T::kClusterCtas, args);
   if (err != cudaSuccess) {
     return Status::cuda(std::string("cuda_sm90 forward launch failed: ") + cudaGetErrorString(err));
   }
