@@ -311,7 +311,8 @@ struct ForwardTraits {
   static_assert(kQBytes % kAlign == 0 && kTileBytes % kAlign == 0, "tiles stay 1024-aligned");
 };
 
-/** The same tile in clusters of two CTAs sharing their K/V loads (ForwardTraits::kClusterPair; "Cluster pairs" above). */
+/** The same tile in clusters of two CTAs sharing their K/V loads (ForwardTraits::kClusterPair;
+ *  "Cluster pairs" above). */
 template <class T>
 using WithClusterPair = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
                                       T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
@@ -356,9 +357,9 @@ constexpr int64_t kClusterPairSeqlen = 8192;
 
 /** Whether p runs on the cluster-pair kernel (d256 only). Sustained rates at the 700 W cap, same
  *  process, bf16 causal (docs/PERF.md, session 64): d256 16k +1.6%, 8k +0.7%, 4k -3.0%; d128 16k
- *  lost 2.5% and d256 without a mask 2-3%. The pairs' walk itself costs 4-5% per clock at d256 (rank 0's
- *  masked blocks above its diagonal, no tile tail); the halved L2 reads pay it back in clock only
- *  where the tiles are long and the K/V bytes per FLOP high. */
+ *  lost 2.5% and d256 without a mask 2-3%. The pairs' walk itself costs 4-5% per clock at d256
+ *  and 8-9% at d128 (rank 0's masked blocks above its diagonal, no tile tail); the halved L2
+ *  reads pay it back in clock only where the tiles are long and the K/V bytes per FLOP high. */
 inline bool cluster_pair_chosen(const forward_params_t& p, int64_t block_m) {
   const bool one_sided = (p.window_left < 0) != (p.window_right < 0);
   return one_sided && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen &&
@@ -1714,7 +1715,8 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   args.split_items = FastDivmod(static_cast<uint32_t>(tile_items));
   args.part_o = split.part_o;
   args.part_lse = split.part_lse;
-  args.items_per_head = FastDivmod(static_cast<uint32_t>((walk_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
+  args.items_per_head =
+      FastDivmod(static_cast<uint32_t>((walk_blocks + args.tiles_per_item - 1) / args.tiles_per_item));
   args.heads_q = FastDivmod(static_cast<uint32_t>(walk_heads));
   args.group = FastDivmod(static_cast<uint32_t>(group));
   // Pairs of a fixed-length call without splits: the last ones may run as single tiles in order of
