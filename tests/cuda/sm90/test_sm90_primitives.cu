@@ -160,6 +160,22 @@ constexpr sm90::TmaSwizzle to_tma_swizzle(SmemSwizzle s) {
                                   : sm90::TmaSwizzle::kNone;
 }
 
+/** A bf16 matrix of rows x cols (row_stride elements apart) at base, in boxes of box_rows x
+ *  box_cols. */
+sm90::TiledView2d bf16_view(const void* base, uint32_t rows, uint32_t cols, uint32_t row_stride, uint32_t box_rows,
+                            uint32_t box_cols, sm90::TmaSwizzle swizzle) {
+  sm90::TiledView2d view;
+  view.element = sm90::TmaElement::kBf16;
+  view.base = base;
+  view.rows = rows;
+  view.cols = cols;
+  view.row_stride = row_stride;
+  view.box_rows = box_rows;
+  view.box_cols = box_cols;
+  view.swizzle = swizzle;
+  return view;
+}
+
 // =================================================================================================
 // (0) Host-only checks of the layout helpers (no device needed): descriptor bits, tiles that map
 //     every element to its own slot, fragments that cover the tile once.
@@ -301,16 +317,9 @@ void run_tma_round_trip() {
       cudaMemcpy(d_readback.get(), untouched.data(), d_out.bytes(), cudaMemcpyHostToDevice));
   CUDA_ASSERT(cudaMemset(d_errors.get(), 0, d_errors.bytes()));
 
-  sm90::TiledView2d view;
-  view.element = sm90::TmaElement::kBf16;
-  view.rows = T::kRows;
-  view.cols = T::kCols;
-  view.row_stride = T::kRowStride;
-  view.box_rows = T::kBoxRows;
-  view.box_cols = kBoxCols;
-  view.swizzle = to_tma_swizzle(kSwizzle);
+  sm90::TiledView2d view =
+      bf16_view(d_src.get(), T::kRows, T::kCols, T::kRowStride, T::kBoxRows, kBoxCols, to_tma_swizzle(kSwizzle));
   CUtensorMap in_map{}, out_map{};
-  view.base = d_src.get();
   STATUS_ASSERT(sm90::encode_tensor_map_2d(view, &in_map));
   view.base = d_out.get();
   STATUS_ASSERT(sm90::encode_tensor_map_2d(view, &out_map));
@@ -691,15 +700,8 @@ TEST(Sm90Cluster, MulticastLoadFillsBothCtas) {
   CUDA_ASSERT(cudaMemcpy(d_readback.get(), poison.data(), d_readback.bytes(), cudaMemcpyHostToDevice));
   CUDA_ASSERT(cudaMemset(d_errors.get(), 0, d_errors.bytes()));
 
-  sm90::TiledView2d view;
-  view.element = sm90::TmaElement::kBf16;
-  view.rows = T::kRows;
-  view.cols = T::kCols;
-  view.row_stride = T::kCols;
-  view.box_rows = T::kBoxRows;
-  view.box_cols = T::kCols;
-  view.swizzle = sm90::TmaSwizzle::k128B;
-  view.base = d_src.get();
+  const sm90::TiledView2d view =
+      bf16_view(d_src.get(), T::kRows, T::kCols, T::kCols, T::kBoxRows, T::kCols, sm90::TmaSwizzle::k128B);
   CUtensorMap map{};
   STATUS_ASSERT(sm90::encode_tensor_map_2d(view, &map));
 
