@@ -152,6 +152,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -361,9 +362,16 @@ constexpr int64_t kClusterPairSeqlen = 8192;
  *  and 8-9% at d128 (rank 0's masked blocks above its diagonal, no tile tail); the halved L2
  *  reads pay it back in clock only where the tiles are long and the K/V bytes per FLOP high. */
 inline bool cluster_pair_chosen(const forward_params_t& p, int64_t block_m) {
+  if (!cluster_pair_fits(p, block_m)) return false;
+  // FLASHCORE_SM90_CLUSTER_PAIRS in the environment: 0 never, 1 wherever they fit (d256; an A/B
+  // and sanitizer switch, read once per process); otherwise the rule.
+  static const int forced = [] {
+    const char* v = std::getenv("FLASHCORE_SM90_CLUSTER_PAIRS");
+    return v == nullptr ? -1 : v[0] == '0' ? 0 : v[0] == '1' ? 1 : -1;
+  }();
+  if (forced >= 0) return forced == 1;
   const bool one_sided = (p.window_left < 0) != (p.window_right < 0);
-  return one_sided && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen &&
-         cluster_pair_fits(p, block_m);
+  return one_sided && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen;
 }
 
 /** Devices whose resident-cluster count the cluster-pair launch keeps (launch_forward). */
