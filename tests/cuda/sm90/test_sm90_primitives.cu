@@ -1,6 +1,7 @@
 // Unit tests of the sm_90a primitives under src/cuda/ptx (mbarrier, TMA loads, stores and
-// reductions, wgmma, setmaxnreg, named barriers, stmatrix), of the forward epilogue's log2 and of
-// the host tensor-map builder, each alone before any kernel relies on it.
+// reductions, multicast loads across a cluster, wgmma, setmaxnreg, named barriers, stmatrix), of
+// the forward epilogue's log2 and of the host tensor-map builder, each alone before any kernel
+// relies on it.
 //
 // Every test is skipped unless a compute-capability 9.0 GPU is present (the binary holds sm_90a
 // code only). Inputs are multiples of 1/4 in [-1, 1], exact in bf16 and fp16, so every product and
