@@ -1541,6 +1541,13 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   capped.softcap = 30.f;
   capped.seqlen_q = 200;  // four query steps per GQA head: both dS buffers are reused
   cases.push_back(capped);
+  // d256 causal with two 128-row query blocks: the Hopper forward's cluster pairs fit it, and
+  // scripts/gpu_check.sh runs the sanitizers with FLASHCORE_SM90_CLUSTER_PAIRS=1, so they see the
+  // pairs' multicast loads and remote arrivals (without the switch it takes the one-CTA kernel).
+  Case paired = cases[5];
+  paired.seqlen_q = 250;
+  paired.seqlen_k = 300;
+  cases.push_back(paired);
   uint64_t seed = 9;
   const bool sm90 = fc_backend_available(FC_BACKEND_CUDA_SM90, 0);
   for (const Case& c : cases) {
