@@ -549,6 +549,10 @@ struct BlockWork {
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
 };
 
+/** This CTA's rank in its cluster pair (cluster-pair kernels): the clusters are (2, 1, 1) on a
+ *  one-dimensional grid, so it is blockIdx.x % 2, what %cluster_ctarank would read. */
+__device__ __forceinline__ int pair_rank() { return static_cast<int>(blockIdx.x & 1u); }
+
 /** The token of query row `row` (pack-GQA kernels: of packed row `row`), and the end of the tokens
  *  of rows [.., row_end): what the masks (MaskInfo) take. */
 template <class T>
@@ -907,7 +911,8 @@ __device__ __forceinline__ void release_kv(uint64_t* bar) {
   if ((threadIdx.x & 31) == 0) {
     ptx::mbarrier_arrive(bar);
     if constexpr (T::kClusterPair) {
-      ptx::mbarrier_arrive_cluster(ptx::peer_shared_addr(ptx::smem_addr(bar), (blockIdx.x & 1u) ^ 1u));
+      const auto peer = static_cast<uint32_t>(pair_rank() ^ 1);
+      ptx::mbarrier_arrive_cluster(ptx::peer_shared_addr(ptx::smem_addr(bar), peer));
     }
   }
 }
@@ -1202,7 +1207,7 @@ struct TileWalker {
         const uint32_t rest = args.items_per_head.div(tile_item);
         const int head = static_cast<int>(args.heads_q.mod(rest));
         const int batch = static_cast<int>(args.heads_q.div(rest));
-        const int cta_block = T::kClusterPair ? 2 * m_block + static_cast<int>(blockIdx.x & 1u) : m_block;
+        const int cta_block = T::kClusterPair ? 2 * m_block + pair_rank() : m_block;
         w = resolve_block<T>(args, cta_block, head, batch, split);
         if (w.has_rows) return true;
         continue;
@@ -1461,7 +1466,7 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
       ptx::mbarrier_wait_parity(empty, parity ^ 1);
       ptx::mbarrier_arrive_expect_tx(full, T::kTileBytes);
       if constexpr (T::kClusterPair) {  // this rank's chunks, into both CTAs (both armed for all)
-        const int rank = static_cast<int>(blockIdx.x & 1u);
+        const int rank = pair_rank();
 #pragma unroll
         for (int c = 0; c < T::kChunks; c += 2) {
           ptx::tma_load_4d_multicast(dst + (c + rank) * T::kTileChunkBytes, map, full, (c + rank) * T::kChunkCols,
