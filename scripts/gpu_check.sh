@@ -128,7 +128,7 @@ if [ "$TESTS" = all ]; then
       grep -E ' FAIL ' "$OUTDIR/fuzz.log" | head -5 | cut -c1-300 | tee -a "$SUM" ) &
   fi
   : >"$OUTDIR/sanitizers.log"
-  # FLASHCORE_SM90_CLUSTER_PAIRS=1: the d256 calls the Hopper forward's cluster pairs fit run on
+  # FLASHCORE_SM90_CLUSTER_PAIRS=1: the d128 / d256 calls the Hopper forward's cluster pairs fit run on
   # them (only long calls do by default), so the small cases reach that kernel too.
   ( for tool in memcheck racecheck synccheck; do
       FLASHCORE_SM90_CLUSTER_PAIRS=1 timeout "$(capped 240)" compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \

@@ -489,12 +489,14 @@ TEST_P(CudaForward, LongMaskedCalls) {
   expect_forward(cases, GetParam());
 }
 
-// The sm90 forward runs d256 calls under a one-sided mask from 8192 queries and keys on in
-// clusters of two CTAs that share each K/V block (forward.cuh, "Cluster pairs"): causal with
+// The sm90 forward runs d128 and d256 calls under a one-sided mask from 8192 queries and keys on
+// in clusters of two CTAs that share each K/V block (forward.cuh, "Cluster pairs"): causal with
 // pairs of tiles and more pairs than clusters (a second round: the margin leaves 14 clusters for
-// 16 pairs, so one head is enough and the fp64 reference stays short), causal with more keys than
-// queries (bottom-right alignment) and GQA in fp16, and a window bounded on the left only (the
-// extra key blocks of a cluster's walk then lie below the CTA's rows).
+// 16 pairs, so one head is enough and the fp64 reference stays short; rank 0 hands back the
+// blocks above its diagonal uncomputed), causal with more keys than queries (bottom-right
+// alignment) and GQA in fp16, a window bounded on the left only (the extra key blocks of a
+// cluster's walk then lie below the CTA's rows), and d128's tile at head_dim 112 (rank 1's
+// multicast chunk reaches past the columns).
 TEST(CudaSm90Forward, LongCausalClusterPairs) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   std::vector<Case> cases;
@@ -519,6 +521,9 @@ TEST(CudaSm90Forward, LongCausalClusterPairs) {
   w.window_left = 1500;
   w.window_right = -1;
   cases.push_back(w);
+  Case n = c;
+  n.head_dim = 112;
+  cases.push_back(n);
   expect_forward(cases, FC_BACKEND_CUDA_SM90);
 }
 
@@ -1541,13 +1546,16 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   capped.softcap = 30.f;
   capped.seqlen_q = 200;  // four query steps per GQA head: both dS buffers are reused
   cases.push_back(capped);
-  // d256 causal with two 128-row query blocks: the Hopper forward's cluster pairs fit it, and
-  // scripts/gpu_check.sh runs the sanitizers with FLASHCORE_SM90_CLUSTER_PAIRS=1, so they see the
-  // pairs' multicast loads and remote arrivals (without the switch it takes the one-CTA kernel).
-  Case paired = cases[5];
-  paired.seqlen_q = 250;
-  paired.seqlen_k = 300;
-  cases.push_back(paired);
+  // d128 and d256 causal with two 128-row query blocks: the Hopper forward's cluster pairs fit
+  // them, and scripts/gpu_check.sh runs the sanitizers with FLASHCORE_SM90_CLUSTER_PAIRS=1, so
+  // they see the pairs' multicast loads, remote arrivals and rank 0's blocks handed back
+  // uncomputed (without the switch they take the one-CTA kernels).
+  for (int causal_d : {4, 5}) {
+    Case paired = cases[causal_d];
+    paired.seqlen_q = 250;
+    paired.seqlen_k = 300;
+    cases.push_back(paired);
+  }
   uint64_t seed = 9;
   const bool sm90 = fc_backend_available(FC_BACKEND_CUDA_SM90, 0);
   for (const Case& c : cases) {

@@ -43,19 +43,20 @@
 // K and V have separate barriers so S = Q K^T starts before V has landed. Fill counters run on
 // across the tiles of a persistent CTA (PipelineCounters), identically in both roles.
 //
-// ---- Cluster pairs (kClusterPair kernels: d256, one-sided masks, from 8192 queries and keys) ---
+// ---- Cluster pairs (kClusterPair kernels: d128 / d256, one-sided masks, from 8192 tokens) -----
 // At the H200's 700 W cap the long cells run at a clock the power sets, and copying K/V from L2
 // into shared memory costs power (docs/PERF.md, session 63: half the bytes raised d256 causal 16k
 // by 7%). Two CTAs of a cluster take query blocks 2i and 2i + 1 of one head and walk the key
 // blocks of both blocks' rows (a block outside this CTA's own rows is all masked: under a causal
-// mask rank 0 walks kBlockM / kBlockN more blocks a tile), so their walks are the same. Each
+// mask rank 0 loads kBlockM / kBlockN more blocks a tile, for its peer, and its consumers hand
+// them back uncomputed), so their walks are the same. Each
 // producer copies its rank's 64-column chunks of every K/V block into both CTAs (multicast TMA)
 // and arms its own full barrier for the whole block; each consumer warp releases a stage on both
 // CTAs' empty barriers (counting 2 x kConsumerWarps), so neither producer refills a stage the
 // other CTA still reads. A cluster_sync after the barrier setup, and one by the consumers before
-// they exit, keep every remote access inside the peer's lifetime. The pairs cost 4-5% per clock
-// (the extra blocks, no tile tail, two CTAs held to one pace) and return it in clock where tiles
-// are long (cluster_pair_chosen).
+// they exit, keep every remote access inside the peer's lifetime. Walking in pairs costs per
+// clock (no tile tail, two CTAs held to one pace) and returns it in clock where tiles are long
+// (cluster_pair_chosen).
 //
 // ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
 //   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
@@ -353,18 +354,20 @@ inline bool cluster_pair_fits(const forward_params_t& p, int64_t block_m) {
   return !p.is_varlen() && !p.is_paged() && (p.seqlen_q + block_m - 1) / block_m % 2 == 0;
 }
 
-/** Query and key lengths from which d256 calls under a one-sided mask run in cluster pairs. */
+/** Query and key lengths from which d128 / d256 calls under a one-sided mask run in cluster pairs. */
 constexpr int64_t kClusterPairSeqlen = 8192;
 
-/** Whether p runs on the cluster-pair kernel (d256 only). Sustained rates at the 700 W cap, same
- *  process, bf16 causal (docs/PERF.md, session 64): d256 16k +1.6%, 8k +0.7%, 4k -3.0%; d128 16k
- *  lost 2.5% and d256 without a mask 2-3%. The pairs' walk itself costs 4-5% per clock at d256
- *  and 8-9% at d128 (rank 0's masked blocks above its diagonal, no tile tail); the halved L2
- *  reads pay it back in clock only where the tiles are long and the K/V bytes per FLOP high. */
+/** Whether p runs on the cluster-pair kernel (d128's narrow tile and d256). Sustained rates at the
+ *  700 W cap, same process, bf16 causal, against the single-CTA kernels (docs/PERF.md): d256 16k
+ *  +1.6%, 8k +0.7%, 4k -3.0% (session 64), then rank 0's blocks above its diagonal handed back
+ *  uncomputed (pair_blocks_past_own_keys) +1.3% more at 8k, level at 16k; d128 with that, 16k
+ *  +2.2%, 8k +1.6% (session 65). Without a mask d256 lost 2-3%. Walking in pairs costs per clock
+ *  (no tile tail, two CTAs held to one pace); the halved L2 reads pay it back in clock only where
+ *  the tiles are long. */
 inline bool cluster_pair_chosen(const forward_params_t& p, int64_t block_m) {
   if (!cluster_pair_fits(p, block_m)) return false;
-  // FLASHCORE_SM90_CLUSTER_PAIRS in the environment: 0 never, 1 wherever they fit (d256; an A/B
-  // and sanitizer switch, read once per process); otherwise the rule.
+  // FLASHCORE_SM90_CLUSTER_PAIRS in the environment: 0 never, 1 wherever they fit (d128 / d256; an
+  // A/B and sanitizer switch, read once per process); otherwise the rule.
   static const int forced = [] {
     const char* v = std::getenv("FLASHCORE_SM90_CLUSTER_PAIRS");
     return v == nullptr ? -1 : v[0] == '0' ? 0 : v[0] == '1' ? 1 : -1;
@@ -447,6 +450,7 @@ struct ForwardConfigs<Element, 128> {
   static Status dispatch(const forward_params_t& p, Launch&& launch) {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
     if (pack_gqa_chosen(p, Narrow::kBlockM, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
+    if (cluster_pair_chosen(p, Narrow::kBlockM)) return launch(TileChoice<WithClusterPair<Narrow>>{});
     const bool long_unmasked = !p.has_mask() && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
     // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
     const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
@@ -1219,6 +1223,23 @@ struct TileWalker {
   }
 };
 
+/** Cluster pairs: how many of the tile's first key blocks (the walk runs downwards from
+ *  n_block_end - 1) lie past every key of this CTA's own rows. Those blocks are in the walk for
+ *  the peer's rows (resolve_block walks both CTAs' keys) and all masked here: under a causal
+ *  mask rank 0's kBlockM / kBlockN blocks above its diagonal, all of them where its rows see no
+ *  key. Rank 1 counts 0, and so does a window bounded on the left only, whose extra blocks come
+ *  last in rank 1's walk and are computed (masked) as before. */
+template <class T>
+__device__ __forceinline__ int pair_blocks_past_own_keys(const ForwardKernelArgs& args, const BlockWork& w) {
+  if (w.n_tiles == 0) return 0;
+  const int64_t own_end = w.m0 + T::kBlockM < w.rows ? w.m0 + T::kBlockM : w.rows;
+  const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, w.m0), token_end<T>(args, own_end));
+  if (keys.empty()) return w.n_tiles;
+  const int own_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
+  const int past = w.n_block_end - own_block_end;
+  return past <= 0 ? 0 : (past < w.n_tiles ? past : w.n_tiles);
+}
+
 /** One consumer warpgroup over all of its CTA's tiles, with the last P V of a tile carried into
  *  the next: it is issued together with the next tile's first Q K^T, and the epilogue runs after
  *  that tile's first softmax, so the tensor cores see Q K^T_0 queued behind P V_last instead of a
@@ -1300,6 +1321,25 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
     FWD_TRACE(role, kQReady, 0);
     ++pc.q_fills;
+    if constexpr (T::kClusterPair) {
+      // The blocks past this CTA's own rows' keys came for the peer: hand them back once landed,
+      // without computing them (both consumers skip alike, so the issue turns stay in step). The
+      // previous tile drains first, since its last P V finds its fill from the counter.
+      const int skip = pair_blocks_past_own_keys<T>(args, w);
+      if (skip > 0) {
+        if (pending) finish_pending();
+        for (int i = 0; i < skip; ++i, ++pc.kv_fills) {
+          const int slot = pc.kv_fills % T::kStages;
+          const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
+          ptx::mbarrier_wait_parity(sm.k_full(slot), parity);
+          release_kv<T>(sm.k_empty(slot));
+          ptx::mbarrier_wait_parity(sm.v_full(slot), parity);
+          release_kv<T>(sm.v_empty(slot));
+        }
+        w.n_block_end -= skip;
+        w.n_tiles -= skip;
+      }
+    }
     if (w.n_tiles == 0) {
       release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
       if (pending) finish_pending();
