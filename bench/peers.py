@@ -39,8 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashcore
 from gpu_clocks import ClockSampler
 from targets import report as target_report
-import timing
-from timing import bench_ms, graph_replay_us
+from timing import bench_ms, bench_window, graph_replay_us
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -178,8 +177,9 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
                 if name in errors:
                     continue
                 try:
-                    rounds[name].append(_time_impl(mode, name, fn, q, k, v, dout))
-                    windows[name].append((timing.WARM_START, time.time()))
+                    ms, warm_start = _time_impl(mode, name, fn, q, k, v, dout)
+                    rounds[name].append(ms)
+                    windows[name].append((warm_start, time.time()))
                 except Exception as e:  # a peer may not support a shape (e.g. efficient at d=256 bwd)
                     errors[name] = str(e).splitlines()[0][:160]
         for name in impls:
@@ -204,10 +204,10 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
 
 
 def _time_impl(mode, name, fn, q, k, v, dout):
-    """bench_ms of one implementation: the forward under no_grad, or a forward + backward step."""
+    """bench_window of one implementation: the forward under no_grad, or a forward + backward step."""
     if mode == "fwd":
         with torch.no_grad():
-            return bench_ms(fn)
+            return bench_window(fn)
     for x in (q, k, v):
         x.requires_grad_(True)
 
@@ -218,7 +218,7 @@ def _time_impl(mode, name, fn, q, k, v, dout):
         o.backward(dout)
 
     try:
-        return bench_ms(step)
+        return bench_window(step)
     finally:
         for x in (q, k, v):
             x.grad = None

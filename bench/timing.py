@@ -5,11 +5,6 @@ import time
 
 import torch
 
-# time.time() when the last bench_ms call's warm-up began (after its first call): the start of the
-# window in which its clocks are sampled (bench/peers.py).
-WARM_START = None
-
-
 def ms_per_call(fn, calls):
     """Milliseconds per call of `calls` calls issued back to back between two CUDA events."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -22,6 +17,13 @@ def ms_per_call(fn, calls):
 
 
 def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
+    """Median milliseconds per call of fn (bench_window without the window's start)."""
+    return bench_window(fn, warmup, rep, warm_s)[0]
+
+
+def bench_window(fn, warmup=3, rep=10, warm_s=0.2):
+    """(median ms per call, time.time() when the warm-up began): the warm-up's start, after the first
+    call, opens the window in which bench/peers.py reads the clocks of the timing."""
     # Warm up for a while, not just a few calls. With 3 calls, the first implementation timed in
     # a cell after the host-side pause between cells (flashcore) came out low in the first
     # (S=512) cell of each head dim: d128 fwd+bwd 0.80x FA2 here, where the back-to-back event
@@ -33,8 +35,7 @@ def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
     # session 62).
     fn()
     torch.cuda.synchronize()
-    global WARM_START
-    WARM_START = time.time()
+    warm_start = time.time()
     t0 = time.perf_counter()
     n = 1
     while n < warmup or time.perf_counter() - t0 < warm_s:
@@ -49,7 +50,7 @@ def bench_ms(fn, warmup=3, rep=10, warm_s=0.2):
     # ~1.7 ms for flashcore (whose host side takes ~0.6 ms to issue a training step).
     inner = max(3, min(50, int(10.0 / max(one, 1e-3))))
     ts = sorted(ms_per_call(fn, inner) for _ in range(rep))
-    return ts[len(ts) // 2]
+    return ts[len(ts) // 2], warm_start
 
 
 def events_rate(fn, work, repeats=5, calls=20):
