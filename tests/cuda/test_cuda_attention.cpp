@@ -1550,8 +1550,8 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   // them, and scripts/gpu_check.sh runs the sanitizers with FLASHCORE_SM90_CLUSTER_PAIRS=1, so
   // they see the pairs' multicast loads, remote arrivals and rank 0's blocks handed back
   // uncomputed (without the switch they take the one-CTA kernels).
-  for (int causal_d : {4, 5}) {
-    Case paired = cases[causal_d];
+  for (int causal_case : {4, 5}) {  // causal d128, causal d256
+    Case paired = cases[causal_case];
     paired.seqlen_q = 250;
     paired.seqlen_k = 300;
     cases.push_back(paired);
