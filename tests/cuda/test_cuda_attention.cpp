@@ -496,7 +496,7 @@ TEST_P(CudaForward, LongMaskedCalls) {
 // blocks above its diagonal uncomputed), causal with more keys than queries (bottom-right
 // alignment) and GQA in fp16, a window bounded on the left only (the extra key blocks of a
 // cluster's walk then lie below the CTA's rows), and d128's tile at head_dim 112 (rank 1's
-// multicast chunk reaches past the columns).
+// multicast chunk reaches past the columns) and in fp16 with GQA.
 TEST(CudaSm90Forward, LongCausalClusterPairs) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   std::vector<Case> cases;
@@ -524,6 +524,9 @@ TEST(CudaSm90Forward, LongCausalClusterPairs) {
   Case n = c;
   n.head_dim = 112;
   cases.push_back(n);
+  Case n16 = g;  // d128's pairs in fp16, bottom-right causal, GQA
+  n16.head_dim = 128;
+  cases.push_back(n16);
   expect_forward(cases, FC_BACKEND_CUDA_SM90);
 }
 
