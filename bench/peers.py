@@ -198,7 +198,7 @@ def _training_cell_impls(dt, modes, b, h, s, d, causal):
                              if CLOCKS and len(per_round) > 1 else {})
             emit(kind="train", impl=name, mode=mode, dtype=dt, batch=b, heads=h, seqlen=s, hdim=d,
                  causal=causal, ms=ms, ms_rounds=rounds[name], tflops=flops(b, h, s, d, causal, mode) / ms / 1e9,
-                 **({k: clocks[k] for k in ("sm_mhz", "watts", "power_capped")} if clocks else {}), **rounds_clocks)
+                 **({k: clocks[k] for k in ("sm_mhz", "watts", "temperature", "power_capped")} if clocks else {}), **rounds_clocks)
     del q, k, v, dout
     torch.cuda.empty_cache()
 
