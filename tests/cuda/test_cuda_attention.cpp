@@ -1549,12 +1549,13 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
   capped.softcap = 30.f;
   capped.seqlen_q = 200;  // four query steps per GQA head: both dS buffers are reused
   cases.push_back(capped);
-  // d128 and d256 causal with two 128-row query blocks: the Hopper forward's cluster pairs fit
-  // them, and scripts/gpu_check.sh runs the sanitizers with FLASHCORE_SM90_CLUSTER_PAIRS=1, so
-  // they see the pairs' multicast loads, remote arrivals and rank 0's blocks handed back
-  // uncomputed (without the switch they take the one-CTA kernels).
-  for (int causal_case : {4, 5}) {  // causal d128, causal d256
-    Case paired = cases[causal_case];
+  // Two 128-row query blocks against 300 keys, causal at d64 / d128 / d256 and unmasked at d64:
+  // scripts/gpu_check.sh runs the sanitizers with FLASHCORE_SM90_CLUSTER_PAIRS=1 and
+  // FLASHCORE_SM90_WHOLE_HEADS=2, so the d128 / d256 ones run in cluster pairs (multicast loads,
+  // remote arrivals, rank 0's blocks handed back uncomputed) and the d64 ones over whole heads
+  // (K/V kept in the ring across a head's tiles); without the switches they take the usual kernels.
+  for (int index : {0, 3, 4, 5}) {  // full d64; causal d64, d128, d256
+    Case paired = cases[index];
     paired.seqlen_q = 250;
     paired.seqlen_k = 300;
     cases.push_back(paired);

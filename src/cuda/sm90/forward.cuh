@@ -58,6 +58,18 @@
 // clock (no tile tail, two CTAs held to one pace) and returns it in clock where tiles are long
 // (cluster_pair_chosen).
 //
+// ---- Whole heads (kWholeHead kernels: d64, keys <= the ring; off unless FLASHCORE_SM90_WHOLE_HEADS)
+// Short heads load their K/V again for every query tile (a causal pair of S = 512 tiles loads 2.5
+// blocks a tile), and each tile waits for its first K. Where a head's keys fit the ring whole (d64's
+// 4 stages of 128 keys), one work item is every query tile of a (batch, head), the last first. Its
+// first tile loads every K/V block once, top down, as any tile would; the other tiles load only
+// their Q and read the blocks in place. The fill counters stay FIFO: each tile of the head ends
+// with the counter at the head's last fill, and a tile's blocks (key 0 up to its last) are the
+// head's last n_tiles fills. A block is handed back after the last tile that reads it (under a
+// causal mask, tile m is the last reader of block m), so the next head's loads start while the
+// lower tiles still run. Key ranges must start at key 0 and not shrink from tile m - 1 to tile m
+// (whole_heads_fit). Not yet measured (docs/PERF.md, session 65).
+//
 // ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
 //   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
 //   softmax_j on S_j (fp32, in place) ; wait for the P V (wait_group 0) ; release V_{j-1} ;
@@ -196,7 +208,8 @@ using sm80::quad_allreduce_sum;
 /** Tile sizes, warp roles and the shared-memory plan of one kernel instantiation. */
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
           bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
-          bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false, bool kClusterPair_ = false>
+          bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false, bool kClusterPair_ = false,
+          bool kWholeHead_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -279,12 +292,18 @@ struct ForwardTraits {
   // Cluster-pair kernels (WithClusterPair, "Cluster pairs" above): fixed-length calls with plain
   // rows (no pages, packed GQA, splits or dropout) and an even number of 64-column chunks.
   static constexpr bool kClusterPair = kClusterPair_;
+  // Whole heads ("Whole heads" above): a work item is every query tile of one (batch, head), last
+  // first, over K/V blocks loaded once per head that stay in the ring for all of its tiles.
+  static constexpr bool kWholeHead = kWholeHead_;
   static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
   static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "cluster pairs: an even number of 64-column chunks, plain rows");
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
   // still reads its own); d256 keeps one buffer and reloads after the last Q K^T.
   static constexpr int kQStages = kHeadDim <= 128 ? 2 : 1;
+  static_assert(!kWholeHead || (kQStages > 1 && !kClusterPair && !kScoreTransforms_ && !kPageBoxes_ &&
+                                !kPackGqa_ && !kSplitKv_ && !kDropout_),
+                "whole heads: plain tiles with two Q slots (the producer runs ahead on Q alone)");
   static constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory per block on sm_90
   static constexpr int kBarriers = 2 * kQStages + 5 * kStages;
   static constexpr uint32_t kQOffset = 0;
@@ -320,6 +339,13 @@ using WithClusterPair = ForwardTraits<typename T::Element, T::kHeadDim, T::kBloc
                                       T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
                                       /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
                                       /*kClusterPair=*/true>;
+
+/** The same tile over whole heads (ForwardTraits::kWholeHead; "Whole heads" above). */
+template <class T>
+using WithWholeHeads = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                     T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
+                                     /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
+                                     /*kClusterPair=*/false, /*kWholeHead=*/true>;
 
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
 template <class T>
@@ -377,6 +403,28 @@ inline bool cluster_pair_chosen(const forward_params_t& p, int64_t block_m) {
   return one_sided && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen;
 }
 
+/** Whether a block_m x block_n tile with `stages` ring slots can run p over whole heads: fixed
+ *  length, K/V read in place, every key of a head in the ring at once, and key ranges that start
+ *  at key 0 and do not shrink from one query tile to the next (no mask, causal, or a window
+ *  bounded on the right only), so that the head's last tile, visited first, loads every block
+ *  and a block is done after the last tile that sees it. */
+inline bool whole_heads_fit(const forward_params_t& p, int64_t block_m, int64_t block_n, int stages) {
+  return !p.is_varlen() && !p.is_paged() && p.window_left < 0 && p.seqlen_k <= block_n * stages &&
+         p.seqlen_q > block_m;
+}
+
+/** Whether p runs over whole heads (d64's narrow tile). Not measured yet, so off by default:
+ *  FLASHCORE_SM90_WHOLE_HEADS=1 (read once per process) turns it on where it fits and the heads
+ *  fill the GPU's SMs, =2 wherever it fits (tests and sanitizer runs on small shapes). */
+inline bool whole_heads_chosen(const forward_params_t& p, int64_t block_m, int64_t block_n, int stages) {
+  static const int level = [] {
+    const char* v = std::getenv("FLASHCORE_SM90_WHOLE_HEADS");
+    return v == nullptr ? 0 : v[0] == '1' ? 1 : v[0] == '2' ? 2 : 0;
+  }();
+  if (level == 0 || !whole_heads_fit(p, block_m, block_n, stages)) return false;
+  return level == 2 || p.batch * p.heads_q >= usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
+}
+
 /** Devices whose resident-cluster count the cluster-pair launch keeps (launch_forward). */
 constexpr int kMaxClusterDevices = 64;
 
@@ -426,6 +474,9 @@ struct ForwardConfigs<Element, 64> {
     const int64_t block_m =
         one_narrow_tile || (p.has_mask() && p.seqlen_k < kLongSeqlen) ? Narrow::kBlockM : Wide::kBlockM;
     if (pack_gqa_chosen(p, block_m, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
+    if (whole_heads_chosen(p, Narrow::kBlockM, Narrow::kBlockN, Narrow::kStages)) {
+      return launch(TileChoice<WithWholeHeads<Narrow>>{});
+    }
     if (one_narrow_tile) return launch(TileChoice<Narrow>{});
     if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
     if (p.has_mask()) return launch(TileChoice<Narrow>{});
@@ -1180,6 +1231,32 @@ struct TileWalker {
    *  softmax with divergent-path guards (+1700-2300 instructions a kernel, and spills in the
    *  160-register consumers). */
   __device__ bool next(BlockWork& w) {
+    if constexpr (T::kWholeHead) {
+      return next_whole_head(w);
+    } else {
+      return next_pair(w);
+    }
+  }
+
+  /** Whole-head kernels: item = (batch, head), and its tile k is query block M - 1 - k. */
+  __device__ bool next_whole_head(BlockWork& w) {
+    while (item < args.walk_end) {
+      if (k < args.num_m_blocks) {
+        const int m_block = args.num_m_blocks - 1 - k;
+        ++k;
+        const uint32_t rest = static_cast<uint32_t>(item);
+        w = resolve_block<T>(args, m_block, static_cast<int>(args.heads_q.mod(rest)),
+                             static_cast<int>(args.heads_q.div(rest)), 0);
+        return true;  // fixed length: every tile has rows
+      }
+      k = 0;
+      item += static_cast<int>(gridDim.x);
+    }
+    return false;
+  }
+
+  /** The other kernels: pairs of query blocks, the tail's single tiles, cluster pairs. */
+  __device__ bool next_pair(BlockWork& w) {
     const int m_blocks = args.num_m_blocks / T::kClusterCtas;  // cluster pairs: an even number
     while (item < args.walk_end) {
       // Split-KV kernels: the splits are the outermost index of the items.
@@ -1260,6 +1337,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
   bool pending = false;
   TileOutput pending_out{};
   RowState pending_st{};
+  // Whole heads: whether that V block is done once its P V completed (no later tile of the head
+  // reads it); every other kernel hands each block back after its one use.
+  [[maybe_unused]] bool pending_release = true;
 
   auto finish_pending = [&]() {
     const int pending_fill = pc.kv_fills - 1;
@@ -1270,7 +1350,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(o);
-    release_kv<T>(sm.v_empty(stage));
+    if (!T::kWholeHead || pending_release) release_kv<T>(sm.v_empty(stage));
     store_tile<T>(args, sm, pending_out, consumer, o, pending_st, pc);
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
@@ -1378,6 +1458,21 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       drop(std::integral_constant<int, T::kBlockN / 2>{}, n_block);
     };
 
+    // The previous tile's last fill: the V its carried P V reads (whole heads move the counter).
+    [[maybe_unused]] const int carried_fill = pc.kv_fills - 1;
+    // Whole heads: the fill counter stands at the end of the head's fills after each of its tiles;
+    // this tile's blocks (key 0 up) are the last n_tiles of them (loaded in the head's first tile,
+    // from the top down), and the blocks from release_from up are done after this tile (the next
+    // tile, one query block lower, sees keys up to block release_from only).
+    [[maybe_unused]] int release_from = 0;
+    if constexpr (T::kWholeHead) {
+      const int64_t m_block = w.m0 / T::kBlockM;
+      if (m_block != args.num_m_blocks - 1) pc.kv_fills -= w.n_tiles;
+      if (m_block > 0) {
+        const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
+        release_from = next_keys.empty() ? 0 : static_cast<int>((next_keys.end + T::kBlockN - 1) / T::kBlockN);
+      }
+    }
     // Key block 0 of this tile, with the previous tile's last P V (if any) issued behind its
     // Q K^T. Two copies, so that every wgmma wait is unconditional within its copy: behind a
     // run-time `pending` test, ptxas must assume the P V may still be writing O wherever the two
@@ -1385,7 +1480,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     int stage = pc.kv_fills % T::kStages;
     auto first_block = [&](auto carried) {
       constexpr bool kCarried = decltype(carried)::value;
-      const int pending_fill = pc.kv_fills - 1;
+      // (Whole heads have moved the counter since; the other kernels read it here, which keeps
+      // their code as it was.)
+      const int pending_fill = T::kWholeHead ? carried_fill : pc.kv_fills - 1;
       const int pending_stage = pending_fill % T::kStages;
       ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
       FWD_TRACE(role, kKReady, 0);
@@ -1404,7 +1501,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, 0);
-      release_kv<T>(sm.k_empty(stage));
+      if (!T::kWholeHead || n_first >= release_from) release_kv<T>(sm.k_empty(stage));
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
       // O is still zero: its correction is irrelevant
       if (left_half) {
@@ -1418,7 +1515,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
         ptx::wgmma_wait_group<0>();
         ptx::wgmma_fence_operands(o);
         FWD_TRACE(role, kPvDone, 0);  // the previous tile's last P V
-        release_kv<T>(sm.v_empty(pending_stage));
+        if (!T::kWholeHead || pending_release) release_kv<T>(sm.v_empty(pending_stage));
       }
       pack_probabilities<T>(s, pa);
       if constexpr (kCarried) {
@@ -1451,14 +1548,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, it);
-      release_kv<T>(sm.k_empty(stage));
+      if (!T::kWholeHead || w.n_block_end - 1 - it >= release_from) release_kv<T>(sm.k_empty(stage));
       if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
       softmax(w.n_block_end - 1 - it);
       FWD_TRACE(role, kSoftmaxDone, it);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(o);
       FWD_TRACE(role, kPvDone, it - 1);
-      release_kv<T>(sm.v_empty(prev));
+      if (!T::kWholeHead || w.n_block_end - it >= release_from) release_kv<T>(sm.v_empty(prev));
       // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
       if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
@@ -1469,6 +1566,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     pending = true;
     pending_out = tile_output(w);
     pending_st = st;
+    if constexpr (T::kWholeHead) pending_release = w.n_block_end - w.n_tiles >= release_from;
     ++pc.kv_fills;
   }
   if (pending) finish_pending();
@@ -1492,7 +1590,13 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
     if (T::kQStages > 1 && has_next) produce_q<T>(args, sm, next, pc);
   };
   FWD_TRACE(0, kTileBegin, 0);
-  for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
+  // Whole heads: the item's first tile (the head's last query block) loads every K/V block of
+  // the head, which stay for its other tiles.
+  int fills = w.n_tiles;
+  if constexpr (T::kWholeHead) {
+    if (w.m0 != int64_t(args.num_m_blocks - 1) * T::kBlockM) fills = 0;
+  }
+  for (int it = 0; it < fills; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
     // Before the slot's wait: a paged block's table lookups run under it (pages smaller than the
@@ -1536,7 +1640,7 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
     FWD_TRACE(0, kVSlotFree, it);
     if (it == 0) walk_on();
   }
-  if (w.n_tiles == 0) walk_on();
+  if (fills == 0) walk_on();
   return has_next;
 }
 
@@ -1740,6 +1844,9 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   if (T::kClusterPair && !cluster_pair_fits(p, T::kBlockM)) {
     return Status::unsupported("cuda_sm90 forward: this call cannot run in cluster pairs");
   }
+  if (T::kWholeHead && !whole_heads_fit(p, T::kBlockM, T::kBlockN, T::kStages)) {
+    return Status::unsupported("cuda_sm90 forward: this call cannot run over whole heads");
+  }
 
   ForwardKernelArgs args{};
   args.params = p;
@@ -1757,7 +1864,10 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   const int64_t pairs = (walk_blocks + 1) / 2 * walk_heads * p.batch;
   const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
   args.tiles_per_item = uneven_cost && pairs * T::kClusterCtas >= sm_count ? 2 : 1;
-  const int64_t tile_items = args.tiles_per_item == 2 ? pairs : walk_blocks * walk_heads * p.batch;
+  if constexpr (T::kWholeHead) args.tiles_per_item = static_cast<int>(num_m_blocks);  // one item a head
+  const int64_t tile_items = T::kWholeHead            ? walk_heads * p.batch
+                             : args.tiles_per_item == 2 ? pairs
+                                                        : walk_blocks * walk_heads * p.batch;
   const int splits = T::kSplitKv ? split.splits : 1;
   if (T::kSplitKv && (splits < 1 || split.part_o == nullptr || split.part_lse == nullptr)) {
     return Status::internal("cuda_sm90 forward: a split-KV kernel without its partials");
@@ -1776,7 +1886,7 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   // falling cost (tile_tail.hpp), where the model finishes sooner. Varlen calls keep the pairs
   // (their lengths are on the device); a split call's items are not pairs of one launch's heads.
   args.tail = TileTail{};
-  if (args.tiles_per_item == 2 && splits == 1 && !p.is_varlen() && !T::kClusterPair) {
+  if (args.tiles_per_item == 2 && splits == 1 && !p.is_varlen() && !T::kClusterPair && !T::kWholeHead) {
     const MaskInfo mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
     // One walk head's K and V: what the tail's heads share in L2 while their tiles run together.
     const double head_kv_bytes = 2.0 * static_cast<double>(p.seqlen_k) * static_cast<double>(p.head_dim) *
