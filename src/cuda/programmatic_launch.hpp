@@ -17,6 +17,16 @@ namespace flashcore::cuda {
  *  false when the query fails (the error is cleared). */
 bool supports_programmatic_launch(int device_id);
 
+/** The launch attribute that groups CTAs into clusters of `cluster_ctas` along x. */
+inline cudaLaunchAttribute cluster_dimension(unsigned cluster_ctas) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster_ctas;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 /** kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster_ctas` CTAs along x (1:
  *  no clusters; grid.x a multiple of it), as a programmatic dependent of the previous kernel on the
  *  stream when `programmatic`. Returns the launch's error, cleared from the runtime's sticky state
@@ -37,13 +47,7 @@ cudaError_t launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, dim3
     attr[count].val.programmaticStreamSerializationAllowed = 1;
     ++count;
   }
-  if (cluster_ctas > 1) {
-    attr[count].id = cudaLaunchAttributeClusterDimension;
-    attr[count].val.clusterDim.x = cluster_ctas;
-    attr[count].val.clusterDim.y = 1;
-    attr[count].val.clusterDim.z = 1;
-    ++count;
-  }
+  if (cluster_ctas > 1) attr[count++] = cluster_dimension(cluster_ctas);
   cfg.attrs = attr;
   cfg.numAttrs = count;
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
@@ -69,12 +73,8 @@ int resident_clusters(void (*kernel)(Params...), dim3 block, size_t smem, unsign
   cfg.gridDim = dim3(cluster_ctas);
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster_ctas;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
+  cudaLaunchAttribute attr = cluster_dimension(cluster_ctas);
+  cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {

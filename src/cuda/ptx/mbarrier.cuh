@@ -9,8 +9,9 @@
 // ring (n = 0, 1, ...) lands in stage n % S and completes phase parity (n / S) & 1 there.
 //
 // Scope: every wrapper here addresses the barrier through the .shared::cta window, i.e. the barrier
-// of the executing CTA (a peer CTA's barrier takes a .shared::cluster address: ptx/cluster.cuh). Waits have .acquire.cta semantics (PTX default), so
-// data written by a TMA copy that completed the phase is visible to the waiting thread.
+// of the executing CTA (a peer CTA's barrier takes a .shared::cluster address: ptx/cluster.cuh).
+// Waits have .acquire.cta semantics (PTX default), so data written by a TMA copy that completed
+// the phase is visible to the waiting thread.
 //
 // Relies on: PTX ISA 8.0 (mbarrier.try_wait.parity, expect_tx, fence.mbarrier_init), sm_90.
 #pragma once

@@ -373,6 +373,10 @@ using WithDropout = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, 
 /** Calls with this many keys (d64) or queries and keys (d128) count as long for the tile choice. */
 constexpr int64_t kLongSeqlen = 4096;
 
+/** Whether p's mask bounds each row's keys on one side only (causal, or a window open on the other
+ *  side): a query block's cost then grows or shrinks with its index. */
+inline bool one_sided_mask(const forward_params_t& p) { return (p.window_left < 0) != (p.window_right < 0); }
+
 /** Whether the cluster-pair kernel of a block_m-row tile can run p: fixed-length rows read in
  *  place (both CTAs of a cluster then see the same sequence) and an even number of query blocks
  *  (every cluster's two blocks exist). */
@@ -399,8 +403,7 @@ inline bool cluster_pair_chosen(const forward_params_t& p, int64_t block_m) {
     return v == nullptr ? -1 : v[0] == '0' ? 0 : v[0] == '1' ? 1 : -1;
   }();
   if (forced >= 0) return forced == 1;
-  const bool one_sided = (p.window_left < 0) != (p.window_right < 0);
-  return one_sided && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen;
+  return one_sided_mask(p) && p.seqlen_q >= kClusterPairSeqlen && p.seqlen_k >= kClusterPairSeqlen;
 }
 
 /** Whether a block_m x block_n tile with `stages` ring slots can run p over whole heads: fixed
@@ -627,6 +630,12 @@ __device__ __forceinline__ int64_t token_end(const ForwardKernelArgs& args, int6
   }
 }
 
+/** The key blocks that hold keys [0, end): blocks [0, result). */
+template <class T>
+__device__ __forceinline__ int key_blocks_to(int64_t end) {
+  return static_cast<int>((end + T::kBlockN - 1) / T::kBlockN);
+}
+
 template <class T>
 __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, int head,
                                    int batch, int split) {
@@ -651,7 +660,7 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
     const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, rows_begin), token_end<T>(args, row_end));
     if (!keys.empty()) {
       const int first = static_cast<int>(keys.begin / T::kBlockN);
-      w.n_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
+      w.n_block_end = key_blocks_to<T>(keys.end);
       w.n_tiles = w.n_block_end - first;
       if constexpr (T::kSplitKv) {  // blocks [lo, hi) of this split, visited downwards as ever
         const int per = (w.n_tiles + args.num_splits - 1) / args.num_splits;
@@ -1312,8 +1321,7 @@ __device__ __forceinline__ int pair_blocks_past_own_keys(const ForwardKernelArgs
   const int64_t own_end = w.m0 + T::kBlockM < w.rows ? w.m0 + T::kBlockM : w.rows;
   const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, w.m0), token_end<T>(args, own_end));
   if (keys.empty()) return w.n_tiles;
-  const int own_block_end = static_cast<int>((keys.end + T::kBlockN - 1) / T::kBlockN);
-  const int past = w.n_block_end - own_block_end;
+  const int past = w.n_block_end - key_blocks_to<T>(keys.end);
   return past <= 0 ? 0 : (past < w.n_tiles ? past : w.n_tiles);
 }
 
@@ -1470,7 +1478,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       if (m_block != args.num_m_blocks - 1) pc.kv_fills -= w.n_tiles;
       if (m_block > 0) {
         const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
-        release_from = next_keys.empty() ? 0 : static_cast<int>((next_keys.end + T::kBlockN - 1) / T::kBlockN);
+        release_from = next_keys.empty() ? 0 : key_blocks_to<T>(next_keys.end);
       }
     }
     // Key block 0 of this tile, with the previous tile's last P V (if any) issued behind its
@@ -1862,7 +1870,7 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   const int sm_count = usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
   const int64_t walk_blocks = num_m_blocks / T::kClusterCtas;
   const int64_t pairs = (walk_blocks + 1) / 2 * walk_heads * p.batch;
-  const bool uneven_cost = (p.window_left < 0) != (p.window_right < 0);
+  const bool uneven_cost = one_sided_mask(p);
   args.tiles_per_item = uneven_cost && pairs * T::kClusterCtas >= sm_count ? 2 : 1;
   if constexpr (T::kWholeHead) args.tiles_per_item = static_cast<int>(num_m_blocks);  // one item a head
   const int64_t tile_items = T::kWholeHead            ? walk_heads * p.batch
