@@ -530,6 +530,44 @@ TEST(CudaSm90Forward, LongCausalClusterPairs) {
   expect_forward(cases, FC_BACKEND_CUDA_SM90);
 }
 
+// d64 heads of at most 512 keys run whole by default (K/V loaded once per head and kept in the
+// ring across its query tiles, the last tile first) where the heads fill the SMs: sm_margin leaves
+// 8 of them for 8 heads. Causal with more keys than queries (bottom-right alignment), unmasked on
+// the wide tile (500 rows: 192 + 192 + 116), GQA in fp16, a window bounded on the right only, and
+// head_dim 40 (columns past it padded in the ring).
+TEST(CudaSm90Forward, WholeHeadsByDefault) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
+  std::vector<Case> cases;
+  Case c;
+  c.batch = 2;
+  c.heads_q = c.heads_kv = 4;
+  c.seqlen_q = 400;
+  c.seqlen_k = 512;
+  c.head_dim = 64;
+  c.dtype = FC_DTYPE_BF16;
+  c.causal = true;
+  c.sm_margin = 124;
+  cases.push_back(c);
+  Case full = c;
+  full.causal = false;
+  full.seqlen_q = 500;
+  full.seqlen_k = 300;
+  cases.push_back(full);
+  Case gqa = c;
+  gqa.dtype = FC_DTYPE_F16;
+  gqa.heads_kv = 2;
+  gqa.seqlen_q = gqa.seqlen_k = 512;
+  cases.push_back(gqa);
+  Case right = c;
+  right.causal = false;
+  right.window_right = 40;
+  cases.push_back(right);
+  Case narrow = c;
+  narrow.head_dim = 40;
+  cases.push_back(narrow);
+  expect_forward(cases, FC_BACKEND_CUDA_SM90);
+}
+
 // Long calls without a mask take the sm90 forward's wide d128 tile (three consumers, 192 query rows,
 // 80-key blocks) from seqlen_q and seqlen_k 4096 on: a partial last query block and key block,
 // GQA, fp16 with a softcap (the score-transform kernel), strided tensors, and varlen with a short

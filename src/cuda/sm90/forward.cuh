@@ -58,7 +58,7 @@
 // clock (no tile tail, two CTAs held to one pace) and returns it in clock where tiles are long
 // (cluster_pair_chosen).
 //
-// ---- Whole heads (kWholeHead kernels: d64, keys <= the ring; off unless FLASHCORE_SM90_WHOLE_HEADS)
+// ---- Whole heads (kWholeHead kernels: d64, keys <= the ring; whole_heads_chosen) ------------
 // Short heads load their K/V again for every query tile (a causal pair of S = 512 tiles loads 2.5
 // blocks a tile), and each tile waits for its first K. Where a head's keys fit the ring whole (d64's
 // 4 stages of 128 keys), one work item is every query tile of a (batch, head), the last first. Its
@@ -68,7 +68,10 @@
 // head's last n_tiles fills. A block is handed back after the last tile that reads it (under a
 // causal mask, tile m is the last reader of block m), so the next head's loads start while the
 // lower tiles still run. Key ranges must start at key 0 and not shrink from tile m - 1 to tile m
-// (whole_heads_fit). Not yet measured (docs/PERF.md, session 65).
+// (whole_heads_fit). Each call keeps the tile it would take otherwise (the narrow one under a mask,
+// the wide one with issue turns without); H200, bf16, same process as cuDNN, two processes each
+// way (docs/PERF.md, session 66): S = 512 full +4%, causal +1.5% to +3%, S = 256 +2% / +4%,
+// S = 384 full level.
 //
 // ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
 //   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
@@ -416,13 +419,14 @@ inline bool whole_heads_fit(const forward_params_t& p, int64_t block_m, int64_t 
          p.seqlen_q > block_m;
 }
 
-/** Whether p runs over whole heads (d64's narrow tile). Not measured yet, so off by default:
- *  FLASHCORE_SM90_WHOLE_HEADS=1 (read once per process) turns it on where it fits and the heads
- *  fill the GPU's SMs, =2 wherever it fits (tests and sanitizer runs on small shapes). */
+/** Whether p runs over whole heads (d64, heads of at most 512 keys): where it fits and the heads
+ *  fill the GPU's SMs (fewer heads than SMs keep the per-tile items, which spread one head's
+ *  tiles over several SMs). FLASHCORE_SM90_WHOLE_HEADS (read once per process) overrides: 0 off,
+ *  2 wherever it fits (tests and sanitizer runs on small shapes). */
 inline bool whole_heads_chosen(const forward_params_t& p, int64_t block_m, int64_t block_n, int stages) {
   static const int level = [] {
     const char* v = std::getenv("FLASHCORE_SM90_WHOLE_HEADS");
-    return v == nullptr ? 0 : v[0] == '1' ? 1 : v[0] == '2' ? 2 : 0;
+    return v == nullptr ? 1 : v[0] == '0' ? 0 : v[0] == '2' ? 2 : 1;
   }();
   if (level == 0 || !whole_heads_fit(p, block_m, block_n, stages)) return false;
   return level == 2 || p.batch * p.heads_q >= usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
@@ -477,12 +481,18 @@ struct ForwardConfigs<Element, 64> {
     const int64_t block_m =
         one_narrow_tile || (p.has_mask() && p.seqlen_k < kLongSeqlen) ? Narrow::kBlockM : Wide::kBlockM;
     if (pack_gqa_chosen(p, block_m, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
-    if (whole_heads_chosen(p, Narrow::kBlockM, Narrow::kBlockN, Narrow::kStages)) {
-      return launch(TileChoice<WithWholeHeads<Narrow>>{});
-    }
     if (one_narrow_tile) return launch(TileChoice<Narrow>{});
     if (p.seqlen_k >= kLongSeqlen) return launch(TileChoice<Wide>{});
-    if (p.has_mask()) return launch(TileChoice<Narrow>{});
+    // Heads whose keys fit the ring (S <= 512) may run whole, on the tile they would take anyway.
+    if (p.has_mask()) {
+      if (whole_heads_chosen(p, Narrow::kBlockM, Narrow::kBlockN, Narrow::kStages)) {
+        return launch(TileChoice<WithWholeHeads<Narrow>>{});
+      }
+      return launch(TileChoice<Narrow>{});
+    }
+    if (whole_heads_chosen(p, WideTurns::kBlockM, WideTurns::kBlockN, WideTurns::kStages)) {
+      return launch(TileChoice<WithWholeHeads<WideTurns>>{});
+    }
     return launch(TileChoice<WideTurns>{});
   }
 };
