@@ -114,7 +114,8 @@
 // still -inf subtracts 0, so exp2 never sees -inf - -inf; masked scores are -inf. Keys outside
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
 // are not MaskInfo::tile_fully_visible for the rows that are stored. Rows past seqlen_q compute on
-// whatever TMA loaded (finite), take the unmasked body and are never stored. Rows with no keys give
+// whatever TMA loaded (finite), take the unmasked body and are never stored; a consumer whose rows
+// all lie past it computes nothing (it only keeps the turns and barriers in step). Rows with no keys give
 // out = 0, lse = -inf. At d64, a consumer that sees only the left half of its tile's first key
 // block (the causal diagonal above the first 64 rows of a 128-row tile) runs that softmax on the
 // half: P = 0 on the rest, without its exponentials (ForwardTraits::kLeftHalfDiagonal).
@@ -1373,6 +1374,17 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
   };
+  // Where the tile drains its carried P V (no key block, a cluster pair's skipped blocks, the end):
+  // a consumer with nothing pending takes that turn too, since an idle consumer's tile (below)
+  // leaves it without a P V that the others carry, and every consumer must take as many turns.
+  auto drain = [&]() {
+    if (pending) {
+      finish_pending();
+    } else {
+      turn.take();
+      turn.pass();
+    }
+  };
 
   TileWalker<T> tiles{args};
   BlockWork w;
@@ -1412,7 +1424,6 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
                                                   static_cast<uint32_t>(n_block) * T::kBlockN, quad);
       }
     };
-    const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
     RowState st{{-INFINITY, -INFINITY}, {0.f, 0.f}};
 
     const int q_slot = pc.q_fills % T::kQStages;
@@ -1425,7 +1436,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       // previous tile drains first, since its last P V finds its fill from the counter.
       const int skip = pair_blocks_past_own_keys<T>(args, w);
       if (skip > 0) {
-        if (pending) finish_pending();
+        drain();
         for (int i = 0; i < skip; ++i, ++pc.kv_fills) {
           const int slot = pc.kv_fills % T::kStages;
           const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
@@ -1440,10 +1451,53 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     }
     if (w.n_tiles == 0) {
       release(sm.q_empty(q_slot));  // no key block: Q was loaded but is not needed
-      if (pending) finish_pending();
+      drain();
 #pragma unroll
       for (int i = 0; i < T::kHeadDim / 2; ++i) o[i] = 0.f;
       store_tile<T>(args, sm, tile_output(w), consumer, o, st, pc);
+      continue;
+    }
+    // Whole heads: the fill counter stands at the end of the head's fills after each of its tiles;
+    // this tile's blocks (key 0 up) are the last n_tiles of them (loaded in the head's first tile,
+    // from the top down), and the blocks from the returned one up are done after this tile (the
+    // next tile, one query block lower, sees keys up to that block only). Other kernels: 0.
+    auto enter_whole_head_tile = [&]() {
+      int release_from = 0;
+      if constexpr (T::kWholeHead) {
+        const int64_t m_block = w.m0 / T::kBlockM;
+        if (m_block != args.num_m_blocks - 1) pc.kv_fills -= w.n_tiles;
+        if (m_block > 0) {
+          const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
+          release_from = next_keys.empty() ? 0 : key_blocks_to<T>(next_keys.end);
+        }
+      }
+      return release_from;
+    };
+    const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
+    if (wg_row0 >= w.rows) {
+      // Idle: every row of this consumer lies past the sequence (the last query block of a wide
+      // tile: at d64, S = 512 leaves its third consumer without rows, S = 1k its second and
+      // third), so it computes nothing. It keeps the tile's issue turns (one per key block, the
+      // first draining its carried P V), and waits for each block and hands it back as the
+      // others do, so that turns and barriers stay in step. Against computing those rows (H200,
+      // bf16, same process, docs/PERF.md session 66): d64 full S = 512 +7.3%, 2k +1.2%, 1k level,
+      // d128 full 4k +0.7%.
+      drain();
+      const int release_from = enter_whole_head_tile();
+      for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
+        const int n_block = w.n_block_end - 1 - it;
+        const int slot = pc.kv_fills % T::kStages;
+        const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
+        ptx::mbarrier_wait_parity(sm.k_full(slot), parity);
+        if (it > 0) {
+          turn.take();
+          turn.pass();
+        }
+        if (!T::kWholeHead || n_block >= release_from) release_kv<T>(sm.k_empty(slot));
+        ptx::mbarrier_wait_parity(sm.v_full(slot), parity);
+        if (!T::kWholeHead || n_block >= release_from) release_kv<T>(sm.v_empty(slot));
+      }
+      release(sm.q_empty(q_slot));
       continue;
     }
     if constexpr (T::kQInRegisters) load_q_fragments<T>(qa, sm, consumer, q_slot);
@@ -1478,19 +1532,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
 
     // The previous tile's last fill: the V its carried P V reads (whole heads move the counter).
     [[maybe_unused]] const int carried_fill = pc.kv_fills - 1;
-    // Whole heads: the fill counter stands at the end of the head's fills after each of its tiles;
-    // this tile's blocks (key 0 up) are the last n_tiles of them (loaded in the head's first tile,
-    // from the top down), and the blocks from release_from up are done after this tile (the next
-    // tile, one query block lower, sees keys up to block release_from only).
-    [[maybe_unused]] int release_from = 0;
-    if constexpr (T::kWholeHead) {
-      const int64_t m_block = w.m0 / T::kBlockM;
-      if (m_block != args.num_m_blocks - 1) pc.kv_fills -= w.n_tiles;
-      if (m_block > 0) {
-        const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
-        release_from = next_keys.empty() ? 0 : key_blocks_to<T>(next_keys.end);
-      }
-    }
+    [[maybe_unused]] const int release_from = enter_whole_head_tile();
     // Key block 0 of this tile, with the previous tile's last P V (if any) issued behind its
     // Q K^T. Two copies, so that every wgmma wait is unconditional within its copy: behind a
     // run-time `pending` test, ptxas must assume the P V may still be writing O wherever the two
@@ -1587,7 +1629,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     if constexpr (T::kWholeHead) pending_release = w.n_block_end - w.n_tiles >= release_from;
     ++pc.kv_fills;
   }
-  if (pending) finish_pending();
+  drain();
 }
 
 /** The producer thread, for one tile: K and V of every key block into the ring, and the walk to
