@@ -115,10 +115,10 @@
 // MaskInfo::keys_for_row (which also ends at seqlen_k) are masked per element only in tiles that
 // are not MaskInfo::tile_fully_visible for the rows that are stored. Rows past seqlen_q compute on
 // whatever TMA loaded (finite), take the unmasked body and are never stored; a consumer whose rows
-// all lie past it computes nothing (it only keeps the turns and barriers in step). Rows with no keys give
-// out = 0, lse = -inf. At d64, a consumer that sees only the left half of its tile's first key
-// block (the causal diagonal above the first 64 rows of a 128-row tile) runs that softmax on the
-// half: P = 0 on the rest, without its exponentials (ForwardTraits::kLeftHalfDiagonal).
+// all lie past it computes nothing (it only keeps the turns and barriers in step). Rows with no
+// keys give out = 0, lse = -inf. At d64, a consumer that sees only the left half of its tile's
+// first key block (the causal diagonal above the first 64 rows of a 128-row tile) runs that
+// softmax on the half: P = 0 on the rest, without its exponentials (ForwardTraits::kLeftHalfDiagonal).
 //
 // ---- Addressing -----------------------------------------------------------------------------------
 // Dense calls: 4-D tensor maps (head_dim, seqlen, heads, batch) with the caller's strides, so
