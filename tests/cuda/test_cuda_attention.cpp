@@ -568,6 +568,44 @@ TEST(CudaSm90Forward, WholeHeadsByDefault) {
   expect_forward(cases, FC_BACKEND_CUDA_SM90);
 }
 
+// Causal pairs of query blocks (sm_margin leaves few SMs, so even one or two heads make pairs).
+// With FLASHCORE_SM90_PAIR_REUSE=1 a pair's second tile reads the key blocks the first one left in
+// the ring where they fit it (d64: 4 blocks, d128: 2), and loads them as before where they do not:
+// d64 at 2048 tokens mixes both, bottom-right causal with more keys than queries, a window bounded
+// on the right only, GQA in fp16, and d128 at 1024 tokens with head_dim 96. Without the switch
+// the same calls check the plain pairs.
+TEST(CudaSm90Forward, PairsThatShareBlocks) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
+  std::vector<Case> cases;
+  Case c;
+  c.heads_q = c.heads_kv = 2;
+  c.seqlen_q = c.seqlen_k = 2048;
+  c.head_dim = 64;
+  c.dtype = FC_DTYPE_BF16;
+  c.causal = true;
+  c.sm_margin = 124;
+  cases.push_back(c);
+  Case wider = c;
+  wider.seqlen_q = 1000;
+  wider.seqlen_k = 1300;
+  cases.push_back(wider);
+  Case right = c;
+  right.causal = false;
+  right.window_right = 100;
+  right.seqlen_q = 1024;
+  cases.push_back(right);
+  Case gqa = c;
+  gqa.dtype = FC_DTYPE_F16;
+  gqa.heads_q = 4;
+  gqa.seqlen_q = gqa.seqlen_k = 1024;
+  cases.push_back(gqa);
+  Case d128 = c;
+  d128.head_dim = 96;
+  d128.seqlen_q = d128.seqlen_k = 1024;
+  cases.push_back(d128);
+  expect_forward(cases, FC_BACKEND_CUDA_SM90);
+}
+
 // Long calls without a mask take the sm90 forward's wide d128 tile (three consumers, 192 query rows,
 // 80-key blocks) from seqlen_q and seqlen_k 4096 on: a partial last query block and key block,
 // GQA, fp16 with a softcap (the score-transform kernel), strided tensors, and varlen with a short
@@ -1597,6 +1635,15 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
     paired.seqlen_q = 250;
     paired.seqlen_k = 300;
     cases.push_back(paired);
+  }
+  // Causal pairs of query blocks on two SMs (sm_margin): with FLASHCORE_SM90_PAIR_REUSE=1
+  // (scripts/gpu_check.sh's sanitizer runs) a pair's second tile reads its blocks where the first
+  // left them, at d64 (640 tokens: more keys than whole heads take) and d128.
+  for (int index : {3, 4}) {
+    Case shared = cases[index];
+    shared.seqlen_q = shared.seqlen_k = shared.head_dim == 64 ? 640 : 512;
+    shared.sm_margin = 130;
+    cases.push_back(shared);
   }
   uint64_t seed = 9;
   const bool sm90 = fc_backend_available(FC_BACKEND_CUDA_SM90, 0);

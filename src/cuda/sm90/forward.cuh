@@ -73,6 +73,16 @@
 // way (docs/PERF.md, session 66): S = 512 full +4%, causal +1.5% to +3%, S = 256 +2% / +4%,
 // S = 384 full level.
 //
+// ---- Pairs that share blocks (kPairReuse kernels: d64 / d128 under a causal mask; off unless
+// FLASHCORE_SM90_PAIR_REUSE=1, not yet measured) -------------------------------------------------
+// A causal pair runs query block M - 1 - j, whose walk ends at key block 0, then block j, whose
+// keys are blocks [0, j]. Where those j + 1 blocks fit the ring (d64: j <= 3, d128: j <= 1), the
+// first tile keeps them (blocks_left_for_partner: BlockWork::keep_blocks) and the second reads
+// them in place (BlockWork::rewind): it loads nothing and waits for no K, as a whole head's later
+// tiles do, with the same counters (the kept blocks are the first tile's last fills). At d64
+// S = 1k every pair shares (26 block loads a head instead of 36), at 2k half of them; at d128
+// S = 512 both pairs.
+//
 // ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
 //   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
 //   softmax_j on S_j (fp32, in place) ; wait for the P V (wait_group 0) ; release V_{j-1} ;
@@ -213,7 +223,7 @@ using sm80::quad_allreduce_sum;
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
           bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
           bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false, bool kClusterPair_ = false,
-          bool kWholeHead_ = false>
+          bool kWholeHead_ = false, bool kPairReuse_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -299,6 +309,12 @@ struct ForwardTraits {
   // Whole heads ("Whole heads" above): a work item is every query tile of one (batch, head), last
   // first, over K/V blocks loaded once per head that stay in the ring for all of its tiles.
   static constexpr bool kWholeHead = kWholeHead_;
+  // The second tile of a causal pair reads its key blocks where the first left them in the ring
+  // ("Pairs that share blocks" above); off unless FLASHCORE_SM90_PAIR_REUSE (pair_reuse_chosen).
+  static constexpr bool kPairReuse = kPairReuse_;
+  // Either way, a tile may keep blocks for the item's next tile (BlockWork::keep_blocks) and read
+  // blocks the previous one kept (BlockWork::rewind) instead of handing each back after its use.
+  static constexpr bool kKeepsBlocks = kWholeHead || kPairReuse;
   static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
   static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "cluster pairs: an even number of 64-column chunks, plain rows");
@@ -308,6 +324,9 @@ struct ForwardTraits {
   static_assert(!kWholeHead || (kQStages > 1 && !kClusterPair && !kScoreTransforms_ && !kPageBoxes_ &&
                                 !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "whole heads: plain tiles with two Q slots (the producer runs ahead on Q alone)");
+  static_assert(!kPairReuse || (kQStages > 1 && !kWholeHead && !kClusterPair && !kScoreTransforms_ && !kPageBoxes_ &&
+                                !kPackGqa_ && !kSplitKv_ && !kDropout_),
+                "pairs that share blocks: plain tiles with two Q slots");
   static constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory per block on sm_90
   static constexpr int kBarriers = 2 * kQStages + 5 * kStages;
   static constexpr uint32_t kQOffset = 0;
@@ -350,6 +369,14 @@ using WithWholeHeads = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlock
                                      T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
                                      /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
                                      /*kClusterPair=*/false, /*kWholeHead=*/true>;
+
+/** The same tile over causal pairs whose second tile reads the first one's blocks in place
+ *  (ForwardTraits::kPairReuse). */
+template <class T>
+using WithPairReuse = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
+                                    T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
+                                    /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
+                                    /*kClusterPair=*/false, /*kWholeHead=*/false, /*kPairReuse=*/true>;
 
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
 template <class T>
@@ -433,6 +460,24 @@ inline bool whole_heads_chosen(const forward_params_t& p, int64_t block_m, int64
   return level == 2 || p.batch * p.heads_q >= usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
 }
 
+/** Whether p can run over pairs that share blocks (kPairReuse kernels): fixed length, K/V read in
+ *  place, and a mask bounded on the right only (causal, or such a window), the masks for which
+ *  tiles go in pairs and every tile's keys start at key 0. Which pairs share is decided on the
+ *  device, per pair (blocks_left_for_partner). */
+inline bool pair_reuse_fit(const forward_params_t& p) {
+  return !p.is_varlen() && !p.is_paged() && p.window_left < 0 && one_sided_mask(p);
+}
+
+/** Whether p runs over pairs that share blocks. Not measured yet, so off by default:
+ *  FLASHCORE_SM90_PAIR_REUSE=1 (read once per process) turns it on wherever it fits. */
+inline bool pair_reuse_chosen(const forward_params_t& p) {
+  static const bool on = [] {
+    const char* v = std::getenv("FLASHCORE_SM90_PAIR_REUSE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on && pair_reuse_fit(p);
+}
+
 /** Devices whose resident-cluster count the cluster-pair launch keeps (launch_forward). */
 constexpr int kMaxClusterDevices = 64;
 
@@ -489,6 +534,7 @@ struct ForwardConfigs<Element, 64> {
       if (whole_heads_chosen(p, Narrow::kBlockM, Narrow::kBlockN, Narrow::kStages)) {
         return launch(TileChoice<WithWholeHeads<Narrow>>{});
       }
+      if (pair_reuse_chosen(p)) return launch(TileChoice<WithPairReuse<Narrow>>{});
       return launch(TileChoice<Narrow>{});
     }
     if (whole_heads_chosen(p, WideTurns::kBlockM, WideTurns::kBlockN, WideTurns::kStages)) {
@@ -516,6 +562,7 @@ struct ForwardConfigs<Element, 128> {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
     if (pack_gqa_chosen(p, Narrow::kBlockM, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
     if (cluster_pair_chosen(p, Narrow::kBlockM)) return launch(TileChoice<WithClusterPair<Narrow>>{});
+    if (pair_reuse_chosen(p)) return launch(TileChoice<WithPairReuse<Narrow>>{});  // masked: never wide
     const bool long_unmasked = !p.has_mask() && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
     // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
     const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
@@ -615,6 +662,11 @@ struct BlockWork {
   int n_tiles;
   int split;      // split-KV kernels: which range of the tile's key blocks (0 otherwise)
   bool has_rows;  // false: nothing to compute or store (both roles skip the tile)
+  // Pair-reuse kernels (kPairReuse): key blocks [0, keep_blocks) stay in the ring for the item's
+  // next tile, which reads them in place (rewind: it loads nothing, and its blocks are the last
+  // n_tiles fills). Whole-head kernels derive both from the tile's place in its head instead.
+  int keep_blocks;
+  bool rewind;
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
 };
 
@@ -660,6 +712,8 @@ __device__ BlockWork resolve_block(const ForwardKernelArgs& args, int m_block, i
   w.mask = mask_info(p, w.seq);
   w.n_tiles = 0;
   w.n_block_end = 0;
+  w.keep_blocks = 0;
+  w.rewind = false;
   w.rows = T::kPackGqa ? w.seq.seqlen_q << args.pack_shift : w.seq.seqlen_q;
   w.has_rows = w.m0 < w.rows;  // varlen: a sequence shorter than max_seqlen_q
   if (w.has_rows) {
@@ -1239,11 +1293,29 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
  *  (varlen) are skipped by both roles alike. Cluster-pair kernels walk the same pairs over blocks
  *  of 2 kBlockM rows, one item per cluster (no tail): rank r of the cluster takes query block
  *  2 m + r of the pair's block m. */
+/** Pair-reuse kernels: how many key blocks, from block 0, the first tile w of a pair leaves in the
+ *  ring for its second tile (query block j), which then loads nothing: the second tile's blocks
+ *  when they are a prefix [0, n) of the first's and fit the ring, else 0 (both load as usual).
+ *  The first tile's walk runs downwards to block 0, so those blocks are its last n fills. Fixed
+ *  length (pair_reuse_fit): the second tile's mask is the first's. */
+template <class T>
+__device__ __forceinline__ int blocks_left_for_partner(const ForwardKernelArgs& args, const BlockWork& w, int j) {
+  if (!w.has_rows || w.n_tiles == 0 || w.n_block_end != w.n_tiles) return 0;  // not from block 0
+  const int64_t row0 = int64_t(j) * T::kBlockM;
+  const int64_t row_end = row0 + T::kBlockM < w.rows ? row0 + T::kBlockM : w.rows;
+  if (row0 >= row_end) return 0;
+  const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, row0), token_end<T>(args, row_end));
+  if (keys.empty() || keys.begin >= T::kBlockN) return 0;  // its walk would not end at block 0
+  const int n = key_blocks_to<T>(keys.end);
+  return n <= T::kStages && n <= w.n_block_end ? n : 0;
+}
+
 template <class T>
 struct TileWalker {
   const ForwardKernelArgs& args;
   int item = static_cast<int>(blockIdx.x) / T::kClusterCtas;
   int k = 0;  // next tile of the item
+  bool reuse_next = false;  // pair-reuse kernels: the item's second tile reads the first's blocks
 
   /** The next tile with query rows, or false when this CTA has none left. A turn of the tail
    *  enters the pairs' code as a virtual item (its tile's pair and half) with one tile: only data
@@ -1310,6 +1382,18 @@ struct TileWalker {
         const int batch = static_cast<int>(args.heads_q.div(rest));
         const int cta_block = T::kClusterPair ? 2 * m_block + pair_rank() : m_block;
         w = resolve_block<T>(args, cta_block, head, batch, split);
+        if constexpr (T::kPairReuse) {
+          if (half == 0) {
+            // The pair's second tile (block j, in the same item) exists where the item holds two
+            // tiles, none of the tail's, and j differs from this block.
+            const bool second = args.tiles_per_item == 2 && item < args.tail.first_item && j != m_blocks - 1 - j;
+            w.keep_blocks = second ? blocks_left_for_partner<T>(args, w, j) : 0;
+            reuse_next = w.keep_blocks > 0;
+          } else {
+            w.rewind = reuse_next;
+            reuse_next = false;
+          }
+        }
         if (w.has_rows) return true;
         continue;
       }
@@ -1369,7 +1453,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(o);
-    if (!T::kWholeHead || pending_release) release_kv<T>(sm.v_empty(stage));
+    if (!T::kKeepsBlocks || pending_release) release_kv<T>(sm.v_empty(stage));
     store_tile<T>(args, sm, pending_out, consumer, o, pending_st, pc);
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
@@ -1461,6 +1545,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     // this tile's blocks (key 0 up) are the last n_tiles of them (loaded in the head's first tile,
     // from the top down), and the blocks from the returned one up are done after this tile (the
     // next tile, one query block lower, sees keys up to that block only). Other kernels: 0.
+    // Pair-reuse kernels: the same, from what the walk put in w.
     auto enter_whole_head_tile = [&]() {
       int release_from = 0;
       if constexpr (T::kWholeHead) {
@@ -1470,6 +1555,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
           const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
           release_from = next_keys.empty() ? 0 : key_blocks_to<T>(next_keys.end);
         }
+      } else if constexpr (T::kPairReuse) {
+        if (w.rewind) pc.kv_fills -= w.n_tiles;
+        release_from = w.keep_blocks;
       }
       return release_from;
     };
@@ -1493,9 +1581,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
           turn.take();
           turn.pass();
         }
-        if (!T::kWholeHead || n_block >= release_from) release_kv<T>(sm.k_empty(slot));
+        if (!T::kKeepsBlocks || n_block >= release_from) release_kv<T>(sm.k_empty(slot));
         ptx::mbarrier_wait_parity(sm.v_full(slot), parity);
-        if (!T::kWholeHead || n_block >= release_from) release_kv<T>(sm.v_empty(slot));
+        if (!T::kKeepsBlocks || n_block >= release_from) release_kv<T>(sm.v_empty(slot));
       }
       release(sm.q_empty(q_slot));
       continue;
@@ -1542,7 +1630,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       constexpr bool kCarried = decltype(carried)::value;
       // (Whole heads have moved the counter since; the other kernels read it here, which keeps
       // their code as it was.)
-      const int pending_fill = T::kWholeHead ? carried_fill : pc.kv_fills - 1;
+      const int pending_fill = T::kKeepsBlocks ? carried_fill : pc.kv_fills - 1;
       const int pending_stage = pending_fill % T::kStages;
       ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
       FWD_TRACE(role, kKReady, 0);
@@ -1561,7 +1649,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, 0);
-      if (!T::kWholeHead || n_first >= release_from) release_kv<T>(sm.k_empty(stage));
+      if (!T::kKeepsBlocks || n_first >= release_from) release_kv<T>(sm.k_empty(stage));
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
       // O is still zero: its correction is irrelevant
       if (left_half) {
@@ -1575,7 +1663,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
         ptx::wgmma_wait_group<0>();
         ptx::wgmma_fence_operands(o);
         FWD_TRACE(role, kPvDone, 0);  // the previous tile's last P V
-        if (!T::kWholeHead || pending_release) release_kv<T>(sm.v_empty(pending_stage));
+        if (!T::kKeepsBlocks || pending_release) release_kv<T>(sm.v_empty(pending_stage));
       }
       pack_probabilities<T>(s, pa);
       if constexpr (kCarried) {
@@ -1608,14 +1696,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, it);
-      if (!T::kWholeHead || w.n_block_end - 1 - it >= release_from) release_kv<T>(sm.k_empty(stage));
+      if (!T::kKeepsBlocks || w.n_block_end - 1 - it >= release_from) release_kv<T>(sm.k_empty(stage));
       if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
       softmax(w.n_block_end - 1 - it);
       FWD_TRACE(role, kSoftmaxDone, it);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(o);
       FWD_TRACE(role, kPvDone, it - 1);
-      if (!T::kWholeHead || w.n_block_end - it >= release_from) release_kv<T>(sm.v_empty(prev));
+      if (!T::kKeepsBlocks || w.n_block_end - it >= release_from) release_kv<T>(sm.v_empty(prev));
       // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
       if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
@@ -1626,7 +1714,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     pending = true;
     pending_out = tile_output(w);
     pending_st = st;
-    if constexpr (T::kWholeHead) pending_release = w.n_block_end - w.n_tiles >= release_from;
+    if constexpr (T::kKeepsBlocks) pending_release = w.n_block_end - w.n_tiles >= release_from;
     ++pc.kv_fills;
   }
   drain();
@@ -1655,6 +1743,8 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
   int fills = w.n_tiles;
   if constexpr (T::kWholeHead) {
     if (w.m0 != int64_t(args.num_m_blocks - 1) * T::kBlockM) fills = 0;
+  } else if constexpr (T::kPairReuse) {
+    if (w.rewind) fills = 0;  // the pair's first tile left them in the ring
   }
   for (int it = 0; it < fills; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
@@ -1906,6 +1996,9 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   }
   if (T::kWholeHead && !whole_heads_fit(p, T::kBlockM, T::kBlockN, T::kStages)) {
     return Status::unsupported("cuda_sm90 forward: this call cannot run over whole heads");
+  }
+  if (T::kPairReuse && !pair_reuse_fit(p)) {
+    return Status::unsupported("cuda_sm90 forward: this call cannot run over pairs that share blocks");
   }
 
   ForwardKernelArgs args{};
