@@ -1280,19 +1280,6 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
   }
 }
 
-/** The tiles of this persistent CTA, in order, as both roles must see them. Work item i (CTAs
- *  take items blockIdx.x, blockIdx.x + gridDim.x, ...) is a pair of query blocks of one head:
- *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1:
- *  masks whose cost does not vary along the query blocks, and problems too small to fill the GPU
- *  with pairs). Under a causal mask block m costs m + 1 key blocks, so every pair costs about the
- *  same (M + 1) and a static round-robin keeps the SMs evenly busy up to the last round, where
- *  items % gridDim.x CTAs take one pair more than the rest. Items run head after head, so the CTAs
- *  working at one time share K/V through L2. Pair items from args.tail.first_item on (a whole
- *  number of rounds after the start) run as the tail's single tiles instead, heaviest first, dealt
- *  in snake order (tile_tail.hpp), which evens out the CTAs' ends. Tiles without query rows
- *  (varlen) are skipped by both roles alike. Cluster-pair kernels walk the same pairs over blocks
- *  of 2 kBlockM rows, one item per cluster (no tail): rank r of the cluster takes query block
- *  2 m + r of the pair's block m. */
 /** Pair-reuse kernels: how many key blocks, from block 0, the first tile w of a pair leaves in the
  *  ring for its second tile (query block j), which then loads nothing: the second tile's blocks
  *  when they are a prefix [0, n) of the first's and fit the ring, else 0 (both load as usual).
@@ -1310,6 +1297,19 @@ __device__ __forceinline__ int blocks_left_for_partner(const ForwardKernelArgs& 
   return n <= T::kStages && n <= w.n_block_end ? n : 0;
 }
 
+/** The tiles of this persistent CTA, in order, as both roles must see them. Work item i (CTAs
+ *  take items blockIdx.x, blockIdx.x + gridDim.x, ...) is a pair of query blocks of one head:
+ *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1:
+ *  masks whose cost does not vary along the query blocks, and problems too small to fill the GPU
+ *  with pairs). Under a causal mask block m costs m + 1 key blocks, so every pair costs about the
+ *  same (M + 1) and a static round-robin keeps the SMs evenly busy up to the last round, where
+ *  items % gridDim.x CTAs take one pair more than the rest. Items run head after head, so the CTAs
+ *  working at one time share K/V through L2. Pair items from args.tail.first_item on (a whole
+ *  number of rounds after the start) run as the tail's single tiles instead, heaviest first, dealt
+ *  in snake order (tile_tail.hpp), which evens out the CTAs' ends. Tiles without query rows
+ *  (varlen) are skipped by both roles alike. Cluster-pair kernels walk the same pairs over blocks
+ *  of 2 kBlockM rows, one item per cluster (no tail): rank r of the cluster takes query block
+ *  2 m + r of the pair's block m. */
 template <class T>
 struct TileWalker {
   const ForwardKernelArgs& args;
