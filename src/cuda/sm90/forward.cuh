@@ -662,9 +662,9 @@ struct BlockWork {
   int n_tiles;
   int split;      // split-KV kernels: which range of the tile's key blocks (0 otherwise)
   bool has_rows;  // false: nothing to compute or store (both roles skip the tile)
-  // Pair-reuse kernels (kPairReuse): key blocks [0, keep_blocks) stay in the ring for the item's
-  // next tile, which reads them in place (rewind: it loads nothing, and its blocks are the last
-  // n_tiles fills). Whole-head kernels derive both from the tile's place in its head instead.
+  // Whole-head and pair-reuse kernels (kKeepsBlocks; set by the walk): key blocks
+  // [0, keep_blocks) stay in the ring for the item's next tile, which reads them in place (rewind:
+  // it loads nothing, and its blocks are the last n_tiles fills).
   int keep_blocks;
   bool rewind;
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
@@ -1335,10 +1335,17 @@ struct TileWalker {
     while (item < args.walk_end) {
       if (k < args.num_m_blocks) {
         const int m_block = args.num_m_blocks - 1 - k;
-        ++k;
         const uint32_t rest = static_cast<uint32_t>(item);
         w = resolve_block<T>(args, m_block, static_cast<int>(args.heads_q.mod(rest)),
                              static_cast<int>(args.heads_q.div(rest)), 0);
+        // The head's first tile loads every block; the next tile, one query block lower, sees
+        // keys up to block keep_blocks only, so the blocks from there up are done after this one.
+        w.rewind = k > 0;
+        if (m_block > 0) {
+          const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
+          w.keep_blocks = next_keys.empty() ? 0 : key_blocks_to<T>(next_keys.end);
+        }
+        ++k;
         return true;  // fixed length: every tile has rows
       }
       k = 0;
@@ -1470,6 +1477,23 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     }
   };
 
+  // A key block this consumer does not compute (a cluster pair's blocks for the peer, an idle
+  // consumer's tile): wait until it landed, take the block's issue turn where the others issue in
+  // turns (take_turn), then hand it back unless the item keeps it.
+  auto pass_over_block = [&](bool hand_back, bool take_turn) {
+    const int slot = pc.kv_fills % T::kStages;
+    const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
+    ptx::mbarrier_wait_parity(sm.k_full(slot), parity);
+    if (take_turn) {
+      turn.take();
+      turn.pass();
+    }
+    if (hand_back) release_kv<T>(sm.k_empty(slot));
+    ptx::mbarrier_wait_parity(sm.v_full(slot), parity);
+    if (hand_back) release_kv<T>(sm.v_empty(slot));
+    ++pc.kv_fills;
+  };
+
   TileWalker<T> tiles{args};
   BlockWork w;
   while (tiles.next(w)) {
@@ -1521,14 +1545,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       const int skip = pair_blocks_past_own_keys<T>(args, w);
       if (skip > 0) {
         drain();
-        for (int i = 0; i < skip; ++i, ++pc.kv_fills) {
-          const int slot = pc.kv_fills % T::kStages;
-          const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
-          ptx::mbarrier_wait_parity(sm.k_full(slot), parity);
-          release_kv<T>(sm.k_empty(slot));
-          ptx::mbarrier_wait_parity(sm.v_full(slot), parity);
-          release_kv<T>(sm.v_empty(slot));
-        }
+        for (int i = 0; i < skip; ++i) pass_over_block(true, false);
         w.n_block_end -= skip;
         w.n_tiles -= skip;
       }
@@ -1541,25 +1558,16 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       store_tile<T>(args, sm, tile_output(w), consumer, o, st, pc);
       continue;
     }
-    // Whole heads: the fill counter stands at the end of the head's fills after each of its tiles;
-    // this tile's blocks (key 0 up) are the last n_tiles of them (loaded in the head's first tile,
-    // from the top down), and the blocks from the returned one up are done after this tile (the
-    // next tile, one query block lower, sees keys up to that block only). Other kernels: 0.
-    // Pair-reuse kernels: the same, from what the walk put in w.
-    auto enter_whole_head_tile = [&]() {
-      int release_from = 0;
-      if constexpr (T::kWholeHead) {
-        const int64_t m_block = w.m0 / T::kBlockM;
-        if (m_block != args.num_m_blocks - 1) pc.kv_fills -= w.n_tiles;
-        if (m_block > 0) {
-          const KeyRange next_keys = w.mask.keys_for_rows(w.m0 - T::kBlockM, w.m0);
-          release_from = next_keys.empty() ? 0 : key_blocks_to<T>(next_keys.end);
-        }
-      } else if constexpr (T::kPairReuse) {
+    // Kernels that keep blocks (whole heads, pairs that share them): a tile that reads the blocks
+    // its item's previous tile kept finds them as the last n_tiles fills (key 0 up, loaded from
+    // the top down), so the fill counter steps back over them; the blocks from the returned one
+    // up are done after this tile. Other kernels: 0, every block handed back after its use.
+    auto enter_tile_fills = [&]() {
+      if constexpr (T::kKeepsBlocks) {
         if (w.rewind) pc.kv_fills -= w.n_tiles;
-        release_from = w.keep_blocks;
+        return w.keep_blocks;
       }
-      return release_from;
+      return 0;
     };
     const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
     if (wg_row0 >= w.rows) {
@@ -1571,19 +1579,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       // bf16, same process, docs/PERF.md session 66): d64 full S = 512 +7.3%, 2k +1.2%, 1k level,
       // d128 full 4k +0.7%.
       drain();
-      const int release_from = enter_whole_head_tile();
-      for (int it = 0; it < w.n_tiles; ++it, ++pc.kv_fills) {
-        const int n_block = w.n_block_end - 1 - it;
-        const int slot = pc.kv_fills % T::kStages;
-        const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
-        ptx::mbarrier_wait_parity(sm.k_full(slot), parity);
-        if (it > 0) {
-          turn.take();
-          turn.pass();
-        }
-        if (!T::kKeepsBlocks || n_block >= release_from) release_kv<T>(sm.k_empty(slot));
-        ptx::mbarrier_wait_parity(sm.v_full(slot), parity);
-        if (!T::kKeepsBlocks || n_block >= release_from) release_kv<T>(sm.v_empty(slot));
+      const int release_from = enter_tile_fills();
+      for (int it = 0; it < w.n_tiles; ++it) {
+        pass_over_block(!T::kKeepsBlocks || w.n_block_end - 1 - it >= release_from, it > 0);
       }
       release(sm.q_empty(q_slot));
       continue;
@@ -1620,7 +1618,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
 
     // The previous tile's last fill: the V its carried P V reads (whole heads move the counter).
     [[maybe_unused]] const int carried_fill = pc.kv_fills - 1;
-    [[maybe_unused]] const int release_from = enter_whole_head_tile();
+    [[maybe_unused]] const int release_from = enter_tile_fills();
     // Key block 0 of this tile, with the previous tile's last P V (if any) issued behind its
     // Q K^T. Two copies, so that every wgmma wait is unconditional within its copy: behind a
     // run-time `pending` test, ptxas must assume the P V may still be writing O wherever the two
@@ -1741,10 +1739,8 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
   // Whole heads: the item's first tile (the head's last query block) loads every K/V block of
   // the head, which stay for its other tiles.
   int fills = w.n_tiles;
-  if constexpr (T::kWholeHead) {
-    if (w.m0 != int64_t(args.num_m_blocks - 1) * T::kBlockM) fills = 0;
-  } else if constexpr (T::kPairReuse) {
-    if (w.rewind) fills = 0;  // the pair's first tile left them in the ring
+  if constexpr (T::kKeepsBlocks) {
+    if (w.rewind) fills = 0;  // the item's previous tile left them in the ring
   }
   for (int it = 0; it < fills; ++it, ++pc.kv_fills) {
     const int stage = pc.kv_fills % T::kStages;
