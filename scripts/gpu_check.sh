@@ -130,10 +130,9 @@ if [ "$TESTS" = all ]; then
   : >"$OUTDIR/sanitizers.log"
   # FLASHCORE_SM90_CLUSTER_PAIRS=1: the d128 / d256 calls the Hopper forward's cluster pairs fit run on
   # them (only long calls do by default), so the small cases reach that kernel too;
-  # FLASHCORE_SM90_WHOLE_HEADS=2 likewise sends the d64 ones it fits over whole heads, and
-  # FLASHCORE_SM90_PAIR_REUSE=1 the causal pairs on two SMs over pairs that share blocks.
+  # FLASHCORE_SM90_WHOLE_HEADS=2 likewise sends the d64 ones it fits over whole heads.
   ( for tool in memcheck racecheck synccheck; do
-      FLASHCORE_SM90_CLUSTER_PAIRS=1 FLASHCORE_SM90_WHOLE_HEADS=2 FLASHCORE_SM90_PAIR_REUSE=1 timeout "$(capped 240)" compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
+      FLASHCORE_SM90_CLUSTER_PAIRS=1 FLASHCORE_SM90_WHOLE_HEADS=2 timeout "$(capped 240)" compute-sanitizer --tool $tool --error-exitcode 9 build-gpu/tests/flashcore_cuda_tests \
         --gtest_filter='CudaSanitizerSmall.*:CudaKvCache.DeviceSideIndexChecks:CudaKvCache.LeftPadAndRotaryDeviceSideChecks:CudaKvCache.PrefillRouteDeviceSideChecks:CudaMergePartials.*:CudaDropout.SeedAndOffsetSelectTheMask:CudaDropout.ZeroProbabilityIsNoDropout:CudaSm90Dropout.ZeroProbabilityIsNoDropout:CudaDropoutSm90Backward.BackwardDrawsTheRulesMask' >>"$OUTDIR/sanitizers.log" 2>&1
       note "compute-sanitizer $tool: rc=$? ($(el))"
     done

@@ -568,13 +568,11 @@ TEST(CudaSm90Forward, WholeHeadsByDefault) {
   expect_forward(cases, FC_BACKEND_CUDA_SM90);
 }
 
-// Causal pairs of query blocks (sm_margin leaves few SMs, so even one or two heads make pairs).
-// With FLASHCORE_SM90_PAIR_REUSE=1 a pair's second tile reads the key blocks the first one left in
-// the ring where they fit it (d64: 4 blocks, d128: 2), and loads them as before where they do not:
-// d64 at 2048 tokens mixes both, bottom-right causal with more keys than queries, a window bounded
-// on the right only, GQA in fp16, and d128 at 1024 tokens with head_dim 96. Without the switch
-// the same calls check the plain pairs.
-TEST(CudaSm90Forward, PairsThatShareBlocks) {
+// Causal pairs of query blocks on few SMs (sm_margin), so that even one or two heads make pairs
+// and each CTA walks several pairs in a row: d64 at 2048 tokens, bottom-right causal with more keys
+// than queries, a window bounded on the right only, GQA in fp16, and d128 at 1024 tokens with
+// head_dim 96.
+TEST(CudaSm90Forward, CausalPairsOnFewSms) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   std::vector<Case> cases;
   Case c;
@@ -1636,10 +1634,9 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
     paired.seqlen_k = 300;
     cases.push_back(paired);
   }
-  // Causal pairs of query blocks on two SMs (sm_margin): with FLASHCORE_SM90_PAIR_REUSE=1
-  // (scripts/gpu_check.sh's sanitizer runs) a pair's second tile reads its blocks where the first
-  // left them, at d64 and d128. 640 tokens: more keys than whole heads take, and five query
-  // blocks, which cluster pairs (forced there too) cannot split.
+  // Causal pairs of query blocks on two SMs (sm_margin), at d64 and d128. 640 tokens: more keys
+  // than whole heads take, and five query blocks, which cluster pairs (forced in the sanitizer
+  // runs) cannot split.
   for (int index : {3, 4}) {
     Case shared = cases[index];
     shared.seqlen_q = shared.seqlen_k = 640;

@@ -73,16 +73,6 @@
 // way (docs/PERF.md, session 66): S = 512 full +4%, causal +1.5% to +3%, S = 256 +2% / +4%,
 // S = 384 full level.
 //
-// ---- Pairs that share blocks (kPairReuse kernels: d64 / d128 under a causal mask; off unless
-// FLASHCORE_SM90_PAIR_REUSE=1, not yet measured) -------------------------------------------------
-// A causal pair runs query block M - 1 - j, whose walk ends at key block 0, then block j, whose
-// keys are blocks [0, j]. Where those j + 1 blocks fit the ring (d64: j <= 3, d128: j <= 1), the
-// first tile keeps them (blocks_left_for_partner: BlockWork::keep_blocks) and the second reads
-// them in place (BlockWork::rewind): it loads nothing and waits for no K, as a whole head's later
-// tiles do, with the same counters (the kept blocks are the first tile's last fills). At d64
-// S = 1k every pair shares (26 block loads a head instead of 36), at 2k half of them; at d128
-// S = 512 both pairs.
-//
 // ---- Overlap inside a consumer (iteration j >= 1) ----------------------------------------------
 //   issue S_j = Q K_j ; issue O += P_{j-1} V_{j-1} ; wait for S_j (wait_group 1) ; release K_j ;
 //   softmax_j on S_j (fp32, in place) ; wait for the P V (wait_group 0) ; release V_{j-1} ;
@@ -223,7 +213,7 @@ using sm80::quad_allreduce_sum;
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2,
           bool kPingPong_ = true, bool kScoreTransforms_ = false, bool kPageBoxes_ = false,
           bool kPackGqa_ = false, bool kSplitKv_ = false, bool kDropout_ = false, bool kClusterPair_ = false,
-          bool kWholeHead_ = false, bool kPairReuse_ = false>
+          bool kWholeHead_ = false>
 struct ForwardTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the compiled bucket; actual head_dim <= this
@@ -309,12 +299,9 @@ struct ForwardTraits {
   // Whole heads ("Whole heads" above): a work item is every query tile of one (batch, head), last
   // first, over K/V blocks loaded once per head that stay in the ring for all of its tiles.
   static constexpr bool kWholeHead = kWholeHead_;
-  // The second tile of a causal pair reads its key blocks where the first left them in the ring
-  // ("Pairs that share blocks" above); off unless FLASHCORE_SM90_PAIR_REUSE (pair_reuse_chosen).
-  static constexpr bool kPairReuse = kPairReuse_;
-  // Either way, a tile may keep blocks for the item's next tile (BlockWork::keep_blocks) and read
+  // A whole head's tile may keep blocks for the head's next tile (BlockWork::keep_blocks) and read
   // blocks the previous one kept (BlockWork::rewind) instead of handing each back after its use.
-  static constexpr bool kKeepsBlocks = kWholeHead || kPairReuse;
+  static constexpr bool kKeepsBlocks = kWholeHead;
   static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
   static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "cluster pairs: an even number of 64-column chunks, plain rows");
@@ -324,9 +311,6 @@ struct ForwardTraits {
   static_assert(!kWholeHead || (kQStages > 1 && !kClusterPair && !kScoreTransforms_ && !kPageBoxes_ &&
                                 !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "whole heads: plain tiles with two Q slots (the producer runs ahead on Q alone)");
-  static_assert(!kPairReuse || (kQStages > 1 && !kWholeHead && !kClusterPair && !kScoreTransforms_ && !kPageBoxes_ &&
-                                !kPackGqa_ && !kSplitKv_ && !kDropout_),
-                "pairs that share blocks: plain tiles with two Q slots");
   static constexpr uint32_t kSmemLimit = 227 * 1024;  // shared memory per block on sm_90
   static constexpr int kBarriers = 2 * kQStages + 5 * kStages;
   static constexpr uint32_t kQOffset = 0;
@@ -369,14 +353,6 @@ using WithWholeHeads = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlock
                                      T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
                                      /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
                                      /*kClusterPair=*/false, /*kWholeHead=*/true>;
-
-/** The same tile over causal pairs whose second tile reads the first one's blocks in place
- *  (ForwardTraits::kPairReuse). */
-template <class T>
-using WithPairReuse = ForwardTraits<typename T::Element, T::kHeadDim, T::kBlockN, T::kStages, T::kConsumers,
-                                    T::kPingPong, /*kScoreTransforms=*/false, /*kPageBoxes=*/false,
-                                    /*kPackGqa=*/false, /*kSplitKv=*/false, /*kDropout=*/false,
-                                    /*kClusterPair=*/false, /*kWholeHead=*/false, /*kPairReuse=*/true>;
 
 /** The same tile with the paged box path compiled in (ForwardTraits::kPageBoxes). */
 template <class T>
@@ -460,24 +436,6 @@ inline bool whole_heads_chosen(const forward_params_t& p, int64_t block_m, int64
   return level == 2 || p.batch * p.heads_q >= usable_multiprocessors(p.device_id, kFallbackSmCount, p.sm_margin);
 }
 
-/** Whether p can run over pairs that share blocks (kPairReuse kernels): fixed length, K/V read in
- *  place, and a mask bounded on the right only (causal, or such a window), the masks for which
- *  tiles go in pairs and every tile's keys start at key 0. Which pairs share is decided on the
- *  device, per pair (blocks_left_for_partner). */
-inline bool pair_reuse_fit(const forward_params_t& p) {
-  return !p.is_varlen() && !p.is_paged() && p.window_left < 0 && one_sided_mask(p);
-}
-
-/** Whether p runs over pairs that share blocks. Not measured yet, so off by default:
- *  FLASHCORE_SM90_PAIR_REUSE=1 (read once per process) turns it on wherever it fits. */
-inline bool pair_reuse_chosen(const forward_params_t& p) {
-  static const bool on = [] {
-    const char* v = std::getenv("FLASHCORE_SM90_PAIR_REUSE");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on && pair_reuse_fit(p);
-}
-
 /** Devices whose resident-cluster count the cluster-pair launch keeps (launch_forward). */
 constexpr int kMaxClusterDevices = 64;
 
@@ -534,7 +492,6 @@ struct ForwardConfigs<Element, 64> {
       if (whole_heads_chosen(p, Narrow::kBlockM, Narrow::kBlockN, Narrow::kStages)) {
         return launch(TileChoice<WithWholeHeads<Narrow>>{});
       }
-      if (pair_reuse_chosen(p)) return launch(TileChoice<WithPairReuse<Narrow>>{});
       return launch(TileChoice<Narrow>{});
     }
     if (whole_heads_chosen(p, WideTurns::kBlockM, WideTurns::kBlockN, WideTurns::kStages)) {
@@ -562,7 +519,6 @@ struct ForwardConfigs<Element, 128> {
     if (reads_page_boxes(p)) return launch(TileChoice<WithPageBoxes<Narrow>>{});
     if (pack_gqa_chosen(p, Narrow::kBlockM, Narrow::kBlockM)) return launch(TileChoice<WithPackedGqa<Narrow>>{});
     if (cluster_pair_chosen(p, Narrow::kBlockM)) return launch(TileChoice<WithClusterPair<Narrow>>{});
-    if (pair_reuse_chosen(p)) return launch(TileChoice<WithPairReuse<Narrow>>{});  // masked: never wide
     const bool long_unmasked = !p.has_mask() && p.seqlen_q >= kLongSeqlen && p.seqlen_k >= kLongSeqlen;
     // Paged K/V in place with several pages a sequence: pages hold whole 128-key blocks, not 80.
     const bool pages_of_128 = p.is_paged() && p.pages.per_seq > 1;
@@ -662,9 +618,9 @@ struct BlockWork {
   int n_tiles;
   int split;      // split-KV kernels: which range of the tile's key blocks (0 otherwise)
   bool has_rows;  // false: nothing to compute or store (both roles skip the tile)
-  // Whole-head and pair-reuse kernels (kKeepsBlocks; set by the walk): key blocks
-  // [0, keep_blocks) stay in the ring for the item's next tile, which reads them in place (rewind:
-  // it loads nothing, and its blocks are the last n_tiles fills).
+  // Whole-head kernels (kKeepsBlocks; set by the walk): key blocks [0, keep_blocks) stay in the
+  // ring for the head's next tile, which reads them in place (rewind: it loads nothing, and its
+  // blocks are the last n_tiles fills).
   int keep_blocks;
   bool rewind;
   int64_t q_row0, k_row0, batch_coord;  // TMA coordinates
@@ -1280,23 +1236,6 @@ __device__ __forceinline__ void store_tile(const ForwardKernelArgs& args, const 
   }
 }
 
-/** Pair-reuse kernels: how many key blocks, from block 0, the first tile w of a pair leaves in the
- *  ring for its second tile (query block j), which then loads nothing: the second tile's blocks
- *  when they are a prefix [0, n) of the first's and fit the ring, else 0 (both load as usual).
- *  The first tile's walk runs downwards to block 0, so those blocks are its last n fills. Fixed
- *  length (pair_reuse_fit): the second tile's mask is the first's. */
-template <class T>
-__device__ __forceinline__ int blocks_left_for_partner(const ForwardKernelArgs& args, const BlockWork& w, int j) {
-  if (!w.has_rows || w.n_tiles == 0 || w.n_block_end != w.n_tiles) return 0;  // not from block 0
-  const int64_t row0 = int64_t(j) * T::kBlockM;
-  const int64_t row_end = row0 + T::kBlockM < w.rows ? row0 + T::kBlockM : w.rows;
-  if (row0 >= row_end) return 0;
-  const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, row0), token_end<T>(args, row_end));
-  if (keys.empty() || keys.begin >= T::kBlockN) return 0;  // its walk would not end at block 0
-  const int n = key_blocks_to<T>(keys.end);
-  return n <= T::kStages && n <= w.n_block_end ? n : 0;
-}
-
 /** The tiles of this persistent CTA, in order, as both roles must see them. Work item i (CTAs
  *  take items blockIdx.x, blockIdx.x + gridDim.x, ...) is a pair of query blocks of one head:
  *  the (M-1-j)-th and the j-th of its M blocks (or just the (M-1-j)-th when tiles_per_item is 1:
@@ -1315,7 +1254,6 @@ struct TileWalker {
   const ForwardKernelArgs& args;
   int item = static_cast<int>(blockIdx.x) / T::kClusterCtas;
   int k = 0;  // next tile of the item
-  bool reuse_next = false;  // pair-reuse kernels: the item's second tile reads the first's blocks
 
   /** The next tile with query rows, or false when this CTA has none left. A turn of the tail
    *  enters the pairs' code as a virtual item (its tile's pair and half) with one tile: only data
@@ -1389,18 +1327,6 @@ struct TileWalker {
         const int batch = static_cast<int>(args.heads_q.div(rest));
         const int cta_block = T::kClusterPair ? 2 * m_block + pair_rank() : m_block;
         w = resolve_block<T>(args, cta_block, head, batch, split);
-        if constexpr (T::kPairReuse) {
-          if (half == 0) {
-            // The pair's second tile (block j, in the same item) exists where the item holds two
-            // tiles, none of the tail's, and j differs from this block.
-            const bool second = args.tiles_per_item == 2 && item < args.tail.first_item && j != m_blocks - 1 - j;
-            w.keep_blocks = second ? blocks_left_for_partner<T>(args, w, j) : 0;
-            reuse_next = w.keep_blocks > 0;
-          } else {
-            w.rewind = reuse_next;
-            reuse_next = false;
-          }
-        }
         if (w.has_rows) return true;
         continue;
       }
@@ -1992,9 +1918,6 @@ Status launch_forward(const forward_params_t& p, const SplitTarget& split = {}) 
   }
   if (T::kWholeHead && !whole_heads_fit(p, T::kBlockM, T::kBlockN, T::kStages)) {
     return Status::unsupported("cuda_sm90 forward: this call cannot run over whole heads");
-  }
-  if (T::kPairReuse && !pair_reuse_fit(p)) {
-    return Status::unsupported("cuda_sm90 forward: this call cannot run over pairs that share blocks");
   }
 
   ForwardKernelArgs args{};
