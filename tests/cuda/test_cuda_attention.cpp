@@ -568,6 +568,48 @@ TEST(CudaSm90Forward, WholeHeadsByDefault) {
   expect_forward(cases, FC_BACKEND_CUDA_SM90);
 }
 
+// A consumer whose 64 rows see none of its tile's first key blocks hands them back uncomputed and
+// computes the rest (ForwardTraits::kSkipsBlocksPastRows): d256 (128-row tiles, 64-key blocks)
+// under a causal mask, with more queries than keys (bottom-right: whole consumers whose rows see
+// no key), with a window bounded on the right only that is no multiple of the block, in fp16 GQA.
+// d64's wide tile (192 rows, 128-key blocks, from 4096 keys) has such blocks too and computes them
+// (its cases are here for when it skips). sm_margin leaves 8 SMs, so each CTA carries P V from
+// tile to tile across skipped blocks.
+TEST(CudaSm90Forward, BlocksPastConsumerRows) {
+  REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
+  std::vector<Case> cases;
+  Case c;
+  c.heads_q = c.heads_kv = 2;
+  c.seqlen_q = c.seqlen_k = 512;
+  c.head_dim = 256;
+  c.dtype = FC_DTYPE_BF16;
+  c.causal = true;
+  c.sm_margin = 124;
+  cases.push_back(c);
+  Case more_q = c;
+  more_q.seqlen_q = 700;
+  more_q.seqlen_k = 300;
+  cases.push_back(more_q);
+  Case right = c;
+  right.causal = false;
+  right.window_right = 70;
+  cases.push_back(right);
+  Case gqa = c;
+  gqa.dtype = FC_DTYPE_F16;
+  gqa.heads_q = 4;
+  gqa.seqlen_q = gqa.seqlen_k = 450;
+  cases.push_back(gqa);
+  Case wide = c;
+  wide.head_dim = 64;
+  wide.seqlen_q = wide.seqlen_k = 4100;
+  cases.push_back(wide);
+  Case wide_more_q = wide;
+  wide_more_q.seqlen_q = 4300;
+  wide_more_q.seqlen_k = 4096;
+  cases.push_back(wide_more_q);
+  expect_forward(cases, FC_BACKEND_CUDA_SM90);
+}
+
 // Causal pairs of query blocks on few SMs (sm_margin), so that even one or two heads make pairs
 // and each CTA walks several pairs in a row: d64 at 2048 tokens, bottom-right causal with more keys
 // than queries, a window bounded on the right only, GQA in fp16, and d128 at 1024 tokens with

@@ -119,6 +119,11 @@
 // keys give out = 0, lse = -inf. At d64, a consumer that sees only the left half of its tile's
 // first key block (the causal diagonal above the first 64 rows of a 128-row tile) runs that
 // softmax on the half: P = 0 on the rest, without its exponentials (ForwardTraits::kLeftHalfDiagonal).
+// Where a tile has more rows than a key block has keys (d256's 64-key blocks), the tile's first
+// blocks may lie wholly past the keys of a consumer's rows (under a causal mask, above its part of
+// the diagonal): that consumer hands them back uncomputed and keeps their issue turns
+// (ForwardTraits::kSkipsBlocksPastRows). d256 causal 512 / 1k / 2k +2.5% / +3.2% / +4.1% (H200,
+// bf16, same process, docs/PERF.md session 67).
 //
 // ---- Addressing -----------------------------------------------------------------------------------
 // Dense calls: 4-D tensor maps (head_dim, seqlen, heads, batch) with the caller's strides, so
@@ -303,6 +308,14 @@ struct ForwardTraits {
   // blocks the previous one kept (BlockWork::rewind) instead of handing each back after its use.
   static constexpr bool kKeepsBlocks = kWholeHead;
   static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
+  // A consumer hands the tile's first key blocks that lie past every key of its own rows back
+  // uncomputed (under a causal mask: the blocks above its part of the diagonal), where a tile has
+  // more query rows than a key block has keys: d256's two consumers over 64-key blocks. d64's
+  // 192-row tiles would too (+1.5% at causal 4k), but there the skip's code made ptxas spill 16
+  // bytes (68 with the score transforms) in the three-consumer kernels (session 67).
+  static constexpr bool kSkipsBlocksPastRows = kConsumers == 2 && kConsumers * kRowsPerConsumer > kBlockN &&
+                                               !kClusterPair_ && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ &&
+                                               !kDropout_;
   static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "cluster pairs: an even number of 64-column chunks, plain rows");
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
@@ -1337,6 +1350,18 @@ struct TileWalker {
   }
 };
 
+/** How many of the tile's first key blocks (the walk runs downwards from n_block_end - 1) lie past
+ *  every key of rows [row_begin, row_end): all of them where those rows see no key. */
+template <class T>
+__device__ __forceinline__ int blocks_past_keys_of_rows(const ForwardKernelArgs& args, const BlockWork& w,
+                                                        int64_t row_begin, int64_t row_end) {
+  if (w.n_tiles == 0) return 0;
+  const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, row_begin), token_end<T>(args, row_end));
+  if (keys.empty()) return w.n_tiles;
+  const int past = w.n_block_end - key_blocks_to<T>(keys.end);
+  return past <= 0 ? 0 : (past < w.n_tiles ? past : w.n_tiles);
+}
+
 /** Cluster pairs: how many of the tile's first key blocks (the walk runs downwards from
  *  n_block_end - 1) lie past every key of this CTA's own rows. Those blocks are in the walk for
  *  the peer's rows (resolve_block walks both CTAs' keys) and all masked here: under a causal
@@ -1345,12 +1370,8 @@ struct TileWalker {
  *  last in rank 1's walk and are computed (masked) as before. */
 template <class T>
 __device__ __forceinline__ int pair_blocks_past_own_keys(const ForwardKernelArgs& args, const BlockWork& w) {
-  if (w.n_tiles == 0) return 0;
   const int64_t own_end = w.m0 + T::kBlockM < w.rows ? w.m0 + T::kBlockM : w.rows;
-  const KeyRange keys = w.mask.keys_for_rows(token_of<T>(args, w.m0), token_end<T>(args, own_end));
-  if (keys.empty()) return w.n_tiles;
-  const int past = w.n_block_end - key_blocks_to<T>(keys.end);
-  return past <= 0 ? 0 : (past < w.n_tiles ? past : w.n_tiles);
+  return blocks_past_keys_of_rows<T>(args, w, w.m0, own_end);
 }
 
 /** One consumer warpgroup over all of its CTA's tiles, with the last P V of a tile carried into
@@ -1391,9 +1412,10 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
   };
-  // Where the tile drains its carried P V (no key block, a cluster pair's skipped blocks, the end):
-  // a consumer with nothing pending takes that turn too, since an idle consumer's tile (below)
-  // leaves it without a P V that the others carry, and every consumer must take as many turns.
+  // Where the tile drains its carried P V (no key block, blocks skipped before the first computed
+  // one, the end): a consumer with nothing pending takes that turn too, since an idle consumer's
+  // tile (below) leaves it without a P V that the others carry, and every consumer must take as
+  // many turns.
   auto drain = [&]() {
     if (pending) {
       finish_pending();
@@ -1403,9 +1425,9 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     }
   };
 
-  // A key block this consumer does not compute (a cluster pair's blocks for the peer, an idle
-  // consumer's tile): wait until it landed, take the block's issue turn where the others issue in
-  // turns (take_turn), then hand it back unless the item keeps it.
+  // A key block this consumer does not compute (a cluster pair's blocks for the peer, blocks past
+  // its rows' keys, an idle consumer's tile): wait until it landed, take the block's issue turn
+  // where the others issue in turns (take_turn), then hand it back unless the item keeps it.
   auto pass_over_block = [&](bool hand_back, bool take_turn) {
     const int slot = pc.kv_fills % T::kStages;
     const uint32_t parity = (pc.kv_fills / T::kStages) & 1;
@@ -1491,6 +1513,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     auto enter_tile_fills = [&]() {
       if constexpr (T::kKeepsBlocks) {
         if (w.rewind) pc.kv_fills -= w.n_tiles;
+        w.rewind = false;  // once per tile (a consumer's skipped blocks may have entered already)
         return w.keep_blocks;
       }
       return 0;
@@ -1511,6 +1534,24 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       release(sm.q_empty(q_slot));
       continue;
+    }
+    if constexpr (T::kSkipsBlocksPastRows) {
+      // The tile's first blocks past every key of this consumer's rows: it drains its carried
+      // P V in the first one's issue turn, takes the others' turns without issuing and hands each
+      // block back once landed, then computes the rest as a tile of its own. Every consumer takes
+      // one turn per key block of the tile either way. Rows that see no key at all still compute
+      // the tile's last block (all masked: out = 0, lse = -inf), which saves a second epilogue path.
+      const int64_t own_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.rows);
+      const int skip = std::min(blocks_past_keys_of_rows<T>(args, w, wg_row0, own_end), w.n_tiles - 1);
+      if (skip > 0) {
+        drain();
+        const int release_from = enter_tile_fills();
+        for (int it = 0; it < skip; ++it) {
+          pass_over_block(!T::kKeepsBlocks || w.n_block_end - 1 - it >= release_from, it > 0);
+        }
+        w.n_block_end -= skip;
+        w.n_tiles -= skip;
+      }
     }
     if constexpr (T::kQInRegisters) load_q_fragments<T>(qa, sm, consumer, q_slot);
     // Only the rows that will be stored decide whether a key block needs per-element masks: rows
