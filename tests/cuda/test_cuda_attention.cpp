@@ -1676,10 +1676,11 @@ TEST(CudaSanitizerSmall, ForwardAndBackward) {
     paired.seqlen_k = 300;
     cases.push_back(paired);
   }
-  // Causal pairs of query blocks on two SMs (sm_margin), at d64 and d128. 640 tokens: more keys
-  // than whole heads take, and five query blocks, which cluster pairs (forced in the sanitizer
-  // runs) cannot split.
-  for (int index : {3, 4}) {
+  // Causal pairs of query blocks on two SMs (sm_margin), at d64, d128 and d256 (whose first
+  // consumer hands back the block above its diagonal uncomputed). 640 tokens: more keys than whole
+  // heads take, and five query blocks, which cluster pairs (forced in the sanitizer runs) cannot
+  // split.
+  for (int index : {3, 4, 5}) {
     Case shared = cases[index];
     shared.seqlen_q = shared.seqlen_k = 640;
     shared.sm_margin = 130;
