@@ -303,19 +303,19 @@ struct ForwardTraits {
   static constexpr bool kClusterPair = kClusterPair_;
   // Whole heads ("Whole heads" above): a work item is every query tile of one (batch, head), last
   // first, over K/V blocks loaded once per head that stay in the ring for all of its tiles.
+  // A tile may keep blocks for the head's next tile (BlockWork::keep_blocks) and read blocks the
+  // previous one kept (BlockWork::rewind) instead of handing each back after its use.
   static constexpr bool kWholeHead = kWholeHead_;
-  // A whole head's tile may keep blocks for the head's next tile (BlockWork::keep_blocks) and read
-  // blocks the previous one kept (BlockWork::rewind) instead of handing each back after its use.
-  static constexpr bool kKeepsBlocks = kWholeHead;
   static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
   // A consumer hands the tile's first key blocks that lie past every key of its own rows back
   // uncomputed (under a causal mask: the blocks above its part of the diagonal), where a tile has
   // more query rows than a key block has keys: d256's two consumers over 64-key blocks. d64's
   // 192-row tiles would too (+1.5% at causal 4k), but there the skip's code made ptxas spill 16
   // bytes (68 with the score transforms) in the three-consumer kernels (session 67).
+  // (Never with whole heads, whose blocks a skipped pass would have to keep for the next tile.)
   static constexpr bool kSkipsBlocksPastRows = kConsumers == 2 && kConsumers * kRowsPerConsumer > kBlockN &&
                                                !kClusterPair_ && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ &&
-                                               !kDropout_;
+                                               !kDropout_ && !kWholeHead_;
   static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "cluster pairs: an even number of 64-column chunks, plain rows");
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
@@ -631,7 +631,7 @@ struct BlockWork {
   int n_tiles;
   int split;      // split-KV kernels: which range of the tile's key blocks (0 otherwise)
   bool has_rows;  // false: nothing to compute or store (both roles skip the tile)
-  // Whole-head kernels (kKeepsBlocks; set by the walk): key blocks [0, keep_blocks) stay in the
+  // Whole-head kernels (set by the walk): key blocks [0, keep_blocks) stay in the
   // ring for the head's next tile, which reads them in place (rewind: it loads nothing, and its
   // blocks are the last n_tiles fills).
   int keep_blocks;
@@ -1407,7 +1407,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     turn.pass();
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(o);
-    if (!T::kKeepsBlocks || pending_release) release_kv<T>(sm.v_empty(stage));
+    if (!T::kWholeHead || pending_release) release_kv<T>(sm.v_empty(stage));
     store_tile<T>(args, sm, pending_out, consumer, o, pending_st, pc);
     FWD_TRACE(role, kEpilogueDone, 0);
     pending = false;
@@ -1506,14 +1506,13 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       store_tile<T>(args, sm, tile_output(w), consumer, o, st, pc);
       continue;
     }
-    // Kernels that keep blocks (whole heads, pairs that share them): a tile that reads the blocks
-    // its item's previous tile kept finds them as the last n_tiles fills (key 0 up, loaded from
-    // the top down), so the fill counter steps back over them; the blocks from the returned one
-    // up are done after this tile. Other kernels: 0, every block handed back after its use.
+    // Whole heads: a tile that reads the blocks the head's previous tile kept finds them as the
+    // last n_tiles fills (key 0 up, loaded from the top down), so the fill counter steps back over
+    // them; the blocks from the returned one up are done after this tile. Other kernels: 0, every
+    // block handed back after its use.
     auto enter_tile_fills = [&]() {
-      if constexpr (T::kKeepsBlocks) {
+      if constexpr (T::kWholeHead) {
         if (w.rewind) pc.kv_fills -= w.n_tiles;
-        w.rewind = false;  // once per tile (a consumer's skipped blocks may have entered already)
         return w.keep_blocks;
       }
       return 0;
@@ -1530,7 +1529,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       drain();
       const int release_from = enter_tile_fills();
       for (int it = 0; it < w.n_tiles; ++it) {
-        pass_over_block(!T::kKeepsBlocks || w.n_block_end - 1 - it >= release_from, it > 0);
+        pass_over_block(!T::kWholeHead || w.n_block_end - 1 - it >= release_from, it > 0);
       }
       release(sm.q_empty(q_slot));
       continue;
@@ -1545,10 +1544,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       const int skip = std::min(blocks_past_keys_of_rows<T>(args, w, wg_row0, own_end), w.n_tiles - 1);
       if (skip > 0) {
         drain();
-        const int release_from = enter_tile_fills();
-        for (int it = 0; it < skip; ++it) {
-          pass_over_block(!T::kKeepsBlocks || w.n_block_end - 1 - it >= release_from, it > 0);
-        }
+        for (int it = 0; it < skip; ++it) pass_over_block(true, it > 0);
         w.n_block_end -= skip;
         w.n_tiles -= skip;
       }
@@ -1595,7 +1591,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       constexpr bool kCarried = decltype(carried)::value;
       // (Whole heads have moved the counter since; the other kernels read it here, which keeps
       // their code as it was.)
-      const int pending_fill = T::kKeepsBlocks ? carried_fill : pc.kv_fills - 1;
+      const int pending_fill = T::kWholeHead ? carried_fill : pc.kv_fills - 1;
       const int pending_stage = pending_fill % T::kStages;
       ptx::mbarrier_wait_parity(sm.k_full(stage), (pc.kv_fills / T::kStages) & 1);
       FWD_TRACE(role, kKReady, 0);
@@ -1614,7 +1610,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       }
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, 0);
-      if (!T::kKeepsBlocks || n_first >= release_from) release_kv<T>(sm.k_empty(stage));
+      if (!T::kWholeHead || n_first >= release_from) release_kv<T>(sm.k_empty(stage));
       if (w.n_tiles == 1) release(sm.q_empty(q_slot));
       // O is still zero: its correction is irrelevant
       if (left_half) {
@@ -1628,7 +1624,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
         ptx::wgmma_wait_group<0>();
         ptx::wgmma_fence_operands(o);
         FWD_TRACE(role, kPvDone, 0);  // the previous tile's last P V
-        if (!T::kKeepsBlocks || pending_release) release_kv<T>(sm.v_empty(pending_stage));
+        if (!T::kWholeHead || pending_release) release_kv<T>(sm.v_empty(pending_stage));
       }
       pack_probabilities<T>(s, pa);
       if constexpr (kCarried) {
@@ -1661,14 +1657,14 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       ptx::wgmma_wait_group<1>();  // S_it is complete, P_{it-1} V_{it-1} may still run
       ptx::wgmma_fence_operands(s);
       FWD_TRACE(role, kSReady, it);
-      if (!T::kKeepsBlocks || w.n_block_end - 1 - it >= release_from) release_kv<T>(sm.k_empty(stage));
+      if (!T::kWholeHead || w.n_block_end - 1 - it >= release_from) release_kv<T>(sm.k_empty(stage));
       if (it == w.n_tiles - 1) release(sm.q_empty(q_slot));  // this tile's last read of Q
       softmax(w.n_block_end - 1 - it);
       FWD_TRACE(role, kSoftmaxDone, it);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(o);
       FWD_TRACE(role, kPvDone, it - 1);
-      if (!T::kKeepsBlocks || w.n_block_end - it >= release_from) release_kv<T>(sm.v_empty(prev));
+      if (!T::kWholeHead || w.n_block_end - it >= release_from) release_kv<T>(sm.v_empty(prev));
       // Warp-uniform: with lazy rescaling most tiles leave every row's max where it was.
       if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
@@ -1679,7 +1675,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     pending = true;
     pending_out = tile_output(w);
     pending_st = st;
-    if constexpr (T::kKeepsBlocks) pending_release = w.n_block_end - w.n_tiles >= release_from;
+    if constexpr (T::kWholeHead) pending_release = w.n_block_end - w.n_tiles >= release_from;
     ++pc.kv_fills;
   }
   drain();
@@ -1706,7 +1702,7 @@ __device__ bool produce_kv(const ForwardKernelArgs& args, const SmemPlan<T>& sm,
   // Whole heads: the item's first tile (the head's last query block) loads every K/V block of
   // the head, which stay for its other tiles.
   int fills = w.n_tiles;
-  if constexpr (T::kKeepsBlocks) {
+  if constexpr (T::kWholeHead) {
     if (w.rewind) fills = 0;  // the item's previous tile left them in the ring
   }
   for (int it = 0; it < fills; ++it, ++pc.kv_fills) {
