@@ -496,7 +496,8 @@ TEST_P(CudaForward, LongMaskedCalls) {
 // blocks above its diagonal uncomputed), causal with more keys than queries (bottom-right
 // alignment) and GQA in fp16, a window bounded on the left only (the extra key blocks of a
 // cluster's walk then lie below the CTA's rows), and d128's tile at head_dim 112 (rank 1's
-// multicast chunk reaches past the columns) and in fp16 with GQA.
+// multicast chunk reaches past the columns) and in fp16 with GQA, and a window bounded on the right
+// only (d256: after the pair's skip, a consumer skips the blocks past its own rows' keys too).
 TEST(CudaSm90Forward, LongCausalClusterPairs) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   std::vector<Case> cases;
@@ -521,6 +522,11 @@ TEST(CudaSm90Forward, LongCausalClusterPairs) {
   w.window_left = 1500;
   w.window_right = -1;
   cases.push_back(w);
+  Case r = c;
+  r.sm_margin = 0;
+  r.causal = false;
+  r.window_right = 70;
+  cases.push_back(r);
   Case n = c;
   n.head_dim = 112;
   cases.push_back(n);
@@ -571,10 +577,10 @@ TEST(CudaSm90Forward, WholeHeadsByDefault) {
 // A consumer whose 64 rows see none of its tile's first key blocks hands them back uncomputed and
 // computes the rest (ForwardTraits::kSkipsBlocksPastRows): d256 (128-row tiles, 64-key blocks)
 // under a causal mask, with more queries than keys (bottom-right: whole consumers whose rows see
-// no key), with a window bounded on the right only that is no multiple of the block, in fp16 GQA.
-// d64's wide tile (192 rows, 128-key blocks, from 4096 keys) has such blocks too and computes them
-// (its cases are here for when it skips). sm_margin leaves 8 SMs, so each CTA carries P V from
-// tile to tile across skipped blocks.
+// no key), with a window bounded on the right only that is no multiple of the block, in fp16 GQA;
+// d64's wide tile (192 rows, 128-key blocks, masked calls from 4096 keys), whose last tile here
+// leaves its third consumer idle (the same loop passes its blocks). sm_margin leaves 8 SMs, so
+// each CTA carries P V from tile to tile across skipped blocks.
 TEST(CudaSm90Forward, BlocksPastConsumerRows) {
   REQUIRE_BACKEND(FC_BACKEND_CUDA_SM90);
   std::vector<Case> cases;

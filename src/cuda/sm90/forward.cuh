@@ -119,11 +119,11 @@
 // keys give out = 0, lse = -inf. At d64, a consumer that sees only the left half of its tile's
 // first key block (the causal diagonal above the first 64 rows of a 128-row tile) runs that
 // softmax on the half: P = 0 on the rest, without its exponentials (ForwardTraits::kLeftHalfDiagonal).
-// Where a tile has more rows than a key block has keys (d256's 64-key blocks), the tile's first
-// blocks may lie wholly past the keys of a consumer's rows (under a causal mask, above its part of
-// the diagonal): that consumer hands them back uncomputed and keeps their issue turns
-// (ForwardTraits::kSkipsBlocksPastRows). d256 causal 512 / 1k / 2k +2.5% / +3.2% / +4.1% (H200,
-// bf16, same process, docs/PERF.md session 67).
+// Where a tile has more rows than a key block has keys (d256's 64-key blocks, d64's 192-row
+// tiles), the tile's first blocks may lie wholly past the keys of a consumer's rows (under a
+// causal mask, above its part of the diagonal): that consumer hands them back uncomputed and
+// keeps their issue turns (ForwardTraits::kSkipsBlocksPastRows). d256 causal 512 / 1k / 2k
+// +2.5% / +3.2% / +4.1% (H200, bf16, same process, docs/PERF.md session 67).
 //
 // ---- Addressing -----------------------------------------------------------------------------------
 // Dense calls: 4-D tensor maps (head_dim, seqlen, heads, batch) with the caller's strides, so
@@ -309,13 +309,14 @@ struct ForwardTraits {
   static constexpr int kClusterCtas = kClusterPair ? 2 : 1;
   // A consumer hands the tile's first key blocks that lie past every key of its own rows back
   // uncomputed (under a causal mask: the blocks above its part of the diagonal), where a tile has
-  // more query rows than a key block has keys: d256's two consumers over 64-key blocks. d64's
-  // 192-row tiles would too (+1.5% at causal 4k), but there the skip's code made ptxas spill 16
-  // bytes (68 with the score transforms) in the three-consumer kernels (session 67).
-  // (Never with whole heads, whose blocks a skipped pass would have to keep for the next tile.)
-  static constexpr bool kSkipsBlocksPastRows = kConsumers == 2 && kConsumers * kRowsPerConsumer > kBlockN &&
-                                               !kClusterPair_ && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ &&
-                                               !kDropout_ && !kWholeHead_;
+  // more query rows than a key block has keys: d256's two consumers over 64-key blocks and d64's
+  // three over 128-key blocks (d128's three-consumer tile runs unmasked calls only). Cluster pairs
+  // skip so after the blocks that their CTA's rows skip as a whole. (Never with whole heads, whose
+  // blocks a skipped pass would have to keep for the next tile.)
+  static constexpr bool kSkipsBlocksPastRows = (kConsumers == 2 || kHeadDim_ == 64) &&
+                                               kConsumers * kRowsPerConsumer > kBlockN &&
+                                               !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_ &&
+                                               !kWholeHead_;
   static_assert(!kClusterPair || (kHeadDim_ / 64 % 2 == 0 && !kPageBoxes_ && !kPackGqa_ && !kSplitKv_ && !kDropout_),
                 "cluster pairs: an even number of 64-column chunks, plain rows");
   // Q is double-buffered where shared memory allows (the next tile's Q lands while this tile
@@ -1486,6 +1487,8 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
     ptx::mbarrier_wait_parity(sm.q_full(q_slot), (pc.q_fills / T::kQStages) & 1);
     FWD_TRACE(role, kQReady, 0);
     ++pc.q_fills;
+    // Whether this tile's carried P V was drained already (by the cluster pair's skip, below).
+    [[maybe_unused]] bool drained = false;
     if constexpr (T::kClusterPair) {
       // The blocks past this CTA's own rows' keys came for the peer: hand them back once landed,
       // without computing them (both consumers skip alike, so the issue turns stay in step). The
@@ -1493,6 +1496,7 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       const int skip = pair_blocks_past_own_keys<T>(args, w);
       if (skip > 0) {
         drain();
+        drained = true;
         for (int i = 0; i < skip; ++i) pass_over_block(true, false);
         w.n_block_end -= skip;
         w.n_tiles -= skip;
@@ -1518,36 +1522,46 @@ __device__ void consume(const ForwardKernelArgs& args, const SmemPlan<T>& sm, in
       return 0;
     };
     const int64_t wg_row0 = w.m0 + consumer * T::kRowsPerConsumer;
-    if (wg_row0 >= w.rows) {
-      // Idle: every row of this consumer lies past the sequence (the last query block of a wide
-      // tile: at d64, S = 512 leaves its third consumer without rows, S = 1k its second and
-      // third), so it computes nothing. It keeps the tile's issue turns (one per key block, the
-      // first draining its carried P V), and waits for each block and hands it back as the
-      // others do, so that turns and barriers stay in step. Against computing those rows (H200,
-      // bf16, same process, docs/PERF.md session 66): d64 full S = 512 +7.3%, 2k +1.2%, 1k level,
-      // d128 full 4k +0.7%.
-      drain();
-      const int release_from = enter_tile_fills();
-      for (int it = 0; it < w.n_tiles; ++it) {
-        pass_over_block(!T::kWholeHead || w.n_block_end - 1 - it >= release_from, it > 0);
-      }
-      release(sm.q_empty(q_slot));
-      continue;
-    }
-    if constexpr (T::kSkipsBlocksPastRows) {
-      // The tile's first blocks past every key of this consumer's rows: it drains its carried
-      // P V in the first one's issue turn, takes the others' turns without issuing and hands each
-      // block back once landed, then computes the rest as a tile of its own. Every consumer takes
-      // one turn per key block of the tile either way. Rows that see no key at all still compute
-      // the tile's last block (all masked: out = 0, lse = -inf), which saves a second epilogue path.
-      const int64_t own_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.rows);
-      const int skip = std::min(blocks_past_keys_of_rows<T>(args, w, wg_row0, own_end), w.n_tiles - 1);
-      if (skip > 0) {
+    // Idle: every row of this consumer lies past the sequence (the last query block of a wide
+    // tile: at d64, S = 512 leaves its third consumer without rows, S = 1k its second and third),
+    // so it computes nothing. It keeps the tile's issue turns (one per key block, the first
+    // draining its carried P V), and waits for each block and hands it back as the others do, so
+    // that turns and barriers stay in step. Against computing those rows (H200, bf16, same
+    // process, docs/PERF.md session 66): d64 full S = 512 +7.3%, 2k +1.2%, 1k level, d128 full 4k
+    // +0.7%.
+    const bool idle = wg_row0 >= w.rows;
+    if constexpr (!T::kSkipsBlocksPastRows) {
+      if (idle) {
         drain();
-        for (int it = 0; it < skip; ++it) pass_over_block(true, it > 0);
-        w.n_block_end -= skip;
-        w.n_tiles -= skip;
+        const int release_from = enter_tile_fills();
+        for (int it = 0; it < w.n_tiles; ++it) {
+          pass_over_block(!T::kWholeHead || w.n_block_end - 1 - it >= release_from, it > 0);
+        }
+        release(sm.q_empty(q_slot));
+        continue;
       }
+    } else {
+      // The tile's first blocks past every key of this consumer's rows (all of them when idle):
+      // it drains its carried P V in the first one's issue turn, takes the others' turns without
+      // issuing and hands each block back once landed, then computes the rest as a tile of its
+      // own. Every consumer takes one turn per key block of the tile either way. Rows that see no
+      // key at all still compute the tile's last block (all masked: out = 0, lse = -inf), which
+      // saves a second epilogue path. After a cluster pair's skip (both consumers drained there,
+      // one turn each) every block skipped here takes its own turn. One loop for idle and skipped
+      // blocks: as two, ptxas spilled in d64's three-consumer kernels (session 67).
+      const int64_t own_end = std::min<int64_t>(wg_row0 + T::kRowsPerConsumer, w.rows);
+      const int skip =
+          idle ? w.n_tiles : std::min(blocks_past_keys_of_rows<T>(args, w, wg_row0, own_end), w.n_tiles - 1);
+      if (skip > 0) {
+        if (!drained) drain();
+        for (int it = 0; it < skip; ++it) pass_over_block(true, drained || it > 0);
+      }
+      if (idle) {
+        release(sm.q_empty(q_slot));
+        continue;
+      }
+      w.n_block_end -= skip;
+      w.n_tiles -= skip;
     }
     if constexpr (T::kQInRegisters) load_q_fragments<T>(qa, sm, consumer, q_slot);
     // Only the rows that will be stored decide whether a key block needs per-element masks: rows
